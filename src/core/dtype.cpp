@@ -1,0 +1,99 @@
+#include "core/dtype.h"
+
+#include <bit>
+#include <cmath>
+#include <limits>
+
+#include "core/error.h"
+
+namespace mt {
+
+size_t dtype_size(DType t) {
+  switch (t) {
+    case DType::kF32: return 4;
+    case DType::kF64: return 8;
+    case DType::kBF16: return 2;
+    case DType::kE4M3: return 1;
+    case DType::kE8M0: return 1;
+    case DType::kI32: return 4;
+    case DType::kI64: return 8;
+    case DType::kU8: return 1;
+  }
+  MT_CHECK(false, "unknown dtype {}", static_cast<int>(t));
+}
+
+std::string_view dtype_name(DType t) {
+  switch (t) {
+    case DType::kF32: return "f32";
+    case DType::kF64: return "f64";
+    case DType::kBF16: return "bf16";
+    case DType::kE4M3: return "e4m3";
+    case DType::kE8M0: return "e8m0";
+    case DType::kI32: return "i32";
+    case DType::kI64: return "i64";
+    case DType::kU8: return "u8";
+  }
+  return "?";
+}
+
+bool parse_dtype(std::string_view name, DType* out) {
+  for (DType t : {DType::kF32, DType::kF64, DType::kBF16, DType::kE4M3, DType::kE8M0, DType::kI32,
+                  DType::kI64, DType::kU8}) {
+    if (dtype_name(t) == name) {
+      *out = t;
+      return true;
+    }
+  }
+  return false;
+}
+
+bf16 to_bf16(float x) {
+  uint32_t u = std::bit_cast<uint32_t>(x);
+  if (std::isnan(x)) return bf16{static_cast<uint16_t>((u >> 16) | 0x40)};
+  // Round to nearest even: add 0x7FFF plus the lowest kept bit, then truncate.
+  u += 0x7FFFu + ((u >> 16) & 1u);
+  return bf16{static_cast<uint16_t>(u >> 16)};
+}
+
+float from_bf16(bf16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.bits) << 16); }
+
+uint8_t to_e4m3(float x) {
+  if (std::isnan(x)) return 0x7F;
+  const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
+  float a = std::fabs(x);
+  if (a >= kE4M3Max) return sign | 0x7E;  // saturate (also +-inf)
+  // Smallest normal is 2^-6; subnormals step by 2^-9. Work in units of the target ulp.
+  int exp;
+  std::frexp(a, &exp);          // a = m * 2^exp, m in [0.5, 1)
+  int e = exp - 1;              // a in [2^e, 2^(e+1))
+  if (e < -6) e = -6;           // subnormal range shares the 2^-6 binade's ulp
+  const float ulp = std::ldexp(1.0f, e - 3);
+  float q = std::nearbyint(a / ulp);  // default rounding mode: nearest even
+  float r = q * ulp;
+  if (r >= kE4M3Max) return sign | 0x7E;
+  if (r == 0.0f) return sign;
+  int re;
+  std::frexp(r, &re);
+  int rexp = re - 1;
+  if (rexp < -6) {  // subnormal: exponent field 0, mantissa = r / 2^-9
+    return sign | static_cast<uint8_t>(std::lround(r / std::ldexp(1.0f, -9)));
+  }
+  const int mant = static_cast<int>(std::lround(r / std::ldexp(1.0f, rexp - 3))) - 8;
+  return sign | static_cast<uint8_t>(((rexp + 7) << 3) | mant);
+}
+
+float from_e4m3(uint8_t x) {
+  const float sign = (x & 0x80) ? -1.0f : 1.0f;
+  const int e = (x >> 3) & 0xF;
+  const int m = x & 0x7;
+  if (e == 0xF && m == 0x7) return std::numeric_limits<float>::quiet_NaN();
+  if (e == 0) return sign * std::ldexp(static_cast<float>(m), -9);
+  return sign * std::ldexp(1.0f + m / 8.0f, e - 7);
+}
+
+float from_e8m0(uint8_t s) {
+  if (s == 0xFF) return std::numeric_limits<float>::quiet_NaN();
+  return std::ldexp(1.0f, static_cast<int>(s) - 127);
+}
+
+}  // namespace mt

@@ -1,0 +1,51 @@
+// Errors: one exception type per kind of bad input, each mapped to a process exit code, and
+// MT_CHECK for internal invariants (always on, release builds included).
+#pragma once
+#include <fmt/format.h>
+
+#include <stdexcept>
+#include <string>
+
+namespace mt {
+
+// Exit codes mean something (STYLE.md): scripts can tell a typo from a crash.
+enum class ExitCode : int {
+  kOk = 0,
+  kInternal = 1,     // a bug: an MT_CHECK failed
+  kConfig = 2,       // unknown key, wrong type, impossible shape, bad command line
+  kData = 3,         // truncated or corrupt data file
+  kCheckpoint = 4,   // missing, corrupt or mismatched checkpoint
+  kNumerical = 5,    // NaN/Inf in the loss or gradients
+};
+
+class Error : public std::runtime_error {
+ public:
+  Error(ExitCode code, const std::string& msg) : std::runtime_error(msg), code_(code) {}
+  ExitCode code() const { return code_; }
+
+ private:
+  ExitCode code_;
+};
+
+struct ConfigError : Error {
+  explicit ConfigError(const std::string& m) : Error(ExitCode::kConfig, m) {}
+};
+struct DataError : Error {
+  explicit DataError(const std::string& m) : Error(ExitCode::kData, m) {}
+};
+struct CheckpointError : Error {
+  explicit CheckpointError(const std::string& m) : Error(ExitCode::kCheckpoint, m) {}
+};
+struct NumericalError : Error {
+  explicit NumericalError(const std::string& m) : Error(ExitCode::kNumerical, m) {}
+};
+
+[[noreturn]] void check_failed(const char* expr, const char* file, int line, const std::string& msg);
+
+}  // namespace mt
+
+// Internal invariant; the message may use fmt syntax.
+#define MT_CHECK(cond, ...)                                                      \
+  do {                                                                           \
+    if (!(cond)) ::mt::check_failed(#cond, __FILE__, __LINE__, fmt::format(__VA_ARGS__)); \
+  } while (0)

@@ -1,0 +1,18 @@
+// One micro-batch as the model consumes it: N packed tokens (rows of the data loader laid end
+// to end), documents delimited by cu_seqlens. Positions restart at every document.
+#pragma once
+#include "core/tensor.h"
+
+namespace mt {
+
+struct Batch {
+  Tensor tokens;      // i32 (N) input ids
+  Tensor targets;     // i32 (N) next-token ids
+  Tensor loss_mask;   // u8  (N) 1 where the target counts
+  Tensor positions;   // i32 (N) position within the document
+  Tensor cu_seqlens;  // i32 (S + 1) document boundaries, 0 ... N
+  int64_t size() const { return tokens.numel(); }
+  int64_t masked_tokens() const;
+};
+
+}  // namespace mt

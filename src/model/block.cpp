@@ -1,0 +1,191 @@
+#include "model/block.h"
+
+#include <cmath>
+
+#include "ops/attention.h"
+#include "ops/elementwise.h"
+#include "ops/gemm.h"
+#include "ops/norm.h"
+#include "ops/rope.h"
+
+namespace mt {
+
+namespace {
+
+// The one table of a block's parameters; bind_* read the groups in this order.
+enum DenseIndex { kAttnNorm, kWq, kWk, kWv, kWo, kQNorm, kKNorm, kMlpNorm, kRouter };
+enum ExpertIndex { kGateUp, kDown };
+
+BlockParams bind(const std::vector<ParamGroup>& groups, bool grads) {
+  MT_CHECK(groups.size() == 2, "a block unit has 2 parameter groups, got {}", groups.size());
+  auto get = [&](int group, int i) {
+    return grads ? groups[group].grad(i) : groups[group].param(i);
+  };
+  BlockParams p;
+  p.attn_norm = get(0, kAttnNorm);
+  p.wq = get(0, kWq);
+  p.wk = get(0, kWk);
+  p.wv = get(0, kWv);
+  p.wo = get(0, kWo);
+  p.q_norm = get(0, kQNorm);
+  p.k_norm = get(0, kKNorm);
+  p.mlp_norm = get(0, kMlpNorm);
+  p.moe.router = get(0, kRouter);
+  p.moe.w_gate_up = get(1, kGateUp);
+  p.moe.w_down = get(1, kDown);
+  return p;
+}
+
+void drop_for_policy(BlockActivations& a, CheckpointPolicy policy) {
+  if (policy == CheckpointPolicy::kNone) return;
+  a.xn = a.attn_rstd = a.qn = a.q_rstd = a.kn = a.k_rstd = a.qr = a.kr = Tensor();
+  a.h = a.hn = a.mlp_rstd = Tensor();
+  a.moe.xp = a.moe.act = Tensor();
+  if (policy == CheckpointPolicy::kSelective) return;
+  a.q = a.k = a.v = a.o = Tensor();
+  a.moe = moe::MoeActivations();
+}
+
+Tensor new_like(const Tensor& t) { return Tensor::empty(t.shape(), t.dtype()); }
+
+// Computes every activation that is not saved, in forward order; attention is never rerun.
+void block_fill(const BlockParams& p, const ModelConfig& c, const BlockInputs& in,
+                BlockActivations& a) {
+  const int64_t n = a.x.dim(0);
+  const DType dt = a.x.dtype();
+  if (!a.xn.defined()) {
+    a.xn = new_like(a.x);
+    a.attn_rstd = Tensor::empty({n}, dt);
+    ops::rmsnorm_forward(a.x, p.attn_norm, c.rms_norm_eps, a.xn, a.attn_rstd);
+  }
+  if (!a.q.defined()) {
+    a.q = Tensor::empty({n, c.q_dim()}, dt);
+    a.k = Tensor::empty({n, c.kv_dim()}, dt);
+    a.v = Tensor::empty({n, c.kv_dim()}, dt);
+    ops::linear_forward(a.xn, p.wq, a.q);
+    ops::linear_forward(a.xn, p.wk, a.k);
+    ops::linear_forward(a.xn, p.wv, a.v);
+  }
+  if (!a.qn.defined()) {
+    a.qn = Tensor::empty({n * c.n_heads, c.head_dim}, dt);
+    a.kn = Tensor::empty({n * c.n_kv_heads, c.head_dim}, dt);
+    a.q_rstd = Tensor::empty({n * c.n_heads}, dt);
+    a.k_rstd = Tensor::empty({n * c.n_kv_heads}, dt);
+    ops::rmsnorm_forward(a.q.reshape(a.qn.shape()), p.q_norm, c.rms_norm_eps, a.qn, a.q_rstd);
+    ops::rmsnorm_forward(a.k.reshape(a.kn.shape()), p.k_norm, c.rms_norm_eps, a.kn, a.k_rstd);
+  }
+  if (!a.qr.defined()) {
+    a.qr = Tensor::empty({n, c.n_heads, c.head_dim}, dt);
+    a.kr = Tensor::empty({n, c.n_kv_heads, c.head_dim}, dt);
+    ops::rope_forward(a.qn.reshape(a.qr.shape()), in.batch->positions, c.rope_theta, a.qr);
+    ops::rope_forward(a.kn.reshape(a.kr.shape()), in.batch->positions, c.rope_theta, a.kr);
+  }
+  if (!a.attn.defined()) {
+    a.attn = Tensor::empty({n, c.n_heads, c.head_dim}, dt);
+    a.lse = Tensor::empty({n, c.n_heads}, dt);
+    ops::attention_forward(a.qr, a.kr, a.v.reshape({n, c.n_kv_heads, c.head_dim}),
+                           in.batch->cu_seqlens, 1.0 / std::sqrt(static_cast<double>(c.head_dim)),
+                           a.attn, a.lse);
+  }
+  if (!a.o.defined()) {
+    a.o = new_like(a.x);
+    ops::linear_forward(a.attn.reshape({n, c.q_dim()}), p.wo, a.o);
+  }
+  if (!a.h.defined()) {
+    a.h = new_like(a.x);
+    ops::add(a.x, a.o, a.h);
+  }
+  if (!a.hn.defined()) {
+    a.hn = new_like(a.x);
+    a.mlp_rstd = Tensor::empty({n}, dt);
+    ops::rmsnorm_forward(a.h, p.mlp_norm, c.rms_norm_eps, a.hn, a.mlp_rstd);
+  }
+  moe::moe_fill(p.moe, c, in.router_bias, a.hn, a.moe);
+}
+
+}  // namespace
+
+std::vector<ParamGroup> make_block_groups(const ModelConfig& c, int64_t layer) {
+  const std::string pre = fmt::format("layers.{}.", layer);
+  std::vector<ParamSpec> dense = {
+      {pre + "attn_norm", {c.dim}, true},
+      {pre + "attn.wq", {c.dim, c.q_dim()}},
+      {pre + "attn.wk", {c.dim, c.kv_dim()}},
+      {pre + "attn.wv", {c.dim, c.kv_dim()}},
+      {pre + "attn.wo", {c.q_dim(), c.dim}},
+      {pre + "attn.q_norm", {c.head_dim}, true},
+      {pre + "attn.k_norm", {c.head_dim}, true},
+      {pre + "mlp_norm", {c.dim}, true},
+      {pre + "moe.router", {c.dim, c.n_experts}},
+  };
+  std::vector<ParamSpec> experts = {
+      {pre + "moe.w_gate_up", {c.n_experts, c.dim, 2 * c.moe_dim}},
+      {pre + "moe.w_down", {c.n_experts, c.moe_dim, c.dim}},
+  };
+  std::vector<ParamGroup> groups;
+  groups.push_back(make_param_group(ParamKind::kDense, std::move(dense), c.compute_dtype));
+  groups.push_back(make_param_group(ParamKind::kExpert, std::move(experts), c.compute_dtype));
+  return groups;
+}
+
+BlockParams bind_block_params(const std::vector<ParamGroup>& groups) { return bind(groups, false); }
+BlockParams bind_block_grads(const std::vector<ParamGroup>& groups) { return bind(groups, true); }
+
+Tensor block_forward(const BlockParams& p, const ModelConfig& c, const BlockInputs& in,
+                     const Tensor& x, BlockActivations& a) {
+  a = BlockActivations();
+  a.x = x;
+  block_fill(p, c, in, a);
+  Tensor out = new_like(x);
+  moe::moe_combine(a.moe, out);
+  ops::add_(out, a.h);
+  a.tokens_per_expert = a.moe.routing.tokens_per_expert;
+  a.aux_loss = a.moe.aux_loss;
+  drop_for_policy(a, c.checkpoint);
+  return out;
+}
+
+Tensor block_backward(const BlockParams& p, BlockParams& g, const ModelConfig& c,
+                      const BlockInputs& in, BlockActivations& a, const Tensor& dout,
+                      double aux_grad) {
+  block_fill(p, c, in, a);
+  const int64_t n = a.x.dim(0);
+  const DType dt = a.x.dtype();
+
+  // MoE half: out = h + moe(rmsnorm(h)).
+  Tensor dh = dout.clone();
+  Tensor dhn = moe::moe_backward(p.moe, g.moe, c, a.hn, a.moe, dout, aux_grad);
+  Tensor tmp = new_like(a.x);
+  ops::rmsnorm_backward(a.h, p.mlp_norm, a.mlp_rstd, dhn, tmp, g.mlp_norm);
+  ops::add_(dh, tmp);
+
+  // Attention half: h = x + attn(rmsnorm(x)) @ wo.
+  Tensor dx = dh.clone();
+  Tensor dattn = Tensor::empty({n, c.q_dim()}, dt);
+  ops::linear_backward(a.attn.reshape({n, c.q_dim()}), p.wo, dh, dattn, g.wo);
+  Tensor dqr = new_like(a.qr), dkr = new_like(a.kr);
+  Tensor dv = Tensor::empty({n, c.n_kv_heads, c.head_dim}, dt);
+  ops::attention_backward(a.qr, a.kr, a.v.reshape(dv.shape()), a.attn, a.lse,
+                          dattn.reshape(a.attn.shape()), in.batch->cu_seqlens,
+                          1.0 / std::sqrt(static_cast<double>(c.head_dim)), dqr, dkr, dv);
+  Tensor dqn = new_like(a.qn), dkn = new_like(a.kn);
+  Tensor dqn_heads = dqn.reshape(dqr.shape()), dkn_heads = dkn.reshape(dkr.shape());
+  ops::rope_backward(dqr, in.batch->positions, c.rope_theta, dqn_heads);
+  ops::rope_backward(dkr, in.batch->positions, c.rope_theta, dkn_heads);
+  Tensor dq = Tensor::empty(a.qn.shape(), dt), dk = Tensor::empty(a.kn.shape(), dt);
+  ops::rmsnorm_backward(a.q.reshape(a.qn.shape()), p.q_norm, a.q_rstd, dqn, dq, g.q_norm);
+  ops::rmsnorm_backward(a.k.reshape(a.kn.shape()), p.k_norm, a.k_rstd, dkn, dk, g.k_norm);
+
+  Tensor dxn = new_like(a.x), part = new_like(a.x);
+  ops::linear_backward(a.xn, p.wq, dq.reshape({n, c.q_dim()}), dxn, g.wq);
+  ops::linear_backward(a.xn, p.wk, dk.reshape({n, c.kv_dim()}), part, g.wk);
+  ops::add_(dxn, part);
+  ops::linear_backward(a.xn, p.wv, dv.reshape({n, c.kv_dim()}), part, g.wv);
+  ops::add_(dxn, part);
+  ops::rmsnorm_backward(a.x, p.attn_norm, a.attn_rstd, dxn, tmp, g.attn_norm);
+  ops::add_(dx, tmp);
+  a = BlockActivations();
+  return dx;
+}
+
+}  // namespace mt

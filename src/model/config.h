@@ -1,0 +1,51 @@
+// Qwen3-MoE architecture: every field of the HF config.json that changes the math, plus the
+// MoE routing options of the trainer. Sizes are validated in one place (validate) with messages
+// that name the key.
+#pragma once
+#include <cstdint>
+#include <string>
+
+#include "core/dtype.h"
+
+namespace mt {
+
+enum class CheckpointPolicy { kNone, kSelective, kFull };
+const char* policy_name(CheckpointPolicy p);
+bool parse_policy(const std::string& s, CheckpointPolicy* out);
+
+struct ModelConfig {
+  // --- architecture (HF Qwen3MoeConfig names in comments) ---
+  int64_t vocab_size = 256;           // vocab_size
+  int64_t dim = 64;                   // hidden_size
+  int64_t n_layers = 2;               // num_hidden_layers
+  int64_t n_heads = 4;                // num_attention_heads
+  int64_t n_kv_heads = 2;             // num_key_value_heads
+  int64_t head_dim = 16;              // head_dim (independent of dim / n_heads)
+  int64_t n_experts = 8;              // num_experts
+  int64_t top_k = 2;                  // num_experts_per_tok
+  int64_t moe_dim = 64;               // moe_intermediate_size
+  double rope_theta = 10000.0;        // rope_theta
+  double rms_norm_eps = 1e-6;         // rms_norm_eps
+  bool norm_topk_prob = true;         // norm_topk_prob
+  bool tie_word_embeddings = false;   // tie_word_embeddings
+  // --- routing and balancing ---
+  double aux_loss_coef = 0.001;       // router_aux_loss_coef; 0 disables
+  double bias_update_rate = 0.0;      // aux-loss-free balancing (0 = off)
+  bool force_balanced_routing = false;
+  // --- numerics and memory ---
+  double init_std = 0.02;
+  DType compute_dtype = DType::kF32;  // CPU: f32 to train, f64 for gradient checks
+  CheckpointPolicy checkpoint = CheckpointPolicy::kNone;
+
+  int64_t q_dim() const { return n_heads * head_dim; }
+  int64_t kv_dim() const { return n_kv_heads * head_dim; }
+  // Throws ConfigError naming the first impossible field ("model.<key>").
+  void validate() const;
+};
+
+// Reads a Hugging Face config.json (Qwen3MoeForCausalLM) into the architecture fields; the
+// routing/numerics fields keep their values. Unsupported variants (dense layers via
+// mlp_only_layers, decoder_sparse_step != 1, sliding window) are rejected by name.
+ModelConfig model_config_from_hf_json(const std::string& path, ModelConfig base);
+
+}  // namespace mt

@@ -1,0 +1,41 @@
+#include "model/params.h"
+
+#include "core/rng.h"
+
+namespace mt {
+
+namespace {
+uint64_t fnv1a(const std::string& s) {
+  uint64_t h = 1469598103934665603ull;
+  for (unsigned char c : s) h = (h ^ c) * 1099511628211ull;
+  return h;
+}
+}  // namespace
+
+ParamGroup make_param_group(ParamKind kind, std::vector<ParamSpec> specs, DType dtype) {
+  ParamGroup g;
+  g.kind = kind;
+  int64_t offset = 0;
+  for (auto& s : specs) {
+    s.offset = offset;
+    offset += shape_numel(s.shape);
+  }
+  g.specs = std::move(specs);
+  g.params = Tensor::zeros({offset}, dtype);
+  g.grads = Tensor::zeros({offset}, dtype);
+  return g;
+}
+
+void init_params(ParamGroup& g, uint64_t seed, double std) {
+  for (size_t i = 0; i < g.specs.size(); ++i) {
+    Tensor p = g.param(i);
+    if (g.specs[i].is_norm_weight) {
+      p.fill_(1.0);
+      continue;
+    }
+    const CounterRng rng{seed, fnv1a(g.specs[i].name)};
+    for (int64_t j = 0; j < p.numel(); ++j) p.set_item(j, std * rng.normal(j));
+  }
+}
+
+}  // namespace mt

@@ -1,0 +1,79 @@
+#include "moe/moe_layer.h"
+
+#include "ops/activation.h"
+#include "ops/elementwise.h"
+#include "ops/gemm.h"
+#include "ops/grouped_gemm.h"
+
+namespace mt::moe {
+
+ops::RouterOptions router_options(const ModelConfig& c) {
+  return {static_cast<int>(c.top_k), c.norm_topk_prob, c.force_balanced_routing};
+}
+
+void moe_fill(const MoeWeights& w, const ModelConfig& c, const Tensor& bias, const Tensor& hn,
+              MoeActivations& a) {
+  const int64_t n = hn.dim(0), m = n * c.top_k;
+  const DType dt = hn.dtype();
+  if (!a.routing.expert_index.defined()) {
+    if (!a.logits.defined()) {
+      a.logits = Tensor::empty({n, c.n_experts}, dt);
+      ops::linear_forward(hn, w.router, a.logits);
+    }
+    ops::router_forward(a.logits, bias, router_options(c), a.routing);
+    a.aux_loss = ops::router_aux_loss(a.routing);
+    ops::make_expert_permutation(a.routing.expert_index, c.n_experts, a.perm);
+  }
+  if (!a.xp.defined()) {
+    a.xp = Tensor::empty({m, c.dim}, dt);
+    ops::permute_rows(hn, a.perm, a.xp);
+  }
+  if (!a.gate_up.defined()) {
+    a.gate_up = Tensor::empty({m, 2 * c.moe_dim}, dt);
+    ops::grouped_gemm_forward(a.xp, w.w_gate_up, a.perm.expert_offsets, a.gate_up);
+  }
+  if (!a.act.defined()) {
+    a.act = Tensor::empty({m, c.moe_dim}, dt);
+    ops::swiglu_forward(a.gate_up, a.act);
+  }
+  if (!a.y.defined()) {
+    a.y = Tensor::empty({m, c.dim}, dt);
+    ops::grouped_gemm_forward(a.act, w.w_down, a.perm.expert_offsets, a.y);
+  }
+}
+
+void moe_combine(const MoeActivations& a, Tensor& out) {
+  ops::combine_forward(a.y, a.perm, a.routing.expert_weight, out);
+}
+
+Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const ModelConfig& c, const Tensor& hn,
+                    const MoeActivations& a, const Tensor& dout, double aux_grad) {
+  const int64_t n = hn.dim(0), m = n * c.top_k;
+  const DType dt = hn.dtype();
+  const Tensor& offsets = a.perm.expert_offsets;
+  Tensor dy = Tensor::empty({m, c.dim}, dt);
+  Tensor dweight = Tensor::empty({n, c.top_k}, dt);
+  ops::combine_backward(dout, a.y, a.perm, a.routing.expert_weight, dy, dweight);
+
+  Tensor dact = Tensor::empty({m, c.moe_dim}, dt);
+  ops::grouped_gemm_backward_input(dy, w.w_down, offsets, dact);
+  ops::grouped_gemm_backward_weight(a.act, dy, offsets, g.w_down);
+
+  Tensor dgate_up = Tensor::empty({m, 2 * c.moe_dim}, dt);
+  ops::swiglu_backward(a.gate_up, dact, dgate_up);
+  Tensor dxp = Tensor::empty({m, c.dim}, dt);
+  ops::grouped_gemm_backward_input(dgate_up, w.w_gate_up, offsets, dxp);
+  ops::grouped_gemm_backward_weight(a.xp, dgate_up, offsets, g.w_gate_up);
+
+  Tensor dhn = Tensor::empty({n, c.dim}, dt);
+  ops::permute_rows_backward(dxp, a.perm, dhn);
+
+  Tensor dlogits = Tensor::empty({n, c.n_experts}, dt);
+  ops::router_backward(a.routing, router_options(c), dweight, aux_grad, dlogits);
+  Tensor dhn_router = Tensor::empty({n, c.dim}, dt);
+  ops::linear_backward(hn, w.router, dlogits, dhn_router, g.router);
+  ops::add_(dhn, dhn_router);
+  return dhn;
+}
+
+}  // namespace mt::moe

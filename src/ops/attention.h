@@ -1,0 +1,19 @@
+// Causal attention over packed variable-length documents with grouped-query heads.
+// Document s owns tokens [cu_seqlens[s], cu_seqlens[s+1]); a token attends to itself and the
+// earlier tokens of its own document only. Query head h reads kv head h / (H / KV).
+#pragma once
+#include "core/tensor.h"
+
+namespace mt::ops {
+
+// q (N, H, Dqk), k (N, KV, Dqk), v (N, KV, Dv), cu_seqlens i32 (S + 1) with cu_seqlens[S] = N.
+// out (N, H, Dv); lse (N, H) = log sum_j exp(scale * q.k_j), saved so backward never re-runs
+// the forward softmax normalisation.
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
+                       double scale, Tensor& out, Tensor& lse);
+// dq, dk, dv overwritten.
+void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                        const Tensor& lse, const Tensor& dout, const Tensor& cu_seqlens,
+                        double scale, Tensor& dq, Tensor& dk, Tensor& dv);
+
+}  // namespace mt::ops

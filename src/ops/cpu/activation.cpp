@@ -1,0 +1,52 @@
+#include "ops/activation.h"
+
+#include <cmath>
+
+#include "ops/dispatch.h"
+
+namespace mt::ops {
+
+void swiglu_forward(const Tensor& h, Tensor& a) {
+  MT_CHECK(h.ndim() == 2 && h.dim(1) % 2 == 0, "swiglu input {} must be (M, 2F)",
+           shape_str(h.shape()));
+  const int64_t m = h.dim(0), f = h.dim(1) / 2;
+  expect_shape(a, {m, f}, "swiglu out");
+  dispatch_float(h.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < m; ++r) {
+      const T* g = h.data<T>() + r * 2 * f;
+      const T* u = g + f;
+      T* o = a.data<T>() + r * f;
+      for (int64_t c = 0; c < f; ++c) {
+        const double sig = 1.0 / (1.0 + std::exp(-static_cast<double>(g[c])));
+        o[c] = static_cast<T>(g[c] * sig * u[c]);
+      }
+    }
+  });
+}
+
+void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh) {
+  const int64_t m = h.dim(0), f = h.dim(1) / 2;
+  expect_shape(da, {m, f}, "swiglu da");
+  expect_shape(dh, h.shape(), "swiglu dh");
+  dispatch_float(h.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+#pragma omp parallel for schedule(static)
+    for (int64_t r = 0; r < m; ++r) {
+      const T* g = h.data<T>() + r * 2 * f;
+      const T* u = g + f;
+      const T* d = da.data<T>() + r * f;
+      T* dg = dh.data<T>() + r * 2 * f;
+      T* du = dg + f;
+      for (int64_t c = 0; c < f; ++c) {
+        const double x = g[c];
+        const double sig = 1.0 / (1.0 + std::exp(-x));
+        du[c] = static_cast<T>(d[c] * x * sig);
+        dg[c] = static_cast<T>(d[c] * u[c] * sig * (1.0 + x * (1.0 - sig)));
+      }
+    }
+  });
+}
+
+}  // namespace mt::ops

@@ -1,0 +1,69 @@
+#include "ops/loss.h"
+
+#include <algorithm>
+#include <cmath>
+
+#include "ops/dispatch.h"
+
+namespace mt::ops {
+
+namespace {
+void check_loss_inputs(const Tensor& logits, const Tensor& targets, const Tensor& mask) {
+  const int64_t n = logits.dim(0);
+  expect_shape(targets, {n}, "targets");
+  expect_dtype(targets, DType::kI32, "targets");
+  expect_shape(mask, {n}, "loss mask");
+  expect_dtype(mask, DType::kU8, "loss mask");
+  const int32_t* tg = targets.data<int32_t>();
+  const uint8_t* mk = mask.data<uint8_t>();
+  for (int64_t i = 0; i < n; ++i)
+    MT_CHECK(!mk[i] || (tg[i] >= 0 && tg[i] < logits.dim(1)), "target {} at {} outside [0, {})",
+             tg[i], i, logits.dim(1));
+}
+}  // namespace
+
+double cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
+                             Tensor& lse) {
+  check_loss_inputs(logits, targets, mask);
+  const int64_t n = logits.dim(0), v = logits.dim(1);
+  expect_shape(lse, {n}, "loss lse");
+  double total = 0;
+  dispatch_float(logits.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+#pragma omp parallel for schedule(static) reduction(+ : total)
+    for (int64_t i = 0; i < n; ++i) {
+      const T* l = logits.data<T>() + i * v;
+      const double m = *std::max_element(l, l + v);
+      double sum = 0;
+      for (int64_t c = 0; c < v; ++c) sum += std::exp(l[c] - m);
+      const double lse_i = m + std::log(sum);
+      lse.data<T>()[i] = static_cast<T>(lse_i);
+      if (mask.data<uint8_t>()[i]) total += lse_i - l[targets.data<int32_t>()[i]];
+    }
+  });
+  return total;
+}
+
+void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
+                            const Tensor& lse, double grad_scale, Tensor& dlogits) {
+  check_loss_inputs(logits, targets, mask);
+  const int64_t n = logits.dim(0), v = logits.dim(1);
+  expect_shape(dlogits, logits.shape(), "dlogits");
+  dispatch_float(logits.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      const T* l = logits.data<T>() + i * v;
+      T* d = dlogits.data<T>() + i * v;
+      if (!mask.data<uint8_t>()[i]) {
+        std::fill(d, d + v, T(0));
+        continue;
+      }
+      const double lse_i = lse.data<T>()[i];
+      for (int64_t c = 0; c < v; ++c) d[c] = static_cast<T>(grad_scale * std::exp(l[c] - lse_i));
+      d[targets.data<int32_t>()[i]] -= static_cast<T>(grad_scale);
+    }
+  });
+}
+
+}  // namespace mt::ops

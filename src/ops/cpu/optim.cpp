@@ -1,0 +1,35 @@
+#include "ops/optim.h"
+
+#include <cmath>
+
+#include "ops/dispatch.h"
+
+namespace mt::ops {
+
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWHyper& h) {
+  const int64_t n = param.numel();
+  MT_CHECK(grad.numel() == n && m.numel() == n && v.numel() == n, "adamw buffers differ in size");
+  MT_CHECK(h.step >= 1, "adamw step {} must be >= 1", h.step);
+  const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
+  const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
+  dispatch_float(param.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    T* p = param.data<T>();
+    const T* g = grad.data<T>();
+    T* pm = m.data<T>();
+    T* pv = v.data<T>();
+    const T b1 = static_cast<T>(h.beta1), b2 = static_cast<T>(h.beta2);
+    const T decay = static_cast<T>(1.0 - h.lr * h.weight_decay);
+    const T step_size = static_cast<T>(h.lr / bc1);
+    const T sqrt_bc2 = static_cast<T>(std::sqrt(bc2));
+    const T eps = static_cast<T>(h.eps);
+#pragma omp parallel for schedule(static)
+    for (int64_t i = 0; i < n; ++i) {
+      pm[i] = b1 * pm[i] + (T(1) - b1) * g[i];
+      pv[i] = b2 * pv[i] + (T(1) - b2) * g[i] * g[i];
+      p[i] = p[i] * decay - step_size * pm[i] / (std::sqrt(pv[i]) / sqrt_bc2 + eps);
+    }
+  });
+}
+
+}  // namespace mt::ops

@@ -1,0 +1,135 @@
+#include "ops/permute.h"
+
+#include <vector>
+
+#include "ops/dispatch.h"
+
+namespace mt::ops {
+
+namespace {
+int64_t choices_per_token(const ExpertPermutation& p, int64_t n) {
+  return n == 0 ? 0 : p.row_of_choice.numel() / n;
+}
+}  // namespace
+
+void make_expert_permutation(const Tensor& expert_index, int64_t num_experts,
+                             ExpertPermutation& out) {
+  expect_dtype(expert_index, DType::kI32, "expert_index");
+  const int64_t n = expert_index.dim(0), k = expert_index.dim(1), m = n * k;
+  const int32_t* idx = expert_index.data<int32_t>();
+  out.expert_offsets = Tensor::zeros({num_experts + 1}, DType::kI64);
+  int64_t* off = out.expert_offsets.data<int64_t>();
+  for (int64_t i = 0; i < m; ++i) {
+    MT_CHECK(idx[i] >= 0 && idx[i] < num_experts, "expert index {} outside [0, {})", idx[i],
+             num_experts);
+    off[idx[i] + 1] += 1;
+  }
+  for (int64_t e = 0; e < num_experts; ++e) off[e + 1] += off[e];
+  std::vector<int64_t> fill(off, off + num_experts);
+  out.source_token = Tensor::empty({m}, DType::kI32);
+  out.row_of_choice = Tensor::empty({m}, DType::kI32);
+  for (int64_t i = 0; i < m; ++i) {  // i = t*k + j in token order: stable within an expert
+    const int64_t row = fill[idx[i]]++;
+    out.source_token.data<int32_t>()[row] = static_cast<int32_t>(i / k);
+    out.row_of_choice.data<int32_t>()[i] = static_cast<int32_t>(row);
+  }
+}
+
+void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp) {
+  const int64_t d = x.dim(1), m = p.source_token.numel();
+  expect_shape(xp, {m, d}, "permuted rows");
+  dispatch_float(x.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    for (int64_t r = 0; r < m; ++r) {
+      const T* src = x.data<T>() + static_cast<int64_t>(p.source_token.data<int32_t>()[r]) * d;
+      std::copy(src, src + d, xp.data<T>() + r * d);
+    }
+  });
+}
+
+void permute_rows_backward(const Tensor& dxp, const ExpertPermutation& p, Tensor& dx) {
+  const int64_t n = dx.dim(0), d = dx.dim(1), k = choices_per_token(p, n);
+  dispatch_float(dx.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    // Token-order summation over the k copies: deterministic, no scatter races.
+    for (int64_t t = 0; t < n; ++t) {
+      T* o = dx.data<T>() + t * d;
+      std::fill(o, o + d, T(0));
+      for (int64_t j = 0; j < k; ++j) {
+        const T* g =
+            dxp.data<T>() + static_cast<int64_t>(p.row_of_choice.data<int32_t>()[t * k + j]) * d;
+        for (int64_t c = 0; c < d; ++c) o[c] += g[c];
+      }
+    }
+  });
+}
+
+void unpermute_rows(const Tensor& yp, const ExpertPermutation& p, Tensor& y) {
+  const int64_t d = yp.dim(1), m = p.row_of_choice.numel();
+  MT_CHECK(y.numel() == m * d, "unpermuted rows {} for {} rows of {}", shape_str(y.shape()), m, d);
+  dispatch_float(yp.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    for (int64_t i = 0; i < m; ++i) {
+      const T* src = yp.data<T>() + static_cast<int64_t>(p.row_of_choice.data<int32_t>()[i]) * d;
+      std::copy(src, src + d, y.data<T>() + i * d);
+    }
+  });
+}
+
+void unpermute_rows_backward(const Tensor& dy, const ExpertPermutation& p, Tensor& dyp) {
+  const int64_t d = dyp.dim(1), m = p.row_of_choice.numel();
+  dispatch_float(dyp.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    for (int64_t i = 0; i < m; ++i) {
+      const T* g = dy.data<T>() + i * d;
+      std::copy(g, g + d,
+                dyp.data<T>() + static_cast<int64_t>(p.row_of_choice.data<int32_t>()[i]) * d);
+    }
+  });
+}
+
+void combine_forward(const Tensor& yp, const ExpertPermutation& p, const Tensor& weight,
+                     Tensor& out) {
+  const int64_t n = weight.dim(0), k = weight.dim(1), d = yp.dim(1);
+  expect_shape(out, {n, d}, "combine out");
+  dispatch_float(yp.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    for (int64_t t = 0; t < n; ++t) {
+      T* o = out.data<T>() + t * d;
+      std::fill(o, o + d, T(0));
+      for (int64_t j = 0; j < k; ++j) {
+        const T w = weight.data<T>()[t * k + j];
+        const T* y =
+            yp.data<T>() + static_cast<int64_t>(p.row_of_choice.data<int32_t>()[t * k + j]) * d;
+        for (int64_t c = 0; c < d; ++c) o[c] += w * y[c];
+      }
+    }
+  });
+}
+
+void combine_backward(const Tensor& dout, const Tensor& yp, const ExpertPermutation& p,
+                      const Tensor& weight, Tensor& dyp, Tensor& dweight) {
+  const int64_t n = weight.dim(0), k = weight.dim(1), d = yp.dim(1);
+  expect_shape(dyp, yp.shape(), "combine dyp");
+  expect_shape(dweight, weight.shape(), "combine dweight");
+  dispatch_float(yp.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    for (int64_t t = 0; t < n; ++t) {
+      const T* g = dout.data<T>() + t * d;
+      for (int64_t j = 0; j < k; ++j) {
+        const int64_t row = p.row_of_choice.data<int32_t>()[t * k + j];
+        const T w = weight.data<T>()[t * k + j];
+        const T* y = yp.data<T>() + row * d;
+        T* dy = dyp.data<T>() + row * d;
+        double dot = 0;
+        for (int64_t c = 0; c < d; ++c) {
+          dy[c] = w * g[c];
+          dot += static_cast<double>(g[c]) * y[c];
+        }
+        dweight.data<T>()[t * k + j] = static_cast<T>(dot);
+      }
+    }
+  });
+}
+
+}  // namespace mt::ops

@@ -1,0 +1,103 @@
+#include "ops/route.h"
+
+#include <algorithm>
+#include <cmath>
+#include <numeric>
+#include <vector>
+
+#include "ops/dispatch.h"
+
+namespace mt::ops {
+
+void router_forward(const Tensor& logits, const Tensor& bias, const RouterOptions& opt,
+                    Routing& out) {
+  MT_CHECK(logits.ndim() == 2, "router logits must be (N, E), got {}", shape_str(logits.shape()));
+  const int64_t n = logits.dim(0), e = logits.dim(1), k = opt.top_k;
+  MT_CHECK(k >= 1 && k <= e, "top_k {} outside [1, {}]", k, e);
+  if (bias.defined()) expect_shape(bias, {e}, "router bias");
+  out.scores = Tensor::empty({n, e}, logits.dtype());
+  out.expert_index = Tensor::empty({n, k}, DType::kI32);
+  out.expert_weight = Tensor::empty({n, k}, logits.dtype());
+  out.tokens_per_expert = Tensor::zeros({e}, DType::kI64);
+  dispatch_float(logits.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    std::vector<double> biased(e);
+    std::vector<int32_t> order(e);
+    for (int64_t t = 0; t < n; ++t) {
+      const T* l = logits.data<T>() + t * e;
+      T* s = out.scores.data<T>() + t * e;
+      const double m = *std::max_element(l, l + e);
+      double sum = 0;
+      for (int64_t c = 0; c < e; ++c) sum += std::exp(static_cast<double>(l[c]) - m);
+      for (int64_t c = 0; c < e; ++c) s[c] = static_cast<T>(std::exp(l[c] - m) / sum);
+      int32_t* idx = out.expert_index.data<int32_t>() + t * k;
+      if (opt.force_balanced) {
+        for (int64_t j = 0; j < k; ++j) idx[j] = static_cast<int32_t>((t * k + j) % e);
+      } else {
+        for (int64_t c = 0; c < e; ++c)
+          biased[c] = s[c] + (bias.defined() ? bias.data<T>()[c] : T(0));
+        std::iota(order.begin(), order.end(), 0);
+        // Ties go to the lower expert index so the choice is a pure function of the scores.
+        std::partial_sort(order.begin(), order.begin() + k, order.end(), [&](int32_t a, int32_t b) {
+          return biased[a] > biased[b] || (biased[a] == biased[b] && a < b);
+        });
+        for (int64_t j = 0; j < k; ++j) idx[j] = order[j];
+      }
+      T* w = out.expert_weight.data<T>() + t * k;
+      double wsum = 0;
+      for (int64_t j = 0; j < k; ++j) wsum += s[idx[j]];
+      for (int64_t j = 0; j < k; ++j) {
+        w[j] = opt.norm_topk_prob ? static_cast<T>(s[idx[j]] / wsum) : s[idx[j]];
+        out.tokens_per_expert.data<int64_t>()[idx[j]] += 1;
+      }
+    }
+  });
+}
+
+double router_aux_loss(const Routing& r) {
+  const int64_t n = r.scores.dim(0), e = r.scores.dim(1);
+  if (n == 0) return 0.0;
+  double aux = 0;
+  for (int64_t c = 0; c < e; ++c) {
+    double mean_score = 0;
+    for (int64_t t = 0; t < n; ++t) mean_score += r.scores.item(t * e + c);
+    aux += static_cast<double>(r.tokens_per_expert.data<int64_t>()[c]) / n * (mean_score / n);
+  }
+  return aux * e;
+}
+
+void router_backward(const Routing& r, const RouterOptions& opt, const Tensor& dweight,
+                     double aux_grad, Tensor& dlogits) {
+  const int64_t n = r.scores.dim(0), e = r.scores.dim(1), k = opt.top_k;
+  expect_shape(dweight, {n, k}, "router dweight");
+  expect_shape(dlogits, {n, e}, "router dlogits");
+  dispatch_float(r.scores.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    std::vector<double> dscore(e);
+    const int64_t* count = r.tokens_per_expert.data<int64_t>();
+    for (int64_t t = 0; t < n; ++t) {
+      const T* s = r.scores.data<T>() + t * e;
+      const int32_t* idx = r.expert_index.data<int32_t>() + t * k;
+      const T* dw = dweight.data<T>() + t * k;
+      // Aux loss: d/ds[t,c] of E * sum_c count_c/N * mean_t s[t,c].
+      for (int64_t c = 0; c < e; ++c)
+        dscore[c] = aux_grad * e * static_cast<double>(count[c]) / (static_cast<double>(n) * n);
+      if (opt.norm_topk_prob) {
+        // w_j = s_j / S: ds_j = (dw_j - sum_i dw_i w_i) / S.
+        double sum = 0, dot = 0;
+        for (int64_t j = 0; j < k; ++j) sum += s[idx[j]];
+        for (int64_t j = 0; j < k; ++j) dot += static_cast<double>(dw[j]) * s[idx[j]] / sum;
+        for (int64_t j = 0; j < k; ++j) dscore[idx[j]] += (dw[j] - dot) / sum;
+      } else {
+        for (int64_t j = 0; j < k; ++j) dscore[idx[j]] += dw[j];
+      }
+      // Softmax backward: dl = s * (ds - sum(ds * s)).
+      double inner = 0;
+      for (int64_t c = 0; c < e; ++c) inner += dscore[c] * s[c];
+      T* dl = dlogits.data<T>() + t * e;
+      for (int64_t c = 0; c < e; ++c) dl[c] = static_cast<T>(s[c] * (dscore[c] - inner));
+    }
+  });
+}
+
+}  // namespace mt::ops

@@ -1,0 +1,10 @@
+#pragma once
+#include <string>
+
+namespace mt::cuda {
+
+// Number of visible CUDA devices; 0 when there is no driver or no GPU (never throws).
+int device_count();
+std::string device_name(int index);
+
+}  // namespace mt::cuda

@@ -1,0 +1,21 @@
+// Dtype dispatch for the CPU reference: the ops are templates over the compute type, instantiated
+// for exactly two types (fp32 for training, fp64 for gradient checks).
+#pragma once
+#include "core/tensor.h"
+
+namespace mt::ops {
+
+template <class F>
+void dispatch_float(DType t, F&& f) {
+  switch (t) {
+    case DType::kF32: f(float{}); break;
+    case DType::kF64: f(double{}); break;
+    default: MT_CHECK(false, "op needs f32 or f64, got {}", dtype_name(t));
+  }
+}
+
+inline void expect_cpu(const Tensor& t, const char* name) {
+  MT_CHECK(t.device() == Device::kCPU, "{} is on the GPU; this op has no CUDA kernel yet", name);
+}
+
+}  // namespace mt::ops

@@ -1,0 +1,22 @@
+// AdamW over flat fp32 buffers (one call per parameter unit, not per tensor), PyTorch's order:
+// decoupled decay p *= 1 - lr*wd, then p -= lr * m_hat / (sqrt(v_hat) + eps).
+#pragma once
+#include <cstdint>
+
+#include "core/tensor.h"
+
+namespace mt::ops {
+
+struct AdamWHyper {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double weight_decay = 0.0;
+  int64_t step = 1;  // 1-based, for bias correction
+};
+
+// param, grad, m, v: same shape and dtype (f32 master state, or f64 in checks).
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWHyper& h);
+
+}  // namespace mt::ops

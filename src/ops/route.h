@@ -1,0 +1,38 @@
+// Token-choice top-k routing, as Qwen3-MoE: scores = softmax(logits) in the compute dtype
+// (fp32 at least), the k largest of (scores + bias) are chosen, and their combine weights are
+// the chosen scores, renormalised to sum 1 when norm_topk_prob. The bias (aux-loss-free
+// balancing, DeepSeek-V3) only steers the choice, never the weights. Forced-balanced routing
+// (benchmarks) sends token t's choice j to expert (t*k + j) mod E with the scores gathered there.
+#pragma once
+#include "core/tensor.h"
+
+namespace mt::ops {
+
+struct RouterOptions {
+  int top_k = 1;
+  bool norm_topk_prob = true;
+  bool force_balanced = false;
+};
+
+// N tokens, E experts, k choices.
+struct Routing {
+  Tensor scores;             // (N, E) softmax of the router logits
+  Tensor expert_index;       // i32 (N, k), choice order: descending biased score
+  Tensor expert_weight;      // (N, k) combine weights
+  Tensor tokens_per_expert;  // i64 (E)
+};
+
+// logits (N, E); bias (E) or an undefined tensor.
+void router_forward(const Tensor& logits, const Tensor& bias, const RouterOptions& opt,
+                    Routing& out);
+
+// Switch-Transformer load-balancing loss as in HF Qwen3-MoE, per layer:
+//   aux = E * sum_e (tokens_per_expert[e] / N) * mean_t scores[t, e].
+double router_aux_loss(const Routing& r);
+
+// dweight (N, k): gradient of the combine weights. aux_grad: d(total loss) / d(aux).
+// dlogits (N, E) overwritten. The counts are a step function: no gradient flows through them.
+void router_backward(const Routing& r, const RouterOptions& opt, const Tensor& dweight,
+                     double aux_grad, Tensor& dlogits);
+
+}  // namespace mt::ops

@@ -1,0 +1,179 @@
+#include "train/checkpoint.h"
+
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <sstream>
+
+#include "core/atomic_file.h"
+#include "core/error.h"
+
+namespace mt {
+
+namespace {
+
+const char* st_dtype(DType t) {
+  switch (t) {
+    case DType::kF32: return "F32";
+    case DType::kF64: return "F64";
+    case DType::kBF16: return "BF16";
+    case DType::kE4M3: return "F8_E4M3";
+    case DType::kE8M0: return "F8_E8M0";
+    case DType::kI32: return "I32";
+    case DType::kI64: return "I64";
+    case DType::kU8: return "U8";
+  }
+  return "?";
+}
+
+bool parse_st_dtype(const std::string& s, DType* out) {
+  for (DType t : {DType::kF32, DType::kF64, DType::kBF16, DType::kE4M3, DType::kE8M0, DType::kI32,
+                  DType::kI64, DType::kU8})
+    if (s == st_dtype(t)) {
+      *out = t;
+      return true;
+    }
+  return false;
+}
+
+// Visits every checkpointed tensor of the model and optimizer with its name.
+template <class F>
+void for_each_state(Qwen3Moe& model, AdamW& opt, F&& f) {
+  size_t group_index = 0;
+  for (auto& u : model.units())
+    for (auto& g : u.groups) {
+      for (size_t i = 0; i < g.specs.size(); ++i) {
+        const std::string& name = g.specs[i].name;
+        const int64_t off = g.specs[i].offset;
+        f(name, g.param(i));
+        f("optim.exp_avg." + name, opt.state()[2 * group_index].view(off, g.specs[i].shape));
+        f("optim.exp_avg_sq." + name, opt.state()[2 * group_index + 1].view(off, g.specs[i].shape));
+      }
+      ++group_index;
+    }
+  for (size_t l = 0; l < model.router_biases().size(); ++l)
+    f(fmt::format("buffers.layers.{}.router_bias", l), model.router_biases()[l]);
+}
+
+}  // namespace
+
+void write_safetensors(const std::string& path, const SafetensorsFile& f) {
+  nlohmann::ordered_json header;
+  if (!f.metadata.empty()) header["__metadata__"] = f.metadata;
+  uint64_t offset = 0;
+  for (const auto& [name, t] : f.tensors) {
+    header[name] = {{"dtype", st_dtype(t.dtype())},
+                    {"shape", t.shape()},
+                    {"data_offsets", {offset, offset + t.nbytes()}}};
+    offset += t.nbytes();
+  }
+  std::string h = header.dump();
+  h.append((8 - h.size() % 8) % 8, ' ');  // keep the data 8-byte aligned
+  std::string bytes(8, '\0');
+  const uint64_t hlen = h.size();
+  std::memcpy(bytes.data(), &hlen, 8);
+  bytes += h;
+  bytes.reserve(bytes.size() + offset);
+  for (const auto& [_, t] : f.tensors)
+    bytes.append(static_cast<const char*>(t.raw()), t.nbytes());
+  write_file_atomically(path, bytes);
+}
+
+SafetensorsFile read_safetensors(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw CheckpointError(fmt::format("checkpoint: cannot open '{}'", path));
+  const uint64_t size = std::filesystem::file_size(path);
+  uint64_t hlen = 0;
+  if (size < 8 || !in.read(reinterpret_cast<char*>(&hlen), 8) || hlen > size - 8)
+    throw CheckpointError(fmt::format("checkpoint: '{}' is truncated or not safetensors", path));
+  std::string h(hlen, '\0');
+  in.read(h.data(), static_cast<std::streamsize>(hlen));
+  nlohmann::json header;
+  try {
+    header = nlohmann::json::parse(h);
+  } catch (const std::exception& e) {
+    throw CheckpointError(fmt::format("checkpoint: '{}' has a corrupt header: {}", path, e.what()));
+  }
+  SafetensorsFile f;
+  const uint64_t data_size = size - 8 - hlen;
+  for (const auto& [name, info] : header.items()) {
+    if (name == "__metadata__") {
+      for (const auto& [k, v] : info.items()) f.metadata[k] = v.get<std::string>();
+      continue;
+    }
+    DType dt;
+    if (!parse_st_dtype(info.at("dtype").get<std::string>(), &dt))
+      throw CheckpointError(fmt::format("checkpoint: '{}': tensor {} has unsupported dtype {}",
+                                        path, name, info.at("dtype").dump()));
+    const Shape shape = info.at("shape").get<Shape>();
+    const auto offsets = info.at("data_offsets").get<std::vector<uint64_t>>();
+    Tensor t = Tensor::empty(shape, dt);
+    if (offsets.size() != 2 || offsets[1] - offsets[0] != t.nbytes() || offsets[1] > data_size)
+      throw CheckpointError(fmt::format(
+          "checkpoint: '{}' is truncated or corrupt: tensor {} needs bytes [{}, {}) of {}", path,
+          name, offsets.empty() ? 0 : offsets[0], offsets.size() < 2 ? 0 : offsets[1], data_size));
+    in.seekg(static_cast<std::streamoff>(8 + hlen + offsets[0]));
+    in.read(static_cast<char*>(t.raw()), static_cast<std::streamsize>(t.nbytes()));
+    if (!in) throw CheckpointError(fmt::format("checkpoint: read error in '{}'", path));
+    f.tensors.emplace(name, std::move(t));
+  }
+  return f;
+}
+
+std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
+                            const TrainState& st) {
+  std::filesystem::create_directories(dir);
+  SafetensorsFile f;
+  for_each_state(model, opt, [&](const std::string& name, const Tensor& t) {
+    f.tensors.emplace(name, t);
+  });
+  f.metadata["format"] = "moetrain-checkpoint-1";
+  f.metadata["step"] = std::to_string(st.step);
+  f.metadata["data_position"] = std::to_string(st.data_position);
+  const std::string name = fmt::format("step_{:08d}.safetensors", st.step);
+  const std::string path = (std::filesystem::path(dir) / name).string();
+  write_safetensors(path, f);
+  write_file_atomically((std::filesystem::path(dir) / "latest").string(), name + "\n");
+  return path;
+}
+
+TrainState load_checkpoint(const std::string& path_in, Qwen3Moe& model, AdamW& opt) {
+  std::string path = path_in;
+  if (std::filesystem::is_directory(path)) {
+    std::ifstream latest(std::filesystem::path(path) / "latest");
+    std::string name;
+    if (!(latest >> name))
+      throw CheckpointError(fmt::format("checkpoint: directory '{}' has no 'latest' file", path));
+    path = (std::filesystem::path(path) / name).string();
+  }
+  SafetensorsFile f = read_safetensors(path);
+  if (f.metadata["format"] != "moetrain-checkpoint-1")
+    throw CheckpointError(fmt::format("checkpoint: '{}' is not a moetrain checkpoint", path));
+  // Check everything before touching the model: a mismatch leaves the model as it was.
+  for_each_state(model, opt, [&](const std::string& name, const Tensor& t) {
+    auto it = f.tensors.find(name);
+    if (it == f.tensors.end())
+      throw CheckpointError(fmt::format(
+          "checkpoint: '{}' lacks tensor {} (was it written for another model config?)", path,
+          name));
+    if (it->second.shape() != t.shape() || it->second.dtype() != t.dtype())
+      throw CheckpointError(fmt::format(
+          "checkpoint: '{}': tensor {} is {} {}, the model expects {} {}", path, name,
+          dtype_name(it->second.dtype()), shape_str(it->second.shape()), dtype_name(t.dtype()),
+          shape_str(t.shape())));
+  });
+  for_each_state(model, opt, [&](const std::string& name, Tensor t) {
+    t.copy_from(f.tensors.at(name));
+  });
+  TrainState st;
+  try {
+    st.step = std::stoll(f.metadata.at("step"));
+    st.data_position = std::stoll(f.metadata.at("data_position"));
+  } catch (const std::exception&) {
+    throw CheckpointError(fmt::format("checkpoint: '{}' lacks step/data_position metadata", path));
+  }
+  return st;
+}
+
+}  // namespace mt

@@ -1,0 +1,35 @@
+// Checkpoints in safetensors: every parameter by name, the AdamW moments
+// ("optim.exp_avg.<name>", "optim.exp_avg_sq.<name>"), the router biases
+// ("buffers.layers.<i>.router_bias"), and in the metadata the step, the data position and the
+// seed. Written atomically (temporary file, fsync, rename), then `latest` is pointed at it.
+#pragma once
+#include <cstdint>
+#include <map>
+#include <string>
+
+#include "model/qwen3_moe.h"
+#include "train/optimizer.h"
+
+namespace mt {
+
+struct TrainState {
+  int64_t step = 0;           // optimizer steps completed
+  int64_t data_position = 0;  // the loader's position after that step
+};
+
+// Writes <dir>/step_<step>.safetensors and <dir>/latest; returns the checkpoint's path.
+std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
+                            const TrainState& st);
+// `path` is a checkpoint file or a directory (then its `latest`). Every tensor must be present
+// with the model's shape and dtype; errors are CheckpointErrors naming the tensor.
+TrainState load_checkpoint(const std::string& path, Qwen3Moe& model, AdamW& opt);
+
+// safetensors primitives (also used by tests and converters).
+struct SafetensorsFile {
+  std::map<std::string, Tensor> tensors;
+  std::map<std::string, std::string> metadata;
+};
+void write_safetensors(const std::string& path, const SafetensorsFile& f);
+SafetensorsFile read_safetensors(const std::string& path);
+
+}  // namespace mt

@@ -1,0 +1,296 @@
+#include "train/config.h"
+
+#include <fstream>
+#include <functional>
+#include <sstream>
+#include <toml++/toml.h>
+
+#include "core/error.h"
+
+namespace mt {
+
+namespace {
+
+enum class FieldType { kInt, kFloat, kBool, kString };
+const char* type_name(FieldType t) {
+  switch (t) {
+    case FieldType::kInt: return "an integer";
+    case FieldType::kFloat: return "a number";
+    case FieldType::kBool: return "true or false";
+    case FieldType::kString: return "a string";
+  }
+  return "?";
+}
+
+// A typed value read from TOML, already checked against the field's type.
+struct Value {
+  int64_t i = 0;
+  double f = 0;
+  bool b = false;
+  std::string s;
+};
+
+struct Field {
+  const char* section;
+  const char* key;
+  FieldType type;
+  std::function<void(Config&, const Value&)> set;
+};
+
+template <class S, class T>
+Field member(const char* sec, const char* key, S Config::*s, T S::*m) {
+  FieldType t;
+  if constexpr (std::is_same_v<T, bool>) t = FieldType::kBool;
+  else if constexpr (std::is_integral_v<T>) t = FieldType::kInt;
+  else if constexpr (std::is_floating_point_v<T>) t = FieldType::kFloat;
+  else t = FieldType::kString;
+  return {sec, key, t, [=](Config& c, const Value& v) {
+            if constexpr (std::is_same_v<T, bool>) (c.*s).*m = v.b;
+            else if constexpr (std::is_integral_v<T>) (c.*s).*m = static_cast<T>(v.i);
+            else if constexpr (std::is_floating_point_v<T>) (c.*s).*m = v.f;
+            else (c.*s).*m = v.s;
+          }};
+}
+
+std::string quoted_list(std::initializer_list<const char*> names) {
+  std::string out;
+  for (const char* n : names) out += (out.empty() ? "" : ", ") + std::string(n);
+  return out;
+}
+
+const std::vector<Field>& fields() {
+  using M = ModelConfig;
+  using T = TrainConfig;
+  using D = DataConfig;
+  static const std::vector<Field> f = {
+      member("model", "vocab_size", &Config::model, &M::vocab_size),
+      member("model", "dim", &Config::model, &M::dim),
+      member("model", "n_layers", &Config::model, &M::n_layers),
+      member("model", "n_heads", &Config::model, &M::n_heads),
+      member("model", "n_kv_heads", &Config::model, &M::n_kv_heads),
+      member("model", "head_dim", &Config::model, &M::head_dim),
+      member("model", "n_experts", &Config::model, &M::n_experts),
+      member("model", "top_k", &Config::model, &M::top_k),
+      member("model", "moe_dim", &Config::model, &M::moe_dim),
+      member("model", "rope_theta", &Config::model, &M::rope_theta),
+      member("model", "rms_norm_eps", &Config::model, &M::rms_norm_eps),
+      member("model", "norm_topk_prob", &Config::model, &M::norm_topk_prob),
+      member("model", "tie_word_embeddings", &Config::model, &M::tie_word_embeddings),
+      member("model", "aux_loss_coef", &Config::model, &M::aux_loss_coef),
+      member("model", "bias_update_rate", &Config::model, &M::bias_update_rate),
+      member("model", "force_balanced_routing", &Config::model, &M::force_balanced_routing),
+      member("model", "init_std", &Config::model, &M::init_std),
+      {"model", "compute_dtype", FieldType::kString,
+       [](Config& c, const Value& v) {
+         if (!parse_dtype(v.s, &c.model.compute_dtype))
+           throw ConfigError(fmt::format(
+               "config: model.compute_dtype = \"{}\" is not a dtype (valid: f32, f64, bf16)", v.s));
+       }},
+      {"model", "checkpoint", FieldType::kString,
+       [](Config& c, const Value& v) {
+         if (!parse_policy(v.s, &c.model.checkpoint))
+           throw ConfigError(fmt::format(
+               "config: model.checkpoint = \"{}\" (valid: none, selective, full)", v.s));
+       }},
+      {"model", "hf_config", FieldType::kString,
+       [](Config& c, const Value& v) { c.model = model_config_from_hf_json(v.s, c.model); }},
+      member("train", "steps", &Config::train, &T::steps),
+      member("train", "seq_len", &Config::train, &T::seq_len),
+      member("train", "batch_rows", &Config::train, &T::batch_rows),
+      member("train", "grad_accum", &Config::train, &T::grad_accum),
+      member("train", "lr", &Config::train, &T::lr),
+      member("train", "min_lr_ratio", &Config::train, &T::min_lr_ratio),
+      member("train", "warmup_steps", &Config::train, &T::warmup_steps),
+      member("train", "weight_decay", &Config::train, &T::weight_decay),
+      member("train", "beta1", &Config::train, &T::beta1),
+      member("train", "beta2", &Config::train, &T::beta2),
+      member("train", "eps", &Config::train, &T::eps),
+      member("train", "grad_clip", &Config::train, &T::grad_clip),
+      member("train", "seed", &Config::train, &T::seed),
+      member("train", "log_every", &Config::train, &T::log_every),
+      {"data", "source", FieldType::kString,
+       [](Config& c, const Value& v) {
+         if (v.s == "synthetic") c.data.source = DataSourceKind::kSynthetic;
+         else if (v.s == "tokens") c.data.source = DataSourceKind::kTokens;
+         else if (v.s == "sft") c.data.source = DataSourceKind::kSft;
+         else
+           throw ConfigError(
+               fmt::format("config: data.source = \"{}\" (valid: synthetic, tokens, sft)", v.s));
+       }},
+      member("data", "path", &Config::data, &D::path),
+      member("data", "languages", &Config::data, &D::languages),
+      member("data", "branching", &Config::data, &D::branching),
+      member("data", "min_doc_len", &Config::data, &D::min_doc_len),
+      member("data", "max_doc_len", &Config::data, &D::max_doc_len),
+      member("data", "seed", &Config::data, &D::seed),
+      member("checkpoint", "dir", &Config::checkpoint, &CheckpointConfig::dir),
+      member("checkpoint", "every", &Config::checkpoint, &CheckpointConfig::every),
+      member("hardware", "device", &Config::hardware, &HardwareConfig::device),
+      member("hardware", "peak_tflops", &Config::hardware, &HardwareConfig::peak_tflops),
+      member("hardware", "threads", &Config::hardware, &HardwareConfig::threads),
+  };
+  return f;
+}
+
+std::string valid_keys(const std::string& section) {
+  std::string out;
+  for (const Field& f : fields())
+    if (section == f.section) out += (out.empty() ? "" : ", ") + std::string(f.key);
+  return out;
+}
+
+Value read_value(const toml::node& node, const Field& f) {
+  Value v;
+  const std::string where = fmt::format("{}.{}", f.section, f.key);
+  auto wrong = [&]() {
+    return ConfigError(fmt::format("config: {} must be {}", where, type_name(f.type)));
+  };
+  switch (f.type) {
+    case FieldType::kInt:
+      if (!node.is_integer()) throw wrong();
+      v.i = node.as_integer()->get();
+      break;
+    case FieldType::kFloat:
+      if (node.is_integer()) v.f = static_cast<double>(node.as_integer()->get());
+      else if (node.is_floating_point()) v.f = node.as_floating_point()->get();
+      else throw wrong();
+      break;
+    case FieldType::kBool:
+      if (!node.is_boolean()) throw wrong();
+      v.b = node.as_boolean()->get();
+      break;
+    case FieldType::kString:
+      if (!node.is_string()) throw wrong();
+      v.s = node.as_string()->get();
+      break;
+  }
+  return v;
+}
+
+void apply_table(const toml::table& root, Config& c) {
+  static const char* kSections[] = {"model", "train", "data", "checkpoint", "hardware"};
+  for (const auto& [k, node] : root) {
+    const std::string section(k.str());
+    if (std::find(std::begin(kSections), std::end(kSections), section) == std::end(kSections))
+      throw ConfigError(fmt::format(
+          "config: unknown section [{}] (valid: {})", section,
+          quoted_list({"model", "train", "data", "checkpoint", "hardware"})));
+    if (!node.is_table())
+      throw ConfigError(fmt::format("config: {} must be a table [{}]", section, section));
+    const toml::table& t = *node.as_table();
+    for (const auto& [key, _] : t)
+      if (std::none_of(fields().begin(), fields().end(), [&](const Field& f) {
+            return section == f.section && key.str() == f.key;
+          }))
+        throw ConfigError(fmt::format("config: unknown key {}.{} (valid keys in [{}]: {})",
+                                      section, key.str(), section, valid_keys(section)));
+    // hf_config first, so that explicit keys in the same table override what it loaded.
+    for (const Field& f : fields()) {
+      if (section != f.section || std::string(f.key) != "hf_config") continue;
+      if (const toml::node* n = t.get("hf_config")) f.set(c, read_value(*n, f));
+    }
+    for (const Field& f : fields()) {
+      if (section != f.section || std::string(f.key) == "hf_config") continue;
+      if (const toml::node* n = t.get(f.key)) f.set(c, read_value(*n, f));
+    }
+  }
+}
+
+toml::table parse_toml(const std::string& text, const std::string& name) {
+  try {
+    return toml::parse(text, name);
+  } catch (const toml::parse_error& e) {
+    throw ConfigError(fmt::format("config: {}:{}: {}", name, e.source().begin.line,
+                                  std::string(e.description())));
+  }
+}
+
+// "section.key=value" -> a one-key table. Values that are not TOML become strings.
+toml::table parse_override(const std::string& o) {
+  const size_t eq = o.find('=');
+  const size_t dot = o.find('.');
+  if (eq == std::string::npos || dot == std::string::npos || dot > eq)
+    throw ConfigError(fmt::format("config: --set '{}' must look like section.key=value", o));
+  const std::string section = o.substr(0, dot), key = o.substr(dot + 1, eq - dot - 1);
+  const std::string value = o.substr(eq + 1);
+  toml::table parsed;
+  try {
+    parsed = toml::parse("v = " + value);
+  } catch (const toml::parse_error&) {
+    parsed = toml::table{{"v", value}};
+  }
+  toml::table inner;
+  inner.insert(key, *parsed.get("v"));
+  toml::table outer;
+  outer.insert(section, std::move(inner));
+  return outer;
+}
+
+}  // namespace
+
+void validate_config(const Config& c) {
+  c.model.validate();
+  const TrainConfig& t = c.train;
+  auto positive = [](const char* key, int64_t v) {
+    if (v <= 0) throw ConfigError(fmt::format("config: train.{} = {} must be > 0", key, v));
+  };
+  positive("steps", t.steps);
+  positive("seq_len", t.seq_len);
+  positive("batch_rows", t.batch_rows);
+  positive("grad_accum", t.grad_accum);
+  positive("log_every", t.log_every);
+  if (!(t.lr > 0)) throw ConfigError(fmt::format("config: train.lr = {} must be > 0", t.lr));
+  if (t.warmup_steps < 0) throw ConfigError("config: train.warmup_steps must be >= 0");
+  if (t.min_lr_ratio < 0 || t.min_lr_ratio > 1)
+    throw ConfigError(fmt::format("config: train.min_lr_ratio = {} must be in [0, 1]",
+                                  t.min_lr_ratio));
+  if (t.beta1 < 0 || t.beta1 >= 1 || t.beta2 < 0 || t.beta2 >= 1)
+    throw ConfigError("config: train.beta1 and train.beta2 must be in [0, 1)");
+  if (t.grad_clip < 0) throw ConfigError("config: train.grad_clip must be >= 0 (0 disables)");
+  const DataConfig& d = c.data;
+  if (d.source == DataSourceKind::kSynthetic) {
+    if (d.languages < 1 || d.branching < 1)
+      throw ConfigError("config: data.languages and data.branching must be >= 1");
+    if (d.min_doc_len < 2 || d.max_doc_len < d.min_doc_len)
+      throw ConfigError(fmt::format(
+          "config: data.min_doc_len = {} and data.max_doc_len = {} need 2 <= min <= max",
+          d.min_doc_len, d.max_doc_len));
+    const int64_t words = (c.model.vocab_size - d.languages) / 2;
+    if (words < d.branching)
+      throw ConfigError(fmt::format(
+          "config: model.vocab_size = {} is too small for data.languages = {} with "
+          "data.branching = {} (needs vocab_size >= languages + 2 * branching)",
+          c.model.vocab_size, d.languages, d.branching));
+  } else if (d.path.empty()) {
+    throw ConfigError("config: data.path must name a token file when data.source is not synthetic");
+  }
+  if (c.checkpoint.every < 0) throw ConfigError("config: checkpoint.every must be >= 0");
+  const std::string& dev = c.hardware.device;
+  if (dev != "auto" && dev != "cpu" && dev != "cuda")
+    throw ConfigError(fmt::format("config: hardware.device = \"{}\" (valid: auto, cpu, cuda)", dev));
+  if (c.hardware.threads < 0) throw ConfigError("config: hardware.threads must be >= 0");
+}
+
+Config parse_config_string(const std::string& text, const std::vector<std::string>& overrides,
+                           const std::string& name) {
+  Config c;
+  apply_table(parse_toml(text, name), c);
+  for (const std::string& o : overrides) apply_table(parse_override(o), c);
+  validate_config(c);
+  c.source = name;
+  return c;
+}
+
+Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
+  std::string text;
+  if (!path.empty()) {
+    std::ifstream in(path);
+    if (!in) throw ConfigError(fmt::format("config: cannot open '{}'", path));
+    std::stringstream ss;
+    ss << in.rdbuf();
+    text = ss.str();
+  }
+  return parse_config_string(text, overrides, path.empty() ? "defaults" : path);
+}
+
+}  // namespace mt

@@ -1,0 +1,71 @@
+// The whole job's configuration: TOML sections [model], [train], [data], [checkpoint],
+// [hardware], each key with one type. Unknown keys, wrong types and impossible combinations are
+// ConfigErrors naming the key (exit code 2).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "model/config.h"
+
+namespace mt {
+
+struct TrainConfig {
+  int64_t steps = 300;
+  int64_t seq_len = 128;        // tokens per packed row
+  int64_t batch_rows = 8;       // rows per micro-batch
+  int64_t grad_accum = 1;       // micro-batches per optimizer step
+  double lr = 3e-3;             // peak learning rate
+  double min_lr_ratio = 0.1;    // cosine floor as a fraction of lr
+  int64_t warmup_steps = 20;
+  double weight_decay = 0.1;
+  double beta1 = 0.9;
+  double beta2 = 0.95;
+  double eps = 1e-8;
+  double grad_clip = 1.0;       // global L2 norm; 0 disables
+  uint64_t seed = 1234;         // parameter initialisation
+  int64_t log_every = 10;
+  int64_t tokens_per_step() const { return seq_len * batch_rows * grad_accum; }
+};
+
+enum class DataSourceKind { kSynthetic, kTokens, kSft };
+
+struct DataConfig {
+  DataSourceKind source = DataSourceKind::kSynthetic;
+  std::string path;             // token file for "tokens" and "sft"
+  // Synthetic mixture of stochastic languages (see train/synthetic_data.h).
+  int64_t languages = 4;
+  int64_t branching = 4;
+  int64_t min_doc_len = 16;
+  int64_t max_doc_len = 96;
+  uint64_t seed = 7;
+};
+
+struct CheckpointConfig {
+  std::string dir;              // empty: no checkpoints
+  int64_t every = 0;            // steps between checkpoints; 0: only at the end
+};
+
+struct HardwareConfig {
+  std::string device = "auto";  // auto | cpu | cuda
+  double peak_tflops = 0;       // for MFU; 0: estimate for the device
+  int64_t threads = 0;          // CPU threads; 0: all cores
+};
+
+struct Config {
+  ModelConfig model;
+  TrainConfig train;
+  DataConfig data;
+  CheckpointConfig checkpoint;
+  HardwareConfig hardware;
+  std::string source;           // where it came from, for logs
+};
+
+// Parses a TOML file (path may be empty: defaults) and applies "section.key=value" overrides,
+// where value is TOML (strings may go unquoted). Validates the result.
+Config load_config(const std::string& path, const std::vector<std::string>& overrides);
+Config parse_config_string(const std::string& toml_text, const std::vector<std::string>& overrides,
+                           const std::string& name = "config");
+void validate_config(const Config& c);
+
+}  // namespace mt

@@ -1,0 +1,33 @@
+// AdamW over a model's parameter groups (fp32 master weights and moments, one flat buffer per
+// group), the warmup + cosine learning-rate schedule, and global gradient-norm clipping.
+#pragma once
+#include <vector>
+
+#include "model/params.h"
+#include "train/config.h"
+
+namespace mt {
+
+// Linear warmup from lr/warmup to lr over warmup_steps, then cosine down to lr * min_lr_ratio
+// at `steps`. step is 1-based.
+double learning_rate(const TrainConfig& t, int64_t step);
+
+class AdamW {
+ public:
+  AdamW(std::vector<ParamUnit>& units, const TrainConfig& t);
+  // sqrt of the sum of squares of every gradient element, each counted once.
+  double grad_norm() const;
+  // Scales gradients so the global norm is at most max_norm; returns the norm before clipping.
+  double clip_grad_norm(double max_norm);
+  void step(double lr, int64_t step);
+
+  // Moments, in the order of the units' groups: [2i] exp_avg, [2i+1] exp_avg_sq.
+  std::vector<Tensor>& state() { return state_; }
+
+ private:
+  std::vector<ParamGroup*> groups_;
+  std::vector<Tensor> state_;
+  TrainConfig cfg_;
+};
+
+}  // namespace mt

@@ -1,0 +1,105 @@
+#include "train/token_file.h"
+
+#include <cstdio>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+
+#include "core/error.h"
+#include "core/atomic_file.h"
+
+namespace mt {
+
+namespace {
+constexpr char kMagic[8] = {'M', 'T', 'T', 'O', 'K', 'E', 'N', 'S'};
+constexpr uint32_t kVersion = 1;
+constexpr uint32_t kFlagLossMask = 1;
+constexpr size_t kHeaderBytes = 32;
+
+template <class T>
+T read_le(const char* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));  // the supported hosts are little-endian (x86-64, aarch64)
+  return v;
+}
+}  // namespace
+
+TokenDocuments read_token_file(const std::string& path, int64_t vocab_size) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw DataError(fmt::format("data: cannot open token file '{}'", path));
+  const uint64_t size = std::filesystem::file_size(path);
+  if (size < kHeaderBytes)
+    throw DataError(fmt::format("data: '{}' is truncated: {} bytes, the header alone is {}", path,
+                                size, kHeaderBytes));
+  char header[kHeaderBytes];
+  in.read(header, kHeaderBytes);
+  if (std::memcmp(header, kMagic, 8) != 0)
+    throw DataError(fmt::format("data: '{}' is not a moetrain token file (magic is not MTTOKENS)",
+                                path));
+  const uint32_t version = read_le<uint32_t>(header + 8);
+  const uint32_t flags = read_le<uint32_t>(header + 12);
+  const uint64_t docs = read_le<uint64_t>(header + 16);
+  const uint64_t ntok = read_le<uint64_t>(header + 24);
+  if (version != kVersion)
+    throw DataError(fmt::format("data: '{}' has format version {}, this build reads {}", path,
+                                version, kVersion));
+  if (flags & ~kFlagLossMask)
+    throw DataError(fmt::format("data: '{}' has unknown flags 0x{:x}", path, flags));
+  const bool has_mask = flags & kFlagLossMask;
+  // Guard the arithmetic: absurd counts would overflow the expected size.
+  if (docs > size || ntok > size)
+    throw DataError(fmt::format("data: '{}' is corrupt or truncated: header claims {} documents "
+                                "and {} tokens in a {}-byte file",
+                                path, docs, ntok, size));
+  const uint64_t expected = kHeaderBytes + 8 * (docs + 1) + 4 * ntok + (has_mask ? ntok : 0);
+  if (size != expected)
+    throw DataError(fmt::format("data: '{}' is {}: header says {} documents and {} tokens "
+                                "({} bytes), the file has {} bytes",
+                                path, size < expected ? "truncated" : "corrupt (trailing bytes)",
+                                docs, ntok, expected, size));
+  TokenDocuments d;
+  d.doc_offsets.resize(docs + 1);
+  d.tokens.resize(ntok);
+  in.read(reinterpret_cast<char*>(d.doc_offsets.data()), 8 * (docs + 1));
+  in.read(reinterpret_cast<char*>(d.tokens.data()), 4 * ntok);
+  if (has_mask) {
+    d.loss_mask.resize(ntok);
+    in.read(reinterpret_cast<char*>(d.loss_mask.data()), ntok);
+  }
+  if (!in) throw DataError(fmt::format("data: read error in '{}'", path));
+  if (d.doc_offsets.front() != 0 || d.doc_offsets.back() != ntok)
+    throw DataError(fmt::format("data: '{}' is corrupt: document offsets run from {} to {}, "
+                                "expected 0 to {}",
+                                path, d.doc_offsets.front(), d.doc_offsets.back(), ntok));
+  for (uint64_t i = 0; i < docs; ++i)
+    if (d.doc_offsets[i + 1] < d.doc_offsets[i])
+      throw DataError(fmt::format("data: '{}' is corrupt: document offset {} decreases ({} -> {})",
+                                  path, i, d.doc_offsets[i], d.doc_offsets[i + 1]));
+  for (uint64_t i = 0; i < ntok; ++i)
+    if (d.tokens[i] >= static_cast<uint64_t>(vocab_size))
+      throw DataError(fmt::format("data: '{}': token {} at position {} is >= model.vocab_size {}",
+                                  path, d.tokens[i], i, vocab_size));
+  if (ntok < 2) throw DataError(fmt::format("data: '{}' holds {} tokens; needs at least 2", path, ntok));
+  return d;
+}
+
+void write_token_file(const std::string& path, const TokenDocuments& d) {
+  MT_CHECK(!d.doc_offsets.empty() && d.doc_offsets.back() == d.tokens.size(),
+           "document offsets must end at the token count");
+  MT_CHECK(d.loss_mask.empty() || d.loss_mask.size() == d.tokens.size(),
+           "loss mask needs one entry per token");
+  std::string bytes(kMagic, 8);
+  auto put = [&](const void* p, size_t n) { bytes.append(static_cast<const char*>(p), n); };
+  const uint32_t version = kVersion, flags = d.loss_mask.empty() ? 0 : kFlagLossMask;
+  const uint64_t docs = d.doc_offsets.size() - 1, ntok = d.tokens.size();
+  put(&version, 4);
+  put(&flags, 4);
+  put(&docs, 8);
+  put(&ntok, 8);
+  put(d.doc_offsets.data(), 8 * d.doc_offsets.size());
+  put(d.tokens.data(), 4 * d.tokens.size());
+  put(d.loss_mask.data(), d.loss_mask.size());
+  write_file_atomically(path, bytes);
+}
+
+}  // namespace mt

@@ -1,0 +1,35 @@
+// Pre-tokenised documents on disk (docs/data_format.md). Little-endian:
+//
+//   offset  size              field
+//   0       8                 magic "MTTOKENS"
+//   8       4   u32           version = 1
+//   12      4   u32           flags: bit 0 = a per-token loss mask follows the tokens (SFT)
+//   16      8   u64           num_docs
+//   24      8   u64           num_tokens
+//   32      8 * (docs + 1)    u64 doc_offsets: document d is tokens [off[d], off[d+1])
+//   ...     4 * num_tokens    u32 tokens
+//   ...     num_tokens        u8 loss mask (flag bit 0 only): 1 = the token is a target that counts
+//
+// The reader checks the size against the header before reading anything, so a truncated file
+// fails with the sizes in the message; offsets must start at 0, never decrease and end at
+// num_tokens; every token must be below the model's vocab_size.
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace mt {
+
+struct TokenDocuments {
+  std::vector<uint64_t> doc_offsets;  // (docs + 1)
+  std::vector<uint32_t> tokens;
+  std::vector<uint8_t> loss_mask;     // empty, or one per token
+  int64_t num_docs() const { return static_cast<int64_t>(doc_offsets.size()) - 1; }
+};
+
+// Throws DataError naming the file and the problem.
+TokenDocuments read_token_file(const std::string& path, int64_t vocab_size);
+// Writes atomically (temporary file + rename).
+void write_token_file(const std::string& path, const TokenDocuments& docs);
+
+}  // namespace mt

@@ -1,0 +1,160 @@
+#include "train/trainer.h"
+
+#include <omp.h>
+
+#include <chrono>
+#include <cmath>
+#include <fstream>
+#include <nlohmann/json.hpp>
+
+#include "core/log.h"
+#include "model/flops.h"
+#include "train/checkpoint.h"
+
+namespace mt {
+
+namespace {
+
+double cpu_ghz() {
+  std::ifstream in("/proc/cpuinfo");
+  std::string line;
+  while (std::getline(in, line))
+    if (line.rfind("cpu MHz", 0) == 0) return std::stod(line.substr(line.find(':') + 1)) / 1000.0;
+  return 2.5;
+}
+
+nlohmann::json finite_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nullptr; }
+
+void write_progress(int64_t step, int64_t total, const StepMetrics& m) {
+  constexpr int kWidth = 30;
+  const int filled = static_cast<int>(kWidth * step / std::max<int64_t>(total, 1));
+  std::string bar(filled, '#');
+  bar.append(kWidth - filled, '.');
+  std::fprintf(stderr, "\r[%s] %lld/%lld loss %.4f", bar.c_str(), static_cast<long long>(step),
+               static_cast<long long>(total), m.loss);
+  if (step == total) std::fprintf(stderr, "\n");
+  std::fflush(stderr);
+}
+
+}  // namespace
+
+double peak_flops(const HardwareConfig& h) {
+  if (h.peak_tflops > 0) return h.peak_tflops * 1e12;
+  const int threads = h.threads > 0 ? static_cast<int>(h.threads) : omp_get_max_threads();
+  return threads * 32.0 * cpu_ghz() * 1e9;
+}
+
+Trainer::Trainer(const Config& c) : cfg_(c) {
+  if (c.hardware.threads > 0) omp_set_num_threads(static_cast<int>(c.hardware.threads));
+  model_ = std::make_unique<Qwen3Moe>(c.model, c.train.seed);
+  opt_ = std::make_unique<AdamW>(model_->units(), c.train);
+  data_ = make_data_loader(c);
+  stats_ = data_->stats(c.train.seq_len);
+  flops_per_token_ = train_flops_per_token(c.model, c.train.seq_len);
+  peak_flops_ = peak_flops(c.hardware);
+}
+
+StepMetrics Trainer::train_step() {
+  const TrainConfig& t = cfg_.train;
+  const auto start = std::chrono::steady_clock::now();
+  reset_peak_memory(Device::kCPU);
+  StepMetrics m;
+  m.step = step_ + 1;
+  m.lr = learning_rate(t, m.step);
+  model_->zero_grad();
+
+  // Every micro-batch's loss is normalised by the step's total count of counted tokens, so
+  // accumulation gives the gradient of one big batch.
+  std::vector<Batch> micro;
+  int64_t counted = 0;
+  for (int64_t i = 0; i < t.grad_accum; ++i) {
+    micro.push_back(data_->next(t.batch_rows, t.seq_len));
+    counted += micro.back().masked_tokens();
+  }
+  const LossScale scale{1.0 / std::max<int64_t>(counted, 1),
+                        cfg_.model.aux_loss_coef / static_cast<double>(t.grad_accum)};
+  double ce = 0, aux = 0;
+  for (const Batch& b : micro) {
+    const MicroBatchLosses l = model_->forward_backward(b, scale);
+    ce += l.ce_sum;
+    aux += l.aux_sum;
+  }
+  m.loss = ce / std::max<int64_t>(counted, 1);
+  m.aux_loss = aux / static_cast<double>(t.grad_accum);
+  if (!std::isfinite(m.loss))
+    throw NumericalError(fmt::format(
+        "step {}: loss is {}; stopping before the optimizer step (checkpoints on disk are "
+        "untouched; lower train.lr or resume from the last checkpoint)",
+        m.step, m.loss));
+  m.grad_norm = opt_->clip_grad_norm(t.grad_clip);
+  if (!std::isfinite(m.grad_norm))
+    throw NumericalError(fmt::format(
+        "step {}: gradient norm is {}; stopping before the optimizer step (checkpoints on disk "
+        "are untouched)",
+        m.step, m.grad_norm));
+  opt_->step(m.lr, m.step);
+  model_->update_router_biases();
+  ++step_;
+
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  m.tokens_per_s = static_cast<double>(t.tokens_per_step()) / seconds;
+  m.mfu = flops_per_token_ * m.tokens_per_s / peak_flops_;
+  m.peak_bytes = memory_stats(Device::kCPU).peak_bytes;
+  return m;
+}
+
+std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
+  const TrainConfig& t = cfg_.train;
+  if (!opt.resume.empty()) {
+    const TrainState st = load_checkpoint(opt.resume, *model_, *opt_);
+    step_ = st.step;
+    data_->set_position(st.data_position);
+    log::info("resumed from '{}' at step {}", opt.resume, step_);
+  }
+  const int64_t last = opt.steps ? std::min(*opt.steps, t.steps) : t.steps;
+  std::ofstream metrics;
+  if (!opt.metrics_path.empty()) {
+    metrics.open(opt.metrics_path, std::ios::app);
+    if (!metrics) throw ConfigError(fmt::format("cannot open --metrics '{}'", opt.metrics_path));
+  }
+  const ParamCounts pc = count_params(cfg_.model);
+  log::info("model: {} layers, dim {}, {} experts top-{}; {:.2f}M params ({:.2f}M active); "
+            "{} tokens/step; data floor {:.4f} nats, unigram {:.4f}",
+            cfg_.model.n_layers, cfg_.model.dim, cfg_.model.n_experts, cfg_.model.top_k,
+            pc.total / 1e6, pc.active / 1e6, t.tokens_per_step(), stats_.loss_floor,
+            stats_.unigram_entropy);
+  std::vector<StepMetrics> all;
+  bool first_line = true;
+  while (step_ < last) {
+    const StepMetrics m = train_step();
+    all.push_back(m);
+    if (metrics.is_open()) {
+      nlohmann::ordered_json j{{"step", m.step},           {"loss", m.loss},
+                               {"aux_loss", m.aux_loss},   {"grad_norm", m.grad_norm},
+                               {"lr", m.lr},               {"tokens_per_s", m.tokens_per_s},
+                               {"mfu", m.mfu},             {"peak_bytes", m.peak_bytes}};
+      if (first_line) {
+        j["loss_floor"] = finite_or_null(stats_.loss_floor);
+        j["unigram_entropy"] = finite_or_null(stats_.unigram_entropy);
+        first_line = false;
+      }
+      metrics << j.dump() << "\n" << std::flush;
+    }
+    if (opt.progress_bar) write_progress(m.step, last, m);
+    if (m.step % t.log_every == 0 || m.step == last)
+      log::info("step {:>5} | loss {:.4f} | aux {:.4f} | grad_norm {:.4f} | lr {:.3e} | "
+                "{:.0f} tok/s | mfu {:.2f}% | peak mem {:.1f} MiB",
+                m.step, m.loss, m.aux_loss, m.grad_norm, m.lr, m.tokens_per_s, 100 * m.mfu,
+                m.peak_bytes / 1048576.0);
+    const bool at_interval = cfg_.checkpoint.every > 0 && m.step % cfg_.checkpoint.every == 0;
+    if (!cfg_.checkpoint.dir.empty() && (at_interval || m.step == last)) {
+      const std::string path =
+          save_checkpoint(cfg_.checkpoint.dir, *model_, *opt_, {step_, data_->position()});
+      log::info("checkpoint: {}", path);
+    }
+  }
+  return all;
+}
+
+}  // namespace mt

@@ -1,0 +1,62 @@
+// The training loop: micro-batches -> forward/backward -> clip -> AdamW -> router bias update ->
+// metrics -> checkpoints.
+#pragma once
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "model/qwen3_moe.h"
+#include "train/config.h"
+#include "train/data_loader.h"
+#include "train/optimizer.h"
+
+namespace mt {
+
+struct StepMetrics {
+  int64_t step = 0;
+  double loss = 0;        // mean cross-entropy over the step's counted tokens
+  double aux_loss = 0;    // mean over micro-batches of the summed per-layer aux losses
+  double grad_norm = 0;   // before clipping
+  double lr = 0;
+  double tokens_per_s = 0;
+  double mfu = 0;         // model FLOPs / (time * peak)
+  int64_t peak_bytes = 0;
+};
+
+struct RunOptions {
+  std::optional<int64_t> steps;  // overrides train.steps (the schedule keeps train.steps)
+  std::string metrics_path;      // JSON lines
+  std::string resume;            // checkpoint file or directory
+  bool progress_bar = false;
+};
+
+class Trainer {
+ public:
+  explicit Trainer(const Config& c);
+  // Runs until the configured (or overridden) step; returns the metrics of every step run.
+  std::vector<StepMetrics> run(const RunOptions& opt);
+
+  Qwen3Moe& model() { return *model_; }
+  AdamW& optimizer() { return *opt_; }
+  const DataStats& data_stats() const { return stats_; }
+  int64_t step() const { return step_; }
+
+ private:
+  StepMetrics train_step();
+
+  Config cfg_;
+  std::unique_ptr<Qwen3Moe> model_;
+  std::unique_ptr<AdamW> opt_;
+  std::unique_ptr<DataLoader> data_;
+  DataStats stats_;
+  double flops_per_token_ = 0;
+  double peak_flops_ = 0;
+  int64_t step_ = 0;
+};
+
+// FLOP/s the MFU is measured against: hardware.peak_tflops when set, else an estimate for the
+// host CPU (cores x 32 fp32 FLOP/cycle, AVX2 FMA, at the reported clock).
+double peak_flops(const HardwareConfig& h);
+
+}  // namespace mt

@@ -1,0 +1,103 @@
+#include <bit>
+#include <cmath>
+
+#include "core/dtype.h"
+#include "core/rng.h"
+#include "core/tensor.h"
+#include "testing.h"
+
+namespace mt {
+
+TEST(BF16, RoundsToNearestEven) {
+  EXPECT_EQ(to_bf16(1.0f).bits, 0x3F80);
+  // 1 + 2^-8 is exactly halfway between 1 and 1 + 2^-7: ties go to the even mantissa (1.0).
+  EXPECT_EQ(to_bf16(1.0f + std::ldexp(1.0f, -8)).bits, 0x3F80);
+  // 1 + 3 * 2^-8 is halfway between 1 + 2^-7 (odd) and 1 + 2^-6 (even): rounds up.
+  EXPECT_EQ(to_bf16(1.0f + 3 * std::ldexp(1.0f, -8)).bits, 0x3F82);
+  // Just above halfway rounds up.
+  EXPECT_EQ(to_bf16(std::bit_cast<float>(0x3F808001u)).bits, 0x3F81);
+  EXPECT_EQ(from_bf16(to_bf16(-2.5f)), -2.5f);
+  EXPECT_TRUE(std::isnan(from_bf16(to_bf16(NAN))));
+  EXPECT_TRUE(std::isinf(from_bf16(to_bf16(INFINITY))));
+}
+
+TEST(E4M3, HandCheckedValues) {
+  EXPECT_EQ(to_e4m3(1.0f), 0x38);      // exponent 7 (bias 7), mantissa 0
+  EXPECT_EQ(to_e4m3(448.0f), 0x7E);    // max finite
+  EXPECT_EQ(to_e4m3(1000.0f), 0x7E);   // saturates
+  EXPECT_EQ(to_e4m3(-1000.0f), 0xFE);
+  EXPECT_EQ(to_e4m3(std::ldexp(1.0f, -9)), 0x01);  // smallest subnormal
+  EXPECT_EQ(to_e4m3(std::ldexp(1.0f, -6)), 0x08);  // smallest normal
+  EXPECT_EQ(to_e4m3(1.0625f), 0x38);   // halfway 1 and 1.125: ties to even (1.0)
+  EXPECT_EQ(to_e4m3(1.1875f), 0x3A);   // halfway 1.125 and 1.25: ties to even (1.25)
+  EXPECT_EQ(to_e4m3(0.0f), 0x00);
+  EXPECT_TRUE(std::isnan(from_e4m3(to_e4m3(NAN))));
+  EXPECT_EQ(from_e4m3(0x7E), 448.0f);
+  EXPECT_EQ(from_e4m3(0x01), std::ldexp(1.0f, -9));
+  // Every finite code round-trips.
+  for (int c = 0; c < 256; ++c) {
+    const float v = from_e4m3(static_cast<uint8_t>(c));
+    if (std::isnan(v) || (c & 0x7F) == 0) continue;
+    EXPECT_EQ(to_e4m3(v), c) << "code " << c;
+  }
+}
+
+TEST(E8M0, Scales) {
+  EXPECT_EQ(from_e8m0(127), 1.0f);
+  EXPECT_EQ(from_e8m0(130), 8.0f);
+  EXPECT_EQ(from_e8m0(0), std::ldexp(1.0f, -127));
+  EXPECT_TRUE(std::isnan(from_e8m0(0xFF)));
+}
+
+TEST(Philox, KnownAnswer) {
+  // Random123's known-answer vector for philox4x32-10 with zero counter and key.
+  const Philox4x32 r = philox4x32_10(Philox4x32{{0, 0, 0, 0}}, 0, 0);
+  EXPECT_EQ(r.v[0], 0x6627e8d5u);
+  EXPECT_EQ(r.v[1], 0xe169c58du);
+  EXPECT_EQ(r.v[2], 0xbc57ac4cu);
+  EXPECT_EQ(r.v[3], 0x9b00dbd8u);
+}
+
+TEST(Philox, NormalMoments) {
+  const CounterRng rng{42, 3};
+  double s = 0, s2 = 0;
+  const int n = 200000;
+  for (int i = 0; i < n; ++i) {
+    const double x = rng.normal(i);
+    s += x;
+    s2 += x * x;
+  }
+  EXPECT_NEAR(s / n, 0.0, 0.01);
+  EXPECT_NEAR(s2 / n, 1.0, 0.01);
+}
+
+TEST(Tensor, ViewsShareStorageAndCheckBounds) {
+  Tensor t = Tensor::zeros({4, 3}, DType::kF32);
+  Tensor rows = t.slice_rows(1, 3);
+  rows.fill_(2.0);
+  EXPECT_EQ(t.item(2), 0.0);
+  EXPECT_EQ(t.item(3), 2.0);
+  EXPECT_EQ(t.item(8), 2.0);
+  EXPECT_EQ(t.item(9), 0.0);
+  EXPECT_THROW(t.view(10, {3}), Error);
+  EXPECT_THROW(t.data<double>(), Error);
+}
+
+TEST(Tensor, PoisonIsNotFinite) {
+  EXPECT_FALSE(all_finite(Tensor::poisoned({5}, DType::kF32)));
+  EXPECT_EQ(relative_error(Tensor::poisoned({3}, DType::kF64), Tensor::zeros({3}, DType::kF64)),
+            INFINITY);
+}
+
+TEST(Tensor, MemoryStatsTrackPeak) {
+  reset_peak_memory(Device::kCPU);
+  const int64_t before = memory_stats(Device::kCPU).current_bytes;
+  {
+    Tensor t = Tensor::empty({1024}, DType::kF64);
+    EXPECT_EQ(memory_stats(Device::kCPU).current_bytes, before + 8192);
+  }
+  EXPECT_EQ(memory_stats(Device::kCPU).current_bytes, before);
+  EXPECT_GE(memory_stats(Device::kCPU).peak_bytes, before + 8192);
+}
+
+}  // namespace mt
