@@ -1,1 +1,142 @@
+// Config parsing: every kind of bad input gives one ConfigError naming the key; presets load;
+// the HF config.json reader agrees with the presets; the CLI exits with code 2.
 #include <gtest/gtest.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <sys/wait.h>
+
+#include "core/error.h"
+#include "model/flops.h"
+#include "train/config.h"
+
+namespace mt {
+namespace {
+
+std::string config_error(const std::string& toml, const std::vector<std::string>& sets = {}) {
+  try {
+    parse_config_string(toml, sets);
+  } catch (const ConfigError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
+TEST(Config, UnknownKeyNamesKeyAndValidKeys) {
+  const std::string e = config_error("[model]\ndimm = 3\n");
+  EXPECT_NE(e.find("unknown key model.dimm"), std::string::npos) << e;
+  EXPECT_NE(e.find("n_heads"), std::string::npos) << e;
+  EXPECT_NE(config_error("[modle]\ndim = 3\n").find("unknown section [modle]"), std::string::npos);
+  EXPECT_NE(config_error("", {"train.stepz=3"}).find("train.stepz"), std::string::npos);
+}
+
+TEST(Config, WrongTypeNamesKey) {
+  EXPECT_NE(config_error("[model]\ndim = \"wide\"\n").find("model.dim must be an integer"),
+            std::string::npos);
+  EXPECT_NE(config_error("[train]\nlr = true\n").find("train.lr must be a number"),
+            std::string::npos);
+  EXPECT_NE(config_error("[model]\ncheckpoint = \"some\"\n").find("valid: none, selective, full"),
+            std::string::npos);
+}
+
+TEST(Config, ImpossibleShapesNameTheSizes) {
+  const std::string heads = config_error("[model]\nn_heads = 6\nn_kv_heads = 4\n");
+  EXPECT_NE(heads.find("model.n_heads = 6"), std::string::npos) << heads;
+  EXPECT_NE(heads.find("model.n_kv_heads = 4"), std::string::npos) << heads;
+  EXPECT_NE(config_error("[model]\ntop_k = 9\nn_experts = 8\n").find("model.top_k = 9"),
+            std::string::npos);
+  EXPECT_NE(config_error("[model]\nhead_dim = 7\n").find("model.head_dim = 7"), std::string::npos);
+  EXPECT_NE(config_error("[train]\nseq_len = 0\n").find("train.seq_len = 0"), std::string::npos);
+  EXPECT_NE(config_error("[model]\nvocab_size = 8\n").find("model.vocab_size = 8"),
+            std::string::npos);
+  EXPECT_NE(config_error("[data]\nsource = \"tokens\"\n").find("data.path"), std::string::npos);
+}
+
+TEST(Config, OverridesApplyAndAcceptBareStrings) {
+  const Config c = parse_config_string("[model]\ndim = 32\n",
+                                       {"model.dim=48", "model.checkpoint=full", "train.lr=1e-3"});
+  EXPECT_EQ(c.model.dim, 48);
+  EXPECT_EQ(c.model.checkpoint, CheckpointPolicy::kFull);
+  EXPECT_EQ(c.train.lr, 1e-3);
+  EXPECT_NE(config_error("", {"dim=3"}).find("section.key=value"), std::string::npos);
+}
+
+TEST(Config, PresetsLoad) {
+  for (const char* name : {"tiny", "qwen3-30b-a3b", "qwen3-235b-a22b"}) {
+    const std::string path = std::string(MOETRAIN_SOURCE_DIR) + "/configs/" + name + ".toml";
+    EXPECT_NO_THROW(load_config(path, {})) << path;
+  }
+  const Config c = load_config(std::string(MOETRAIN_SOURCE_DIR) + "/configs/qwen3-30b-a3b.toml", {});
+  EXPECT_NEAR(train_flops_per_token(c.model, 16384) / 1e9, 56.9, 0.05);
+}
+
+TEST(Config, HfConfigJsonMatchesPreset) {
+  const std::string json = R"({
+    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": false, "decoder_sparse_step": 1,
+    "head_dim": 128, "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+    "intermediate_size": 6144, "max_position_embeddings": 40960, "mlp_only_layers": [],
+    "model_type": "qwen3_moe", "moe_intermediate_size": 768, "norm_topk_prob": true,
+    "num_attention_heads": 32, "num_experts": 128, "num_experts_per_tok": 8,
+    "num_hidden_layers": 48, "num_key_value_heads": 4, "rms_norm_eps": 1e-06,
+    "rope_scaling": null, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
+    "sliding_window": null, "tie_word_embeddings": false, "use_sliding_window": false,
+    "vocab_size": 151936})";
+  const std::string path = (std::filesystem::temp_directory_path() / "mt_hf_config.json").string();
+  std::ofstream(path) << json;
+  const Config hf = parse_config_string("[model]\nhf_config = \"" + path + "\"\n", {});
+  const Config preset =
+      load_config(std::string(MOETRAIN_SOURCE_DIR) + "/configs/qwen3-30b-a3b.toml", {});
+  const ModelConfig &a = hf.model, &b = preset.model;
+  EXPECT_EQ(a.vocab_size, b.vocab_size);
+  EXPECT_EQ(a.dim, b.dim);
+  EXPECT_EQ(a.n_layers, b.n_layers);
+  EXPECT_EQ(a.n_heads, b.n_heads);
+  EXPECT_EQ(a.n_kv_heads, b.n_kv_heads);
+  EXPECT_EQ(a.head_dim, b.head_dim);
+  EXPECT_EQ(a.n_experts, b.n_experts);
+  EXPECT_EQ(a.top_k, b.top_k);
+  EXPECT_EQ(a.moe_dim, b.moe_dim);
+  EXPECT_EQ(a.rope_theta, b.rope_theta);
+  EXPECT_EQ(a.rms_norm_eps, b.rms_norm_eps);
+  EXPECT_EQ(a.norm_topk_prob, b.norm_topk_prob);
+  EXPECT_EQ(a.tie_word_embeddings, b.tie_word_embeddings);
+  // Dense layers are refused by name.
+  std::ofstream(path) << R"({"vocab_size": 10, "hidden_size": 8, "num_hidden_layers": 2,
+    "num_attention_heads": 2, "num_key_value_heads": 1, "num_experts": 4,
+    "num_experts_per_tok": 2, "moe_intermediate_size": 8, "mlp_only_layers": [1]})";
+  EXPECT_NE(config_error("[model]\nhf_config = \"" + path + "\"\n").find("mlp_only_layers"),
+            std::string::npos);
+}
+
+struct CliRun {
+  int code;
+  std::string err;
+};
+CliRun run_cli(const std::string& args) {
+  const std::string err_path = (std::filesystem::temp_directory_path() / "mt_cli_err.txt").string();
+  const std::string cmd = std::string(MOETRAIN_BINARY) + " " + args + " >/dev/null 2>" + err_path;
+  const int status = std::system(cmd.c_str());
+  std::ifstream in(err_path);
+  std::string err((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1, err};
+}
+
+TEST(Cli, ConfigErrorsExitWithCode2AndOneLine) {
+  const std::string tiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
+  for (const std::string& args :
+       {"train --config " + tiny + " --set model.colour=3",
+        "train --config " + tiny + " --set model.n_kv_heads=3",
+        "train --config " + tiny + " --set model.top_k=100",
+        std::string("train --config /nonexistent.toml"), "train --config " + tiny + " --bogus-flag"}) {
+    const CliRun r = run_cli(args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << args << "\n" << r.err;
+  }
+  EXPECT_NE(run_cli("train --config " + tiny + " --set model.colour=3").err.find("model.colour"),
+            std::string::npos);
+}
+
+}  // namespace
+}  // namespace mt

@@ -1,1 +1,162 @@
-#include <gtest/gtest.h>
+// The model: whole-model fp64 finite-difference gradients (every parameter tensor, blocks
+// included), identical gradients under every activation checkpoint policy, FLOP counting.
+#include <cmath>
+
+#include "model/config.h"
+#include "model/flops.h"
+#include "model/qwen3_moe.h"
+#include "testing.h"
+
+namespace mt {
+namespace {
+
+ModelConfig small_config() {
+  ModelConfig c;
+  c.vocab_size = 11;
+  c.dim = 8;
+  c.n_layers = 2;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;
+  c.head_dim = 6;  // independent of dim / heads
+  c.n_experts = 4;
+  c.top_k = 2;
+  c.moe_dim = 5;
+  c.rope_theta = 100.0;
+  c.aux_loss_coef = 0.01;
+  c.init_std = 0.5;  // large enough that every path carries gradient
+  c.compute_dtype = DType::kF64;
+  return c;
+}
+
+// Two rows of 6 tokens; row 0 holds documents of 4 and 2 tokens; one target masked.
+Batch small_batch(int64_t vocab, uint64_t seed) {
+  const int64_t n = 12;
+  Batch b;
+  b.tokens = Tensor::empty({n}, DType::kI32);
+  b.targets = Tensor::empty({n}, DType::kI32);
+  b.loss_mask = Tensor::empty({n}, DType::kU8);
+  b.positions = Tensor::empty({n}, DType::kI32);
+  const CounterRng rng{seed, 5};
+  const int32_t pos[n] = {0, 1, 2, 3, 0, 1, 0, 1, 2, 3, 4, 5};
+  for (int64_t i = 0; i < n; ++i) {
+    b.tokens.data<int32_t>()[i] = static_cast<int32_t>(rng.below(2 * i, vocab));
+    b.targets.data<int32_t>()[i] = static_cast<int32_t>(rng.below(2 * i + 1, vocab));
+    b.loss_mask.data<uint8_t>()[i] = i != 3;
+    b.positions.data<int32_t>()[i] = pos[i];
+  }
+  b.cu_seqlens = Tensor::empty({4}, DType::kI32);
+  const int32_t cu[4] = {0, 4, 6, 12};
+  std::copy(cu, cu + 4, b.cu_seqlens.data<int32_t>());
+  return b;
+}
+
+void check_model_gradients(const ModelConfig& c) {
+  Qwen3Moe model(c, 3);
+  const Batch b = small_batch(c.vocab_size, 9);
+  const LossScale scale{1.0 / b.masked_tokens(), c.aux_loss_coef};
+  model.zero_grad();
+  model.forward_backward(b, scale);
+  auto loss = [&] {
+    const MicroBatchLosses l = model.forward(b);
+    return l.ce_sum * scale.ce_scale + scale.aux_scale * l.aux_sum;
+  };
+  for (auto& u : model.units())
+    for (auto& g : u.groups)
+      for (size_t i = 0; i < g.specs.size(); ++i) {
+        const double err = testing::gradcheck(loss, g.param(i), g.grad(i), 24);
+        EXPECT_LT(err, testing::kGradTol) << g.specs[i].name;
+      }
+}
+
+TEST(Model, GradientsMatchFiniteDifferences) { check_model_gradients(small_config()); }
+
+TEST(Model, GradientsMatchFiniteDifferencesTiedNoNormTopk) {
+  ModelConfig c = small_config();
+  c.tie_word_embeddings = true;
+  c.norm_topk_prob = false;
+  c.n_kv_heads = 1;
+  check_model_gradients(c);
+}
+
+TEST(Model, GradientsMatchFiniteDifferencesForcedBalanced) {
+  ModelConfig c = small_config();
+  c.force_balanced_routing = true;
+  check_model_gradients(c);
+}
+
+TEST(Model, CheckpointPoliciesGiveIdenticalGradients) {
+  std::vector<std::vector<Tensor>> grads;
+  for (auto policy : {CheckpointPolicy::kNone, CheckpointPolicy::kSelective, CheckpointPolicy::kFull}) {
+    ModelConfig c = small_config();
+    c.compute_dtype = DType::kF32;
+    c.checkpoint = policy;
+    Qwen3Moe model(c, 3);
+    const Batch b = small_batch(c.vocab_size, 9);
+    model.zero_grad();
+    model.forward_backward(b, {1.0 / b.masked_tokens(), c.aux_loss_coef});
+    std::vector<Tensor> g;
+    for (auto& u : model.units())
+      for (auto& grp : u.groups) g.push_back(grp.grads.clone());
+    grads.push_back(std::move(g));
+  }
+  for (size_t p = 1; p < grads.size(); ++p)
+    for (size_t i = 0; i < grads[0].size(); ++i) {
+      ASSERT_EQ(grads[p][i].numel(), grads[0][i].numel());
+      for (int64_t j = 0; j < grads[0][i].numel(); ++j)
+        ASSERT_EQ(grads[p][i].item(j), grads[0][i].item(j)) << "policy " << p << " group " << i;
+    }
+  // And they are not trivially zero.
+  double norm = 0;
+  for (const Tensor& t : grads[0])
+    for (int64_t j = 0; j < t.numel(); ++j) norm += t.item(j) * t.item(j);
+  EXPECT_GT(norm, 0.0);
+}
+
+TEST(Model, RouterBiasMovesTowardBalance) {
+  ModelConfig c = small_config();
+  c.bias_update_rate = 0.01;
+  Qwen3Moe model(c, 3);
+  const Batch b = small_batch(c.vocab_size, 9);
+  model.zero_grad();
+  model.forward_backward(b, {1.0 / b.masked_tokens(), 0.0});
+  const Tensor load = model.step_expert_load()[0].clone();
+  model.update_router_biases();
+  const double mean = b.size() * c.top_k / static_cast<double>(c.n_experts);
+  for (int64_t e = 0; e < c.n_experts; ++e) {
+    const double expect = load.item(e) < mean ? 0.01 : (load.item(e) > mean ? -0.01 : 0.0);
+    EXPECT_DOUBLE_EQ(model.router_biases()[0].item(e), expect) << "expert " << e;
+  }
+}
+
+ModelConfig qwen3_30b() {
+  ModelConfig c;
+  c.vocab_size = 151936;
+  c.dim = 2048;
+  c.n_layers = 48;
+  c.n_heads = 32;
+  c.n_kv_heads = 4;
+  c.head_dim = 128;
+  c.n_experts = 128;
+  c.top_k = 8;
+  c.moe_dim = 768;
+  return c;
+}
+
+TEST(Flops, Qwen3_30B_A3B) {
+  EXPECT_NEAR(train_flops_per_token(qwen3_30b(), 16384) / 1e9, 56.9, 0.05);
+  EXPECT_NEAR(count_params(qwen3_30b()).total / 1e9, 30.5, 0.1);  // the published 30.5B
+}
+
+TEST(Flops, Qwen3_235B_A22B) {
+  ModelConfig c = qwen3_30b();
+  c.dim = 4096;
+  c.n_layers = 94;
+  c.n_heads = 64;
+  c.moe_dim = 1536;
+  EXPECT_NEAR(train_flops_per_token(c, 16384) / 1e9, 280.8, 0.05);
+  EXPECT_NEAR(count_params(c).total / 1e9, 235.1, 0.2);  // the published 235B
+  EXPECT_NEAR(count_params(c).active / 1e9, 21.6, 0.1);  // "A22B" minus the embedding table
+}
+
+}  // namespace
+}  // namespace mt

@@ -1,1 +1,406 @@
-#include <gtest/gtest.h>
+// Every CPU op: hand-checked forward cases and fp64 finite-difference gradients. The loss for a
+// gradient check is L = sum(out * G) with a fixed random G, so dL/dout = G.
+#include <cmath>
+
+#include "ops/activation.h"
+#include "ops/attention.h"
+#include "ops/elementwise.h"
+#include "ops/embedding.h"
+#include "ops/gemm.h"
+#include "ops/grouped_gemm.h"
+#include "ops/loss.h"
+#include "ops/norm.h"
+#include "ops/optim.h"
+#include "ops/permute.h"
+#include "ops/rope.h"
+#include "ops/route.h"
+#include "testing.h"
+
+namespace mt {
+namespace {
+
+using testing::dot;
+using testing::gradcheck;
+using testing::kGradTol;
+using testing::randn;
+
+Tensor i32(std::initializer_list<int32_t> v) {
+  Tensor t = Tensor::empty({static_cast<int64_t>(v.size())}, DType::kI32);
+  std::copy(v.begin(), v.end(), t.data<int32_t>());
+  return t;
+}
+
+Tensor like(const Tensor& t) { return Tensor::poisoned(t.shape(), t.dtype()); }
+
+TEST(Gemm, MatchesNaiveLoopsForEveryTranspose) {
+  const Tensor a = randn({5, 7}, 1), b = randn({7, 4}, 2);
+  const Tensor at = randn({7, 5}, 1), bt = randn({4, 7}, 2);
+  for (auto ta : {ops::Transpose::kNo, ops::Transpose::kYes})
+    for (auto tb : {ops::Transpose::kNo, ops::Transpose::kYes}) {
+      const Tensor& A = ta == ops::Transpose::kNo ? a : at;
+      const Tensor& B = tb == ops::Transpose::kNo ? b : bt;
+      Tensor c = Tensor::poisoned({5, 4}, DType::kF64);
+      ops::gemm(A, ta, B, tb, c, ops::Accumulate::kNo);
+      for (int i = 0; i < 5; ++i)
+        for (int j = 0; j < 4; ++j) {
+          double ref = 0;
+          for (int p = 0; p < 7; ++p)
+            ref += (ta == ops::Transpose::kNo ? A.item(i * 7 + p) : A.item(p * 5 + i)) *
+                   (tb == ops::Transpose::kNo ? B.item(p * 4 + j) : B.item(j * 7 + p));
+          EXPECT_NEAR(c.item(i * 4 + j), ref, 1e-12);
+        }
+    }
+}
+
+TEST(Linear, Gradients) {
+  Tensor x = randn({4, 6}, 1), w = randn({6, 5}, 2), g = randn({4, 5}, 3);
+  auto loss = [&] {
+    Tensor y = Tensor::empty({4, 5}, DType::kF64);
+    ops::linear_forward(x, w, y);
+    return dot(y, g);
+  };
+  Tensor dx = like(x), dw = Tensor::zeros(w.shape(), DType::kF64);
+  ops::linear_backward(x, w, g, dx, dw);
+  EXPECT_LT(gradcheck(loss, x, dx), kGradTol);
+  EXPECT_LT(gradcheck(loss, w, dw), kGradTol);
+}
+
+TEST(Embedding, ForwardGathersAndBackwardAccumulates) {
+  Tensor table = randn({5, 3}, 1), ids = i32({4, 0, 4});
+  Tensor out = Tensor::poisoned({3, 3}, DType::kF64);
+  ops::embedding_forward(ids, table, out);
+  for (int c = 0; c < 3; ++c) {
+    EXPECT_EQ(out.item(c), table.item(12 + c));
+    EXPECT_EQ(out.item(3 + c), table.item(c));
+  }
+  Tensor g = randn({3, 3}, 2);
+  auto loss = [&] {
+    ops::embedding_forward(ids, table, out);
+    return dot(out, g);
+  };
+  Tensor dt = Tensor::zeros(table.shape(), DType::kF64);
+  ops::embedding_backward(ids, g, dt);
+  EXPECT_LT(gradcheck(loss, table, dt), kGradTol);
+  EXPECT_THROW(ops::embedding_forward(i32({5, 0, 0}), table, out), Error);
+}
+
+TEST(RMSNorm, HandCheckedAndGradients) {
+  Tensor x = Tensor::empty({1, 2}, DType::kF64), w = Tensor::empty({2}, DType::kF64);
+  x.set_item(0, 3);
+  x.set_item(1, 4);
+  w.set_item(0, 1);
+  w.set_item(1, 2);
+  Tensor y = like(x), r = Tensor::poisoned({1}, DType::kF64);
+  ops::rmsnorm_forward(x, w, 0.0, y, r);  // rms = sqrt(12.5)
+  EXPECT_NEAR(y.item(0), 3 / std::sqrt(12.5), 1e-14);
+  EXPECT_NEAR(y.item(1), 8 / std::sqrt(12.5), 1e-14);
+
+  Tensor xs = randn({5, 8}, 1), ws = randn({8}, 2), g = randn({5, 8}, 3);
+  Tensor ys = like(xs), rs = Tensor::poisoned({5}, DType::kF64);
+  auto loss = [&] {
+    ops::rmsnorm_forward(xs, ws, 1e-6, ys, rs);
+    return dot(ys, g);
+  };
+  loss();
+  Tensor dx = like(xs), dw = Tensor::zeros({8}, DType::kF64);
+  ops::rmsnorm_backward(xs, ws, rs, g, dx, dw);
+  EXPECT_LT(gradcheck(loss, xs, dx), kGradTol);
+  EXPECT_LT(gradcheck(loss, ws, dw), kGradTol);
+}
+
+TEST(Rope, RotateHalfConvention) {
+  // head_dim 4: pair 0 is (x0, x2) at frequency 1, pair 1 is (x1, x3) at theta^(-1/2).
+  Tensor x = Tensor::zeros({2, 1, 4}, DType::kF64);
+  for (int i = 0; i < 8; ++i) x.set_item(i, i + 1.0);
+  Tensor y = like(x);
+  const double theta = 100.0;
+  ops::rope_forward(x, i32({0, 3}), theta, y);
+  for (int i = 0; i < 4; ++i) EXPECT_EQ(y.item(i), x.item(i));  // position 0: identity
+  const double a0 = 3.0, a1 = 3.0 / 10.0;
+  EXPECT_NEAR(y.item(4), 5 * std::cos(a0) - 7 * std::sin(a0), 1e-14);
+  EXPECT_NEAR(y.item(6), 7 * std::cos(a0) + 5 * std::sin(a0), 1e-14);
+  EXPECT_NEAR(y.item(5), 6 * std::cos(a1) - 8 * std::sin(a1), 1e-14);
+  EXPECT_NEAR(y.item(7), 8 * std::cos(a1) + 6 * std::sin(a1), 1e-14);
+}
+
+TEST(Rope, Gradients) {
+  Tensor x = randn({6, 3, 8}, 1), g = randn({6, 3, 8}, 2);
+  Tensor pos = i32({0, 1, 2, 0, 1, 5});
+  Tensor y = like(x);
+  auto loss = [&] {
+    ops::rope_forward(x, pos, 1e4, y);
+    return dot(y, g);
+  };
+  Tensor dx = like(x);
+  ops::rope_backward(g, pos, 1e4, dx);
+  EXPECT_LT(gradcheck(loss, x, dx), kGradTol);
+}
+
+struct AttnCase {
+  Tensor q, k, v, cu;
+  double scale;
+};
+AttnCase attn_case() {
+  // 3 documents (lengths 3, 1, 4), 4 query heads over 2 kv heads, Dqk 8 != Dv 6.
+  return {randn({8, 4, 8}, 1, 0.7), randn({8, 2, 8}, 2, 0.7), randn({8, 2, 6}, 3),
+          i32({0, 3, 4, 8}), 1.0 / std::sqrt(8.0)};
+}
+
+TEST(Attention, SingleTokenDocumentCopiesItsValue) {
+  AttnCase c = attn_case();
+  Tensor out = Tensor::poisoned({8, 4, 6}, DType::kF64), lse = Tensor::poisoned({8, 4}, DType::kF64);
+  ops::attention_forward(c.q, c.k, c.v, c.cu, c.scale, out, lse);
+  EXPECT_TRUE(all_finite(out) && all_finite(lse));
+  for (int h = 0; h < 4; ++h) {
+    const int g = h / 2;
+    for (int d = 0; d < 6; ++d) EXPECT_NEAR(out.item((3 * 4 + h) * 6 + d), c.v.item((3 * 2 + g) * 6 + d), 1e-14);
+    double s = 0;
+    for (int d = 0; d < 8; ++d) s += c.q.item((3 * 4 + h) * 8 + d) * c.k.item((3 * 2 + g) * 8 + d);
+    EXPECT_NEAR(lse.item(3 * 4 + h), s * c.scale, 1e-14);
+  }
+}
+
+TEST(Attention, MatchesDenseSoftmaxAndIsolatesDocuments) {
+  AttnCase c = attn_case();
+  Tensor out = Tensor::poisoned({8, 4, 6}, DType::kF64), lse = Tensor::poisoned({8, 4}, DType::kF64);
+  ops::attention_forward(c.q, c.k, c.v, c.cu, c.scale, out, lse);
+  // Token 6 (document 2 = tokens 4..7), head 3 -> kv head 1: explicit softmax over tokens 4..6.
+  double w[3], z = 0;
+  for (int j = 4; j <= 6; ++j) {
+    double s = 0;
+    for (int d = 0; d < 8; ++d) s += c.q.item((6 * 4 + 3) * 8 + d) * c.k.item((j * 2 + 1) * 8 + d);
+    z += (w[j - 4] = std::exp(s * c.scale));
+  }
+  for (int d = 0; d < 6; ++d) {
+    double ref = 0;
+    for (int j = 4; j <= 6; ++j) ref += w[j - 4] / z * c.v.item((j * 2 + 1) * 6 + d);
+    EXPECT_NEAR(out.item((6 * 4 + 3) * 6 + d), ref, 1e-13);
+  }
+  EXPECT_NEAR(lse.item(6 * 4 + 3), std::log(z), 1e-13);
+  // Changing a later document's keys leaves earlier documents alone.
+  Tensor out2 = like(out);
+  c.k.set_item((5 * 2 + 0) * 8, 10.0);
+  ops::attention_forward(c.q, c.k, c.v, c.cu, c.scale, out2, lse);
+  for (int64_t i = 0; i < 4 * 4 * 6; ++i) EXPECT_EQ(out.item(i), out2.item(i));
+}
+
+TEST(Attention, Gradients) {
+  AttnCase c = attn_case();
+  Tensor g = randn({8, 4, 6}, 4);
+  Tensor out = Tensor::poisoned({8, 4, 6}, DType::kF64), lse = Tensor::poisoned({8, 4}, DType::kF64);
+  auto loss = [&] {
+    ops::attention_forward(c.q, c.k, c.v, c.cu, c.scale, out, lse);
+    return dot(out, g);
+  };
+  loss();
+  Tensor dq = like(c.q), dk = like(c.k), dv = like(c.v);
+  ops::attention_backward(c.q, c.k, c.v, out, lse, g, c.cu, c.scale, dq, dk, dv);
+  EXPECT_LT(gradcheck(loss, c.q, dq), kGradTol);
+  EXPECT_LT(gradcheck(loss, c.k, dk), kGradTol);
+  EXPECT_LT(gradcheck(loss, c.v, dv), kGradTol);
+}
+
+TEST(Router, HandCheckedChoiceAndWeights) {
+  // One token, 4 experts, logits log(1), log(4), log(2), log(3): scores 0.1, 0.4, 0.2, 0.3.
+  Tensor logits = Tensor::empty({1, 4}, DType::kF64);
+  for (int e = 0; e < 4; ++e) logits.set_item(e, std::log(std::vector<double>{1, 4, 2, 3}[e]));
+  ops::Routing r;
+  ops::router_forward(logits, Tensor(), {2, true, false}, r);
+  EXPECT_EQ(r.expert_index.item(0), 1);
+  EXPECT_EQ(r.expert_index.item(1), 3);
+  EXPECT_NEAR(r.expert_weight.item(0), 0.4 / 0.7, 1e-14);
+  EXPECT_NEAR(r.expert_weight.item(1), 0.3 / 0.7, 1e-14);
+  ops::router_forward(logits, Tensor(), {2, false, false}, r);
+  EXPECT_NEAR(r.expert_weight.item(0), 0.4, 1e-14);
+  // The bias steers the choice but never the weights.
+  Tensor bias = Tensor::zeros({4}, DType::kF64);
+  bias.set_item(0, 0.35);
+  ops::router_forward(logits, bias, {2, false, false}, r);
+  EXPECT_EQ(r.expert_index.item(0), 0);
+  EXPECT_EQ(r.expert_index.item(1), 1);
+  EXPECT_NEAR(r.expert_weight.item(0), 0.1, 1e-14);
+  // Aux loss: E * sum_e count_e / N * mean score = 4 * (0.1 + 0.4) for choices {0, 1}.
+  EXPECT_NEAR(ops::router_aux_loss(r), 4 * (0.1 + 0.4), 1e-14);
+}
+
+TEST(Router, ForcedBalancedRoutingSpreadsEvenly) {
+  Tensor logits = randn({8, 4}, 1);
+  ops::Routing r;
+  ops::router_forward(logits, Tensor(), {2, true, true}, r);
+  for (int e = 0; e < 4; ++e) EXPECT_EQ(r.tokens_per_expert.item(e), 4);
+  EXPECT_EQ(r.expert_index.item(2 * 3 + 1), (3 * 2 + 1) % 4);
+}
+
+TEST(Router, Gradients) {
+  for (bool norm : {true, false}) {
+    for (bool balanced : {false, true}) {
+      const ops::RouterOptions opt{3, norm, balanced};
+      Tensor logits = randn({6, 5}, 1), g = randn({6, 3}, 2);
+      const double aux_grad = 0.7;
+      ops::Routing r;
+      auto loss = [&] {
+        ops::router_forward(logits, Tensor(), opt, r);
+        return dot(r.expert_weight, g) + aux_grad * ops::router_aux_loss(r);
+      };
+      loss();
+      Tensor dl = like(logits);
+      ops::router_backward(r, opt, g, aux_grad, dl);
+      EXPECT_LT(gradcheck(loss, logits, dl), kGradTol) << "norm " << norm << " balanced " << balanced;
+    }
+  }
+}
+
+struct PermCase {
+  Tensor index;
+  ops::ExpertPermutation p;
+};
+PermCase perm_case() {
+  // 5 tokens, top-2 over 4 experts; expert 2 receives nothing.
+  PermCase c;
+  c.index = i32({3, 0, 1, 3, 0, 1, 3, 1, 0, 3});
+  c.index = c.index.reshape({5, 2});
+  ops::make_expert_permutation(c.index, 4, c.p);
+  return c;
+}
+
+TEST(Permute, ExpertMajorLayoutIsStable) {
+  PermCase c = perm_case();
+  const std::vector<int64_t> offsets = {0, 3, 6, 6, 10};
+  for (int e = 0; e < 5; ++e) EXPECT_EQ(c.p.expert_offsets.item(e), offsets[e]);
+  const std::vector<int> source = {0, 2, 4, 1, 2, 3, 0, 1, 3, 4};  // token order within experts
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(c.p.source_token.item(i), source[i]);
+  Tensor x = randn({5, 3}, 1), xp = Tensor::poisoned({10, 3}, DType::kF64);
+  ops::permute_rows(x, c.p, xp);
+  Tensor back = Tensor::poisoned({5, 2, 3}, DType::kF64);
+  ops::unpermute_rows(xp, c.p, back);
+  for (int t = 0; t < 5; ++t)
+    for (int j = 0; j < 2; ++j)
+      for (int d = 0; d < 3; ++d) EXPECT_EQ(back.item((t * 2 + j) * 3 + d), x.item(t * 3 + d));
+}
+
+TEST(Permute, Gradients) {
+  PermCase c = perm_case();
+  Tensor x = randn({5, 3}, 1), g = randn({10, 3}, 2), xp = like(g);
+  auto loss = [&] {
+    ops::permute_rows(x, c.p, xp);
+    return dot(xp, g);
+  };
+  Tensor dx = like(x);
+  ops::permute_rows_backward(g, c.p, dx);
+  EXPECT_LT(gradcheck(loss, x, dx), kGradTol);
+
+  Tensor yp = randn({10, 3}, 3), gy = randn({5, 2, 3}, 4), y = like(gy);
+  auto uloss = [&] {
+    ops::unpermute_rows(yp, c.p, y);
+    return dot(y, gy);
+  };
+  Tensor dyp = like(yp);
+  ops::unpermute_rows_backward(gy, c.p, dyp);
+  EXPECT_LT(gradcheck(uloss, yp, dyp), kGradTol);
+}
+
+TEST(Combine, WeightsAppliedOnceAndGradients) {
+  PermCase c = perm_case();
+  Tensor yp = randn({10, 3}, 1), w = randn({5, 2}, 2), g = randn({5, 3}, 3);
+  Tensor out = Tensor::poisoned({5, 3}, DType::kF64);
+  ops::combine_forward(yp, c.p, w, out);
+  // Token 1 chose experts (1, 3): row 3 (first of expert 1) and row 7 (second of expert 3).
+  for (int d = 0; d < 3; ++d)
+    EXPECT_NEAR(out.item(3 + d), w.item(2) * yp.item(3 * 3 + d) + w.item(3) * yp.item(7 * 3 + d),
+                1e-14);
+  auto loss = [&] {
+    ops::combine_forward(yp, c.p, w, out);
+    return dot(out, g);
+  };
+  Tensor dyp = like(yp), dw = like(w);
+  ops::combine_backward(g, yp, c.p, w, dyp, dw);
+  EXPECT_LT(gradcheck(loss, yp, dyp), kGradTol);
+  EXPECT_LT(gradcheck(loss, w, dw), kGradTol);
+}
+
+TEST(GroupedGemm, PerExpertProductsAndGradients) {
+  Tensor x = randn({7, 4}, 1), w = randn({3, 4, 5}, 2), g = randn({7, 5}, 3);
+  Tensor off = Tensor::empty({4}, DType::kI64);
+  for (int e = 0; e < 4; ++e) off.set_item(e, std::vector<int>{0, 2, 2, 7}[e]);  // expert 1 empty
+  Tensor out = Tensor::poisoned({7, 5}, DType::kF64);
+  ops::grouped_gemm_forward(x, w, off, out);
+  for (int r = 0; r < 7; ++r) {
+    const int e = r < 2 ? 0 : 2;
+    for (int n = 0; n < 5; ++n) {
+      double ref = 0;
+      for (int k = 0; k < 4; ++k) ref += x.item(r * 4 + k) * w.item((e * 4 + k) * 5 + n);
+      EXPECT_NEAR(out.item(r * 5 + n), ref, 1e-13);
+    }
+  }
+  auto loss = [&] {
+    ops::grouped_gemm_forward(x, w, off, out);
+    return dot(out, g);
+  };
+  Tensor dx = like(x), dw = Tensor::zeros(w.shape(), DType::kF64);
+  ops::grouped_gemm_backward_input(g, w, off, dx);
+  ops::grouped_gemm_backward_weight(x, g, off, dw);
+  EXPECT_LT(gradcheck(loss, x, dx), kGradTol);
+  EXPECT_LT(gradcheck(loss, w, dw, 60), kGradTol);
+  for (int i = 20; i < 40; ++i) EXPECT_EQ(dw.item(i), 0.0);  // the empty expert
+}
+
+TEST(SwiGLU, HandCheckedAndGradients) {
+  Tensor h = Tensor::empty({1, 2}, DType::kF64), a = Tensor::poisoned({1, 1}, DType::kF64);
+  h.set_item(0, 1.5);
+  h.set_item(1, -2.0);
+  ops::swiglu_forward(h, a);
+  EXPECT_NEAR(a.item(0), 1.5 / (1 + std::exp(-1.5)) * -2.0, 1e-14);
+  Tensor hs = randn({4, 6}, 1), g = randn({4, 3}, 2), as = like(g);
+  auto loss = [&] {
+    ops::swiglu_forward(hs, as);
+    return dot(as, g);
+  };
+  Tensor dh = like(hs);
+  ops::swiglu_backward(hs, g, dh);
+  EXPECT_LT(gradcheck(loss, hs, dh), kGradTol);
+}
+
+TEST(CrossEntropy, HandCheckedMaskAndGradients) {
+  Tensor logits = Tensor::zeros({3, 7}, DType::kF64);
+  Tensor targets = i32({2, 5, 1});
+  Tensor mask = Tensor::empty({3}, DType::kU8);
+  mask.set_item(0, 1);
+  mask.set_item(1, 0);
+  mask.set_item(2, 1);
+  Tensor lse = Tensor::poisoned({3}, DType::kF64);
+  EXPECT_NEAR(ops::cross_entropy_forward(logits, targets, mask, lse), 2 * std::log(7.0), 1e-13);
+
+  Tensor l = randn({3, 7}, 1);
+  auto loss = [&] { return 0.5 * ops::cross_entropy_forward(l, targets, mask, lse); };
+  loss();
+  Tensor dl = like(l);
+  ops::cross_entropy_backward(l, targets, mask, lse, 0.5, dl);
+  EXPECT_LT(gradcheck(loss, l, dl), kGradTol);
+  for (int v = 0; v < 7; ++v) EXPECT_EQ(dl.item(7 + v), 0.0);  // masked token
+}
+
+TEST(AdamW, FirstStepIsSignedLearningRate) {
+  // Step 1: m_hat = g, v_hat = g^2, so p <- p (1 - lr wd) - lr g / (|g| + eps).
+  Tensor p = Tensor::empty({2}, DType::kF64), g = Tensor::empty({2}, DType::kF64);
+  p.set_item(0, 1.0);
+  p.set_item(1, -2.0);
+  g.set_item(0, 0.5);
+  g.set_item(1, -0.25);
+  Tensor m = Tensor::zeros({2}, DType::kF64), v = Tensor::zeros({2}, DType::kF64);
+  const ops::AdamWHyper h{0.1, 0.9, 0.95, 1e-8, 0.01, 1};
+  ops::adamw_step(p, g, m, v, h);
+  EXPECT_NEAR(p.item(0), 1.0 * (1 - 0.001) - 0.1 * 0.5 / (0.5 + 1e-8), 1e-12);
+  EXPECT_NEAR(p.item(1), -2.0 * (1 - 0.001) + 0.1 * 0.25 / (0.25 + 1e-8), 1e-12);
+  EXPECT_NEAR(m.item(0), 0.05, 1e-15);
+  EXPECT_NEAR(v.item(0), 0.05 * 0.25, 1e-15);
+  // Step 2 against the formula.
+  const double m2 = 0.9 * 0.05 + 0.1 * 0.5, v2 = 0.95 * 0.0125 + 0.05 * 0.25;
+  const double p1 = p.item(0);
+  ops::adamw_step(p, g, m, v, {0.1, 0.9, 0.95, 1e-8, 0.01, 2});
+  const double expect =
+      p1 * (1 - 0.001) - 0.1 * (m2 / (1 - 0.81)) / (std::sqrt(v2 / (1 - 0.9025)) + 1e-8);
+  EXPECT_NEAR(p.item(0), expect, 1e-12);
+}
+
+}  // namespace
+}  // namespace mt

@@ -91,8 +91,9 @@ int main(int argc, char** argv) {
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
-    const int rc = app.exit(e);
-    return rc == 0 ? 0 : static_cast<int>(mt::ExitCode::kConfig);
+    if (e.get_exit_code() == 0) return app.exit(e);  // --help
+    std::fprintf(stderr, "moetrain: %s (see --help)\n", e.what());
+    return static_cast<int>(mt::ExitCode::kConfig);
   }
   try {
     if (*train) return run_train(train_cfg, steps, metrics, resume);
