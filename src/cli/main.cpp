@@ -8,6 +8,7 @@
 #include <cstdio>
 
 #include "core/log.h"
+#include "dist/communicator.h"
 #include "model/flops.h"
 #include "train/config.h"
 #include "train/trainer.h"
@@ -49,17 +50,26 @@ int run_train(const ConfigArgs& a, int64_t steps, const std::string& metrics,
               const std::string& resume) {
   const mt::Config c = mt::load_config(a.path, a.overrides);
   choose_device(c);
-  mt::Trainer trainer(c);
   mt::RunOptions opt;
   if (steps > 0) opt.steps = steps;
   opt.metrics_path = metrics;
   opt.resume = resume;
   opt.progress_bar = isatty(fileno(stderr));
-  const auto m = trainer.run(opt);
-  if (!m.empty())
-    mt::log::info("done: {} steps, final loss {:.4f} (data floor {:.4f}, unigram {:.4f})",
-                  m.back().step, m.back().loss, trainer.data_stats().loss_floor,
-                  trainer.data_stats().unigram_entropy);
+  auto train = [&](mt::dist::Communicator* world) {
+    mt::Trainer trainer(c, world);
+    const auto m = trainer.run(opt);
+    if (!m.empty() && (!world || world->rank() == 0))
+      mt::log::info("done: {} steps, final loss {:.4f} (data floor {:.4f}, unigram {:.4f})",
+                    m.back().step, m.back().loss, trainer.data_stats().loss_floor,
+                    trainer.data_stats().unigram_entropy);
+  };
+  if (c.parallel.world == 1) {
+    train(nullptr);
+  } else {
+    // CPU ranks as threads of this process (the in-process backend).
+    mt::dist::run_in_process(static_cast<int>(c.parallel.world),
+                             [&](mt::dist::Communicator& world) { train(&world); });
+  }
   return 0;
 }
 

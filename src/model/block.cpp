@@ -40,7 +40,7 @@ void drop_for_policy(BlockActivations& a, CheckpointPolicy policy) {
   if (policy == CheckpointPolicy::kNone) return;
   a.xn = a.attn_rstd = a.qn = a.q_rstd = a.kn = a.k_rstd = a.qr = a.kr = Tensor();
   a.h = a.hn = a.mlp_rstd = Tensor();
-  a.moe.xp = a.moe.act = Tensor();
+  a.moe.xp = a.moe.act = Tensor();  // the exchange's outputs xe and y stay: no re-communication
   if (policy == CheckpointPolicy::kSelective) return;
   a.q = a.k = a.v = a.o = Tensor();
   a.moe = moe::MoeActivations();
@@ -100,12 +100,13 @@ void block_fill(const BlockParams& p, const ModelConfig& c, const BlockInputs& i
     a.mlp_rstd = Tensor::empty({n}, dt);
     ops::rmsnorm_forward(a.h, p.mlp_norm, c.rms_norm_eps, a.hn, a.mlp_rstd);
   }
-  moe::moe_fill(p.moe, c, in.router_bias, a.hn, a.moe);
+  moe::moe_fill(p.moe, c, in.comms, in.router_bias, a.hn, a.moe);
 }
 
 }  // namespace
 
-std::vector<ParamGroup> make_block_groups(const ModelConfig& c, int64_t layer) {
+std::vector<ParamGroup> make_block_groups(const ModelConfig& c, int64_t layer,
+                                          int64_t first_expert, int64_t local_experts) {
   const std::string pre = fmt::format("layers.{}.", layer);
   std::vector<ParamSpec> dense = {
       {pre + "attn_norm", {c.dim}, true},
@@ -118,9 +119,11 @@ std::vector<ParamGroup> make_block_groups(const ModelConfig& c, int64_t layer) {
       {pre + "mlp_norm", {c.dim}, true},
       {pre + "moe.router", {c.dim, c.n_experts}},
   };
+  const int64_t gate_up = c.dim * 2 * c.moe_dim, down = c.moe_dim * c.dim;  // per expert
   std::vector<ParamSpec> experts = {
-      {pre + "moe.w_gate_up", {c.n_experts, c.dim, 2 * c.moe_dim}},
-      {pre + "moe.w_down", {c.n_experts, c.moe_dim, c.dim}},
+      {pre + "moe.w_gate_up", {local_experts, c.dim, 2 * c.moe_dim}, false, 0,
+       first_expert * gate_up},
+      {pre + "moe.w_down", {local_experts, c.moe_dim, c.dim}, false, 0, first_expert * down},
   };
   std::vector<ParamGroup> groups;
   groups.push_back(make_param_group(ParamKind::kDense, std::move(dense), c.compute_dtype));

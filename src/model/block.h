@@ -23,8 +23,10 @@ struct BlockParams {
   moe::MoeWeights moe;  // router (D, E) dense; w_gate_up (E, D, 2F), w_down (E, F, D) expert
 };
 
-// The block unit's parameter groups: [0] dense, [1] expert.
-std::vector<ParamGroup> make_block_groups(const ModelConfig& c, int64_t layer);
+// The block unit's parameter groups: [0] dense, [1] expert, the latter holding experts
+// [first_expert, first_expert + local_experts) (all of them without expert parallelism).
+std::vector<ParamGroup> make_block_groups(const ModelConfig& c, int64_t layer,
+                                          int64_t first_expert, int64_t local_experts);
 BlockParams bind_block_params(const std::vector<ParamGroup>& groups);
 BlockParams bind_block_grads(const std::vector<ParamGroup>& groups);
 
@@ -39,7 +41,7 @@ struct BlockActivations {
   Tensor qn, q_rstd, kn, k_rstd;  // (N*H, hd), (N*H), (N*KV, hd), (N*KV)  [none]
   Tensor qr, kr;               // after RoPE (N, H, hd), (N, KV, hd)  [none]
   Tensor h, hn, mlp_rstd;      // (N, D), (N, D), (N)                 [none]
-  moe::MoeActivations moe;     // logits, routing, gate_up, y [selective]; xp, act [none]
+  moe::MoeActivations moe;     // routing, logits, xe, gate_up, ye, y [selective]; xp, act [none]
   // Step statistics, always kept: i64 (E) rows routed to each expert, and the aux loss.
   Tensor tokens_per_expert;
   double aux_loss = 0;
@@ -48,6 +50,7 @@ struct BlockActivations {
 struct BlockInputs {
   const Batch* batch = nullptr;  // positions and cu_seqlens
   Tensor router_bias;            // (E) or undefined
+  moe::MoeComms comms;           // EP and batch groups (null on one rank)
 };
 
 // out (N, D). Keeps in `a` what the policy saves.

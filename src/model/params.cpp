@@ -21,8 +21,11 @@ ParamGroup make_param_group(ParamKind kind, std::vector<ParamSpec> specs, DType 
     offset += shape_numel(s.shape);
   }
   g.specs = std::move(specs);
+  g.numel = offset;
   g.params = Tensor::zeros({offset}, dtype);
   g.grads = Tensor::zeros({offset}, dtype);
+  g.shard = g.params;
+  g.grad_shard = g.grads;
   return g;
 }
 
@@ -34,7 +37,8 @@ void init_params(ParamGroup& g, uint64_t seed, double std) {
       continue;
     }
     const CounterRng rng{seed, fnv1a(g.specs[i].name)};
-    for (int64_t j = 0; j < p.numel(); ++j) p.set_item(j, std * rng.normal(j));
+    const int64_t base = g.specs[i].init_offset;
+    for (int64_t j = 0; j < p.numel(); ++j) p.set_item(j, std * rng.normal(base + j));
   }
 }
 

@@ -1,13 +1,19 @@
-// Parameters live in flat buffers, one per (unit, group): a unit is what FSDP shards and
-// gathers as one (the embedding, each block, the head); inside a block the dense parameters and
+// Parameters live in flat buffers, one per (unit, group): a unit is what FSDP gathers and
+// reshards as one (the embedding, each block, the head); inside a block the dense parameters and
 // the expert parameters are separate groups because they shard over different process groups.
 // Named tensors are views into the flat buffers, so the optimizer and the communication work on
 // one contiguous range per group.
+//
+// Unsharded (one rank): `shard` and `params` are the same storage, as are `grad_shard` and
+// `grads`. Sharded (FSDP): this rank owns one 1/n slice of the zero-padded flat buffer (the fp32
+// master copy, what the optimizer updates); `params` and `grads` exist only while the unit is in
+// use (fsdp/fsdp.h gathers and releases them).
 #pragma once
 #include <string>
 #include <vector>
 
 #include "core/tensor.h"
+#include "dist/communicator.h"
 
 namespace mt {
 
@@ -18,13 +24,23 @@ struct ParamSpec {
   Shape shape;
   bool is_norm_weight = false;  // initialised to 1
   int64_t offset = 0;           // in elements, inside the group's flat buffer
+  // Element index of this tensor's first element within the full (unsplit) parameter: non-zero
+  // for the expert slice of an EP rank, so that every rank draws the same initial values.
+  int64_t init_offset = 0;
 };
 
 struct ParamGroup {
   ParamKind kind = ParamKind::kDense;
   std::vector<ParamSpec> specs;
-  Tensor params;  // (numel) compute dtype
-  Tensor grads;   // (numel)
+  int64_t numel = 0;                    // sum of the specs, unpadded
+  dist::Communicator* comm = nullptr;   // the FSDP group; null: not sharded
+  Tensor shard;                         // (padded / n) owned master parameters
+  Tensor grad_shard;                    // (padded / n)
+  Tensor params;                        // (padded) full parameters while gathered
+  Tensor grads;                         // (padded) full gradients during backward
+
+  bool sharded() const { return comm != nullptr; }
+  int64_t shard_begin() const { return sharded() ? comm->rank() * shard.numel() : 0; }
   Tensor param(size_t i) const { return params.view(specs[i].offset, specs[i].shape); }
   Tensor grad(size_t i) const { return grads.view(specs[i].offset, specs[i].shape); }
 };
@@ -34,10 +50,11 @@ struct ParamUnit {
   std::vector<ParamGroup> groups;
 };
 
-// Builds a group from specs: assigns offsets, allocates zeroed params and grads.
+// Builds an unsharded group from specs: assigns offsets, allocates zeroed params and grads.
 ParamGroup make_param_group(ParamKind kind, std::vector<ParamSpec> specs, DType dtype);
 // Initialises every parameter from (seed, name): N(0, std) for matrices, 1 for norm weights.
-// The values depend on nothing but the seed and the name (not on order or sharding).
+// The values depend on nothing but the seed, the name and the element's index in the full
+// parameter (not on order, sharding or expert parallelism).
 void init_params(ParamGroup& g, uint64_t seed, double std);
 
 }  // namespace mt

@@ -2,6 +2,7 @@
 
 #include <cmath>
 
+#include "fsdp/fsdp.h"
 #include "ops/elementwise.h"
 #include "ops/embedding.h"
 #include "ops/gemm.h"
@@ -16,21 +17,42 @@ int64_t Batch::masked_tokens() const {
   return n;
 }
 
-Qwen3Moe::Qwen3Moe(const ModelConfig& c, uint64_t seed) : cfg_(c) {
+namespace {
+// The loss is normalised by the global count of counted tokens (the trainer all-reduces it), so
+// summing the ranks' gradients gives the gradient of the global batch: no further division.
+constexpr double kGradDivideFactor = 1.0;
+}  // namespace
+
+Qwen3Moe::Qwen3Moe(const ModelConfig& c, uint64_t seed, dist::DeviceMesh* mesh)
+    : cfg_(c), mesh_(mesh) {
   cfg_.validate();
+  int64_t first_expert = 0, local_experts = c.n_experts;
+  if (mesh) {
+    first_expert = mesh->first_local_expert();
+    local_experts = mesh->experts_per_rank();
+    if (mesh->ep_size() > 1) comms_.ep = &mesh->ep();
+    if (mesh->world().size() > 1) comms_.batch = &mesh->world();
+  }
   const DType dt = cfg_.compute_dtype;
   ParamUnit embed{"embed", {}};
   embed.groups.push_back(
       make_param_group(ParamKind::kDense, {{"embed.table", {c.vocab_size, c.dim}}}, dt));
   units_.push_back(std::move(embed));
   for (int64_t l = 0; l < c.n_layers; ++l)
-    units_.push_back(ParamUnit{fmt::format("layers.{}", l), make_block_groups(c, l)});
+    units_.push_back(ParamUnit{fmt::format("layers.{}", l),
+                               make_block_groups(c, l, first_expert, local_experts)});
   std::vector<ParamSpec> head_specs = {{"head.norm", {c.dim}, true}};
   if (!c.tie_word_embeddings) head_specs.push_back({"head.out", {c.dim, c.vocab_size}});
   units_.push_back(
       ParamUnit{"head", {make_param_group(ParamKind::kDense, std::move(head_specs), dt)}});
   for (auto& u : units_)
-    for (auto& g : u.groups) init_params(g, seed, c.init_std);
+    for (auto& g : u.groups) {
+      init_params(g, seed, c.init_std);
+      if (!mesh) continue;
+      dist::Communicator& group =
+          g.kind == ParamKind::kExpert ? mesh->dp_shard_mod_ep() : mesh->world();
+      if (group.size() > 1) fsdp::shard_group(g, group);
+    }
   for (int64_t l = 0; l < c.n_layers; ++l) {
     router_bias_.push_back(Tensor::zeros({c.n_experts}, dt));
     expert_load_.push_back(Tensor::zeros({c.n_experts}, DType::kI64));
@@ -39,7 +61,7 @@ Qwen3Moe::Qwen3Moe(const ModelConfig& c, uint64_t seed) : cfg_(c) {
 
 void Qwen3Moe::zero_grad() {
   for (auto& u : units_)
-    for (auto& g : u.groups) g.grads.zero_();
+    for (auto& g : u.groups) g.grad_shard.zero_();
   for (auto& l : expert_load_) l.zero_();
 }
 
@@ -57,67 +79,92 @@ MicroBatchLosses Qwen3Moe::run(const Batch& b, const LossScale* scale) {
   const ModelConfig& c = cfg_;
   const int64_t n = b.size(), L = c.n_layers;
   const DType dt = c.compute_dtype;
-  const Tensor table = units_[0].groups[0].param(0);
-  const ParamGroup& head = units_.back().groups[0];
+  const bool tied = c.tie_word_embeddings;
+  ParamUnit& embed = units_.front();
+  ParamUnit& head = units_.back();
 
-  // Forward.
+  // Forward. Each unit is gathered just before it runs and released right after.
+  fsdp::gather(embed);
   Tensor x = Tensor::empty({n, c.dim}, dt);
-  ops::embedding_forward(b.tokens, table, x);
+  ops::embedding_forward(b.tokens, embed.groups[0].param(0), x);
+  if (!tied) fsdp::release(embed);  // tied: the head reads the table too
   std::vector<BlockActivations> acts(L);
   std::vector<BlockInputs> inputs(L);
   MicroBatchLosses out;
   for (int64_t l = 0; l < L; ++l) {
+    ParamUnit& unit = units_[l + 1];
     inputs[l].batch = &b;
+    inputs[l].comms = comms_;
     if (c.bias_update_rate > 0) inputs[l].router_bias = router_bias_[l];
-    x = block_forward(bind_block_params(units_[l + 1].groups), c, inputs[l], x, acts[l]);
+    fsdp::gather(unit);
+    x = block_forward(bind_block_params(unit.groups), c, inputs[l], x, acts[l]);
+    fsdp::release(unit);
     out.aux_sum += acts[l].aux_loss;
     const int64_t* routed = acts[l].tokens_per_expert.data<int64_t>();
     for (int64_t e = 0; e < c.n_experts; ++e) expert_load_[l].data<int64_t>()[e] += routed[e];
   }
+  fsdp::gather(head);
+  const Tensor norm_w = head.groups[0].param(0);
   Tensor xf = Tensor::empty({n, c.dim}, dt), rstd = Tensor::empty({n}, dt);
-  ops::rmsnorm_forward(x, head.param(0), c.rms_norm_eps, xf, rstd);
+  ops::rmsnorm_forward(x, norm_w, c.rms_norm_eps, xf, rstd);
   Tensor logits = Tensor::empty({n, c.vocab_size}, dt);
   const Tensor w_out = head_weight();
-  ops::gemm(xf, ops::Transpose::kNo, w_out,
-            c.tie_word_embeddings ? ops::Transpose::kYes : ops::Transpose::kNo, logits,
-            ops::Accumulate::kNo);
+  ops::gemm(xf, ops::Transpose::kNo, w_out, tied ? ops::Transpose::kYes : ops::Transpose::kNo,
+            logits, ops::Accumulate::kNo);
   Tensor lse = Tensor::empty({n}, dt);
   out.ce_sum = ops::cross_entropy_forward(logits, b.targets, b.loss_mask, lse);
   out.masked = b.masked_tokens();
-  if (!scale) return out;
+  if (!scale) {
+    fsdp::release(head);
+    fsdp::release(embed);
+    return out;
+  }
 
-  // Backward.
+  // Backward: head, blocks in reverse, embedding; each unit's gradients are reduce-scattered
+  // as soon as its backward is done.
   Tensor dlogits = Tensor::empty(logits.shape(), dt);
   ops::cross_entropy_backward(logits, b.targets, b.loss_mask, lse, scale->ce_scale, dlogits);
   logits = Tensor();
+  fsdp::begin_backward(head);
+  fsdp::begin_backward(embed);
   Tensor dxf = Tensor::empty({n, c.dim}, dt);
-  ParamGroup& head_grads = units_.back().groups[0];
-  if (c.tie_word_embeddings) {
+  if (tied) {
     ops::gemm(dlogits, ops::Transpose::kNo, w_out, ops::Transpose::kNo, dxf, ops::Accumulate::kNo);
-    Tensor dtable = units_[0].groups[0].grad(0);
+    Tensor dtable = embed.groups[0].grad(0);
     ops::gemm(dlogits, ops::Transpose::kYes, xf, ops::Transpose::kNo, dtable,
               ops::Accumulate::kYes);
   } else {
-    Tensor dw_out = head_grads.grad(1);
+    Tensor dw_out = head.groups[0].grad(1);
     ops::linear_backward(xf, w_out, dlogits, dxf, dw_out);
   }
   Tensor dx = Tensor::empty({n, c.dim}, dt);
-  Tensor dnorm = head_grads.grad(0);
-  ops::rmsnorm_backward(x, head.param(0), rstd, dxf, dx, dnorm);
+  Tensor dnorm = head.groups[0].grad(0);
+  ops::rmsnorm_backward(x, norm_w, rstd, dxf, dx, dnorm);
+  fsdp::reduce_gradients(head, kGradDivideFactor);
+  fsdp::release(head);
+  fsdp::release(embed);
   for (int64_t l = L - 1; l >= 0; --l) {
-    BlockParams g = bind_block_grads(units_[l + 1].groups);
-    dx = block_backward(bind_block_params(units_[l + 1].groups), g, c, inputs[l], acts[l], dx,
+    ParamUnit& unit = units_[l + 1];
+    fsdp::gather(unit);
+    fsdp::begin_backward(unit);
+    BlockParams g = bind_block_grads(unit.groups);
+    dx = block_backward(bind_block_params(unit.groups), g, c, inputs[l], acts[l], dx,
                         scale->aux_scale);
+    fsdp::reduce_gradients(unit, kGradDivideFactor);
+    fsdp::release(unit);
   }
-  Tensor dtable = units_[0].groups[0].grad(0);
+  Tensor dtable = embed.groups[0].grad(0);
   ops::embedding_backward(b.tokens, dx, dtable);
+  fsdp::reduce_gradients(embed, kGradDivideFactor);
   return out;
 }
 
 void Qwen3Moe::update_router_biases() {
   if (cfg_.bias_update_rate <= 0) return;
   for (int64_t l = 0; l < cfg_.n_layers; ++l) {
-    const int64_t* load = expert_load_[l].data<int64_t>();
+    Tensor global = expert_load_[l].clone();
+    if (comms_.batch) comms_.batch->all_reduce(global);
+    const int64_t* load = global.data<int64_t>();
     double mean = 0;
     for (int64_t e = 0; e < cfg_.n_experts; ++e) mean += static_cast<double>(load[e]);
     mean /= static_cast<double>(cfg_.n_experts);

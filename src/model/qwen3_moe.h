@@ -1,9 +1,14 @@
 // The Qwen3-MoE causal LM: embedding -> blocks -> final RMSNorm -> LM head -> cross-entropy.
 // Parameter units: "embed" (table), "layers.i" (dense + expert groups), "head" (final norm and,
 // unless tied, the LM head).
+//
+// On a device mesh every rank holds its part of the batch; dense groups are sharded over the
+// world, expert groups hold this EP rank's experts sharded over dp_shard_mod_ep, and a unit is
+// gathered just before it runs and released right after (forward and backward alike).
 #pragma once
 #include <vector>
 
+#include "dist/mesh.h"
 #include "model/batch.h"
 #include "model/block.h"
 #include "model/config.h"
@@ -26,14 +31,16 @@ struct MicroBatchLosses {
 
 class Qwen3Moe {
  public:
-  Qwen3Moe(const ModelConfig& c, uint64_t seed);
+  // mesh: null for one rank; otherwise it must outlive the model.
+  Qwen3Moe(const ModelConfig& c, uint64_t seed, dist::DeviceMesh* mesh = nullptr);
 
   const ModelConfig& config() const { return cfg_; }
   std::vector<ParamUnit>& units() { return units_; }
   const std::vector<ParamUnit>& units() const { return units_; }
   // Aux-loss-free balancing state: one (E) bias per layer (zero when the option is off).
   std::vector<Tensor>& router_biases() { return router_bias_; }
-  // Tokens each expert received in this step, per layer (i64 (E)), reset by zero_grad.
+  // Tokens this rank routed to each expert in this step, per layer (i64 (E)); reset by
+  // zero_grad.
   const std::vector<Tensor>& step_expert_load() const { return expert_load_; }
 
   void zero_grad();
@@ -41,14 +48,18 @@ class Qwen3Moe {
   MicroBatchLosses forward_backward(const Batch& b, const LossScale& s);
   // Forward only (evaluation and finite differences).
   MicroBatchLosses forward(const Batch& b);
-  // bias_e += rate * sign(mean load - load_e) from this step's loads (DeepSeek-V3 style).
+  // bias_e += rate * sign(mean load - load_e) from this step's loads over all ranks
+  // (DeepSeek-V3 style). Collective on a mesh.
   void update_router_biases();
+  dist::DeviceMesh* mesh() const { return mesh_; }
 
  private:
   MicroBatchLosses run(const Batch& b, const LossScale* s);
   Tensor head_weight() const;  // (D, V) view, or the embedding table when tied (V, D)
 
   ModelConfig cfg_;
+  dist::DeviceMesh* mesh_ = nullptr;
+  moe::MoeComms comms_;
   std::vector<ParamUnit> units_;  // [0] embed, [1..L] layers, [L+1] head
   std::vector<Tensor> router_bias_;
   std::vector<Tensor> expert_load_;

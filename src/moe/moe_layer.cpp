@@ -11,8 +11,14 @@ ops::RouterOptions router_options(const ModelConfig& c) {
   return {static_cast<int>(c.top_k), c.norm_topk_prob, c.force_balanced_routing};
 }
 
-void moe_fill(const MoeWeights& w, const ModelConfig& c, const Tensor& bias, const Tensor& hn,
-              MoeActivations& a) {
+namespace {
+const Tensor& expert_offsets(const MoeActivations& a) {
+  return a.exchange ? a.exchange->local_offsets() : a.perm.expert_offsets;
+}
+}  // namespace
+
+void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, const Tensor& bias,
+              const Tensor& hn, MoeActivations& a) {
   const int64_t n = hn.dim(0), m = n * c.top_k;
   const DType dt = hn.dtype();
   if (!a.routing.expert_index.defined()) {
@@ -21,24 +27,38 @@ void moe_fill(const MoeWeights& w, const ModelConfig& c, const Tensor& bias, con
       ops::linear_forward(hn, w.router, a.logits);
     }
     ops::router_forward(a.logits, bias, router_options(c), a.routing);
-    a.aux_loss = ops::router_aux_loss(a.routing);
+    a.aux_stats = ops::router_aux_stats(a.routing);
+    if (comms.batch) {
+      comms.batch->all_reduce(a.aux_stats.tokens_per_expert);
+      comms.batch->all_reduce(a.aux_stats.score_sum);
+      comms.batch->all_reduce(a.aux_stats.tokens);
+    }
+    a.aux_loss = ops::router_aux_loss(a.aux_stats);
     ops::make_expert_permutation(a.routing.expert_index, c.n_experts, a.perm);
+    if (comms.ep) a.exchange = std::make_shared<ExpertExchange>(*comms.ep, a.perm.expert_offsets);
   }
-  if (!a.xp.defined()) {
-    a.xp = Tensor::empty({m, c.dim}, dt);
-    ops::permute_rows(hn, a.perm, a.xp);
+  if (!a.xe.defined()) {
+    if (!a.xp.defined()) {
+      a.xp = Tensor::empty({m, c.dim}, dt);
+      ops::permute_rows(hn, a.perm, a.xp);
+    }
+    a.xe = a.exchange ? a.exchange->dispatch(a.xp) : a.xp;
   }
+  const int64_t r = a.xe.dim(0);
   if (!a.gate_up.defined()) {
-    a.gate_up = Tensor::empty({m, 2 * c.moe_dim}, dt);
-    ops::grouped_gemm_forward(a.xp, w.w_gate_up, a.perm.expert_offsets, a.gate_up);
+    a.gate_up = Tensor::empty({r, 2 * c.moe_dim}, dt);
+    ops::grouped_gemm_forward(a.xe, w.w_gate_up, expert_offsets(a), a.gate_up);
   }
   if (!a.act.defined()) {
-    a.act = Tensor::empty({m, c.moe_dim}, dt);
+    a.act = Tensor::empty({r, c.moe_dim}, dt);
     ops::swiglu_forward(a.gate_up, a.act);
   }
   if (!a.y.defined()) {
-    a.y = Tensor::empty({m, c.dim}, dt);
-    ops::grouped_gemm_forward(a.act, w.w_down, a.perm.expert_offsets, a.y);
+    if (!a.ye.defined()) {
+      a.ye = Tensor::empty({r, c.dim}, dt);
+      ops::grouped_gemm_forward(a.act, w.w_down, expert_offsets(a), a.ye);
+    }
+    a.y = a.exchange ? a.exchange->combine(a.ye) : a.ye;
   }
 }
 
@@ -48,28 +68,30 @@ void moe_combine(const MoeActivations& a, Tensor& out) {
 
 Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const ModelConfig& c, const Tensor& hn,
                     const MoeActivations& a, const Tensor& dout, double aux_grad) {
-  const int64_t n = hn.dim(0), m = n * c.top_k;
+  const int64_t n = hn.dim(0), m = n * c.top_k, r = a.xe.dim(0);
   const DType dt = hn.dtype();
-  const Tensor& offsets = a.perm.expert_offsets;
+  const Tensor& offsets = expert_offsets(a);
   Tensor dy = Tensor::empty({m, c.dim}, dt);
   Tensor dweight = Tensor::empty({n, c.top_k}, dt);
   ops::combine_backward(dout, a.y, a.perm, a.routing.expert_weight, dy, dweight);
+  const Tensor dye = a.exchange ? a.exchange->dispatch(dy) : dy;  // combine's backward
 
-  Tensor dact = Tensor::empty({m, c.moe_dim}, dt);
-  ops::grouped_gemm_backward_input(dy, w.w_down, offsets, dact);
-  ops::grouped_gemm_backward_weight(a.act, dy, offsets, g.w_down);
+  Tensor dact = Tensor::empty({r, c.moe_dim}, dt);
+  ops::grouped_gemm_backward_input(dye, w.w_down, offsets, dact);
+  ops::grouped_gemm_backward_weight(a.act, dye, offsets, g.w_down);
 
-  Tensor dgate_up = Tensor::empty({m, 2 * c.moe_dim}, dt);
+  Tensor dgate_up = Tensor::empty({r, 2 * c.moe_dim}, dt);
   ops::swiglu_backward(a.gate_up, dact, dgate_up);
-  Tensor dxp = Tensor::empty({m, c.dim}, dt);
-  ops::grouped_gemm_backward_input(dgate_up, w.w_gate_up, offsets, dxp);
-  ops::grouped_gemm_backward_weight(a.xp, dgate_up, offsets, g.w_gate_up);
+  Tensor dxe = Tensor::empty({r, c.dim}, dt);
+  ops::grouped_gemm_backward_input(dgate_up, w.w_gate_up, offsets, dxe);
+  ops::grouped_gemm_backward_weight(a.xe, dgate_up, offsets, g.w_gate_up);
+  const Tensor dxp = a.exchange ? a.exchange->combine(dxe) : dxe;  // dispatch's backward
 
   Tensor dhn = Tensor::empty({n, c.dim}, dt);
   ops::permute_rows_backward(dxp, a.perm, dhn);
 
   Tensor dlogits = Tensor::empty({n, c.n_experts}, dt);
-  ops::router_backward(a.routing, router_options(c), dweight, aux_grad, dlogits);
+  ops::router_backward(a.routing, router_options(c), a.aux_stats, dweight, aux_grad, dlogits);
   Tensor dhn_router = Tensor::empty({n, c.dim}, dt);
   ops::linear_backward(hn, w.router, dlogits, dhn_router, g.router);
   ops::add_(dhn, dhn_router);

@@ -1,9 +1,14 @@
-// The MoE feed-forward of one block on a single rank: router -> expert-major permutation ->
-// grouped SwiGLU experts -> weighted combine. Expert parallelism (src/dist) splits the same
-// stages across ranks.
+// The MoE feed-forward of one block: router -> expert-major permutation -> (EP dispatch) ->
+// grouped SwiGLU experts -> (EP combine) -> weighted combine. Without expert parallelism the
+// exchange is the identity and the experts are all E; with it, this rank computes its E/ep
+// experts for the rows every EP peer routed to them.
 #pragma once
+#include <memory>
+
 #include "core/tensor.h"
+#include "dist/communicator.h"
 #include "model/config.h"
+#include "moe/expert_exchange.h"
 #include "ops/permute.h"
 #include "ops/route.h"
 
@@ -11,27 +16,38 @@ namespace mt::moe {
 
 struct MoeWeights {
   Tensor router;     // (D, E), the router's logits are hn @ router
-  Tensor w_gate_up;  // (E, D, 2F), gate columns first
-  Tensor w_down;     // (E, F, D)
+  Tensor w_gate_up;  // (E_local, D, 2F), gate columns first
+  Tensor w_down;     // (E_local, F, D)
+};
+
+// The process groups the layer talks to; null members mean "not split".
+struct MoeComms {
+  dist::Communicator* ep = nullptr;     // EP group: experts are spread over it
+  dist::Communicator* batch = nullptr;  // every rank holding part of the batch (aux statistics)
 };
 
 // What the forward leaves for the backward. A field left undefined is recomputed by moe_fill.
+// N local tokens, M = N*k routed rows, R rows received for this rank's experts (R = M w/o EP).
 struct MoeActivations {
   Tensor logits;                  // (N, E)       GEMM output
   ops::Routing routing;           // scores, choices, weights, counts
-  ops::ExpertPermutation perm;    // expert-major layout
-  Tensor xp;                      // (N*k, D)     permuted input rows (a gather)
-  Tensor gate_up;                 // (N*k, 2F)    GEMM output
-  Tensor act;                     // (N*k, F)     SwiGLU (elementwise)
-  Tensor y;                       // (N*k, D)     GEMM output
+  ops::AuxStats aux_stats;        // of the whole batch (all ranks)
+  ops::ExpertPermutation perm;    // local expert-major layout
+  std::shared_ptr<ExpertExchange> exchange;  // EP layout (null without EP)
+  Tensor xp;                      // (M, D)       permuted input rows (a gather)
+  Tensor xe;                      // (R, D)       rows for this rank's experts (comm output)
+  Tensor gate_up;                 // (R, 2F)      GEMM output
+  Tensor act;                     // (R, F)       SwiGLU (elementwise)
+  Tensor ye;                      // (R, D)       GEMM output
+  Tensor y;                       // (M, D)       expert outputs back in local order (comm output)
   double aux_loss = 0;            // per-layer load-balancing loss (without coefficient)
 };
 
 ops::RouterOptions router_options(const ModelConfig& c);
 
 // Computes every undefined field of `a` from hn (N, D). bias: (E) or undefined.
-void moe_fill(const MoeWeights& w, const ModelConfig& c, const Tensor& bias, const Tensor& hn,
-              MoeActivations& a);
+void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, const Tensor& bias,
+              const Tensor& hn, MoeActivations& a);
 // out (N, D) = combine of the expert outputs; requires a filled `a`.
 void moe_combine(const MoeActivations& a, Tensor& out);
 // Returns d hn (N, D); weight gradients accumulate into g. aux_grad = d(total) / d(aux_loss).

@@ -26,13 +26,23 @@ struct Routing {
 void router_forward(const Tensor& logits, const Tensor& bias, const RouterOptions& opt,
                     Routing& out);
 
-// Switch-Transformer load-balancing loss as in HF Qwen3-MoE, per layer:
-//   aux = E * sum_e (tokens_per_expert[e] / N) * mean_t scores[t, e].
-double router_aux_loss(const Routing& r);
+// What the load-balancing loss needs from a batch. When the batch is split over ranks these are
+// summed over ranks (all-reduce) so that every rank sees the loss of the whole batch.
+struct AuxStats {
+  Tensor tokens_per_expert;  // i64 (E) rows routed to each expert
+  Tensor score_sum;          // (E) sum over tokens of the scores
+  Tensor tokens;             // i64 (1) N
+};
+AuxStats router_aux_stats(const Routing& r);
 
-// dweight (N, k): gradient of the combine weights. aux_grad: d(total loss) / d(aux).
-// dlogits (N, E) overwritten. The counts are a step function: no gradient flows through them.
-void router_backward(const Routing& r, const RouterOptions& opt, const Tensor& dweight,
-                     double aux_grad, Tensor& dlogits);
+// Switch-Transformer load-balancing loss as in HF Qwen3-MoE, per layer:
+//   aux = E * sum_e (tokens_per_expert[e] / N) * (score_sum[e] / N).
+double router_aux_loss(const AuxStats& s);
+
+// dweight (N, k): gradient of the combine weights. aux_grad: d(total loss) / d(aux), with the
+// statistics the forward used. dlogits (N, E) overwritten. The counts are a step function: no
+// gradient flows through them.
+void router_backward(const Routing& r, const RouterOptions& opt, const AuxStats& stats,
+                     const Tensor& dweight, double aux_grad, Tensor& dlogits);
 
 }  // namespace mt::ops

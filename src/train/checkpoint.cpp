@@ -43,6 +43,15 @@ void for_each_state(Qwen3Moe& model, AdamW& opt, F&& f) {
   size_t group_index = 0;
   for (auto& u : model.units())
     for (auto& g : u.groups) {
+      if (g.sharded()) {
+        const std::string name =
+            u.name + (g.kind == ParamKind::kExpert ? ".experts" : ".dense") + ".shard";
+        f(name, g.shard);
+        f("optim.exp_avg." + name, opt.state()[2 * group_index]);
+        f("optim.exp_avg_sq." + name, opt.state()[2 * group_index + 1]);
+        ++group_index;
+        continue;
+      }
       for (size_t i = 0; i < g.specs.size(); ++i) {
         const std::string& name = g.specs[i].name;
         const int64_t off = g.specs[i].offset;
@@ -121,9 +130,23 @@ SafetensorsFile read_safetensors(const std::string& path) {
   return f;
 }
 
+namespace {
+bool multi_rank(const dist::Communicator* world) { return world && world->size() > 1; }
+std::string rank_file(int rank) { return fmt::format("rank_{}.safetensors", rank); }
+}  // namespace
+
 std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
-                            const TrainState& st) {
-  std::filesystem::create_directories(dir);
+                            const TrainState& st, dist::Communicator* world) {
+  namespace fs = std::filesystem;
+  const std::string step_name = fmt::format("step_{:08d}", st.step);
+  std::string path;
+  if (multi_rank(world)) {
+    fs::create_directories(fs::path(dir) / step_name);
+    path = (fs::path(dir) / step_name / rank_file(world->rank())).string();
+  } else {
+    fs::create_directories(dir);
+    path = (fs::path(dir) / (step_name + ".safetensors")).string();
+  }
   SafetensorsFile f;
   for_each_state(model, opt, [&](const std::string& name, const Tensor& t) {
     f.tensors.emplace(name, t);
@@ -131,25 +154,46 @@ std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
   f.metadata["format"] = "moetrain-checkpoint-1";
   f.metadata["step"] = std::to_string(st.step);
   f.metadata["data_position"] = std::to_string(st.data_position);
-  const std::string name = fmt::format("step_{:08d}.safetensors", st.step);
-  const std::string path = (std::filesystem::path(dir) / name).string();
+  f.metadata["world"] = std::to_string(multi_rank(world) ? world->size() : 1);
+  f.metadata["ep"] = std::to_string(model.mesh() ? model.mesh()->ep_size() : 1);
   write_safetensors(path, f);
-  write_file_atomically((std::filesystem::path(dir) / "latest").string(), name + "\n");
-  return path;
+  // `latest` moves only once every rank's file is complete.
+  if (multi_rank(world)) world->barrier();
+  if (!multi_rank(world) || world->rank() == 0)
+    write_file_atomically((fs::path(dir) / "latest").string(),
+                          (multi_rank(world) ? step_name : step_name + ".safetensors") + "\n");
+  return multi_rank(world) ? (fs::path(dir) / step_name).string() : path;
 }
 
-TrainState load_checkpoint(const std::string& path_in, Qwen3Moe& model, AdamW& opt) {
+TrainState load_checkpoint(const std::string& path_in, Qwen3Moe& model, AdamW& opt,
+                           dist::Communicator* world) {
+  namespace fs = std::filesystem;
   std::string path = path_in;
-  if (std::filesystem::is_directory(path)) {
-    std::ifstream latest(std::filesystem::path(path) / "latest");
+  if (fs::is_directory(path) && fs::exists(fs::path(path) / "latest")) {
+    std::ifstream latest(fs::path(path) / "latest");
     std::string name;
     if (!(latest >> name))
-      throw CheckpointError(fmt::format("checkpoint: directory '{}' has no 'latest' file", path));
-    path = (std::filesystem::path(path) / name).string();
+      throw CheckpointError(fmt::format("checkpoint: '{}/latest' is empty", path));
+    path = (fs::path(path) / name).string();
+  }
+  if (fs::is_directory(path)) {
+    if (!multi_rank(world))
+      throw CheckpointError(fmt::format(
+          "checkpoint: '{}' holds per-rank shards; resume it with the parallel.world it was "
+          "written with",
+          path));
+    path = (fs::path(path) / rank_file(world->rank())).string();
   }
   SafetensorsFile f = read_safetensors(path);
   if (f.metadata["format"] != "moetrain-checkpoint-1")
     throw CheckpointError(fmt::format("checkpoint: '{}' is not a moetrain checkpoint", path));
+  const std::string world_now = std::to_string(multi_rank(world) ? world->size() : 1);
+  const std::string ep_now = std::to_string(model.mesh() ? model.mesh()->ep_size() : 1);
+  if (f.metadata["world"] != world_now || f.metadata["ep"] != ep_now)
+    throw CheckpointError(fmt::format(
+        "checkpoint: '{}' was written with parallel.world = {}, parallel.ep = {}; this run has "
+        "world = {}, ep = {}",
+        path, f.metadata["world"], f.metadata["ep"], world_now, ep_now));
   // Check everything before touching the model: a mismatch leaves the model as it was.
   for_each_state(model, opt, [&](const std::string& name, const Tensor& t) {
     auto it = f.tensors.find(name);

@@ -1,7 +1,11 @@
 // Checkpoints in safetensors: every parameter by name, the AdamW moments
 // ("optim.exp_avg.<name>", "optim.exp_avg_sq.<name>"), the router biases
-// ("buffers.layers.<i>.router_bias"), and in the metadata the step, the data position and the
-// seed. Written atomically (temporary file, fsync, rename), then `latest` is pointed at it.
+// ("buffers.layers.<i>.router_bias"), and in the metadata the step and the data position.
+// Written atomically (temporary file, fsync, rename), then `latest` is pointed at it.
+//
+// On several ranks each rank writes what it owns to <dir>/step_<step>/rank_<r>.safetensors: the
+// flat shard of a sharded group as "<unit>.<dense|experts>.shard" (and its moments), unsharded
+// groups by name. Resume needs the same world size and ep (checked, named in the error).
 #pragma once
 #include <cstdint>
 #include <map>
@@ -19,10 +23,11 @@ struct TrainState {
 
 // Writes <dir>/step_<step>.safetensors and <dir>/latest; returns the checkpoint's path.
 std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
-                            const TrainState& st);
+                            const TrainState& st, dist::Communicator* world = nullptr);
 // `path` is a checkpoint file or a directory (then its `latest`). Every tensor must be present
 // with the model's shape and dtype; errors are CheckpointErrors naming the tensor.
-TrainState load_checkpoint(const std::string& path, Qwen3Moe& model, AdamW& opt);
+TrainState load_checkpoint(const std::string& path, Qwen3Moe& model, AdamW& opt,
+                           dist::Communicator* world = nullptr);
 
 // safetensors primitives (also used by tests and converters).
 struct SafetensorsFile {

@@ -125,6 +125,8 @@ const std::vector<Field>& fields() {
       member("data", "seed", &Config::data, &D::seed),
       member("checkpoint", "dir", &Config::checkpoint, &CheckpointConfig::dir),
       member("checkpoint", "every", &Config::checkpoint, &CheckpointConfig::every),
+      member("parallel", "world", &Config::parallel, &ParallelConfig::world),
+      member("parallel", "ep", &Config::parallel, &ParallelConfig::ep),
       member("hardware", "device", &Config::hardware, &HardwareConfig::device),
       member("hardware", "peak_tflops", &Config::hardware, &HardwareConfig::peak_tflops),
       member("hardware", "threads", &Config::hardware, &HardwareConfig::threads),
@@ -168,13 +170,13 @@ Value read_value(const toml::node& node, const Field& f) {
 }
 
 void apply_table(const toml::table& root, Config& c) {
-  static const char* kSections[] = {"model", "train", "data", "checkpoint", "hardware"};
+  static const char* kSections[] = {"model", "train", "data", "parallel", "checkpoint", "hardware"};
   for (const auto& [k, node] : root) {
     const std::string section(k.str());
     if (std::find(std::begin(kSections), std::end(kSections), section) == std::end(kSections))
       throw ConfigError(fmt::format(
           "config: unknown section [{}] (valid: {})", section,
-          quoted_list({"model", "train", "data", "checkpoint", "hardware"})));
+          quoted_list({"model", "train", "data", "parallel", "checkpoint", "hardware"})));
     if (!node.is_table())
       throw ConfigError(fmt::format("config: {} must be a table [{}]", section, section));
     const toml::table& t = *node.as_table();
@@ -264,6 +266,15 @@ void validate_config(const Config& c) {
   } else if (d.path.empty()) {
     throw ConfigError("config: data.path must name a token file when data.source is not synthetic");
   }
+  const ParallelConfig& p = c.parallel;
+  if (p.world < 1) throw ConfigError(fmt::format("config: parallel.world = {} must be >= 1", p.world));
+  if (p.ep < 1 || p.world % p.ep != 0)
+    throw ConfigError(fmt::format(
+        "config: parallel.ep = {} must divide parallel.world = {} (valid: divisors of {})", p.ep,
+        p.world, p.world));
+  if (c.model.n_experts % p.ep != 0)
+    throw ConfigError(fmt::format("config: parallel.ep = {} must divide model.n_experts = {}",
+                                  p.ep, c.model.n_experts));
   if (c.checkpoint.every < 0) throw ConfigError("config: checkpoint.every must be >= 0");
   const std::string& dev = c.hardware.device;
   if (dev != "auto" && dev != "cpu" && dev != "cuda")

@@ -52,8 +52,16 @@ struct HardwareConfig {
   int64_t threads = 0;          // CPU threads; 0: all cores
 };
 
+// Ranks and expert parallelism (DESIGN.md §4). world > 1 on the CPU runs the ranks as threads of
+// one process (the in-process backend); ep must divide world and model.n_experts.
+struct ParallelConfig {
+  int64_t world = 1;
+  int64_t ep = 1;
+};
+
 struct Config {
   ModelConfig model;
+  ParallelConfig parallel;
   TrainConfig train;
   DataConfig data;
   CheckpointConfig checkpoint;

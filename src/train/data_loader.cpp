@@ -64,6 +64,7 @@ class SyntheticLoader : public DataLoader {
     for (int64_t r = 0; r < rows; ++r) packed.push_back(row(next_row_++, seq_len));
     return pack_rows(packed, seq_len);
   }
+  void skip(int64_t rows, int64_t) override { next_row_ += rows; }
   int64_t position() const override { return next_row_; }
   void set_position(int64_t p) override { next_row_ = p; }
 
@@ -115,6 +116,9 @@ class TokenFileLoader : public DataLoader {
       packed.push_back(std::move(row));
     }
     return pack_rows(packed, seq_len);
+  }
+  void skip(int64_t rows, int64_t seq_len) override {
+    pos_ = (pos_ + rows * seq_len) % static_cast<int64_t>(docs_.tokens.size());
   }
   int64_t position() const override { return pos_; }
   void set_position(int64_t p) override {

@@ -32,6 +32,8 @@ class DataLoader {
  public:
   virtual ~DataLoader() = default;
   virtual Batch next(int64_t rows, int64_t seq_len) = 0;
+  // Advances past rows another rank consumes.
+  virtual void skip(int64_t rows, int64_t seq_len) = 0;
   virtual int64_t position() const = 0;
   virtual void set_position(int64_t p) = 0;
   virtual DataStats stats(int64_t seq_len) const = 0;

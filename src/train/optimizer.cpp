@@ -16,26 +16,30 @@ double learning_rate(const TrainConfig& t, int64_t step) {
   return t.lr * (t.min_lr_ratio + (1.0 - t.min_lr_ratio) * cosine);
 }
 
-AdamW::AdamW(std::vector<ParamUnit>& units, const TrainConfig& t) : cfg_(t) {
+AdamW::AdamW(std::vector<ParamUnit>& units, const TrainConfig& t, dist::Communicator* norm_group)
+    : cfg_(t), norm_group_(norm_group) {
   for (auto& u : units)
     for (auto& g : u.groups) {
       groups_.push_back(&g);
-      state_.push_back(Tensor::zeros(g.params.shape(), g.params.dtype()));
-      state_.push_back(Tensor::zeros(g.params.shape(), g.params.dtype()));
+      state_.push_back(Tensor::zeros(g.shard.shape(), g.shard.dtype()));
+      state_.push_back(Tensor::zeros(g.shard.shape(), g.shard.dtype()));
     }
 }
 
 double AdamW::grad_norm() const {
-  double sq = 0;
-  for (const ParamGroup* g : groups_) sq += ops::sum_of_squares(g->grads);
-  return std::sqrt(sq);
+  // Shards partition every group (padding is zero) and EP ranks hold disjoint experts, so the
+  // world sum counts each element once.
+  Tensor sq = Tensor::zeros({1}, DType::kF64);
+  for (const ParamGroup* g : groups_) sq.data<double>()[0] += ops::sum_of_squares(g->grad_shard);
+  if (norm_group_) norm_group_->all_reduce(sq);
+  return std::sqrt(sq.data<double>()[0]);
 }
 
 double AdamW::clip_grad_norm(double max_norm) {
   const double norm = grad_norm();
   if (max_norm > 0 && norm > max_norm) {
     const double coef = max_norm / (norm + 1e-6);
-    for (ParamGroup* g : groups_) ops::scale_(g->grads, coef);
+    for (ParamGroup* g : groups_) ops::scale_(g->grad_shard, coef);
   }
   return norm;
 }
@@ -43,7 +47,8 @@ double AdamW::clip_grad_norm(double max_norm) {
 void AdamW::step(double lr, int64_t step) {
   const ops::AdamWHyper h{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, step};
   for (size_t i = 0; i < groups_.size(); ++i)
-    ops::adamw_step(groups_[i]->params, groups_[i]->grads, state_[2 * i], state_[2 * i + 1], h);
+    ops::adamw_step(groups_[i]->shard, groups_[i]->grad_shard, state_[2 * i], state_[2 * i + 1],
+                    h);
 }
 
 }  // namespace mt

@@ -12,10 +12,14 @@ namespace mt {
 // at `steps`. step is 1-based.
 double learning_rate(const TrainConfig& t, int64_t step);
 
+// Works on what each rank owns: the shards of sharded groups (whole groups otherwise).
 class AdamW {
  public:
-  AdamW(std::vector<ParamUnit>& units, const TrainConfig& t);
-  // sqrt of the sum of squares of every gradient element, each counted once.
+  // norm_group: the ranks whose shards together hold every parameter exactly once (the world);
+  // null on one rank.
+  AdamW(std::vector<ParamUnit>& units, const TrainConfig& t,
+        dist::Communicator* norm_group = nullptr);
+  // sqrt of the sum of squares of every gradient element of the model, each counted once.
   double grad_norm() const;
   // Scales gradients so the global norm is at most max_norm; returns the norm before clipping.
   double clip_grad_norm(double max_norm);
@@ -28,6 +32,7 @@ class AdamW {
   std::vector<ParamGroup*> groups_;
   std::vector<Tensor> state_;
   TrainConfig cfg_;
+  dist::Communicator* norm_group_;
 };
 
 }  // namespace mt

@@ -44,14 +44,33 @@ double peak_flops(const HardwareConfig& h) {
   return threads * 32.0 * cpu_ghz() * 1e9;
 }
 
-Trainer::Trainer(const Config& c) : cfg_(c) {
+Trainer::Trainer(const Config& c, dist::Communicator* world) : cfg_(c), world_(world) {
   if (c.hardware.threads > 0) omp_set_num_threads(static_cast<int>(c.hardware.threads));
-  model_ = std::make_unique<Qwen3Moe>(c.model, c.train.seed);
-  opt_ = std::make_unique<AdamW>(model_->units(), c.train);
+  MT_CHECK(world_size() == c.parallel.world, "communicator of {} ranks for parallel.world = {}",
+           world_size(), c.parallel.world);
+  if (world_) {
+    mesh_ = std::make_unique<dist::DeviceMesh>(
+        *world_, dist::MeshShape{static_cast<int>(c.parallel.world), static_cast<int>(c.parallel.ep)},
+        c.model.n_experts);
+  }
+  model_ = std::make_unique<Qwen3Moe>(c.model, c.train.seed, mesh_.get());
+  opt_ = std::make_unique<AdamW>(model_->units(), c.train, world_);
   data_ = make_data_loader(c);
   stats_ = data_->stats(c.train.seq_len);
   flops_per_token_ = train_flops_per_token(c.model, c.train.seq_len);
-  peak_flops_ = peak_flops(c.hardware);
+  // In-process CPU ranks share one host: each rank's share of the host's peak.
+  peak_flops_ = peak_flops(c.hardware) / world_size();
+}
+
+// Rank r takes rows [r * rows, (r + 1) * rows) of each global micro-batch of world * rows rows,
+// so any world size sees the same global batches as one rank with world * rows rows.
+Batch Trainer::next_local_batch() {
+  const TrainConfig& t = cfg_.train;
+  const int r = world_ ? world_->rank() : 0;
+  data_->skip(r * t.batch_rows, t.seq_len);
+  Batch b = data_->next(t.batch_rows, t.seq_len);
+  data_->skip((world_size() - 1 - r) * t.batch_rows, t.seq_len);
+  return b;
 }
 
 StepMetrics Trainer::train_step() {
@@ -66,20 +85,24 @@ StepMetrics Trainer::train_step() {
   // Every micro-batch's loss is normalised by the step's total count of counted tokens, so
   // accumulation gives the gradient of one big batch.
   std::vector<Batch> micro;
-  int64_t counted = 0;
+  Tensor counted_all = Tensor::zeros({1}, DType::kI64);
   for (int64_t i = 0; i < t.grad_accum; ++i) {
-    micro.push_back(data_->next(t.batch_rows, t.seq_len));
-    counted += micro.back().masked_tokens();
+    micro.push_back(next_local_batch());
+    counted_all.data<int64_t>()[0] += micro.back().masked_tokens();
   }
+  if (world_) world_->all_reduce(counted_all);
+  const int64_t counted = counted_all.data<int64_t>()[0];
   const LossScale scale{1.0 / std::max<int64_t>(counted, 1),
                         cfg_.model.aux_loss_coef / static_cast<double>(t.grad_accum)};
-  double ce = 0, aux = 0;
+  Tensor ce = Tensor::zeros({1}, DType::kF64);
+  double aux = 0;  // the aux statistics are global already: the same on every rank
   for (const Batch& b : micro) {
     const MicroBatchLosses l = model_->forward_backward(b, scale);
-    ce += l.ce_sum;
+    ce.data<double>()[0] += l.ce_sum;
     aux += l.aux_sum;
   }
-  m.loss = ce / std::max<int64_t>(counted, 1);
+  if (world_) world_->all_reduce(ce);
+  m.loss = ce.data<double>()[0] / std::max<int64_t>(counted, 1);
   m.aux_loss = aux / static_cast<double>(t.grad_accum);
   if (!std::isfinite(m.loss))
     throw NumericalError(fmt::format(
@@ -98,8 +121,8 @@ StepMetrics Trainer::train_step() {
 
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  m.tokens_per_s = static_cast<double>(t.tokens_per_step()) / seconds;
-  m.mfu = flops_per_token_ * m.tokens_per_s / peak_flops_;
+  m.tokens_per_s = static_cast<double>(t.tokens_per_step() * world_size()) / seconds;
+  m.mfu = flops_per_token_ * m.tokens_per_s / (peak_flops_ * world_size());
   m.peak_bytes = memory_stats(Device::kCPU).peak_bytes;
   return m;
 }
@@ -107,22 +130,23 @@ StepMetrics Trainer::train_step() {
 std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
   const TrainConfig& t = cfg_.train;
   if (!opt.resume.empty()) {
-    const TrainState st = load_checkpoint(opt.resume, *model_, *opt_);
+    const TrainState st = load_checkpoint(opt.resume, *model_, *opt_, world_);
     step_ = st.step;
     data_->set_position(st.data_position);
-    log::info("resumed from '{}' at step {}", opt.resume, step_);
+    if (is_rank0()) log::info("resumed from '{}' at step {}", opt.resume, step_);
   }
   const int64_t last = opt.steps ? std::min(*opt.steps, t.steps) : t.steps;
   std::ofstream metrics;
-  if (!opt.metrics_path.empty()) {
+  if (!opt.metrics_path.empty() && is_rank0()) {
     metrics.open(opt.metrics_path, std::ios::app);
     if (!metrics) throw ConfigError(fmt::format("cannot open --metrics '{}'", opt.metrics_path));
   }
   const ParamCounts pc = count_params(cfg_.model);
-  log::info("model: {} layers, dim {}, {} experts top-{}; {:.2f}M params ({:.2f}M active); "
+  if (is_rank0())
+    log::info("model: {} layers, dim {}, {} experts top-{}; {:.2f}M params ({:.2f}M active); "
             "{} tokens/step; data floor {:.4f} nats, unigram {:.4f}",
             cfg_.model.n_layers, cfg_.model.dim, cfg_.model.n_experts, cfg_.model.top_k,
-            pc.total / 1e6, pc.active / 1e6, t.tokens_per_step(), stats_.loss_floor,
+            pc.total / 1e6, pc.active / 1e6, t.tokens_per_step() * world_size(), stats_.loss_floor,
             stats_.unigram_entropy);
   std::vector<StepMetrics> all;
   bool first_line = true;
@@ -141,17 +165,17 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
       }
       metrics << j.dump() << "\n" << std::flush;
     }
-    if (opt.progress_bar) write_progress(m.step, last, m);
-    if (m.step % t.log_every == 0 || m.step == last)
+    if (opt.progress_bar && is_rank0()) write_progress(m.step, last, m);
+    if (is_rank0() && (m.step % t.log_every == 0 || m.step == last))
       log::info("step {:>5} | loss {:.4f} | aux {:.4f} | grad_norm {:.4f} | lr {:.3e} | "
                 "{:.0f} tok/s | mfu {:.2f}% | peak mem {:.1f} MiB",
                 m.step, m.loss, m.aux_loss, m.grad_norm, m.lr, m.tokens_per_s, 100 * m.mfu,
                 m.peak_bytes / 1048576.0);
     const bool at_interval = cfg_.checkpoint.every > 0 && m.step % cfg_.checkpoint.every == 0;
     if (!cfg_.checkpoint.dir.empty() && (at_interval || m.step == last)) {
-      const std::string path =
-          save_checkpoint(cfg_.checkpoint.dir, *model_, *opt_, {step_, data_->position()});
-      log::info("checkpoint: {}", path);
+      const std::string path = save_checkpoint(cfg_.checkpoint.dir, *model_, *opt_,
+                                               {step_, data_->position()}, world_);
+      if (is_rank0()) log::info("checkpoint: {}", path);
     }
   }
   return all;

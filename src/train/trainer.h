@@ -33,7 +33,9 @@ struct RunOptions {
 
 class Trainer {
  public:
-  explicit Trainer(const Config& c);
+  // world: this rank's communicator when parallel.world > 1 (its size must match); null on one
+  // rank. Every rank holds batch_rows rows of each micro-batch.
+  explicit Trainer(const Config& c, dist::Communicator* world = nullptr);
   // Runs until the configured (or overridden) step; returns the metrics of every step run.
   std::vector<StepMetrics> run(const RunOptions& opt);
 
@@ -41,11 +43,17 @@ class Trainer {
   AdamW& optimizer() { return *opt_; }
   const DataStats& data_stats() const { return stats_; }
   int64_t step() const { return step_; }
+  dist::DeviceMesh* mesh() { return mesh_.get(); }
 
  private:
   StepMetrics train_step();
+  bool is_rank0() const { return !world_ || world_->rank() == 0; }
+  int world_size() const { return world_ ? world_->size() : 1; }
+  Batch next_local_batch();
 
   Config cfg_;
+  dist::Communicator* world_ = nullptr;
+  std::unique_ptr<dist::DeviceMesh> mesh_;
   std::unique_ptr<Qwen3Moe> model_;
   std::unique_ptr<AdamW> opt_;
   std::unique_ptr<DataLoader> data_;

@@ -54,34 +54,50 @@ void router_forward(const Tensor& logits, const Tensor& bias, const RouterOption
   });
 }
 
-double router_aux_loss(const Routing& r) {
+AuxStats router_aux_stats(const Routing& r) {
   const int64_t n = r.scores.dim(0), e = r.scores.dim(1);
+  AuxStats s{r.tokens_per_expert.clone(), Tensor::zeros({e}, r.scores.dtype()),
+             Tensor::empty({1}, DType::kI64)};
+  s.tokens.data<int64_t>()[0] = n;
+  dispatch_float(r.scores.dtype(), [&](auto tag) {
+    using T = decltype(tag);
+    for (int64_t c = 0; c < e; ++c) {
+      double sum = 0;
+      for (int64_t t = 0; t < n; ++t) sum += r.scores.data<T>()[t * e + c];
+      s.score_sum.data<T>()[c] = static_cast<T>(sum);
+    }
+  });
+  return s;
+}
+
+double router_aux_loss(const AuxStats& s) {
+  const int64_t e = s.score_sum.numel();
+  const double n = static_cast<double>(s.tokens.data<int64_t>()[0]);
   if (n == 0) return 0.0;
   double aux = 0;
-  for (int64_t c = 0; c < e; ++c) {
-    double mean_score = 0;
-    for (int64_t t = 0; t < n; ++t) mean_score += r.scores.item(t * e + c);
-    aux += static_cast<double>(r.tokens_per_expert.data<int64_t>()[c]) / n * (mean_score / n);
-  }
+  for (int64_t c = 0; c < e; ++c)
+    aux += static_cast<double>(s.tokens_per_expert.data<int64_t>()[c]) / n *
+           (s.score_sum.item(c) / n);
   return aux * e;
 }
 
-void router_backward(const Routing& r, const RouterOptions& opt, const Tensor& dweight,
-                     double aux_grad, Tensor& dlogits) {
+void router_backward(const Routing& r, const RouterOptions& opt, const AuxStats& stats,
+                     const Tensor& dweight, double aux_grad, Tensor& dlogits) {
   const int64_t n = r.scores.dim(0), e = r.scores.dim(1), k = opt.top_k;
+  const double total = static_cast<double>(stats.tokens.data<int64_t>()[0]);
   expect_shape(dweight, {n, k}, "router dweight");
   expect_shape(dlogits, {n, e}, "router dlogits");
   dispatch_float(r.scores.dtype(), [&](auto tag) {
     using T = decltype(tag);
     std::vector<double> dscore(e);
-    const int64_t* count = r.tokens_per_expert.data<int64_t>();
+    const int64_t* count = stats.tokens_per_expert.data<int64_t>();
     for (int64_t t = 0; t < n; ++t) {
       const T* s = r.scores.data<T>() + t * e;
       const int32_t* idx = r.expert_index.data<int32_t>() + t * k;
       const T* dw = dweight.data<T>() + t * k;
-      // Aux loss: d/ds[t,c] of E * sum_c count_c/N * mean_t s[t,c].
+      // Aux loss: d/ds[t,c] of E * sum_c count_c/N * score_sum_c/N (N, counts: whole batch).
       for (int64_t c = 0; c < e; ++c)
-        dscore[c] = aux_grad * e * static_cast<double>(count[c]) / (static_cast<double>(n) * n);
+        dscore[c] = aux_grad * e * static_cast<double>(count[c]) / (total * total);
       if (opt.norm_topk_prob) {
         // w_j = s_j / S: ds_j = (dw_j - sum_i dw_i w_i) / S.
         double sum = 0, dot = 0;

@@ -1,0 +1,41 @@
+// Collectives over a process group. Tensors are contiguous; all ranks call each collective in
+// the same order with the same shapes (as NCCL requires). Backends: in-process threads (CPU
+// tests, any world size) and NCCL (one process per GPU).
+#pragma once
+#include <functional>
+#include <memory>
+#include <vector>
+
+#include "core/tensor.h"
+
+namespace mt::dist {
+
+class Communicator {
+ public:
+  virtual ~Communicator() = default;
+  virtual int rank() const = 0;
+  virtual int size() const = 0;
+
+  // recv (size * n) = the ranks' send (n) laid end to end in rank order.
+  virtual void all_gather(const Tensor& send, Tensor& recv) = 0;
+  // recv (n / size) = this rank's chunk of the element-wise sum of every rank's send (n).
+  virtual void reduce_scatter(const Tensor& send, Tensor& recv) = 0;
+  // Element-wise sum in place (floating and integer dtypes).
+  virtual void all_reduce(Tensor& t) = 0;
+  // Rows of equal width (send.numel() / rows): send_rows[p] rows go to peer p, in peer order;
+  // recv_rows[p] rows arrive from peer p, in peer order.
+  virtual void all_to_all(const Tensor& send, const std::vector<int64_t>& send_rows, Tensor& recv,
+                          const std::vector<int64_t>& recv_rows) = 0;
+  virtual void barrier() = 0;
+  // Collective: ranks with the same color form a new group, ordered by key (then old rank).
+  virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
+};
+
+// Runs fn(comm) on `world_size` threads, each with its own in-process communicator. An
+// exception on any rank fails the collectives of the others (they throw instead of hanging) and
+// is rethrown here. A rank waiting longer than timeout_s in a collective throws, naming the
+// rank and the collective.
+void run_in_process(int world_size, const std::function<void(Communicator&)>& fn,
+                    double timeout_s = 300.0);
+
+}  // namespace mt::dist

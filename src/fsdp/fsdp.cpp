@@ -1,0 +1,57 @@
+#include "fsdp/fsdp.h"
+
+#include "ops/elementwise.h"
+
+namespace mt::fsdp {
+
+void shard_group(ParamGroup& g, dist::Communicator& comm) {
+  MT_CHECK(!g.sharded(), "group of {} is already sharded", g.specs.front().name);
+  const int64_t n = comm.size();
+  const int64_t chunk = (g.numel + n - 1) / n;
+  g.comm = &comm;
+  g.shard = Tensor::zeros({chunk}, g.params.dtype());
+  const int64_t begin = comm.rank() * chunk;
+  const int64_t end = std::min(begin + chunk, g.numel);
+  if (end > begin) g.shard.view(0, {end - begin}).copy_from(g.params.view(begin, {end - begin}));
+  g.grad_shard = Tensor::zeros({chunk}, g.params.dtype());
+  g.params = Tensor();
+  g.grads = Tensor();
+}
+
+void gather(ParamGroup& g) {
+  if (!g.sharded()) return;
+  g.params = Tensor::empty({g.shard.numel() * g.comm->size()}, g.shard.dtype());
+  g.comm->all_gather(g.shard, g.params);
+}
+
+void release(ParamGroup& g) {
+  if (g.sharded()) g.params = Tensor();
+}
+
+void begin_backward(ParamGroup& g) {
+  if (g.sharded()) g.grads = Tensor::zeros({g.shard.numel() * g.comm->size()}, g.shard.dtype());
+}
+
+void reduce_gradients(ParamGroup& g, double divide_factor) {
+  if (!g.sharded()) return;
+  Tensor mine = Tensor::empty(g.grad_shard.shape(), g.grad_shard.dtype());
+  g.comm->reduce_scatter(g.grads, mine);
+  if (divide_factor != 1.0) ops::scale_(mine, 1.0 / divide_factor);
+  ops::add_(g.grad_shard, mine);
+  g.grads = Tensor();
+}
+
+void gather(ParamUnit& u) {
+  for (auto& g : u.groups) gather(g);
+}
+void release(ParamUnit& u) {
+  for (auto& g : u.groups) release(g);
+}
+void begin_backward(ParamUnit& u) {
+  for (auto& g : u.groups) begin_backward(g);
+}
+void reduce_gradients(ParamUnit& u, double divide_factor) {
+  for (auto& g : u.groups) reduce_gradients(g, divide_factor);
+}
+
+}  // namespace mt::fsdp

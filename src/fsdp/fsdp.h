@@ -1,0 +1,28 @@
+// Fully sharded data parallelism over parameter groups: shard after initialisation, gather
+// before a unit is used, release after, reduce-scatter its gradients after its backward.
+// Every function is a no-op on an unsharded group, so the model calls them unconditionally.
+#pragma once
+#include "dist/communicator.h"
+#include "model/params.h"
+
+namespace mt::fsdp {
+
+// Makes an initialised, unsharded group sharded over `comm`: pads the flat buffer to a multiple
+// of comm.size() with zeros and keeps this rank's slice.
+void shard_group(ParamGroup& g, dist::Communicator& comm);
+
+// params (padded) = all-gather of the shards. Collective over the group's comm.
+void gather(ParamGroup& g);
+// Drops the gathered params (reshard after forward, and after backward).
+void release(ParamGroup& g);
+// Allocates zeroed full gradients for the unit's backward.
+void begin_backward(ParamGroup& g);
+// grad_shard += reduce-scatter(grads) / divide_factor; drops the full gradients.
+void reduce_gradients(ParamGroup& g, double divide_factor);
+
+void gather(ParamUnit& u);
+void release(ParamUnit& u);
+void begin_backward(ParamUnit& u);
+void reduce_gradients(ParamUnit& u, double divide_factor);
+
+}  // namespace mt::fsdp

@@ -1,0 +1,41 @@
+// Expert-parallel dispatch and combine. Rows leave the router in local expert-major order (all E
+// experts); experts [p*E/ep, (p+1)*E/ep) live on EP rank p, so each peer's rows are one
+// contiguous range. Dispatch sends them, then regroups what arrived (source-major) into
+// expert-major order over this rank's experts; combine is the exact inverse. Both are linear
+// maps and each is the other's backward.
+//
+// Counts go through the host in this version (as torchtitan): an all-to-all of E/ep counts per
+// peer, then the row all-to-all with those sizes.
+#pragma once
+#include <vector>
+
+#include "core/tensor.h"
+#include "dist/communicator.h"
+
+namespace mt::moe {
+
+class ExpertExchange {
+ public:
+  // expert_offsets: i64 (E + 1) of the local permutation. Collective over `ep`.
+  ExpertExchange(dist::Communicator& ep, const Tensor& expert_offsets);
+
+  int64_t received_rows() const { return static_cast<int64_t>(expert_major_source_.size()); }
+  // i64 (E/ep + 1): rows of local expert e are [off[e], off[e+1]) of dispatch's output.
+  const Tensor& local_offsets() const { return local_offsets_; }
+
+  // rows (M, D) in local expert-major order -> (R, D) rows for this rank's experts.
+  Tensor dispatch(const Tensor& rows) const;
+  // (R, D) -> (M, D) back in local expert-major order.
+  Tensor combine(const Tensor& rows) const;
+
+ private:
+  dist::Communicator* ep_;
+  std::vector<int64_t> send_rows_;  // per peer
+  std::vector<int64_t> recv_rows_;  // per peer
+  // Byte layout of the receive buffer: peer 0's rows (its rows for local expert 0, then 1, ...),
+  // then peer 1's, ... Expert-major row i is receive-buffer row expert_major_source_[i].
+  std::vector<int64_t> expert_major_source_;
+  Tensor local_offsets_;
+};
+
+}  // namespace mt::moe

@@ -1,0 +1,305 @@
+// Distributed training on in-process ranks: the collectives, the mesh, the expert exchange, and
+// the proof that any (world, ep) reproduces the single-rank loss, gradients and parameters.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <filesystem>
+#include <mutex>
+
+#include "dist/communicator.h"
+#include "dist/mesh.h"
+#include "moe/expert_exchange.h"
+#include "train/checkpoint.h"
+#include "train/trainer.h"
+
+namespace mt {
+namespace {
+
+using dist::Communicator;
+using dist::run_in_process;
+
+TEST(InProcess, CollectivesForEveryWorldSize) {
+  for (int world : {1, 2, 3, 4}) {
+    run_in_process(world, [&](Communicator& c) {
+      const int r = c.rank();
+      Tensor mine = Tensor::empty({2}, DType::kF64);
+      mine.set_item(0, 10 * r);
+      mine.set_item(1, 10 * r + 1);
+      Tensor all = Tensor::poisoned({2 * world}, DType::kF64);
+      c.all_gather(mine, all);
+      for (int p = 0; p < world; ++p) {
+        EXPECT_EQ(all.item(2 * p), 10 * p);
+        EXPECT_EQ(all.item(2 * p + 1), 10 * p + 1);
+      }
+      // reduce_scatter: element i of every rank's input is r + i; chunk r sums over ranks.
+      Tensor in = Tensor::empty({3 * world}, DType::kF64);
+      for (int i = 0; i < 3 * world; ++i) in.set_item(i, r + i);
+      Tensor out = Tensor::poisoned({3}, DType::kF64);
+      c.reduce_scatter(in, out);
+      const double rank_sum = world * (world - 1) / 2.0;
+      for (int i = 0; i < 3; ++i) EXPECT_EQ(out.item(i), rank_sum + world * (3 * r + i));
+      Tensor counts = Tensor::empty({1}, DType::kI64);
+      counts.set_item(0, r + 1);
+      c.all_reduce(counts);
+      EXPECT_EQ(counts.item(0), world * (world + 1) / 2);
+    });
+  }
+}
+
+TEST(InProcess, AllToAllDeliversRowsBySourceAndUnevenCounts) {
+  const int world = 3;
+  run_in_process(world, [&](Communicator& c) {
+    const int r = c.rank();
+    // Rank r sends (r + p) rows to peer p; each row is [source, destination, index].
+    std::vector<int64_t> send(world), recv(world);
+    int64_t total = 0, in_total = 0;
+    for (int p = 0; p < world; ++p) {
+      send[p] = r + p;
+      recv[p] = p + r;
+      total += send[p];
+      in_total += recv[p];
+    }
+    Tensor s = Tensor::empty({total, 3}, DType::kF64);
+    int64_t row = 0;
+    for (int p = 0; p < world; ++p)
+      for (int i = 0; i < send[p]; ++i, ++row) {
+        s.set_item(row * 3, r);
+        s.set_item(row * 3 + 1, p);
+        s.set_item(row * 3 + 2, i);
+      }
+    Tensor got = Tensor::poisoned({in_total, 3}, DType::kF64);
+    c.all_to_all(s, send, got, recv);
+    row = 0;
+    for (int p = 0; p < world; ++p)
+      for (int i = 0; i < recv[p]; ++i, ++row) {
+        EXPECT_EQ(got.item(row * 3), p);
+        EXPECT_EQ(got.item(row * 3 + 1), r);
+        EXPECT_EQ(got.item(row * 3 + 2), i);
+      }
+  });
+}
+
+TEST(InProcess, AFailingRankStopsTheOthersWithItsError) {
+  try {
+    run_in_process(3, [](Communicator& c) {
+      if (c.rank() == 1) throw DataError("rank 1 read a bad file");
+      c.barrier();
+    });
+    FAIL() << "the failure must propagate";
+  } catch (const DataError& e) {
+    EXPECT_NE(std::string(e.what()).find("rank 1 read a bad file"), std::string::npos);
+  }
+}
+
+TEST(InProcess, AMissingRankTimesOutWithItsState) {
+  try {
+    run_in_process(2, [](Communicator& c) {
+      if (c.rank() == 0) c.barrier();
+    }, /*timeout_s=*/0.3);
+    FAIL() << "a rank that never arrives must time out";
+  } catch (const Error& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("rank 0 timed out"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("1 of 2 ranks arrived"), std::string::npos) << msg;
+  }
+}
+
+TEST(Mesh, GroupsAndValidation) {
+  std::mutex mu;
+  run_in_process(4, [&](Communicator& c) {
+    dist::DeviceMesh mesh(c, {4, 2}, 8);
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_EQ(mesh.ep().size(), 2);
+    EXPECT_EQ(mesh.dp_shard_mod_ep().size(), 2);
+    EXPECT_EQ(mesh.ep().rank(), c.rank() % 2);
+    EXPECT_EQ(mesh.dp_shard_mod_ep().rank(), c.rank() / 2);
+    EXPECT_EQ(mesh.first_local_expert(), 4 * (c.rank() % 2));
+  });
+  EXPECT_THROW((dist::MeshShape{4, 3}.validate(12)), ConfigError);
+  EXPECT_THROW((dist::MeshShape{4, 4}.validate(6)), ConfigError);
+}
+
+TEST(ExpertExchange, DispatchDeliversRowsToOwnersAndCombineInverts) {
+  const int world = 2;
+  const int64_t experts = 4;  // experts 0,1 on rank 0; 2,3 on rank 1
+  run_in_process(world, [&](Communicator& c) {
+    const int r = c.rank();
+    // Rank r routes (r + 1) rows to every expert; row value = 100 * source + expert.
+    Tensor off = Tensor::empty({experts + 1}, DType::kI64);
+    for (int64_t e = 0; e <= experts; ++e) off.set_item(e, e * (r + 1));
+    const int64_t m = experts * (r + 1);
+    Tensor rows = Tensor::empty({m, 2}, DType::kF64);
+    for (int64_t i = 0; i < m; ++i) {
+      rows.set_item(2 * i, 100 * r + i / (r + 1));
+      rows.set_item(2 * i + 1, i);
+    }
+    moe::ExpertExchange ex(c, off);
+    const Tensor got = ex.dispatch(rows);
+    ASSERT_EQ(got.dim(0), 2 * (1 + 2));  // 2 local experts x (1 + 2) rows from the 2 sources
+    const Tensor& lo = ex.local_offsets();
+    for (int64_t e = 0; e < 2; ++e)
+      for (int64_t i = lo.item(e); i < lo.item(e + 1); ++i) {
+        const int expert = static_cast<int>(got.item(2 * i)) % 100;
+        EXPECT_EQ(expert, 2 * r + e) << "row " << i;
+      }
+    // Expert-major, then source order inside an expert: source 0's row comes first.
+    EXPECT_EQ(static_cast<int>(got.item(0)) / 100, 0);
+    EXPECT_EQ(static_cast<int>(got.item(2)) / 100, 1);
+    const Tensor back = ex.combine(got);
+    for (int64_t i = 0; i < 2 * m; ++i) EXPECT_EQ(back.item(i), rows.item(i));
+  });
+}
+
+// --- equivalence with one rank -------------------------------------------------------------
+
+std::vector<std::string> small_model(int64_t rows_per_rank) {
+  return {"model.vocab_size=32", "model.dim=8", "model.n_layers=2", "model.n_heads=4",
+          "model.n_kv_heads=2", "model.head_dim=6", "model.n_experts=8", "model.top_k=2",
+          "model.moe_dim=5", "model.init_std=0.5", "model.compute_dtype=f64",
+          "model.aux_loss_coef=0.01", "model.bias_update_rate=0.001", "data.languages=2",
+          "data.branching=2", "data.min_doc_len=4", "data.max_doc_len=12", "train.seq_len=16",
+          "train.batch_rows=" + std::to_string(rows_per_rank), "train.grad_accum=2",
+          "train.steps=3", "train.warmup_steps=1", "train.log_every=100"};
+}
+
+struct Snapshot {
+  std::vector<StepMetrics> metrics;
+  std::map<std::string, Tensor> params, grads;  // full tensors by name (experts: all E)
+};
+
+// Full tensors by name from a model whose groups may be sharded and hold E/ep experts.
+void collect(Qwen3Moe& model, int64_t n_experts, Snapshot& out, std::mutex& mu) {
+  for (auto& u : model.units())
+    for (auto& g : u.groups) {
+      auto full = [&](const Tensor& shard) {
+        if (!g.sharded()) return shard.clone();
+        Tensor all = Tensor::empty({shard.numel() * g.comm->size()}, shard.dtype());
+        g.comm->all_gather(shard, all);
+        return all;
+      };
+      const Tensor p = full(g.shard), dp = full(g.grad_shard);
+      std::lock_guard<std::mutex> lock(mu);
+      for (const ParamSpec& s : g.specs) {
+        Shape whole = s.shape;
+        if (g.kind == ParamKind::kExpert) whole[0] = n_experts;
+        for (auto* dst : {&out.params, &out.grads})
+          if (!dst->count(s.name)) dst->emplace(s.name, Tensor::poisoned(whole, DType::kF64));
+        const int64_t n = shape_numel(s.shape);
+        out.params[s.name].view(s.init_offset, {n}).copy_from(p.view(s.offset, {n}));
+        out.grads[s.name].view(s.init_offset, {n}).copy_from(dp.view(s.offset, {n}));
+      }
+    }
+}
+
+Snapshot train(int world, int ep, int64_t steps) {
+  const int64_t rows = 2;
+  std::vector<std::string> sets = small_model(world == 0 ? 0 : rows);
+  Snapshot snap;
+  std::mutex mu;
+  if (world == 0) {  // the single-rank reference holding the whole global batch of 4 ranks
+    sets.back() = "train.log_every=100";
+    sets.push_back("train.batch_rows=" + std::to_string(rows * 4));
+    Trainer t(parse_config_string("", sets));
+    RunOptions o;
+    o.steps = steps;
+    snap.metrics = t.run(o);
+    collect(t.model(), 8, snap, mu);
+    return snap;
+  }
+  sets.push_back("parallel.world=" + std::to_string(world));
+  sets.push_back("parallel.ep=" + std::to_string(ep));
+  // Every world covers the same 4-rank global batch: fewer ranks take more rows each.
+  sets.push_back("train.batch_rows=" + std::to_string(rows * 4 / world));
+  const Config c = parse_config_string("", sets);
+  run_in_process(world, [&](Communicator& comm) {
+    Trainer t(c, &comm);
+    RunOptions o;
+    o.steps = steps;
+    const auto m = t.run(o);
+    collect(t.model(), 8, snap, mu);
+    if (comm.rank() == 0) snap.metrics = m;
+  });
+  return snap;
+}
+
+void expect_same(const std::map<std::string, Tensor>& a, const std::map<std::string, Tensor>& b,
+                 double tol, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size());
+  for (const auto& [name, t] : b) {
+    ASSERT_TRUE(a.count(name)) << name;
+    EXPECT_LE(relative_error(a.at(name), t), tol) << what << " " << name;
+  }
+}
+
+class Equivalence : public ::testing::TestWithParam<std::pair<int, int>> {};
+
+TEST_P(Equivalence, OneStepLossAndGradientsThenThreeStepsParameters) {
+  const auto [world, ep] = GetParam();
+  const Snapshot ref1 = train(0, 1, 1), got1 = train(world, ep, 1);
+  EXPECT_NEAR(got1.metrics[0].loss, ref1.metrics[0].loss, 1e-10 * ref1.metrics[0].loss);
+  EXPECT_NEAR(got1.metrics[0].aux_loss, ref1.metrics[0].aux_loss, 1e-10 * ref1.metrics[0].aux_loss);
+  EXPECT_NEAR(got1.metrics[0].grad_norm, ref1.metrics[0].grad_norm, 1e-10 * ref1.metrics[0].grad_norm);
+  expect_same(got1.grads, ref1.grads, 1e-10, "gradient");
+  const Snapshot ref3 = train(0, 1, 3), got3 = train(world, ep, 3);
+  for (int s = 0; s < 3; ++s)
+    EXPECT_NEAR(got3.metrics[s].loss, ref3.metrics[s].loss, 1e-10 * ref3.metrics[s].loss);
+  expect_same(got3.params, ref3.params, 1e-10, "parameter");
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldAndEp, Equivalence,
+                         ::testing::Values(std::pair{1, 1}, std::pair{2, 1}, std::pair{2, 2},
+                                           std::pair{4, 2}, std::pair{4, 4}),
+                         [](const auto& info) {
+                           return "W" + std::to_string(info.param.first) + "_ep" +
+                                  std::to_string(info.param.second);
+                         });
+
+}  // namespace
+}  // namespace mt
+
+namespace mt {
+namespace {
+
+TEST(DistCheckpoint, ShardedResumeIsBitIdenticalAndWorldMismatchIsNamed) {
+  const std::string dir = (std::filesystem::temp_directory_path() / "mt_dist_ckpt").string();
+  std::filesystem::remove_all(dir);
+  std::vector<std::string> sets = small_model(2);
+  sets.push_back("parallel.world=4");
+  sets.push_back("parallel.ep=2");
+  sets.push_back("train.steps=4");
+  sets.push_back("checkpoint.dir=\"" + dir + "\"");
+  sets.push_back("checkpoint.every=2");
+  const Config c = parse_config_string("", sets);
+  Snapshot straight, resumed;
+  std::mutex mu;
+  run_in_process(4, [&](Communicator& comm) {
+    Trainer t(c, &comm);
+    t.run({});
+    collect(t.model(), 8, straight, mu);
+  });
+  run_in_process(4, [&](Communicator& comm) {
+    Trainer t(c, &comm);
+    RunOptions o;
+    o.resume = dir + "/step_00000002";
+    t.run(o);
+    collect(t.model(), 8, resumed, mu);
+  });
+  expect_same(resumed.params, straight.params, 0.0, "parameter");  // bit-identical
+
+  sets.push_back("parallel.ep=4");
+  const Config other = parse_config_string("", sets);
+  try {
+    run_in_process(4, [&](Communicator& comm) {
+      Trainer t(other, &comm);
+      RunOptions o;
+      o.resume = dir;
+      t.run(o);
+    });
+    FAIL() << "a checkpoint of another ep must be refused";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("parallel.ep = 2"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace mt
