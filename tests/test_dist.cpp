@@ -4,7 +4,10 @@
 
 #include <cmath>
 #include <filesystem>
+#include <fstream>
 #include <mutex>
+#include <nlohmann/json.hpp>
+#include <sys/wait.h>
 
 #include "dist/communicator.h"
 #include "dist/mesh.h"
@@ -299,6 +302,73 @@ TEST(DistCheckpoint, ShardedResumeIsBitIdenticalAndWorldMismatchIsNamed) {
   } catch (const CheckpointError& e) {
     EXPECT_NE(std::string(e.what()).find("parallel.ep = 2"), std::string::npos) << e.what();
   }
+}
+
+}  // namespace
+}  // namespace mt
+
+// --- one process per rank: the launcher and the socket backend ----------------------------
+namespace mt {
+namespace {
+
+struct Proc {
+  int code;
+  std::string output;
+};
+Proc run_cmd(const std::string& cmd) {
+  const std::string out = (std::filesystem::temp_directory_path() / "mt_launch_out.txt").string();
+  const int status = std::system((cmd + " >" + out + " 2>&1").c_str());
+  std::ifstream in(out);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1,
+          std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>())};
+}
+
+std::vector<double> losses(const std::string& metrics) {
+  std::ifstream in(metrics);
+  std::vector<double> l;
+  std::string line;
+  while (std::getline(in, line)) l.push_back(nlohmann::json::parse(line).at("loss").get<double>());
+  return l;
+}
+
+const std::string kLaunchArgs = std::string(" train --config ") + MOETRAIN_SOURCE_DIR +
+                                "/configs/tiny.toml --set parallel.ep=2 --set train.batch_rows=2"
+                                " --set train.seq_len=64 --steps 4";
+
+TEST(Launch, ProcessesGiveTheSameLossesAsInProcessRanks) {
+  const auto tmp = std::filesystem::temp_directory_path();
+  const std::string a = (tmp / "mt_launch_a.jsonl").string(), b = (tmp / "mt_launch_b.jsonl").string();
+  std::filesystem::remove(a);
+  std::filesystem::remove(b);
+  const Proc launched = run_cmd(std::string(MOETRAIN_BINARY) + " launch -n 2 --" + kLaunchArgs +
+                                " --metrics " + a);
+  ASSERT_EQ(launched.code, 0) << launched.output;
+  const Proc threads = run_cmd(std::string(MOETRAIN_BINARY) + kLaunchArgs +
+                               " --set parallel.world=2 --metrics " + b);
+  ASSERT_EQ(threads.code, 0) << threads.output;
+  const auto la = losses(a), lb = losses(b);
+  ASSERT_EQ(la.size(), 4u);
+  EXPECT_EQ(la, lb);  // the hub sums in rank order, as the in-process backend
+}
+
+TEST(Launch, ADeadRankStopsTheJobWithItsName) {
+  const Proc p = run_cmd("MOETRAIN_FAULT_EXIT=1:2 MOETRAIN_TIMEOUT_S=60 timeout 120 " +
+                         std::string(MOETRAIN_BINARY) + " launch -n 2 --" + kLaunchArgs);
+  // Non-zero and not the timeout's 124: nobody hung. The first rank reaped sets the code (the
+  // dead rank's 17, or rank 0's 1 after it saw rank 1 disconnect).
+  EXPECT_TRUE(p.code == 17 || p.code == 1) << p.code << "\n" << p.output;
+  EXPECT_NE(p.output.find("rank 1 exited with code 17"), std::string::npos) << p.output;
+  EXPECT_NE(p.output.find("rank 1 disconnected"), std::string::npos) << p.output;
+}
+
+TEST(Launch, BadTorchrunEnvironmentIsAConfigError) {
+  const Proc p = run_cmd("WORLD_SIZE=2 RANK=5 MASTER_PORT=1 " + std::string(MOETRAIN_BINARY) +
+                         kLaunchArgs);
+  EXPECT_EQ(p.code, 2) << p.output;
+  EXPECT_NE(p.output.find("RANK=5 must be below WORLD_SIZE=2"), std::string::npos) << p.output;
+  const Proc q = run_cmd("WORLD_SIZE=two RANK=0 " + std::string(MOETRAIN_BINARY) + kLaunchArgs);
+  EXPECT_EQ(q.code, 2) << q.output;
+  EXPECT_NE(q.output.find("WORLD_SIZE='two'"), std::string::npos) << q.output;
 }
 
 }  // namespace

@@ -1,14 +1,18 @@
 // The moetrain binary. Subcommands:
 //   train  --config F [--set section.key=value ...] [--steps N] [--metrics P] [--resume C]
+//   launch -n N -- train ...     : N processes on this host, one rank each (torchrun's env)
 //   flops  --config F [--set ...] : parameter counts and training FLOPs per token
 // Exit codes: 0 ok, 1 internal error, 2 config/usage, 3 data, 4 checkpoint, 5 NaN/Inf.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <optional>
 
 #include "core/log.h"
 #include "dist/communicator.h"
+#include "dist/launcher.h"
+#include "dist/socket_backend.h"
 #include "model/flops.h"
 #include "train/config.h"
 #include "train/trainer.h"
@@ -48,7 +52,18 @@ void choose_device(const mt::Config& c) {
 
 int run_train(const ConfigArgs& a, int64_t steps, const std::string& metrics,
               const std::string& resume) {
-  const mt::Config c = mt::load_config(a.path, a.overrides);
+  // Started by `moetrain launch` or torchrun: one process per rank, the world from the env.
+  std::optional<mt::dist::Rendezvous> rdv;
+  std::vector<std::string> overrides = a.overrides;
+  if (mt::dist::launched_by_env()) {
+    rdv = mt::dist::rendezvous_from_env();
+    mt::log::set_rank(rdv->rank);
+    overrides.insert(overrides.begin(), fmt::format("parallel.world={}", rdv->world));
+  }
+  const mt::Config c = mt::load_config(a.path, overrides);
+  if (rdv && c.parallel.world != rdv->world)
+    throw mt::ConfigError(fmt::format("config: parallel.world = {} but WORLD_SIZE = {}",
+                                      c.parallel.world, rdv->world));
   choose_device(c);
   mt::RunOptions opt;
   if (steps > 0) opt.steps = steps;
@@ -65,6 +80,9 @@ int run_train(const ConfigArgs& a, int64_t steps, const std::string& metrics,
   };
   if (c.parallel.world == 1) {
     train(nullptr);
+  } else if (rdv) {
+    const auto world = mt::dist::connect_socket_world(*rdv);
+    train(world.get());
   } else {
     // CPU ranks as threads of this process (the in-process backend).
     mt::dist::run_in_process(static_cast<int>(c.parallel.world),
@@ -96,6 +114,11 @@ int main(int argc, char** argv) {
   train->add_option("--steps", steps, "stop after this step (the LR schedule keeps train.steps)");
   train->add_option("--metrics", metrics, "append one JSON object per step to this file");
   train->add_option("--resume", resume, "checkpoint file, or a checkpoint directory's latest");
+  mt::dist::LaunchOptions launch_opt;
+  CLI::App* launch = app.add_subcommand("launch", "start N ranks on this host: launch -n N -- train ...");
+  launch->add_option("-n,--nproc", launch_opt.nproc, "processes (ranks)")->required();
+  launch->add_option("--master-port", launch_opt.master_port, "rendezvous port (default: a free one)");
+  launch->add_option("args", launch_opt.args, "the moetrain command of every rank")->required();
   CLI::App* flops = app.add_subcommand("flops", "parameter counts and FLOPs per token");
   add_config_options(flops, flops_cfg);
   try {
@@ -107,6 +130,7 @@ int main(int argc, char** argv) {
   }
   try {
     if (*train) return run_train(train_cfg, steps, metrics, resume);
+    if (*launch) return mt::dist::launch_local(launch_opt);
     if (*flops) return run_flops(flops_cfg);
   } catch (const mt::Error& e) {
     std::fprintf(stderr, "moetrain: %s\n", e.what());

@@ -4,6 +4,8 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdio>
+#include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
@@ -127,6 +129,19 @@ StepMetrics Trainer::train_step() {
   return m;
 }
 
+namespace {
+// Test hook for failure handling: MOETRAIN_FAULT_EXIT="<rank>:<step>" makes that rank's process
+// exit with code 17 right after that step, as a crashed rank would (no cleanup, no goodbye).
+void maybe_inject_fault(int rank, int64_t step) {
+  const char* spec = std::getenv("MOETRAIN_FAULT_EXIT");
+  int fault_rank = -1;
+  long long fault_step = -1;
+  if (spec && std::sscanf(spec, "%d:%lld", &fault_rank, &fault_step) == 2 && fault_rank == rank &&
+      fault_step == step)
+    std::_Exit(17);
+}
+}  // namespace
+
 std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
   const TrainConfig& t = cfg_.train;
   if (!opt.resume.empty()) {
@@ -153,6 +168,7 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
   while (step_ < last) {
     const StepMetrics m = train_step();
     all.push_back(m);
+    maybe_inject_fault(world_ ? world_->rank() : 0, m.step);
     if (metrics.is_open()) {
       nlohmann::ordered_json j{{"step", m.step},           {"loss", m.loss},
                                {"aux_loss", m.aux_loss},   {"grad_norm", m.grad_norm},

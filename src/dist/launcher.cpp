@@ -1,0 +1,117 @@
+#include "dist/launcher.h"
+
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+#include "core/error.h"
+
+namespace mt::dist {
+
+namespace {
+
+int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  addr.sin_port = 0;
+  socklen_t len = sizeof(addr);
+  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
+    throw Error(ExitCode::kInternal, "launch: cannot find a free port");
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+std::string describe(int status) {
+  if (WIFEXITED(status)) return fmt::format("exited with code {}", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) return fmt::format("was killed by signal {} ({})", WTERMSIG(status), strsignal(WTERMSIG(status)));
+  return "stopped";
+}
+
+int exit_code_of(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  return 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
+}
+
+}  // namespace
+
+int launch_local(const LaunchOptions& opt) {
+  if (opt.nproc < 1) throw ConfigError(fmt::format("launch: -n {} must be >= 1", opt.nproc));
+  if (opt.args.empty()) throw ConfigError("launch: nothing to run (usage: launch -n N -- train ...)");
+  const int port = opt.master_port ? opt.master_port : free_port();
+  std::vector<pid_t> pids(opt.nproc, -1);
+  for (int r = 0; r < opt.nproc; ++r) {
+    const pid_t pid = ::fork();
+    if (pid < 0) throw Error(ExitCode::kInternal, fmt::format("launch: fork: {}", std::strerror(errno)));
+    if (pid == 0) {
+      ::setenv("RANK", std::to_string(r).c_str(), 1);
+      ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
+      ::setenv("WORLD_SIZE", std::to_string(opt.nproc).c_str(), 1);
+      ::setenv("MASTER_ADDR", "127.0.0.1", 1);
+      ::setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      std::vector<char*> argv;
+      std::string self = "moetrain";
+      argv.push_back(self.data());
+      std::vector<std::string> args = opt.args;
+      for (auto& a : args) argv.push_back(a.data());
+      argv.push_back(nullptr);
+      ::execv("/proc/self/exe", argv.data());
+      std::fprintf(stderr, "moetrain launch: exec failed: %s\n", std::strerror(errno));
+      std::_Exit(127);
+    }
+    pids[r] = pid;
+  }
+  int result = 0, running = opt.nproc;
+  bool stopping = false;
+  auto deadline = std::chrono::steady_clock::now();
+  while (running > 0) {
+    int status = 0;
+    const pid_t pid = ::waitpid(-1, &status, stopping ? WNOHANG : 0);
+    if (pid == 0) {  // stopping, nobody exited yet
+      if (std::chrono::steady_clock::now() > deadline) {
+        for (pid_t p : pids)
+          if (p > 0) ::kill(p, SIGKILL);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+      continue;
+    }
+    if (pid < 0) {
+      if (errno == EINTR) continue;
+      break;
+    }
+    const int rank = static_cast<int>(std::find(pids.begin(), pids.end(), pid) - pids.begin());
+    if (rank >= opt.nproc) continue;
+    pids[rank] = -1;
+    --running;
+    const bool failed = !WIFEXITED(status) || WEXITSTATUS(status) != 0;
+    const bool our_kill = stopping && WIFSIGNALED(status) &&
+                          (WTERMSIG(status) == SIGTERM || WTERMSIG(status) == SIGKILL);
+    // Every failure is reported: when two ranks die close together, reap order is not cause.
+    if (failed && !our_kill)
+      std::fprintf(stderr, "moetrain launch: rank %d %s%s\n", rank, describe(status).c_str(),
+                   stopping ? "" : fmt::format("; stopping the other {} rank(s)", running).c_str());
+    if (failed && !stopping) {
+      result = exit_code_of(status);
+      stopping = true;
+      deadline = std::chrono::steady_clock::now() +
+                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                     std::chrono::duration<double>(opt.grace_s));
+      for (pid_t p : pids)
+        if (p > 0) ::kill(p, SIGTERM);
+    }
+  }
+  return result;
+}
+
+}  // namespace mt::dist
