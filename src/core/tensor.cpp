@@ -5,35 +5,111 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "core/cuda_check.h"
 
 namespace mt {
 
 namespace {
 
-// One allocator per device (DESIGN.md §3). The CPU one is plain aligned malloc with byte
-// accounting; CUDA's caching allocator arrives with the CUDA backend.
+// One allocator per device (DESIGN.md §3), counting the bytes of live tensors. The CPU one is
+// aligned malloc. The CUDA one caches freed blocks by rounded size and reuses them, so a
+// training step's allocations stop reaching cudaMalloc (and its implicit syncs) after step 1.
 struct DeviceAllocator {
+  explicit DeviceAllocator(Device d) : device(d) {}
+  const Device device;
   std::atomic<int64_t> current{0};
   std::atomic<int64_t> peak{0};
+  std::mutex mu;
+  std::map<size_t, std::vector<void*>> cached;  // CUDA: free blocks by rounded size
+
+  static size_t rounded(size_t bytes) {
+    const size_t unit = bytes < (1u << 20) ? 512 : (2u << 20);  // small: 512 B, large: 2 MiB
+    return (std::max<size_t>(bytes, 1) + unit - 1) / unit * unit;
+  }
+
   void* allocate(size_t bytes) {
-    void* p = std::aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
-    MT_CHECK(p != nullptr, "out of host memory allocating {} bytes", bytes);
-    int64_t now = current += static_cast<int64_t>(bytes);
+    void* p = nullptr;
+    if (device == Device::kCPU) {
+      p = std::aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
+      MT_CHECK(p != nullptr, "out of host memory allocating {} bytes", bytes);
+    } else {
+      p = allocate_cuda(rounded(bytes));
+    }
+    const int64_t now = current += static_cast<int64_t>(bytes);
     int64_t prev = peak.load();
     while (now > prev && !peak.compare_exchange_weak(prev, now)) {
     }
     return p;
   }
+
   void release(void* p, size_t bytes) {
-    std::free(p);
     current -= static_cast<int64_t>(bytes);
+    if (device == Device::kCPU) {
+      std::free(p);
+      return;
+    }
+    std::lock_guard<std::mutex> lock(mu);
+    cached[rounded(bytes)].push_back(p);
+  }
+
+  void* allocate_cuda(size_t size) {
+#if MOETRAIN_HAS_CUDA
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      auto it = cached.find(size);
+      if (it != cached.end() && !it->second.empty()) {
+        void* p = it->second.back();
+        it->second.pop_back();
+        return p;
+      }
+    }
+    void* p = nullptr;
+    if (cudaMalloc(&p, size) != cudaSuccess) {
+      // Out of memory: give the cache back to the driver and try once more.
+      (void)cudaGetLastError();
+      std::lock_guard<std::mutex> lock(mu);
+      for (auto& [_, blocks] : cached)
+        for (void* b : blocks) cudaFree(b);
+      cached.clear();
+      MT_CUDA_CHECK(cudaMalloc(&p, size));
+    }
+    return p;
+#else
+    (void)size;
+    MT_CHECK(false, "a GPU tensor in a build without CUDA");
+#endif
   }
 };
 
 DeviceAllocator& allocator_for(Device d) {
-  MT_CHECK(d == Device::kCPU, "the CUDA backend is not built yet (tensor on cuda)");
-  static DeviceAllocator cpu;
-  return cpu;
+  static DeviceAllocator cpu(Device::kCPU);
+  static DeviceAllocator* cuda = new DeviceAllocator(Device::kCUDA);  // outlives static tensors
+  return d == Device::kCPU ? cpu : *cuda;
+}
+
+#if MOETRAIN_HAS_CUDA
+cudaMemcpyKind copy_kind(Device dst, Device src) {
+  if (dst == Device::kCUDA) return src == Device::kCUDA ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice;
+  return src == Device::kCUDA ? cudaMemcpyDeviceToHost : cudaMemcpyHostToHost;
+}
+#endif
+
+// memcpy that understands devices (synchronous with respect to the host).
+void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t bytes) {
+  if (bytes == 0) return;
+  if (dst_dev == Device::kCPU && src_dev == Device::kCPU) {
+    std::memcpy(dst, src, bytes);
+    return;
+  }
+#if MOETRAIN_HAS_CUDA
+  MT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, copy_kind(dst_dev, src_dev)));
+#else
+  MT_CHECK(false, "a GPU tensor in a build without CUDA");
+#endif
 }
 
 }  // namespace
@@ -99,7 +175,12 @@ Tensor Tensor::poisoned(const Shape& shape, DType dtype, Device device) {
     case DType::kI64: t.fill_(-123456789.0); break;
     case DType::kU8:
     case DType::kE8M0:
-    case DType::kE4M3: std::memset(t.raw(), 0xFF, t.nbytes()); break;  // NaN in e4m3/e8m0
+    case DType::kE4M3: {  // 0xFF: NaN in e4m3/e8m0
+      Tensor host = empty(shape, dtype);
+      std::memset(host.raw(), 0xFF, host.nbytes());
+      t.copy_from(host);
+      break;
+    }
     default: t.fill_(std::numeric_limits<double>::quiet_NaN());
   }
   return t;
@@ -142,20 +223,35 @@ Tensor Tensor::slice_rows(int64_t begin, int64_t end) const {
 
 Tensor Tensor::clone() const {
   Tensor t = empty(shape_, dtype_, device_);
-  std::memcpy(t.raw(), raw(), nbytes());
+  t.copy_from(*this);
+  return t;
+}
+
+Tensor Tensor::to(Device device) const {
+  Tensor t = empty(shape_, dtype_, device);
+  t.copy_from(*this);
   return t;
 }
 
 void Tensor::copy_from(const Tensor& src) {
   MT_CHECK(src.numel() == numel() && src.dtype() == dtype_, "copy of {} {} into {} {}",
            dtype_name(src.dtype()), shape_str(src.shape()), dtype_name(dtype_), shape_str(shape_));
-  std::memcpy(raw(), src.raw(), nbytes());
+  copy_bytes(raw(), device_, src.raw(), src.device(), nbytes());
 }
 
-void Tensor::zero_() { std::memset(raw(), 0, nbytes()); }
+void Tensor::zero_() {
+  if (device_ == Device::kCPU) {
+    std::memset(raw(), 0, nbytes());
+    return;
+  }
+#if MOETRAIN_HAS_CUDA
+  MT_CUDA_CHECK(cudaMemset(raw(), 0, nbytes()));
+#endif
+}
 
 double Tensor::item(int64_t i) const {
   MT_CHECK(i >= 0 && i < numel(), "item {} of {}", i, shape_str(shape_));
+  if (device_ != Device::kCPU) return view(i, {1}).to(Device::kCPU).item(0);
   const void* p = raw();
   switch (dtype_) {
     case DType::kF32: return static_cast<const float*>(p)[i];
@@ -171,6 +267,13 @@ double Tensor::item(int64_t i) const {
 }
 
 void Tensor::set_item(int64_t i, double v) {
+  if (device_ != Device::kCPU) {
+    Tensor one = empty({1}, dtype_);
+    one.set_item(0, v);
+    Tensor dst = view(i, {1});
+    dst.copy_from(one);
+    return;
+  }
   void* p = raw();
   switch (dtype_) {
     case DType::kF32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
@@ -185,11 +288,18 @@ void Tensor::set_item(int64_t i, double v) {
 }
 
 void Tensor::fill_(double value) {
+  if (device_ != Device::kCPU) {
+    Tensor host = empty(shape_, dtype_);
+    host.fill_(value);
+    copy_from(host);
+    return;
+  }
   const int64_t n = numel();
   for (int64_t i = 0; i < n; ++i) set_item(i, value);
 }
 
 Tensor Tensor::to(DType dtype) const {
+  if (device_ != Device::kCPU) return to(Device::kCPU).to(dtype).to(device_);
   Tensor t = empty(shape_, dtype, device_);
   const int64_t n = numel();
   for (int64_t i = 0; i < n; ++i) t.set_item(i, item(i));
@@ -206,9 +316,11 @@ void expect_dtype(const Tensor& t, DType d, const char* name) {
            dtype_name(d));
 }
 
-double relative_error(const Tensor& a, const Tensor& b) {
-  MT_CHECK(a.numel() == b.numel(), "relative_error of {} vs {}", shape_str(a.shape()),
-           shape_str(b.shape()));
+double relative_error(const Tensor& a_in, const Tensor& b_in) {
+  MT_CHECK(a_in.numel() == b_in.numel(), "relative_error of {} vs {}", shape_str(a_in.shape()),
+           shape_str(b_in.shape()));
+  const Tensor a = a_in.device() == Device::kCPU ? a_in : a_in.to(Device::kCPU);
+  const Tensor b = b_in.device() == Device::kCPU ? b_in : b_in.to(Device::kCPU);
   double num = 0, den = 0;
   for (int64_t i = 0; i < a.numel(); ++i) {
     const double x = a.item(i), y = b.item(i);
@@ -220,7 +332,8 @@ double relative_error(const Tensor& a, const Tensor& b) {
   return std::sqrt(num / den);
 }
 
-bool all_finite(const Tensor& t) {
+bool all_finite(const Tensor& t_in) {
+  const Tensor t = t_in.device() == Device::kCPU ? t_in : t_in.to(Device::kCPU);
   for (int64_t i = 0; i < t.numel(); ++i)
     if (!std::isfinite(t.item(i))) return false;
   return true;

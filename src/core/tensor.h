@@ -68,10 +68,14 @@ class Tensor {
 
   Tensor clone() const;
   Tensor to(DType dtype) const;  // conversion through double; bf16/e4m3 round to nearest even
-  void copy_from(const Tensor& src);  // same shape numel and dtype
+  Tensor to(Device device) const;  // a copy on `device` (host <-> GPU through cudaMemcpy)
+  // Same numel and dtype; either side may be on the CPU or the GPU.
+  void copy_from(const Tensor& src);
   void zero_();
   void fill_(double value);
-  double item(int64_t i) const;  // element i as double (any numeric dtype), for tests and logs
+  // Element i as double (any numeric dtype; a GPU tensor is read through the host), for tests
+  // and logs, not for loops.
+  double item(int64_t i) const;
   void set_item(int64_t i, double v);
   // True when both share storage and this tensor's elements lie inside `other`.
   bool same_storage(const Tensor& other) const { return storage_ == other.storage_; }

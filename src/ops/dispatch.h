@@ -14,6 +14,17 @@ void dispatch_float(DType t, F&& f) {
   }
 }
 
+// True when the op's tensors are on the GPU: the op then calls its CUDA launcher
+// (ops/cuda/ops.h). A build without CUDA refuses GPU tensors at allocation already.
+inline bool on_gpu(const Tensor& t) {
+#if MOETRAIN_HAS_CUDA
+  return t.device() == Device::kCUDA;
+#else
+  (void)t;
+  return false;
+#endif
+}
+
 inline void expect_cpu(const Tensor& t, const char* name) {
   MT_CHECK(t.device() == Device::kCPU, "{} is on the GPU; this op has no CUDA kernel yet", name);
 }

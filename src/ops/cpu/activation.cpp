@@ -3,10 +3,16 @@
 #include <cmath>
 
 #include "ops/dispatch.h"
+#if MOETRAIN_HAS_CUDA
+#include "ops/cuda/ops.h"
+#endif
 
 namespace mt::ops {
 
 void swiglu_forward(const Tensor& h, Tensor& a) {
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(h)) return cuda::swiglu_forward(h, a);
+#endif
   MT_CHECK(h.ndim() == 2 && h.dim(1) % 2 == 0, "swiglu input {} must be (M, 2F)",
            shape_str(h.shape()));
   const int64_t m = h.dim(0), f = h.dim(1) / 2;
@@ -27,6 +33,9 @@ void swiglu_forward(const Tensor& h, Tensor& a) {
 }
 
 void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh) {
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(h)) return cuda::swiglu_backward(h, da, dh);
+#endif
   const int64_t m = h.dim(0), f = h.dim(1) / 2;
   expect_shape(da, {m, f}, "swiglu da");
   expect_shape(dh, h.shape(), "swiglu dh");

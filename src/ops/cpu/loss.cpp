@@ -4,6 +4,9 @@
 #include <cmath>
 
 #include "ops/dispatch.h"
+#if MOETRAIN_HAS_CUDA
+#include "ops/cuda/ops.h"
+#endif
 
 namespace mt::ops {
 
@@ -14,6 +17,7 @@ void check_loss_inputs(const Tensor& logits, const Tensor& targets, const Tensor
   expect_dtype(targets, DType::kI32, "targets");
   expect_shape(mask, {n}, "loss mask");
   expect_dtype(mask, DType::kU8, "loss mask");
+  if (on_gpu(logits)) return;  // ids were range-checked when the data was read
   const int32_t* tg = targets.data<int32_t>();
   const uint8_t* mk = mask.data<uint8_t>();
   for (int64_t i = 0; i < n; ++i)
@@ -25,6 +29,9 @@ void check_loss_inputs(const Tensor& logits, const Tensor& targets, const Tensor
 double cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
                              Tensor& lse) {
   check_loss_inputs(logits, targets, mask);
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(logits)) return cuda::cross_entropy_forward(logits, targets, mask, lse);
+#endif
   const int64_t n = logits.dim(0), v = logits.dim(1);
   expect_shape(lse, {n}, "loss lse");
   double total = 0;
@@ -47,6 +54,9 @@ double cross_entropy_forward(const Tensor& logits, const Tensor& targets, const 
 void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
                             const Tensor& lse, double grad_scale, Tensor& dlogits) {
   check_loss_inputs(logits, targets, mask);
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(logits)) return cuda::cross_entropy_backward(logits, targets, mask, lse, grad_scale, dlogits);
+#endif
   const int64_t n = logits.dim(0), v = logits.dim(1);
   expect_shape(dlogits, logits.shape(), "dlogits");
   dispatch_float(logits.dtype(), [&](auto tag) {

@@ -3,10 +3,16 @@
 #include <cmath>
 
 #include "ops/dispatch.h"
+#if MOETRAIN_HAS_CUDA
+#include "ops/cuda/ops.h"
+#endif
 
 namespace mt::ops {
 
 void rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd) {
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(x)) return cuda::rmsnorm_forward(x, w, eps, y, rstd);
+#endif
   const int64_t n = x.dim(0), d = x.dim(1);
   expect_shape(w, {d}, "rmsnorm weight");
   expect_shape(y, {n, d}, "rmsnorm y");
@@ -30,6 +36,9 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, Tensor& y, Te
 
 void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy,
                       Tensor& dx, Tensor& dw) {
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(x)) return cuda::rmsnorm_backward(x, w, rstd, dy, dx, dw);
+#endif
   const int64_t n = x.dim(0), d = x.dim(1);
   expect_shape(dy, {n, d}, "rmsnorm dy");
   expect_shape(dx, {n, d}, "rmsnorm dx");

@@ -3,6 +3,9 @@
 #include <cmath>
 
 #include "ops/dispatch.h"
+#if MOETRAIN_HAS_CUDA
+#include "ops/cuda/ops.h"
+#endif
 
 namespace mt::ops {
 
@@ -15,6 +18,9 @@ void rope_apply(const Tensor& x, const Tensor& positions, double theta, int dire
   expect_shape(positions, {n}, "rope positions");
   expect_dtype(positions, DType::kI32, "rope positions");
   expect_shape(y, x.shape(), "rope output");
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(x)) return cuda::rope_apply(x, positions, theta, direction, y);
+#endif
   dispatch_float(x.dtype(), [&](auto tag) {
     using T = decltype(tag);
 #pragma omp parallel for schedule(static)

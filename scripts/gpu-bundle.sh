@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Builds here and gathers what the GPU machine needs into .gpu/ (git-ignored, carried by the
+# device tool): the GPU test and bench binaries, the moetrain binary, and the shared libraries
+# that image lacks. Then, on the GPU machine: scripts/gpu-check.sh .gpu
+set -euo pipefail
+cd "$(dirname "$0")/.."
+scripts/setup.sh >/dev/null
+rm -rf .gpu && mkdir -p .gpu
+cp build/moetrain build/tests/test_cuda_ops .gpu/
+for lib in libfmt.so.9 libgomp.so.1 libtomlplusplus.so.3; do
+  cp -L "/usr/lib/x86_64-linux-gnu/$lib" .gpu/
+done
+strip .gpu/moetrain .gpu/test_cuda_ops
+du -sh .gpu

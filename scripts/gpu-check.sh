@@ -1,0 +1,15 @@
+#!/usr/bin/env bash
+# On the GPU machine: the GPU tests (every CUDA op against the CPU reference) from a bundle made
+# by scripts/gpu-bundle.sh. Logs and JSON go to $OUT; a short table is printed last.
+set -uo pipefail
+bundle=${1:-.gpu}
+out=${OUT:-/tmp/moetrain-gpu}
+mkdir -p "$out"
+export LD_LIBRARY_PATH="$bundle:${LD_LIBRARY_PATH:-}"
+export NCCL_NVLS_ENABLE=0
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+"$bundle/test_cuda_ops" --gtest_output="json:$out/test_cuda_ops.json" >"$out/test_cuda_ops.log" 2>&1
+status=$?
+grep -E "^\[ *(OK|FAILED) *\]|Failure|error|seed" "$out/test_cuda_ops.log" | grep -v "listed below" | tail -40
+echo "== gpu tests: $(grep -c '^\[       OK' "$out/test_cuda_ops.log") ok, $(grep -c '^\[  FAILED  \] [A-Z]' "$out/test_cuda_ops.log") failed (exit $status)"
+exit $status

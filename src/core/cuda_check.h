@@ -1,0 +1,21 @@
+// One check macro for the CUDA runtime (cuBLAS and NCCL get theirs beside their backends): the
+// failed statement, the error's name and the place, as an mt::Error.
+#pragma once
+#if MOETRAIN_HAS_CUDA
+#include <cuda_runtime_api.h>
+
+#include "core/error.h"
+
+#define MT_CUDA_CHECK(expr)                                                                    \
+  do {                                                                                         \
+    const cudaError_t mt_err_ = (expr);                                                        \
+    if (mt_err_ != cudaSuccess)                                                                \
+      throw ::mt::Error(::mt::ExitCode::kInternal,                                             \
+                        fmt::format("CUDA error {} ({}) in {} at {}:{}",                       \
+                                    cudaGetErrorName(mt_err_), cudaGetErrorString(mt_err_),     \
+                                    #expr, __FILE__, __LINE__));                               \
+  } while (0)
+
+// After a kernel launch: launch-configuration errors now, not at the next sync.
+#define MT_CUDA_CHECK_LAUNCH() MT_CUDA_CHECK(cudaGetLastError())
+#endif

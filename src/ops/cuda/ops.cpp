@@ -1,0 +1,124 @@
+// Tensor-level wrappers of the CUDA kernels: shape and dtype checks with named messages, then
+// the raw-pointer launch on the default stream, its error turned into mt::Error.
+#include "ops/cuda/ops.h"
+
+#include <cmath>
+
+#include "core/cuda_check.h"
+#include "ops/cuda/kernels.h"
+
+namespace mt::cuda {
+
+namespace {
+
+kernels::Storage storage_of(const Tensor& t, const char* name) {
+  MT_CHECK(t.device() == Device::kCUDA, "{} must be on the GPU", name);
+  switch (t.dtype()) {
+    case DType::kF32: return kernels::Storage::kF32;
+    case DType::kBF16: return kernels::Storage::kBF16;
+    default: MT_CHECK(false, "{} must be f32 or bf16 on the GPU, got {}", name, dtype_name(t.dtype()));
+  }
+}
+
+void same_storage_type(const Tensor& a, const Tensor& b, const char* name) {
+  MT_CHECK(a.dtype() == b.dtype() && b.device() == Device::kCUDA, "{} is {} on {}, expected {} on the GPU",
+           name, dtype_name(b.dtype()), b.device() == Device::kCUDA ? "the GPU" : "the CPU",
+           dtype_name(a.dtype()));
+}
+
+}  // namespace
+
+void rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd) {
+  const int64_t n = x.dim(0), d = x.dim(1);
+  expect_shape(w, {d}, "rmsnorm weight");
+  expect_shape(y, {n, d}, "rmsnorm y");
+  expect_shape(rstd, {n}, "rmsnorm rstd");
+  expect_dtype(rstd, DType::kF32, "rmsnorm rstd (GPU)");
+  same_storage_type(x, w, "rmsnorm weight");
+  same_storage_type(x, y, "rmsnorm y");
+  MT_CUDA_CHECK(kernels::rmsnorm_forward(storage_of(x, "rmsnorm x"), x.raw(), w.raw(),
+                                         static_cast<float>(eps), y.raw(), rstd.data<float>(), n,
+                                         d, nullptr));
+}
+
+void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy,
+                      Tensor& dx, Tensor& dw) {
+  const int64_t n = x.dim(0), d = x.dim(1);
+  expect_shape(dy, {n, d}, "rmsnorm dy");
+  expect_shape(dx, {n, d}, "rmsnorm dx");
+  expect_shape(dw, {d}, "rmsnorm dw");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&w, &dy, &dx, &dw})
+    same_storage_type(x, *t, "rmsnorm operand");
+  Tensor partial = Tensor::empty({kernels::rmsnorm_chunks(n), d}, DType::kF32, Device::kCUDA);
+  MT_CUDA_CHECK(kernels::rmsnorm_backward(storage_of(x, "rmsnorm x"), x.raw(), w.raw(),
+                                          rstd.data<float>(), dy.raw(), dx.raw(), dw.raw(),
+                                          partial.data<float>(), n, d, nullptr));
+}
+
+void rope_apply(const Tensor& x, const Tensor& positions, double theta, int direction, Tensor& y) {
+  same_storage_type(x, y, "rope output");
+  MT_CHECK(positions.device() == Device::kCUDA, "rope positions must be on the GPU");
+  MT_CUDA_CHECK(kernels::rope(storage_of(x, "rope x"), x.raw(), positions.data<int32_t>(), theta,
+                              direction, y.raw(), x.dim(0), x.dim(1), x.dim(2), nullptr));
+}
+
+void swiglu_forward(const Tensor& h, Tensor& a) {
+  const int64_t m = h.dim(0), f = h.dim(1) / 2;
+  expect_shape(a, {m, f}, "swiglu out");
+  same_storage_type(h, a, "swiglu out");
+  MT_CUDA_CHECK(kernels::swiglu_forward(storage_of(h, "swiglu h"), h.raw(), a.raw(), m, f, nullptr));
+}
+
+void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh) {
+  const int64_t m = h.dim(0), f = h.dim(1) / 2;
+  expect_shape(da, {m, f}, "swiglu da");
+  expect_shape(dh, h.shape(), "swiglu dh");
+  same_storage_type(h, da, "swiglu da");
+  same_storage_type(h, dh, "swiglu dh");
+  MT_CUDA_CHECK(kernels::swiglu_backward(storage_of(h, "swiglu h"), h.raw(), da.raw(), dh.raw(),
+                                         m, f, nullptr));
+}
+
+double cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
+                             Tensor& lse) {
+  const int64_t n = logits.dim(0), v = logits.dim(1);
+  expect_shape(lse, {n}, "loss lse");
+  expect_dtype(lse, DType::kF32, "loss lse (GPU)");
+  Tensor loss = Tensor::empty({n}, DType::kF32, Device::kCUDA);
+  MT_CUDA_CHECK(kernels::cross_entropy_forward(
+      storage_of(logits, "logits"), logits.raw(), targets.data<int32_t>(), mask.data<uint8_t>(),
+      lse.data<float>(), loss.data<float>(), n, v, nullptr));
+  const Tensor host = loss.to(Device::kCPU);
+  double total = 0;  // in row order: deterministic
+  for (int64_t i = 0; i < n; ++i) total += host.data<float>()[i];
+  return total;
+}
+
+void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
+                            const Tensor& lse, double grad_scale, Tensor& dlogits) {
+  expect_shape(dlogits, logits.shape(), "dlogits");
+  same_storage_type(logits, dlogits, "dlogits");
+  MT_CUDA_CHECK(kernels::cross_entropy_backward(
+      storage_of(logits, "logits"), logits.raw(), targets.data<int32_t>(), mask.data<uint8_t>(),
+      lse.data<float>(), static_cast<float>(grad_scale), dlogits.raw(), logits.dim(0),
+      logits.dim(1), nullptr));
+}
+
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, double lr, double beta1,
+                double beta2, double eps, double weight_decay, int64_t step) {
+  const int64_t n = param.numel();
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&param, &grad, &m, &v}) {
+    expect_dtype(*t, DType::kF32, "adamw buffer (GPU master state is f32)");
+    MT_CHECK(t->numel() == n && t->device() == Device::kCUDA, "adamw buffers differ");
+  }
+  const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
+  const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
+  const kernels::AdamWScalars s{static_cast<float>(beta1), static_cast<float>(beta2),
+                                static_cast<float>(1.0 - lr * weight_decay),
+                                static_cast<float>(lr / bc1), static_cast<float>(std::sqrt(bc2)),
+                                static_cast<float>(eps)};
+  MT_CUDA_CHECK(kernels::adamw(param.data<float>(), grad.data<float>(), m.data<float>(),
+                               v.data<float>(), s, n, nullptr));
+}
+
+}  // namespace mt::cuda

@@ -1,0 +1,22 @@
+// The CUDA launchers, one line per op: the ops in src/ops/*.h call these when their tensors are
+// on the GPU. Same shapes and semantics as the CPU reference; storage f32 or bf16 (compute in
+// fp32); saved statistics (rstd, lse) are always f32. All run on the default stream.
+#pragma once
+#include "core/tensor.h"
+
+namespace mt::cuda {
+
+void rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd);
+void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy,
+                      Tensor& dx, Tensor& dw);
+void rope_apply(const Tensor& x, const Tensor& positions, double theta, int direction, Tensor& y);
+void swiglu_forward(const Tensor& h, Tensor& a);
+void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh);
+double cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
+                             Tensor& lse);
+void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
+                            const Tensor& lse, double grad_scale, Tensor& dlogits);
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, double lr, double beta1,
+                double beta2, double eps, double weight_decay, int64_t step);
+
+}  // namespace mt::cuda

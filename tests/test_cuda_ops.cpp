@@ -1,0 +1,155 @@
+// Every CUDA op against the CPU reference (ctest label `gpu`): fresh random inputs each run (the
+// seed is printed), outputs poisoned with NaN first, ||gpu - cpu|| / ||cpu|| under 1e-5 for f32
+// storage and 1e-2 for bf16 (inputs rounded to bf16 for both sides).
+#include <gtest/gtest.h>
+
+#include <random>
+
+#include "ops/activation.h"
+#include "ops/cuda/device.h"
+#include "ops/loss.h"
+#include "ops/norm.h"
+#include "ops/optim.h"
+#include "ops/rope.h"
+#include "testing.h"
+
+namespace mt {
+namespace {
+
+uint64_t fresh_seed() {
+  static const uint64_t base = std::random_device{}();
+  static uint64_t n = 0;
+  return base + 1000 * n++;
+}
+
+struct GpuCase : ::testing::TestWithParam<DType> {
+  void SetUp() override {
+    if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU: run this test on the GPU machine";
+    seed = fresh_seed();
+    RecordProperty("seed", std::to_string(seed));
+    std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  }
+  // A random f32 tensor whose values are representable in the storage dtype under test.
+  Tensor input(const Shape& s, double scale = 1.0) {
+    return testing::randn(s, seed + counter++, scale, DType::kF32).to(GetParam()).to(DType::kF32);
+  }
+  Tensor gpu(const Tensor& cpu_f32) const { return cpu_f32.to(GetParam()).to(Device::kCUDA); }
+  Tensor gpu_out(const Shape& s, DType d) const { return Tensor::poisoned(s, d, Device::kCUDA); }
+  Tensor gpu_out(const Shape& s) const { return gpu_out(s, GetParam()); }
+  double tol() const { return GetParam() == DType::kF32 ? 1e-5 : 1e-2; }
+  void expect_close(const Tensor& got, const Tensor& ref, const char* what) const {
+    const Tensor host = got.to(Device::kCPU).to(DType::kF32);
+    ASSERT_TRUE(all_finite(host)) << what << ": unwritten (NaN) or non-finite output";
+    const double err = relative_error(host, ref);
+    EXPECT_LT(err, tol()) << what << " (" << dtype_name(GetParam()) << ", seed " << seed << ")";
+  }
+  uint64_t seed = 0;
+  uint64_t counter = 0;
+};
+
+TEST_P(GpuCase, RMSNormForwardBackward) {
+  const int64_t n = 4096, d = 2048;
+  const Tensor x = input({n, d}), w = input({d}, 0.5), dy = input({n, d});
+  Tensor y = Tensor::empty({n, d}, DType::kF32), rstd = Tensor::empty({n}, DType::kF32);
+  ops::rmsnorm_forward(x, w, 1e-6, y, rstd);
+  Tensor dx = Tensor::empty({n, d}, DType::kF32), dw = input({d});
+  const Tensor dw0 = dw.clone();
+  ops::rmsnorm_backward(x, w, rstd, dy, dx, dw);
+
+  Tensor gy = gpu_out({n, d}), grstd = gpu_out({n}, DType::kF32);
+  const Tensor gx = gpu(x), gw = gpu(w), gdy = gpu(dy);
+  ops::rmsnorm_forward(gx, gw, 1e-6, gy, grstd);
+  expect_close(gy, y, "rmsnorm y");
+  expect_close(grstd, rstd, "rmsnorm rstd");
+  Tensor gdx = gpu_out({n, d}), gdw = gpu(dw0);
+  ops::rmsnorm_backward(gx, gw, grstd, gdy, gdx, gdw);
+  expect_close(gdx, dx, "rmsnorm dx");
+  expect_close(gdw, dw, "rmsnorm dw (accumulated)");
+}
+
+TEST_P(GpuCase, RopeForwardBackward) {
+  const int64_t n = 2048, h = 8, hd = 128;
+  const Tensor x = input({n, h, hd});
+  Tensor pos = Tensor::empty({n}, DType::kI32);
+  for (int64_t i = 0; i < n; ++i) pos.set_item(i, (i * 7919) % 40960);  // up to 40k positions
+  Tensor y = Tensor::empty(x.shape(), DType::kF32), back = Tensor::empty(x.shape(), DType::kF32);
+  ops::rope_forward(x, pos, 1e6, y);
+  ops::rope_backward(x, pos, 1e6, back);
+  const Tensor gpos = pos.to(Device::kCUDA), gx = gpu(x);
+  Tensor gy = gpu_out(x.shape()), gback = gpu_out(x.shape());
+  ops::rope_forward(gx, gpos, 1e6, gy);
+  ops::rope_backward(gx, gpos, 1e6, gback);
+  expect_close(gy, y, "rope forward");
+  expect_close(gback, back, "rope backward");
+}
+
+TEST_P(GpuCase, SwiGLUForwardBackward) {
+  const int64_t m = 8192, f = 768;
+  const Tensor h = input({m, 2 * f}, 2.0), da = input({m, f});
+  Tensor a = Tensor::empty({m, f}, DType::kF32), dh = Tensor::empty({m, 2 * f}, DType::kF32);
+  ops::swiglu_forward(h, a);
+  ops::swiglu_backward(h, da, dh);
+  const Tensor gh = gpu(h);
+  Tensor ga = gpu_out({m, f}), gdh = gpu_out({m, 2 * f});
+  ops::swiglu_forward(gh, ga);
+  ops::swiglu_backward(gh, gpu(da), gdh);
+  expect_close(ga, a, "swiglu forward");
+  expect_close(gdh, dh, "swiglu backward");
+}
+
+TEST_P(GpuCase, CrossEntropyForwardBackward) {
+  const int64_t n = 1024, v = 32000;
+  const Tensor logits = input({n, v}, 3.0);
+  Tensor targets = Tensor::empty({n}, DType::kI32), mask = Tensor::empty({n}, DType::kU8);
+  const CounterRng rng{seed, 7};
+  for (int64_t i = 0; i < n; ++i) {
+    targets.set_item(i, rng.below(2 * i, v));
+    mask.set_item(i, rng.below(2 * i + 1, 4) != 0);
+  }
+  Tensor lse = Tensor::empty({n}, DType::kF32), dl = Tensor::empty({n, v}, DType::kF32);
+  const double loss = ops::cross_entropy_forward(logits, targets, mask, lse);
+  ops::cross_entropy_backward(logits, targets, mask, lse, 1.0 / n, dl);
+  const Tensor gl = gpu(logits), gt = targets.to(Device::kCUDA), gm = mask.to(Device::kCUDA);
+  Tensor glse = gpu_out({n}, DType::kF32), gdl = gpu_out({n, v});
+  const double gloss = ops::cross_entropy_forward(gl, gt, gm, glse);
+  ops::cross_entropy_backward(gl, gt, gm, glse, 1.0 / n, gdl);
+  EXPECT_NEAR(gloss, loss, 1e-5 * std::abs(loss));
+  expect_close(glse, lse, "cross-entropy lse");
+  expect_close(gdl, dl, "cross-entropy dlogits");
+}
+
+TEST_P(GpuCase, AdamWStep) {
+  if (GetParam() != DType::kF32) GTEST_SKIP() << "master weights and moments are f32 only";
+  const int64_t n = 1 << 20;
+  Tensor p = input({n}), g = input({n}, 0.1), m = input({n}, 0.01), v = input({n}, 0.01);
+  for (int64_t i = 0; i < n; ++i) v.set_item(i, std::abs(v.item(i)));
+  Tensor gp = p.to(Device::kCUDA), gm = m.to(Device::kCUDA), gv = v.to(Device::kCUDA);
+  const ops::AdamWHyper hyper{1e-3, 0.9, 0.95, 1e-8, 0.1, 7};
+  ops::adamw_step(p, g, m, v, hyper);
+  ops::adamw_step(gp, g.to(Device::kCUDA), gm, gv, hyper);
+  expect_close(gp, p, "adamw params");
+  expect_close(gm, m, "adamw exp_avg");
+  expect_close(gv, v, "adamw exp_avg_sq");
+}
+
+INSTANTIATE_TEST_SUITE_P(Storage, GpuCase, ::testing::Values(DType::kF32, DType::kBF16),
+                         [](const auto& info) { return std::string(dtype_name(info.param)); });
+
+TEST(GpuTensor, RoundTripZeroFillAndPeakMemory) {
+  if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU";
+  const Tensor host = testing::randn({1000, 3}, 5, 1.0, DType::kF32);
+  Tensor dev = host.to(Device::kCUDA);
+  EXPECT_EQ(relative_error(dev, host), 0.0);
+  dev.zero_();
+  EXPECT_EQ(dev.to(Device::kCPU).item(2999), 0.0);
+  dev.fill_(2.5);
+  EXPECT_EQ(dev.item(1234), 2.5);
+  reset_peak_memory(Device::kCUDA);
+  const int64_t before = memory_stats(Device::kCUDA).current_bytes;
+  { Tensor big = Tensor::empty({1 << 20}, DType::kF32, Device::kCUDA); }
+  EXPECT_EQ(memory_stats(Device::kCUDA).current_bytes, before);
+  EXPECT_GE(memory_stats(Device::kCUDA).peak_bytes, before + (4 << 20));
+}
+
+}  // namespace
+}  // namespace mt
