@@ -6,9 +6,9 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh >/dev/null
 rm -rf .gpu && mkdir -p .gpu
-cp build/moetrain build/tests/test_cuda_ops .gpu/
+cp build/moetrain build/tests/test_cuda_ops build/bench_gemm .gpu/
 for lib in libfmt.so.9 libgomp.so.1 libtomlplusplus.so.3; do
   cp -L "/usr/lib/x86_64-linux-gnu/$lib" .gpu/
 done
-strip .gpu/moetrain .gpu/test_cuda_ops
+strip .gpu/moetrain .gpu/test_cuda_ops .gpu/bench_gemm
 du -sh .gpu

@@ -11,5 +11,11 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 "$bundle/test_cuda_ops" --gtest_output="json:$out/test_cuda_ops.json" >"$out/test_cuda_ops.log" 2>&1
 status=$?
 grep -E "^\[ *(OK|FAILED) *\]|Failure|error|seed" "$out/test_cuda_ops.log" | grep -v "listed below" | tail -40
+if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
+  "$bundle/bench_gemm" >"$out/bench.jsonl" 2>"$out/bench.log" || echo "bench_gemm failed: $(tail -3 "$out/bench.log")"
+  python3 bench/grouped_mm_torch.py >>"$out/bench.jsonl" 2>>"$out/bench.log" || echo "torch comparator failed: $(tail -3 "$out/bench.log")"
+  echo "== benchmarks (JSON lines, also in bench.jsonl)"
+  cat "$out/bench.jsonl"
+fi
 echo "== gpu tests: $(grep -c '^\[       OK' "$out/test_cuda_ops.log") ok, $(grep -c '^\[  FAILED  \] [A-Z]' "$out/test_cuda_ops.log") failed (exit $status)"
 exit $status

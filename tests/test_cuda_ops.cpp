@@ -6,6 +6,8 @@
 #include <random>
 
 #include "ops/activation.h"
+#include "ops/gemm.h"
+#include "ops/grouped_gemm.h"
 #include "ops/cuda/device.h"
 #include "ops/loss.h"
 #include "ops/norm.h"
@@ -130,6 +132,49 @@ TEST_P(GpuCase, AdamWStep) {
   expect_close(gp, p, "adamw params");
   expect_close(gm, m, "adamw exp_avg");
   expect_close(gv, v, "adamw exp_avg_sq");
+}
+
+TEST_P(GpuCase, GemmEveryTransposeAndAccumulate) {
+  const int64_t m = 384, n = 200, k = 264;
+  for (auto ta : {ops::Transpose::kNo, ops::Transpose::kYes})
+    for (auto tb : {ops::Transpose::kNo, ops::Transpose::kYes}) {
+      const Tensor a = ta == ops::Transpose::kNo ? input({m, k}) : input({k, m});
+      const Tensor b = tb == ops::Transpose::kNo ? input({k, n}) : input({n, k});
+      Tensor c = input({m, n});
+      Tensor gc_acc = gpu(c).to(DType::kF32);  // f32 output accumulating bf16/f32 products
+      ops::gemm(a, ta, b, tb, c, ops::Accumulate::kYes);
+      ops::gemm(gpu(a), ta, gpu(b), tb, gc_acc, ops::Accumulate::kYes);
+      expect_close(gc_acc, c, "gemm accumulate into f32");
+      Tensor ref = Tensor::empty({m, n}, DType::kF32), gc = gpu_out({m, n});
+      ops::gemm(a, ta, b, tb, ref, ops::Accumulate::kNo);
+      ops::gemm(gpu(a), ta, gpu(b), tb, gc, ops::Accumulate::kNo);
+      expect_close(gc, ref, "gemm");
+    }
+}
+
+TEST_P(GpuCase, GroupedGemmWithDeviceOffsets) {
+  if (GetParam() != DType::kBF16) GTEST_SKIP() << "grouped gemm v1 is bf16";
+  // Uneven experts: empty ones, partial tiles in every dimension.
+  const std::vector<int64_t> rows = {300, 0, 129, 1, 0, 517, 128, 64};
+  const int64_t e = static_cast<int64_t>(rows.size()), k = 136, n = 200;
+  Tensor off = Tensor::zeros({e + 1}, DType::kI64);
+  for (int64_t i = 0; i < e; ++i) off.set_item(i + 1, off.item(i) + rows[i]);
+  const int64_t m = static_cast<int64_t>(off.item(e));
+  const Tensor x = input({m, k}), w = input({e, k, n}, 0.1), dy = input({m, n});
+  Tensor out = Tensor::empty({m, n}, DType::kF32), dx = Tensor::empty({m, k}, DType::kF32);
+  Tensor dw = input({e, k, n}, 0.01);
+  Tensor gdw = dw.to(Device::kCUDA);  // f32 accumulation target
+  ops::grouped_gemm_forward(x, w, off, out);
+  ops::grouped_gemm_backward_input(dy, w, off, dx);
+  ops::grouped_gemm_backward_weight(x, dy, off, dw);
+  const Tensor goff = off.to(Device::kCUDA), gx = gpu(x), gw = gpu(w), gdy = gpu(dy);
+  Tensor gout = gpu_out({m, n}), gdx = gpu_out({m, k});
+  ops::grouped_gemm_forward(gx, gw, goff, gout);
+  ops::grouped_gemm_backward_input(gdy, gw, goff, gdx);
+  ops::grouped_gemm_backward_weight(gx, gdy, goff, gdw);
+  expect_close(gout, out, "grouped forward");
+  expect_close(gdx, dx, "grouped dx");
+  expect_close(gdw, dw, "grouped dw (accumulated, f32)");
 }
 
 INSTANTIATE_TEST_SUITE_P(Storage, GpuCase, ::testing::Values(DType::kF32, DType::kBF16),

@@ -5,6 +5,9 @@
 #include <vector>
 
 #include "ops/dispatch.h"
+#if MOETRAIN_HAS_CUDA
+#include "ops/cuda/ops.h"
+#endif
 
 namespace mt::ops {
 
@@ -49,6 +52,10 @@ std::vector<T> transposed(const T* a, int64_t rows, int64_t cols) {
 
 void gemm(const Tensor& a, Transpose ta, const Tensor& b, Transpose tb, Tensor& c,
           Accumulate acc) {
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(a))
+    return cuda::gemm(a, ta == Transpose::kYes, b, tb == Transpose::kYes, c, acc == Accumulate::kYes);
+#endif
   expect_cpu(a, "gemm a");
   MT_CHECK(a.ndim() == 2 && b.ndim() == 2 && c.ndim() == 2, "gemm needs 2-d tensors, got {} {} {}",
            shape_str(a.shape()), shape_str(b.shape()), shape_str(c.shape()));

@@ -1,7 +1,11 @@
 // Reference grouped GEMM: one dense GEMM per expert on row slices.
 #include "ops/grouped_gemm.h"
 
+#include "ops/dispatch.h"
 #include "ops/gemm.h"
+#if MOETRAIN_HAS_CUDA
+#include "ops/cuda/ops.h"
+#endif
 
 namespace mt::ops {
 
@@ -24,6 +28,9 @@ Tensor expert_weight(const Tensor& w, int64_t e) {
 }  // namespace
 
 void grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& out) {
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(x)) return cuda::grouped_gemm_forward(x, w, offsets, out);
+#endif
   const GroupDims g = check_group(x, w, offsets);
   expect_shape(out, {g.m, g.n}, "grouped gemm out");
   const int64_t* off = offsets.data<int64_t>();
@@ -37,6 +44,9 @@ void grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor& offset
 
 void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor& offsets,
                                  Tensor& dx) {
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(dy)) return cuda::grouped_gemm_backward_input(dy, w, offsets, dx);
+#endif
   const GroupDims g = check_group(dy, w, offsets);
   expect_shape(dx, {g.m, g.k}, "grouped gemm dx");
   const int64_t* off = offsets.data<int64_t>();
@@ -50,6 +60,9 @@ void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor
 
 void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets,
                                   Tensor& dw) {
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(x)) return cuda::grouped_gemm_backward_weight(x, dy, offsets, dw);
+#endif
   const GroupDims g = check_group(x, dw, offsets);
   const int64_t* off = offsets.data<int64_t>();
   for (int64_t e = 0; e < g.experts; ++e) {

@@ -30,6 +30,16 @@ cudaError_t cross_entropy_forward(Storage s, const void* logits, const int32_t* 
 cudaError_t cross_entropy_backward(Storage s, const void* logits, const int32_t* targets,
                                    const uint8_t* mask, const float* lse, float scale,
                                    void* dlogits, int64_t n, int64_t v, cudaStream_t stream);
+// Grouped GEMM over experts, bf16 operands, offsets i64 (experts + 1) on the device.
+// out (m, n) rows of expert e = a rows (k wide) @ w[e]; w[e] is (k, n) row-major, or with
+// b_transposed (n, k) row-major used as its transpose. out is f32 or bf16 (out_f32).
+cudaError_t grouped_gemm_rows(const void* a, const void* w, const int64_t* offsets, int experts,
+                              int64_t m, int64_t k, int64_t n, bool b_transposed, void* out,
+                              bool out_f32, cudaStream_t stream);
+// dw[e] (k, n) += x_e^T dy_e over the expert's rows; experts without rows are left alone.
+cudaError_t grouped_gemm_weight(const void* x, const void* dy, const int64_t* offsets, int experts,
+                                int64_t k, int64_t n, void* dw, bool out_f32, cudaStream_t stream);
+
 struct AdamWScalars {
   float beta1, beta2, decay, step_size, sqrt_bc2, eps;
 };

@@ -28,6 +28,58 @@ void same_storage_type(const Tensor& a, const Tensor& b, const char* name) {
 
 }  // namespace
 
+namespace {
+// Operands of the grouped GEMMs (v1: bf16 in, bf16 or f32 out, all on the GPU, 16-byte rows);
+// the row offsets never leave the device.
+void check_grouped(std::initializer_list<const Tensor*> bf16_operands, const Tensor& out,
+                   const Tensor& offsets, int64_t experts, int64_t k, int64_t n) {
+  for (const Tensor* t : bf16_operands) {
+    expect_dtype(*t, DType::kBF16, "grouped gemm operand (GPU v1 is bf16)");
+    MT_CHECK(t->device() == Device::kCUDA, "grouped gemm operands must be on the GPU");
+  }
+  MT_CHECK(out.device() == Device::kCUDA &&
+               (out.dtype() == DType::kBF16 || out.dtype() == DType::kF32),
+           "grouped gemm output must be bf16 or f32 on the GPU");
+  expect_dtype(offsets, DType::kI64, "expert offsets");
+  MT_CHECK(offsets.device() == Device::kCUDA && offsets.numel() == experts + 1,
+           "expert offsets must be {} i64 on the GPU", experts + 1);
+  MT_CHECK(k % 8 == 0 && n % 8 == 0, "grouped gemm dims {} x {} must be multiples of 8", k, n);
+}
+}  // namespace
+
+void grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& out) {
+  const int64_t m = x.dim(0), e = w.dim(0), k = w.dim(1), n = w.dim(2);
+  expect_shape(x, {m, k}, "grouped gemm x");
+  expect_shape(out, {m, n}, "grouped gemm out");
+  check_grouped({&x, &w}, out, offsets, e, k, n);
+  MT_CUDA_CHECK(kernels::grouped_gemm_rows(x.raw(), w.raw(), offsets.data<int64_t>(),
+                                           static_cast<int>(e), m, k, n, false, out.raw(),
+                                           out.dtype() == DType::kF32, nullptr));
+}
+
+void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor& offsets,
+                                 Tensor& dx) {
+  const int64_t m = dy.dim(0), e = w.dim(0), k = w.dim(1), n = w.dim(2);
+  expect_shape(dy, {m, n}, "grouped gemm dy");
+  expect_shape(dx, {m, k}, "grouped gemm dx");
+  check_grouped({&dy, &w}, dx, offsets, e, k, n);
+  // dx (m, k) = dy (m, n) @ w[e]^T: inner n, output width k.
+  MT_CUDA_CHECK(kernels::grouped_gemm_rows(dy.raw(), w.raw(), offsets.data<int64_t>(),
+                                           static_cast<int>(e), m, n, k, true, dx.raw(),
+                                           dx.dtype() == DType::kF32, nullptr));
+}
+
+void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets,
+                                  Tensor& dw) {
+  const int64_t m = x.dim(0), e = dw.dim(0), k = dw.dim(1), n = dw.dim(2);
+  expect_shape(x, {m, k}, "grouped gemm x");
+  expect_shape(dy, {m, n}, "grouped gemm dy");
+  check_grouped({&x, &dy}, dw, offsets, e, k, n);
+  MT_CUDA_CHECK(kernels::grouped_gemm_weight(x.raw(), dy.raw(), offsets.data<int64_t>(),
+                                             static_cast<int>(e), k, n, dw.raw(),
+                                             dw.dtype() == DType::kF32, nullptr));
+}
+
 void rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd) {
   const int64_t n = x.dim(0), d = x.dim(1);
   expect_shape(w, {d}, "rmsnorm weight");

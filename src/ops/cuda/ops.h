@@ -6,6 +6,16 @@
 
 namespace mt::cuda {
 
+// c (M, N) = op(a) op(b) (+ c): a, b f32 or bf16; c the same or f32 (weight gradients).
+void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, Tensor& c,
+          bool accumulate);
+// Grouped GEMMs over experts with the row offsets (i64 (E + 1)) on the device: no host sync.
+void grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& out);
+void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor& offsets,
+                                 Tensor& dx);
+void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets,
+                                  Tensor& dw);
+
 void rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd);
 void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy,
                       Tensor& dx, Tensor& dw);

@@ -1,0 +1,100 @@
+// Dense GEMMs on the GPU through cuBLASLt: bf16 or f32 operands, fp32 accumulation, output f32
+// or the operands' dtype. Row-major tensors are handed to column-major cuBLAS as their
+// transposes: C (M, N) = op(a) op(b) is computed as C^T = op(b)^T op(a)^T.
+#include <cublasLt.h>
+
+#include <mutex>
+
+#include "core/cuda_check.h"
+#include "ops/cuda/ops.h"
+
+#define MT_CUBLAS_CHECK(expr)                                                                  \
+  do {                                                                                         \
+    const cublasStatus_t mt_st_ = (expr);                                                      \
+    if (mt_st_ != CUBLAS_STATUS_SUCCESS)                                                       \
+      throw ::mt::Error(::mt::ExitCode::kInternal,                                             \
+                        fmt::format("cuBLAS error {} in {} at {}:{}",                          \
+                                    cublasLtGetStatusString(mt_st_), #expr, __FILE__, __LINE__)); \
+  } while (0)
+
+namespace mt::cuda {
+
+namespace {
+
+constexpr size_t kWorkspaceBytes = 32u << 20;  // what cuBLASLt's Hopper kernels ask for at most
+
+// One handle and workspace per process (one GPU per process), created on first use.
+struct Lt {
+  cublasLtHandle_t handle = nullptr;
+  void* workspace = nullptr;
+  Lt() {
+    MT_CUBLAS_CHECK(cublasLtCreate(&handle));
+    MT_CUDA_CHECK(cudaMalloc(&workspace, kWorkspaceBytes));
+  }
+};
+Lt& lt() {
+  static Lt* instance = new Lt();  // never destroyed: the driver may be gone at exit
+  return *instance;
+}
+
+cudaDataType_t cuda_type(DType t) {
+  switch (t) {
+    case DType::kF32: return CUDA_R_32F;
+    case DType::kBF16: return CUDA_R_16BF;
+    default: MT_CHECK(false, "GPU gemm needs f32 or bf16, got {}", dtype_name(t));
+  }
+}
+
+struct Layout {
+  cublasLtMatrixLayout_t desc = nullptr;
+  Layout(cudaDataType_t t, int64_t rows, int64_t cols, int64_t ld) {
+    MT_CUBLAS_CHECK(cublasLtMatrixLayoutCreate(&desc, t, rows, cols, ld));
+  }
+  ~Layout() { cublasLtMatrixLayoutDestroy(desc); }
+};
+
+}  // namespace
+
+void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, bool accumulate) {
+  const int64_t m = ta ? a.dim(1) : a.dim(0), k = ta ? a.dim(0) : a.dim(1);
+  const int64_t n = tb ? b.dim(0) : b.dim(1);
+  MT_CHECK(a.dtype() == b.dtype(), "GPU gemm operands differ: {} vs {}", dtype_name(a.dtype()),
+           dtype_name(b.dtype()));
+  MT_CHECK(c.dtype() == a.dtype() || c.dtype() == DType::kF32,
+           "GPU gemm output {} for {} operands (valid: the operands' dtype or f32)",
+           dtype_name(c.dtype()), dtype_name(a.dtype()));
+  if (m == 0 || n == 0) return;
+  if (k == 0) {
+    if (!accumulate) c.zero_();
+    return;
+  }
+  cublasLtMatmulDesc_t op = nullptr;
+  MT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
+  // cuBLAS's A is our b, its B is our a (see the top of the file).
+  const cublasOperation_t op_a = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
+  const cublasOperation_t op_b = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
+  MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+  MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+  const cudaDataType_t in = cuda_type(a.dtype()), out = cuda_type(c.dtype());
+  const Layout la(in, tb ? k : n, tb ? n : k, tb ? k : n);
+  const Layout lb(in, ta ? m : k, ta ? k : m, ta ? m : k);
+  const Layout lc(out, n, m, n);
+  cublasLtMatmulPreference_t pref = nullptr;
+  MT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
+  const size_t ws = kWorkspaceBytes;
+  MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
+                                                       &ws, sizeof(ws)));
+  cublasLtMatmulHeuristicResult_t heur{};
+  int found = 0;
+  MT_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt().handle, op, la.desc, lb.desc, lc.desc,
+                                                 lc.desc, pref, 1, &heur, &found));
+  MT_CHECK(found > 0, "cuBLASLt has no algorithm for {}x{}x{} ({})", m, n, k, dtype_name(a.dtype()));
+  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  MT_CUBLAS_CHECK(cublasLtMatmul(lt().handle, op, &alpha, b.raw(), la.desc, a.raw(), lb.desc, &beta,
+                                 c.raw(), lc.desc, c.raw(), lc.desc, &heur.algo, lt().workspace, ws,
+                                 nullptr));
+  cublasLtMatmulPreferenceDestroy(pref);
+  cublasLtMatmulDescDestroy(op);
+}
+
+}  // namespace mt::cuda
