@@ -9,6 +9,7 @@
 #include "ops/gemm.h"
 #include "ops/grouped_gemm.h"
 #include "ops/cuda/device.h"
+#include "ops/cuda/kernels.h"
 #include "ops/loss.h"
 #include "ops/norm.h"
 #include "ops/optim.h"
@@ -163,6 +164,7 @@ TEST_P(GpuCase, GroupedGemmWithDeviceOffsets) {
   const Tensor x = input({m, k}), w = input({e, k, n}, 0.1), dy = input({m, n});
   Tensor out = Tensor::empty({m, n}, DType::kF32), dx = Tensor::empty({m, k}, DType::kF32);
   Tensor dw = input({e, k, n}, 0.01);
+  const Tensor dw0 = dw.clone();
   Tensor gdw = dw.to(Device::kCUDA);  // f32 accumulation target
   ops::grouped_gemm_forward(x, w, off, out);
   ops::grouped_gemm_backward_input(dy, w, off, dx);
@@ -175,6 +177,20 @@ TEST_P(GpuCase, GroupedGemmWithDeviceOffsets) {
   expect_close(gout, out, "grouped forward");
   expect_close(gdx, dx, "grouped dx");
   expect_close(gdw, dw, "grouped dw (accumulated, f32)");
+
+  // Version 1 (the fallback without CUTLASS) through its kernel API, on the same data.
+  Tensor vout = gpu_out({m, n}), vdx = gpu_out({m, k}), vdw = dw0.to(Device::kCUDA);
+  const int64_t* o = goff.data<int64_t>();
+  const int ne = static_cast<int>(e);
+  ASSERT_EQ(cuda::kernels::grouped_gemm_rows(gx.raw(), gw.raw(), o, ne, m, k, n, false, vout.raw(),
+                                             false, nullptr), cudaSuccess);
+  ASSERT_EQ(cuda::kernels::grouped_gemm_rows(gdy.raw(), gw.raw(), o, ne, m, n, k, true, vdx.raw(),
+                                             false, nullptr), cudaSuccess);
+  ASSERT_EQ(cuda::kernels::grouped_gemm_weight(gx.raw(), gdy.raw(), o, ne, k, n, vdw.raw(), true,
+                                               nullptr), cudaSuccess);
+  expect_close(vout, out, "grouped forward v1");
+  expect_close(vdx, dx, "grouped dx v1");
+  expect_close(vdw, dw, "grouped dw v1");
 }
 
 INSTANTIATE_TEST_SUITE_P(Storage, GpuCase, ::testing::Values(DType::kF32, DType::kBF16),

@@ -40,6 +40,27 @@ cudaError_t grouped_gemm_rows(const void* a, const void* w, const int64_t* offse
 cudaError_t grouped_gemm_weight(const void* x, const void* dy, const int64_t* offsets, int experts,
                                 int64_t k, int64_t n, void* dw, bool out_f32, cudaStream_t stream);
 
+// The same three products through CUTLASS's Hopper grouped kernels (TMA + wgmma), all group
+// arguments built on the device from the offsets. lhs/rhs/out as the products' comments in
+// cutlass/grouped_gemm_sm90.cuh; out is bf16 (forward, input gradient) or f32 (weight gradient,
+// accumulated). workspace: device memory of at least *_workspace(experts) bytes.
+#if MOETRAIN_HAS_CUTLASS
+size_t cutlass_grouped_forward_workspace(int experts);
+size_t cutlass_grouped_input_gradient_workspace(int experts);
+size_t cutlass_grouped_weight_gradient_workspace(int experts);
+cudaError_t cutlass_grouped_forward(const int64_t* offsets, int experts, const void* lhs,
+                                    const void* rhs, void* out, int64_t m, int64_t k, int64_t n,
+                                    void* workspace, size_t workspace_size, cudaStream_t stream);
+cudaError_t cutlass_grouped_input_gradient(const int64_t* offsets, int experts, const void* lhs,
+                                           const void* rhs, void* out, int64_t m, int64_t k,
+                                           int64_t n, void* workspace, size_t workspace_size,
+                                           cudaStream_t stream);
+cudaError_t cutlass_grouped_weight_gradient(const int64_t* offsets, int experts, const void* lhs,
+                                            const void* rhs, void* out, int64_t m, int64_t k,
+                                            int64_t n, void* workspace, size_t workspace_size,
+                                            cudaStream_t stream);
+#endif
+
 struct AdamWScalars {
   float beta1, beta2, decay, step_size, sqrt_bc2, eps;
 };

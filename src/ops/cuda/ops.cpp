@@ -45,6 +45,19 @@ void check_grouped(std::initializer_list<const Tensor*> bf16_operands, const Ten
            "expert offsets must be {} i64 on the GPU", experts + 1);
   MT_CHECK(k % 8 == 0 && n % 8 == 0, "grouped gemm dims {} x {} must be multiples of 8", k, n);
 }
+
+#if MOETRAIN_HAS_CUTLASS
+// CUTLASS's kernels are instantiated for one output dtype per product (bf16 rows, f32 weight
+// gradients); anything else takes version 1.
+bool should_use_cutlass_grouped(const Tensor& out, DType instantiated_out) {
+  return out.dtype() == instantiated_out;
+}
+
+// Scratch from the caching allocator: after the first step this never reaches cudaMalloc.
+Tensor workspace(size_t bytes) {
+  return Tensor::empty({static_cast<int64_t>(bytes)}, DType::kU8, Device::kCUDA);
+}
+#endif
 }  // namespace
 
 void grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& out) {
@@ -52,6 +65,15 @@ void grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor& offset
   expect_shape(x, {m, k}, "grouped gemm x");
   expect_shape(out, {m, n}, "grouped gemm out");
   check_grouped({&x, &w}, out, offsets, e, k, n);
+#if MOETRAIN_HAS_CUTLASS
+  if (should_use_cutlass_grouped(out, DType::kBF16)) {
+    Tensor ws = workspace(kernels::cutlass_grouped_forward_workspace(static_cast<int>(e)));
+    MT_CUDA_CHECK(kernels::cutlass_grouped_forward(offsets.data<int64_t>(), static_cast<int>(e),
+                                                   x.raw(), w.raw(), out.raw(), m, k, n, ws.raw(),
+                                                   ws.nbytes(), nullptr));
+    return;
+  }
+#endif
   MT_CUDA_CHECK(kernels::grouped_gemm_rows(x.raw(), w.raw(), offsets.data<int64_t>(),
                                            static_cast<int>(e), m, k, n, false, out.raw(),
                                            out.dtype() == DType::kF32, nullptr));
@@ -63,6 +85,15 @@ void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor
   expect_shape(dy, {m, n}, "grouped gemm dy");
   expect_shape(dx, {m, k}, "grouped gemm dx");
   check_grouped({&dy, &w}, dx, offsets, e, k, n);
+#if MOETRAIN_HAS_CUTLASS
+  if (should_use_cutlass_grouped(dx, DType::kBF16)) {
+    Tensor ws = workspace(kernels::cutlass_grouped_input_gradient_workspace(static_cast<int>(e)));
+    MT_CUDA_CHECK(kernels::cutlass_grouped_input_gradient(
+        offsets.data<int64_t>(), static_cast<int>(e), dy.raw(), w.raw(), dx.raw(), m, k, n,
+        ws.raw(), ws.nbytes(), nullptr));
+    return;
+  }
+#endif
   // dx (m, k) = dy (m, n) @ w[e]^T: inner n, output width k.
   MT_CUDA_CHECK(kernels::grouped_gemm_rows(dy.raw(), w.raw(), offsets.data<int64_t>(),
                                            static_cast<int>(e), m, n, k, true, dx.raw(),
@@ -75,6 +106,15 @@ void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tenso
   expect_shape(x, {m, k}, "grouped gemm x");
   expect_shape(dy, {m, n}, "grouped gemm dy");
   check_grouped({&x, &dy}, dw, offsets, e, k, n);
+#if MOETRAIN_HAS_CUTLASS
+  if (should_use_cutlass_grouped(dw, DType::kF32)) {
+    Tensor ws = workspace(kernels::cutlass_grouped_weight_gradient_workspace(static_cast<int>(e)));
+    MT_CUDA_CHECK(kernels::cutlass_grouped_weight_gradient(
+        offsets.data<int64_t>(), static_cast<int>(e), x.raw(), dy.raw(), dw.raw(), m, k, n,
+        ws.raw(), ws.nbytes(), nullptr));
+    return;
+  }
+#endif
   MT_CUDA_CHECK(kernels::grouped_gemm_weight(x.raw(), dy.raw(), offsets.data<int64_t>(),
                                              static_cast<int>(e), k, n, dw.raw(),
                                              dw.dtype() == DType::kF32, nullptr));
