@@ -14,6 +14,9 @@ grep -E "^\[ *(OK|FAILED) *\]|Failure|error|seed" "$out/test_cuda_ops.log" | gre
 if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
   "$bundle/bench_gemm" >"$out/bench.jsonl" 2>"$out/bench.log" || echo "bench_gemm failed: $(tail -3 "$out/bench.log")"
   python3 bench/grouped_mm_torch.py >>"$out/bench.jsonl" 2>>"$out/bench.log" || echo "torch comparator failed: $(tail -3 "$out/bench.log")"
+  [ -x "$bundle/bench_grouped_gemm_variants" ] && "$bundle/bench_grouped_gemm_variants" >>"$out/bench.jsonl" 2>>"$out/bench.log"
+  "$bundle/bench_moe_layer" >>"$out/bench.jsonl" 2>>"$out/bench.log" || echo "bench_moe_layer failed: $(tail -3 "$out/bench.log")"
+  python3 bench/moe_layer_torch.py >>"$out/bench.jsonl" 2>>"$out/bench.log" || echo "torch MoE comparator failed: $(tail -3 "$out/bench.log")"
   echo "== benchmarks (JSON lines, also in bench.jsonl)"
   cat "$out/bench.jsonl"
 fi

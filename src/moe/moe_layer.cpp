@@ -12,6 +12,12 @@ ops::RouterOptions router_options(const ModelConfig& c) {
 }
 
 namespace {
+// Routing math (logits, softmax, weights) runs in f32 at least: the GPU's bf16 router GEMM
+// writes f32 logits; the CPU reference keeps its compute dtype (f32 or f64).
+DType router_dtype(const Tensor& hn) {
+  return hn.device() == Device::kCUDA ? DType::kF32 : hn.dtype();
+}
+
 const Tensor& expert_offsets(const MoeActivations& a) {
   return a.exchange ? a.exchange->local_offsets() : a.perm.expert_offsets;
 }
@@ -21,9 +27,10 @@ void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, 
               const Tensor& hn, MoeActivations& a) {
   const int64_t n = hn.dim(0), m = n * c.top_k;
   const DType dt = hn.dtype();
+  const Device dev = hn.device();
   if (!a.routing.expert_index.defined()) {
     if (!a.logits.defined()) {
-      a.logits = Tensor::empty({n, c.n_experts}, dt);
+      a.logits = Tensor::empty({n, c.n_experts}, router_dtype(hn), dev);
       ops::linear_forward(hn, w.router, a.logits);
     }
     ops::router_forward(a.logits, bias, router_options(c), a.routing);
@@ -39,23 +46,23 @@ void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, 
   }
   if (!a.xe.defined()) {
     if (!a.xp.defined()) {
-      a.xp = Tensor::empty({m, c.dim}, dt);
+      a.xp = Tensor::empty({m, c.dim}, dt, dev);
       ops::permute_rows(hn, a.perm, a.xp);
     }
     a.xe = a.exchange ? a.exchange->dispatch(a.xp) : a.xp;
   }
   const int64_t r = a.xe.dim(0);
   if (!a.gate_up.defined()) {
-    a.gate_up = Tensor::empty({r, 2 * c.moe_dim}, dt);
+    a.gate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
     ops::grouped_gemm_forward(a.xe, w.w_gate_up, expert_offsets(a), a.gate_up);
   }
   if (!a.act.defined()) {
-    a.act = Tensor::empty({r, c.moe_dim}, dt);
+    a.act = Tensor::empty({r, c.moe_dim}, dt, dev);
     ops::swiglu_forward(a.gate_up, a.act);
   }
   if (!a.y.defined()) {
     if (!a.ye.defined()) {
-      a.ye = Tensor::empty({r, c.dim}, dt);
+      a.ye = Tensor::empty({r, c.dim}, dt, dev);
       ops::grouped_gemm_forward(a.act, w.w_down, expert_offsets(a), a.ye);
     }
     a.y = a.exchange ? a.exchange->combine(a.ye) : a.ye;
@@ -70,29 +77,35 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const ModelConfig& c, co
                     const MoeActivations& a, const Tensor& dout, double aux_grad) {
   const int64_t n = hn.dim(0), m = n * c.top_k, r = a.xe.dim(0);
   const DType dt = hn.dtype();
+  const Device dev = hn.device();
   const Tensor& offsets = expert_offsets(a);
-  Tensor dy = Tensor::empty({m, c.dim}, dt);
-  Tensor dweight = Tensor::empty({n, c.top_k}, dt);
+  Tensor dy = Tensor::empty({m, c.dim}, dt, dev);
+  Tensor dweight = Tensor::empty({n, c.top_k}, a.routing.expert_weight.dtype(), dev);
   ops::combine_backward(dout, a.y, a.perm, a.routing.expert_weight, dy, dweight);
   const Tensor dye = a.exchange ? a.exchange->dispatch(dy) : dy;  // combine's backward
 
-  Tensor dact = Tensor::empty({r, c.moe_dim}, dt);
+  Tensor dact = Tensor::empty({r, c.moe_dim}, dt, dev);
   ops::grouped_gemm_backward_input(dye, w.w_down, offsets, dact);
   ops::grouped_gemm_backward_weight(a.act, dye, offsets, g.w_down);
 
-  Tensor dgate_up = Tensor::empty({r, 2 * c.moe_dim}, dt);
+  Tensor dgate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
   ops::swiglu_backward(a.gate_up, dact, dgate_up);
-  Tensor dxe = Tensor::empty({r, c.dim}, dt);
+  Tensor dxe = Tensor::empty({r, c.dim}, dt, dev);
   ops::grouped_gemm_backward_input(dgate_up, w.w_gate_up, offsets, dxe);
   ops::grouped_gemm_backward_weight(a.xe, dgate_up, offsets, g.w_gate_up);
   const Tensor dxp = a.exchange ? a.exchange->combine(dxe) : dxe;  // dispatch's backward
 
-  Tensor dhn = Tensor::empty({n, c.dim}, dt);
+  Tensor dhn = Tensor::empty({n, c.dim}, dt, dev);
   ops::permute_rows_backward(dxp, a.perm, dhn);
 
-  Tensor dlogits = Tensor::empty({n, c.n_experts}, dt);
+  Tensor dlogits = Tensor::empty({n, c.n_experts}, a.routing.scores.dtype(), dev);
   ops::router_backward(a.routing, router_options(c), a.aux_stats, dweight, aux_grad, dlogits);
-  Tensor dhn_router = Tensor::empty({n, c.dim}, dt);
+  if (dlogits.dtype() != w.router.dtype()) {  // GPU: f32 routing math, bf16 GEMM operands
+    Tensor cast = Tensor::empty(dlogits.shape(), w.router.dtype(), dev);
+    ops::convert(dlogits, cast);
+    dlogits = cast;
+  }
+  Tensor dhn_router = Tensor::empty({n, c.dim}, dt, dev);
   ops::linear_backward(hn, w.router, dlogits, dhn_router, g.router);
   ops::add_(dhn, dhn_router);
   return dhn;

@@ -3,6 +3,9 @@
 #include <cmath>
 
 #include "ops/dispatch.h"
+#if MOETRAIN_HAS_CUDA
+#include "ops/cuda/ops.h"
+#endif
 
 namespace mt::ops {
 
@@ -13,6 +16,9 @@ void add(const Tensor& a, const Tensor& b, Tensor& out) {
                a.dtype() == out.dtype(),
            "add of {} and {} into {}", shape_str(a.shape()), shape_str(b.shape()),
            shape_str(out.shape()));
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(a)) return cuda::add(a, b, out);
+#endif
   dispatch_float(a.dtype(), [&](auto tag) {
     using T = decltype(tag);
     const T* pa = a.data<T>();
@@ -20,6 +26,14 @@ void add(const Tensor& a, const Tensor& b, Tensor& out) {
     T* po = out.data<T>();
     for (int64_t i = 0; i < a.numel(); ++i) po[i] = pa[i] + pb[i];
   });
+}
+
+void convert(const Tensor& src, Tensor& dst) {
+  MT_CHECK(src.numel() == dst.numel(), "convert of {} elements into {}", src.numel(), dst.numel());
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(src)) return cuda::convert(src, dst);
+#endif
+  for (int64_t i = 0; i < src.numel(); ++i) dst.set_item(i, src.item(i));
 }
 
 void scale_(Tensor& a, double s) {

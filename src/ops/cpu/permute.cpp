@@ -3,6 +3,9 @@
 #include <vector>
 
 #include "ops/dispatch.h"
+#if MOETRAIN_HAS_CUDA
+#include "ops/cuda/ops.h"
+#endif
 
 namespace mt::ops {
 
@@ -15,6 +18,9 @@ int64_t choices_per_token(const ExpertPermutation& p, int64_t n) {
 void make_expert_permutation(const Tensor& expert_index, int64_t num_experts,
                              ExpertPermutation& out) {
   expect_dtype(expert_index, DType::kI32, "expert_index");
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(expert_index)) return cuda::make_expert_permutation(expert_index, num_experts, out);
+#endif
   const int64_t n = expert_index.dim(0), k = expert_index.dim(1), m = n * k;
   const int32_t* idx = expert_index.data<int32_t>();
   out.expert_offsets = Tensor::zeros({num_experts + 1}, DType::kI64);
@@ -38,6 +44,9 @@ void make_expert_permutation(const Tensor& expert_index, int64_t num_experts,
 void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp) {
   const int64_t d = x.dim(1), m = p.source_token.numel();
   expect_shape(xp, {m, d}, "permuted rows");
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(x)) return cuda::gather_rows(x, p.source_token, xp);
+#endif
   dispatch_float(x.dtype(), [&](auto tag) {
     using T = decltype(tag);
     for (int64_t r = 0; r < m; ++r) {
@@ -49,6 +58,9 @@ void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp) {
 
 void permute_rows_backward(const Tensor& dxp, const ExpertPermutation& p, Tensor& dx) {
   const int64_t n = dx.dim(0), d = dx.dim(1), k = choices_per_token(p, n);
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(dx)) return cuda::weighted_sum_rows(dxp, p.row_of_choice, nullptr, k, dx);
+#endif
   dispatch_float(dx.dtype(), [&](auto tag) {
     using T = decltype(tag);
     // Token-order summation over the k copies: deterministic, no scatter races.
@@ -67,6 +79,12 @@ void permute_rows_backward(const Tensor& dxp, const ExpertPermutation& p, Tensor
 void unpermute_rows(const Tensor& yp, const ExpertPermutation& p, Tensor& y) {
   const int64_t d = yp.dim(1), m = p.row_of_choice.numel();
   MT_CHECK(y.numel() == m * d, "unpermuted rows {} for {} rows of {}", shape_str(y.shape()), m, d);
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(yp)) {
+    Tensor rows = y.reshape({m, d});
+    return cuda::gather_rows(yp, p.row_of_choice, rows);
+  }
+#endif
   dispatch_float(yp.dtype(), [&](auto tag) {
     using T = decltype(tag);
     for (int64_t i = 0; i < m; ++i) {
@@ -78,6 +96,7 @@ void unpermute_rows(const Tensor& yp, const ExpertPermutation& p, Tensor& y) {
 
 void unpermute_rows_backward(const Tensor& dy, const ExpertPermutation& p, Tensor& dyp) {
   const int64_t d = dyp.dim(1), m = p.row_of_choice.numel();
+  expect_cpu(dyp, "unpermute_rows_backward (no GPU kernel yet: the layer uses combine)");
   dispatch_float(dyp.dtype(), [&](auto tag) {
     using T = decltype(tag);
     for (int64_t i = 0; i < m; ++i) {
@@ -92,6 +111,9 @@ void combine_forward(const Tensor& yp, const ExpertPermutation& p, const Tensor&
                      Tensor& out) {
   const int64_t n = weight.dim(0), k = weight.dim(1), d = yp.dim(1);
   expect_shape(out, {n, d}, "combine out");
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(yp)) return cuda::weighted_sum_rows(yp, p.row_of_choice, &weight, k, out);
+#endif
   dispatch_float(yp.dtype(), [&](auto tag) {
     using T = decltype(tag);
     for (int64_t t = 0; t < n; ++t) {
@@ -112,6 +134,9 @@ void combine_backward(const Tensor& dout, const Tensor& yp, const ExpertPermutat
   const int64_t n = weight.dim(0), k = weight.dim(1), d = yp.dim(1);
   expect_shape(dyp, yp.shape(), "combine dyp");
   expect_shape(dweight, weight.shape(), "combine dweight");
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(yp)) return cuda::combine_backward(dout, yp, p.row_of_choice, weight, dyp, dweight);
+#endif
   dispatch_float(yp.dtype(), [&](auto tag) {
     using T = decltype(tag);
     for (int64_t t = 0; t < n; ++t) {

@@ -6,6 +6,9 @@
 #include <vector>
 
 #include "ops/dispatch.h"
+#if MOETRAIN_HAS_CUDA
+#include "ops/cuda/ops.h"
+#endif
 
 namespace mt::ops {
 
@@ -15,6 +18,9 @@ void router_forward(const Tensor& logits, const Tensor& bias, const RouterOption
   const int64_t n = logits.dim(0), e = logits.dim(1), k = opt.top_k;
   MT_CHECK(k >= 1 && k <= e, "top_k {} outside [1, {}]", k, e);
   if (bias.defined()) expect_shape(bias, {e}, "router bias");
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(logits)) return cuda::router_forward(logits, bias, opt.top_k, opt.norm_topk_prob, opt.force_balanced, out);
+#endif
   out.scores = Tensor::empty({n, e}, logits.dtype());
   out.expert_index = Tensor::empty({n, k}, DType::kI32);
   out.expert_weight = Tensor::empty({n, k}, logits.dtype());
@@ -55,6 +61,9 @@ void router_forward(const Tensor& logits, const Tensor& bias, const RouterOption
 }
 
 AuxStats router_aux_stats(const Routing& r) {
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(r.scores)) return cuda::router_aux_stats(r);
+#endif
   const int64_t n = r.scores.dim(0), e = r.scores.dim(1);
   AuxStats s{r.tokens_per_expert.clone(), Tensor::zeros({e}, r.scores.dtype()),
              Tensor::empty({1}, DType::kI64)};
@@ -85,6 +94,11 @@ void router_backward(const Routing& r, const RouterOptions& opt, const AuxStats&
                      const Tensor& dweight, double aux_grad, Tensor& dlogits) {
   const int64_t n = r.scores.dim(0), e = r.scores.dim(1), k = opt.top_k;
   const double total = static_cast<double>(stats.tokens.data<int64_t>()[0]);
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(r.scores))
+    return cuda::router_backward(r, opt.top_k, opt.norm_topk_prob, stats, dweight, aux_grad,
+                                 dlogits);
+#endif
   expect_shape(dweight, {n, k}, "router dweight");
   expect_shape(dlogits, {n, e}, "router dlogits");
   dispatch_float(r.scores.dtype(), [&](auto tag) {

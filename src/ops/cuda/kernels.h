@@ -61,6 +61,35 @@ cudaError_t cutlass_grouped_weight_gradient(const int64_t* offsets, int experts,
                                             cudaStream_t stream);
 #endif
 
+// --- MoE layer (moe.cu) ---
+// logits, scores f32 (n, e); index i32 / weight f32 (n, k); counts i64 (e), zeroed here.
+cudaError_t router_forward(const float* logits, const float* bias, int64_t n, int e, int k,
+                           bool norm_topk, bool balanced, float* scores, int32_t* index,
+                           float* weight, int64_t* counts, cudaStream_t stream);
+cudaError_t column_sum(const float* scores, int64_t n, int e, float* out, cudaStream_t stream);
+// aux_scale = aux_grad * E / N^2 (N: tokens of the whole batch); dlogits f32 (n, e).
+cudaError_t router_backward(const float* scores, const int32_t* index, const float* dweight,
+                            const int64_t* counts, double aux_scale, int64_t n, int e, int k,
+                            bool norm_topk, float* dlogits, cudaStream_t stream);
+size_t permutation_workspace(int64_t m, int e);
+// Stable expert-major layout of m = n*k choices: source_token, row_of_choice i32 (m),
+// offsets i64 (e + 1).
+cudaError_t expert_permutation(const int32_t* expert_index, int64_t m, int k, int e,
+                               void* workspace, size_t workspace_bytes, int32_t* source_token,
+                               int32_t* row_of_choice, int64_t* offsets, cudaStream_t stream);
+// f32 -> bf16 (round to nearest even) or bf16 -> f32; `from` names the source type.
+cudaError_t convert(Storage from, const void* src, void* dst, int64_t n, cudaStream_t stream);
+cudaError_t gather_rows(Storage s, const void* src, const int32_t* index, void* dst, int64_t rows,
+                        int64_t width, cudaStream_t stream);
+// out[t] = sum_j scale[t, j] * rows[row_of_choice[t*k + j]]; scale null means 1.
+cudaError_t weighted_sum_rows(Storage s, const void* rows, const int32_t* row_of_choice,
+                              const float* scale, int64_t tokens, int k, void* out, int64_t width,
+                              cudaStream_t stream);
+cudaError_t combine_backward(Storage s, const void* dout, const void* y,
+                             const int32_t* row_of_choice, const float* weight, int64_t tokens,
+                             int k, void* dy, float* dweight, int64_t width, cudaStream_t stream);
+cudaError_t add(Storage s, const void* a, const void* b, void* out, int64_t n, cudaStream_t stream);
+
 struct AdamWScalars {
   float beta1, beta2, decay, step_size, sqrt_bc2, eps;
 };

@@ -3,6 +3,8 @@
 // fp32); saved statistics (rstd, lse) are always f32. All run on the default stream.
 #pragma once
 #include "core/tensor.h"
+#include "ops/permute.h"
+#include "ops/route.h"
 
 namespace mt::cuda {
 
@@ -15,6 +17,22 @@ void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor
                                  Tensor& dx);
 void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets,
                                   Tensor& dw);
+
+// MoE layer (moe_ops.cpp): logits, scores, weights f32; rows f32 or bf16.
+void router_forward(const Tensor& logits, const Tensor& bias, int top_k, bool norm_topk,
+                    bool balanced, ops::Routing& out);
+ops::AuxStats router_aux_stats(const ops::Routing& r);  // stats on the host (small)
+void router_backward(const ops::Routing& r, int top_k, bool norm_topk, const ops::AuxStats& stats,
+                     const Tensor& dweight, double aux_grad, Tensor& dlogits);
+void make_expert_permutation(const Tensor& expert_index, int64_t experts,
+                             ops::ExpertPermutation& out);
+void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst);
+void weighted_sum_rows(const Tensor& rows, const Tensor& row_of_choice, const Tensor* scale,
+                       int64_t k, Tensor& out);
+void combine_backward(const Tensor& dout, const Tensor& yp, const Tensor& row_of_choice,
+                      const Tensor& weight, Tensor& dyp, Tensor& dweight);
+void add(const Tensor& a, const Tensor& b, Tensor& out);
+void convert(const Tensor& src, Tensor& dst);  // f32 <-> bf16 on the GPU
 
 void rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd);
 void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy,

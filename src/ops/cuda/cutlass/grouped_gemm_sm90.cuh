@@ -29,7 +29,21 @@ enum class Product {
   kWeightGradient,  // dw_e (k, n) += x_e^T (k, rows) @ dy_e (rows, n), fp32 accumulation buffer
 };
 
-template <class LayoutA, class LayoutB, class ElementOut>
+// Tile 128x128x64, one CTA per cluster, cooperative schedule: the shipped configuration
+// (bench/grouped_gemm_variants.cu measures the alternatives).
+using DefaultTile = Shape<_128, _128, _64>;
+using DefaultCluster = Shape<_1, _1, _1>;
+struct Cooperative {
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+};
+struct Pingpong {
+  using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
+  using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
+};
+
+template <class LayoutA, class LayoutB, class ElementOut, class Tile = DefaultTile,
+          class Cluster = DefaultCluster, class Schedule = Cooperative>
 struct Config {
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using ElementIn = cutlass::bfloat16_t;
@@ -37,11 +51,10 @@ struct Config {
   using LayoutC = cutlass::layout::RowMajor;
   static constexpr int kAlignIn = 8;                                  // 16 bytes of bf16
   static constexpr int kAlignOut = 16 / sizeof(ElementOut);
-  // 128x128x64 tiles, one CTA per cluster: tiles of ragged experts rarely share a cluster.
-  using TileShape = Shape<_128, _128, _64>;
-  using ClusterShape = Shape<_1, _1, _1>;
-  using KernelSchedule = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
-  using EpilogueSchedule = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
+  using TileShape = Tile;
+  using ClusterShape = Cluster;
+  using KernelSchedule = typename Schedule::Kernel;
+  using EpilogueSchedule = typename Schedule::Epilogue;
 
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, TileShape, ClusterShape,

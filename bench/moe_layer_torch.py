@@ -1,0 +1,61 @@
+"""Comparator for bench/bench_moe_layer.cpp: the same MoE layer in PyTorch (router, softmax top-k
+with renormalisation, sort by expert, torch._grouped_mm gate|up, SwiGLU, down, weighted sum),
+forward + backward, eager and torch.compile, bf16, CUDA-event medians. JSON lines."""
+import json
+
+import torch
+import torch.nn.functional as F
+
+n, d, f, e, k = 16384, 2048, 768, 128, 8
+torch.manual_seed(0)
+router = (torch.randn(d, e, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
+w_gate_up = (torch.randn(e, d, 2 * f, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
+w_down = (torch.randn(e, f, d, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
+x = torch.randn(n, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+dout = torch.randn(n, d, device="cuda", dtype=torch.bfloat16)
+
+
+def moe(x):
+    scores = F.softmax((x @ router).float(), dim=-1)
+    weight, idx = torch.topk(scores, k, dim=-1)
+    weight = weight / weight.sum(-1, keepdim=True)
+    flat = idx.flatten()
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=e)
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    xs = x[order // k]
+    h = torch._grouped_mm(xs, w_gate_up, offs=offs)
+    a = F.silu(h[:, :f]) * h[:, f:]
+    y = torch._grouped_mm(a, w_down, offs=offs)
+    out = torch.zeros_like(x)
+    out.index_add_(0, order // k, y * weight.flatten()[order, None].to(y.dtype))
+    return out
+
+
+def step(fn):
+    out = fn(x)
+    out.backward(dout)
+
+
+def median_ms(fn, warmup=3, reps=10):
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        s, t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        t.record()
+        torch.cuda.synchronize()
+        times.append(s.elapsed_time(t))
+    return sorted(times)[len(times) // 2]
+
+
+for name, fn in [("eager", moe), ("compile", torch.compile(moe))]:
+    try:
+        ms = median_ms(lambda: step(fn))
+        print(json.dumps({"bench": "torch_moe_layer_fwd_bwd", "mode": name, "ms": round(ms, 3),
+                          "routing": "real", "torch": torch.__version__}), flush=True)
+    except Exception as exc:  # report, do not hide
+        print(json.dumps({"bench": "torch_moe_layer_fwd_bwd", "mode": name,
+                          "error": str(exc)[:300]}), flush=True)

@@ -1,0 +1,319 @@
+// The MoE layer's own kernels: routing (softmax, top-k, renormalisation, counts), the stable
+// expert-major permutation (CUB radix sort by expert), row gathers in both directions, the
+// weighted combine and its backward, and the router backward. Every result is deterministic:
+// sums run in a fixed order, counts are integer atomics.
+#include <cub/device/device_radix_sort.cuh>
+
+#include "ops/cuda/common.cuh"
+
+namespace mt::cuda {
+
+namespace {
+
+constexpr int kMaxTopK = 16;
+
+// One thread per token: E is small (<= 512) and k <= 16, so a register insertion sort wins.
+__global__ void router_kernel(const float* logits, const float* bias, int64_t n, int e, int k,
+                              bool norm_topk, bool balanced, float* scores, int32_t* index,
+                              float* weight, int64_t* counts) {
+  const int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (t >= n) return;
+  const float* l = logits + t * e;
+  float* s = scores + t * e;
+  float m = -INFINITY;
+  for (int c = 0; c < e; ++c) m = fmaxf(m, l[c]);
+  float sum = 0.f;
+  for (int c = 0; c < e; ++c) sum += expf(l[c] - m);
+  for (int c = 0; c < e; ++c) s[c] = expf(l[c] - m) / sum;
+  int idx[kMaxTopK];
+  float key[kMaxTopK];
+  if (balanced) {
+    for (int j = 0; j < k; ++j) idx[j] = static_cast<int>((t * k + j) % e);
+  } else {
+    int filled = 0;
+    for (int c = 0; c < e; ++c) {
+      const float v = s[c] + (bias ? bias[c] : 0.f);
+      // Ties keep the lower expert index first (strictly greater moves up), as the CPU.
+      int pos = filled < k ? filled : k;
+      while (pos > 0 && v > key[pos - 1]) --pos;
+      if (pos >= k) continue;
+      for (int q = (filled < k ? filled : k - 1); q > pos; --q) {
+        key[q] = key[q - 1];
+        idx[q] = idx[q - 1];
+      }
+      key[pos] = v;
+      idx[pos] = c;
+      if (filled < k) ++filled;
+    }
+  }
+  float wsum = 0.f;
+  for (int j = 0; j < k; ++j) wsum += s[idx[j]];
+  for (int j = 0; j < k; ++j) {
+    index[t * k + j] = idx[j];
+    weight[t * k + j] = norm_topk ? s[idx[j]] / wsum : s[idx[j]];
+    atomicAdd(reinterpret_cast<unsigned long long*>(counts + idx[j]), 1ull);
+  }
+}
+
+// score_sum[c] = sum over tokens of scores[t, c], in token order.
+__global__ void column_sum_kernel(const float* scores, int64_t n, int e, float* out) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= e) return;
+  float s = 0.f;
+  for (int64_t t = 0; t < n; ++t) s += scores[t * e + c];
+  out[c] = s;
+}
+
+__global__ void router_backward_kernel(const float* scores, const int32_t* index,
+                                       const float* dweight, const int64_t* counts,
+                                       double aux_scale, int64_t n, int e, int k, bool norm_topk,
+                                       float* dlogits) {
+  const int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (t >= n) return;
+  const float* s = scores + t * e;
+  const int32_t* idx = index + t * k;
+  const float* dw = dweight + t * k;
+  float* dl = dlogits + t * e;
+  // dl temporarily holds d(score); then the softmax backward in place.
+  for (int c = 0; c < e; ++c) dl[c] = static_cast<float>(aux_scale * counts[c]);
+  if (norm_topk) {
+    float sum = 0.f, dot = 0.f;
+    for (int j = 0; j < k; ++j) sum += s[idx[j]];
+    for (int j = 0; j < k; ++j) dot += dw[j] * s[idx[j]] / sum;
+    for (int j = 0; j < k; ++j) dl[idx[j]] += (dw[j] - dot) / sum;
+  } else {
+    for (int j = 0; j < k; ++j) dl[idx[j]] += dw[j];
+  }
+  float inner = 0.f;
+  for (int c = 0; c < e; ++c) inner += dl[c] * s[c];
+  for (int c = 0; c < e; ++c) dl[c] = s[c] * (dl[c] - inner);
+}
+
+__global__ void iota_kernel(int32_t* v, int64_t n) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i < n) v[i] = static_cast<int32_t>(i);
+}
+
+__global__ void permutation_kernel(const int32_t* sorted_choice, int64_t m, int k,
+                                   int32_t* source_token, int32_t* row_of_choice) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i >= m) return;
+  const int32_t choice = sorted_choice[i];
+  source_token[i] = choice / k;
+  row_of_choice[choice] = static_cast<int32_t>(i);
+}
+
+__global__ void histogram_kernel(const int32_t* expert_index, int64_t m, int64_t* counts) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i < m) atomicAdd(reinterpret_cast<unsigned long long*>(counts + expert_index[i]), 1ull);
+}
+
+__global__ void convert_kernel_f32_bf16(const float* src, __nv_bfloat16* dst, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    dst[i] = __float2bfloat16_rn(src[i]);
+}
+
+__global__ void convert_kernel_bf16_f32(const __nv_bfloat16* src, float* dst, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    dst[i] = __bfloat162float(src[i]);
+}
+
+// Exclusive scan of E counts into E + 1 offsets; one thread: E is at most a few hundred.
+__global__ void offsets_kernel(const int64_t* counts, int e, int64_t* offsets) {
+  int64_t at = 0;
+  for (int c = 0; c < e; ++c) {
+    offsets[c] = at;
+    at += counts[c];
+  }
+  offsets[e] = at;
+}
+
+// dst[i] = src[index[i]] rows of `width` elements (16-byte chunks when aligned).
+template <class T>
+__global__ void gather_rows_kernel(const T* src, const int32_t* index, T* dst, int64_t rows,
+                                   int64_t width) {
+  const int64_t row = blockIdx.x;
+  if (row >= rows) return;
+  const T* s = src + static_cast<int64_t>(index[row]) * width;
+  T* d = dst + row * width;
+  for (int64_t c = threadIdx.x; c < width; c += blockDim.x) d[c] = s[c];
+}
+
+// out[t] = sum_j scale[t, j] * rows[row_of_choice[t*k + j]] (scale null: 1), fp32 math.
+template <class T>
+__global__ void weighted_sum_kernel(const T* rows, const int32_t* row_of_choice, const float* scale,
+                                    int k, T* out, int64_t width) {
+  const int64_t t = blockIdx.x;
+  for (int64_t c = threadIdx.x; c < width; c += blockDim.x) {
+    float acc = 0.f;
+    for (int j = 0; j < k; ++j) {
+      const float w = scale ? scale[t * k + j] : 1.f;
+      acc += w * to_float(rows[static_cast<int64_t>(row_of_choice[t * k + j]) * width + c]);
+    }
+    out[t * width + c] = from_float<T>(acc);
+  }
+}
+
+// One block per (token, choice): dy row = w * dout[t]; dweight = dout[t] . y row.
+template <class T>
+__global__ void combine_backward_kernel(const T* dout, const T* y, const int32_t* row_of_choice,
+                                        const float* weight, int k, T* dy, float* dweight,
+                                        int64_t width) {
+  const int64_t tj = blockIdx.x, t = tj / k;
+  const int64_t row = row_of_choice[tj];
+  const float w = weight[tj];
+  float dot = 0.f;
+  for (int64_t c = threadIdx.x; c < width; c += blockDim.x) {
+    const float g = to_float(dout[t * width + c]);
+    dy[row * width + c] = from_float<T>(w * g);
+    dot += g * to_float(y[row * width + c]);
+  }
+  dot = block_sum(dot);
+  if (threadIdx.x == 0) dweight[tj] = dot;
+}
+
+template <class T>
+__global__ void add_kernel(const T* a, const T* b, T* out, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    out[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
+}
+
+}  // namespace
+
+namespace kernels {
+
+cudaError_t router_forward(const float* logits, const float* bias, int64_t n, int e, int k,
+                           bool norm_topk, bool balanced, float* scores, int32_t* index,
+                           float* weight, int64_t* counts, cudaStream_t stream) {
+  if (k > kMaxTopK) return cudaErrorInvalidValue;
+  if (cudaError_t err = cudaMemsetAsync(counts, 0, sizeof(int64_t) * e, stream); err != cudaSuccess)
+    return err;
+  if (n == 0) return cudaSuccess;
+  router_kernel<<<(n + 127) / 128, 128, 0, stream>>>(logits, bias, n, e, k, norm_topk, balanced,
+                                                     scores, index, weight, counts);
+  return cudaGetLastError();
+}
+
+cudaError_t column_sum(const float* scores, int64_t n, int e, float* out, cudaStream_t stream) {
+  column_sum_kernel<<<(e + 127) / 128, 128, 0, stream>>>(scores, n, e, out);
+  return cudaGetLastError();
+}
+
+cudaError_t router_backward(const float* scores, const int32_t* index, const float* dweight,
+                            const int64_t* counts, double aux_scale, int64_t n, int e, int k,
+                            bool norm_topk, float* dlogits, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  router_backward_kernel<<<(n + 127) / 128, 128, 0, stream>>>(scores, index, dweight, counts,
+                                                              aux_scale, n, e, k, norm_topk,
+                                                              dlogits);
+  return cudaGetLastError();
+}
+
+// Workspace layout: counts i64 (e, rounded to 256 B) | choice, keys_out, choice_out i32 (m each,
+// each rounded to 256 B) | CUB's radix-sort scratch.
+namespace {
+size_t round256(size_t b) { return (b + 255) / 256 * 256; }
+}  // namespace
+
+size_t permutation_workspace(int64_t m, int e) {
+  size_t sort_bytes = 0;
+  cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<int32_t*>(nullptr),
+                                  static_cast<int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
+                                  static_cast<int32_t*>(nullptr), static_cast<int>(m));
+  return round256(sizeof(int64_t) * e) + 3 * round256(sizeof(int32_t) * m) + sort_bytes;
+}
+
+cudaError_t expert_permutation(const int32_t* expert_index, int64_t m, int k, int e,
+                               void* workspace, size_t workspace_bytes, int32_t* source_token,
+                               int32_t* row_of_choice, int64_t* offsets, cudaStream_t stream) {
+  char* p = static_cast<char*>(workspace);
+  auto* counts = reinterpret_cast<int64_t*>(p);
+  p += round256(sizeof(int64_t) * e);
+  auto* choice = reinterpret_cast<int32_t*>(p);
+  auto* keys_out = reinterpret_cast<int32_t*>(p + round256(sizeof(int32_t) * m));
+  auto* choice_out = reinterpret_cast<int32_t*>(p + 2 * round256(sizeof(int32_t) * m));
+  void* sort_ws = p + 3 * round256(sizeof(int32_t) * m);
+  size_t sort_bytes = workspace_bytes - (static_cast<char*>(sort_ws) - static_cast<char*>(workspace));
+  if (cudaError_t err = cudaMemsetAsync(counts, 0, sizeof(int64_t) * e, stream); err != cudaSuccess)
+    return err;
+  if (m > 0) histogram_kernel<<<(m + 255) / 256, 256, 0, stream>>>(expert_index, m, counts);
+  offsets_kernel<<<1, 1, 0, stream>>>(counts, e, offsets);
+  if (m == 0) return cudaGetLastError();
+  iota_kernel<<<(m + 255) / 256, 256, 0, stream>>>(choice, m);
+  int bits = 1;
+  while ((1 << bits) < e) ++bits;
+  // LSD radix sort is stable: within an expert, choices stay in token order.
+  if (cudaError_t err = cub::DeviceRadixSort::SortPairs(sort_ws, sort_bytes, expert_index, keys_out,
+                                                        choice, choice_out, static_cast<int>(m), 0,
+                                                        bits, stream);
+      err != cudaSuccess)
+    return err;
+  permutation_kernel<<<(m + 255) / 256, 256, 0, stream>>>(choice_out, m, k, source_token,
+                                                          row_of_choice);
+  return cudaGetLastError();
+}
+
+cudaError_t gather_rows(Storage s, const void* src, const int32_t* index, void* dst, int64_t rows,
+                        int64_t width, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  dispatch_storage(s, [&](auto tag) {
+    using T = decltype(tag);
+    gather_rows_kernel<T><<<rows, kBlock, 0, stream>>>(static_cast<const T*>(src), index,
+                                                       static_cast<T*>(dst), rows, width);
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t weighted_sum_rows(Storage s, const void* rows, const int32_t* row_of_choice,
+                              const float* scale, int64_t tokens, int k, void* out, int64_t width,
+                              cudaStream_t stream) {
+  if (tokens == 0) return cudaSuccess;
+  dispatch_storage(s, [&](auto tag) {
+    using T = decltype(tag);
+    weighted_sum_kernel<T><<<tokens, kBlock, 0, stream>>>(static_cast<const T*>(rows),
+                                                          row_of_choice, scale, k,
+                                                          static_cast<T*>(out), width);
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t combine_backward(Storage s, const void* dout, const void* y,
+                             const int32_t* row_of_choice, const float* weight, int64_t tokens,
+                             int k, void* dy, float* dweight, int64_t width, cudaStream_t stream) {
+  if (tokens == 0) return cudaSuccess;
+  dispatch_storage(s, [&](auto tag) {
+    using T = decltype(tag);
+    combine_backward_kernel<T><<<tokens * k, kBlock, 0, stream>>>(
+        static_cast<const T*>(dout), static_cast<const T*>(y), row_of_choice, weight, k,
+        static_cast<T*>(dy), dweight, width);
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t convert(Storage from, const void* src, void* dst, int64_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  if (from == Storage::kF32)
+    convert_kernel_f32_bf16<<<grid_for(n), kBlock, 0, stream>>>(static_cast<const float*>(src),
+                                                               static_cast<__nv_bfloat16*>(dst), n);
+  else
+    convert_kernel_bf16_f32<<<grid_for(n), kBlock, 0, stream>>>(
+        static_cast<const __nv_bfloat16*>(src), static_cast<float*>(dst), n);
+  return cudaGetLastError();
+}
+
+cudaError_t add(Storage s, const void* a, const void* b, void* out, int64_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  dispatch_storage(s, [&](auto tag) {
+    using T = decltype(tag);
+    add_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(static_cast<const T*>(a),
+                                                      static_cast<const T*>(b),
+                                                      static_cast<T*>(out), n);
+  });
+  return cudaGetLastError();
+}
+
+}  // namespace kernels
+}  // namespace mt::cuda

@@ -1,0 +1,110 @@
+// Tensor-level wrappers of the MoE kernels (moe.cu): checks, device allocations from the
+// caching allocator, and the launch.
+#include "core/cuda_check.h"
+#include "ops/cuda/kernels.h"
+#include "ops/cuda/ops.h"
+
+namespace mt::cuda {
+
+namespace {
+kernels::Storage storage(const Tensor& t) {
+  MT_CHECK(t.device() == Device::kCUDA, "MoE operand must be on the GPU");
+  MT_CHECK(t.dtype() == DType::kF32 || t.dtype() == DType::kBF16, "MoE rows must be f32 or bf16");
+  return t.dtype() == DType::kF32 ? kernels::Storage::kF32 : kernels::Storage::kBF16;
+}
+Tensor gpu_empty(const Shape& s, DType d) { return Tensor::empty(s, d, Device::kCUDA); }
+}  // namespace
+
+void router_forward(const Tensor& logits, const Tensor& bias, int top_k, bool norm_topk,
+                    bool balanced, ops::Routing& out) {
+  expect_dtype(logits, DType::kF32, "router logits (GPU: f32)");
+  const int64_t n = logits.dim(0), e = logits.dim(1);
+  out.scores = gpu_empty({n, e}, DType::kF32);
+  out.expert_index = gpu_empty({n, top_k}, DType::kI32);
+  out.expert_weight = gpu_empty({n, top_k}, DType::kF32);
+  out.tokens_per_expert = gpu_empty({e}, DType::kI64);
+  MT_CUDA_CHECK(kernels::router_forward(
+      logits.data<float>(), bias.defined() ? bias.data<float>() : nullptr, n,
+      static_cast<int>(e), top_k, norm_topk, balanced, out.scores.data<float>(),
+      out.expert_index.data<int32_t>(), out.expert_weight.data<float>(),
+      out.tokens_per_expert.data<int64_t>(), nullptr));
+}
+
+ops::AuxStats router_aux_stats(const ops::Routing& r) {
+  const int64_t n = r.scores.dim(0), e = r.scores.dim(1);
+  ops::AuxStats s{r.tokens_per_expert.to(Device::kCPU), Tensor::empty({e}, DType::kF32),
+                  Tensor::empty({1}, DType::kI64)};
+  Tensor sums = gpu_empty({e}, DType::kF32);
+  MT_CUDA_CHECK(kernels::column_sum(r.scores.data<float>(), n, static_cast<int>(e),
+                                    sums.data<float>(), nullptr));
+  s.score_sum.copy_from(sums);
+  s.tokens.data<int64_t>()[0] = n;
+  return s;
+}
+
+void router_backward(const ops::Routing& r, int top_k, bool norm_topk, const ops::AuxStats& stats,
+                     const Tensor& dweight, double aux_grad, Tensor& dlogits) {
+  const int64_t n = r.scores.dim(0), e = r.scores.dim(1);
+  const double total = static_cast<double>(stats.tokens.item(0));
+  const Tensor counts = stats.tokens_per_expert.to(Device::kCUDA);
+  MT_CUDA_CHECK(kernels::router_backward(
+      r.scores.data<float>(), r.expert_index.data<int32_t>(), dweight.data<float>(),
+      counts.data<int64_t>(), aux_grad * static_cast<double>(e) / (total * total), n,
+      static_cast<int>(e), top_k, norm_topk, dlogits.data<float>(), nullptr));
+}
+
+void make_expert_permutation(const Tensor& expert_index, int64_t experts,
+                             ops::ExpertPermutation& out) {
+  const int64_t n = expert_index.dim(0), k = expert_index.dim(1), m = n * k;
+  out.source_token = gpu_empty({m}, DType::kI32);
+  out.row_of_choice = gpu_empty({m}, DType::kI32);
+  out.expert_offsets = gpu_empty({experts + 1}, DType::kI64);
+  const size_t bytes = kernels::permutation_workspace(m, static_cast<int>(experts));
+  Tensor ws = gpu_empty({static_cast<int64_t>(bytes)}, DType::kU8);
+  MT_CUDA_CHECK(kernels::expert_permutation(
+      expert_index.data<int32_t>(), m, static_cast<int>(k), static_cast<int>(experts), ws.raw(),
+      bytes, out.source_token.data<int32_t>(), out.row_of_choice.data<int32_t>(),
+      out.expert_offsets.data<int64_t>(), nullptr));
+}
+
+void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst) {
+  MT_CHECK(src.dtype() == dst.dtype(), "gather of {} rows into {}", dtype_name(src.dtype()),
+           dtype_name(dst.dtype()));
+  MT_CUDA_CHECK(kernels::gather_rows(storage(src), src.raw(), index.data<int32_t>(), dst.raw(),
+                                     dst.dim(0), dst.dim(1), nullptr));
+}
+
+void weighted_sum_rows(const Tensor& rows, const Tensor& row_of_choice, const Tensor* scale,
+                       int64_t k, Tensor& out) {
+  MT_CHECK(rows.dtype() == out.dtype(), "weighted sum of {} rows into {}",
+           dtype_name(rows.dtype()), dtype_name(out.dtype()));
+  if (scale) expect_dtype(*scale, DType::kF32, "combine weights (GPU: f32)");
+  MT_CUDA_CHECK(kernels::weighted_sum_rows(storage(rows), rows.raw(),
+                                           row_of_choice.data<int32_t>(),
+                                           scale ? scale->data<float>() : nullptr, out.dim(0),
+                                           static_cast<int>(k), out.raw(), out.dim(1), nullptr));
+}
+
+void combine_backward(const Tensor& dout, const Tensor& yp, const Tensor& row_of_choice,
+                      const Tensor& weight, Tensor& dyp, Tensor& dweight) {
+  expect_dtype(weight, DType::kF32, "combine weights (GPU: f32)");
+  expect_dtype(dweight, DType::kF32, "combine dweight (GPU: f32)");
+  MT_CUDA_CHECK(kernels::combine_backward(storage(yp), dout.raw(), yp.raw(),
+                                          row_of_choice.data<int32_t>(), weight.data<float>(),
+                                          weight.dim(0), static_cast<int>(weight.dim(1)),
+                                          dyp.raw(), dweight.data<float>(), yp.dim(1), nullptr));
+}
+
+void convert(const Tensor& src, Tensor& dst) {
+  MT_CHECK(src.numel() == dst.numel() && src.dtype() != dst.dtype(),
+           "convert of {} {} into {} {}", dtype_name(src.dtype()), shape_str(src.shape()),
+           dtype_name(dst.dtype()), shape_str(dst.shape()));
+  storage(dst);
+  MT_CUDA_CHECK(kernels::convert(storage(src), src.raw(), dst.raw(), src.numel(), nullptr));
+}
+
+void add(const Tensor& a, const Tensor& b, Tensor& out) {
+  MT_CUDA_CHECK(kernels::add(storage(a), a.raw(), b.raw(), out.raw(), a.numel(), nullptr));
+}
+
+}  // namespace mt::cuda
