@@ -82,11 +82,29 @@ int main() {
 
   for (bool balanced : {false, true}) {
     c.force_balanced_routing = balanced;
+    // Stages, each timed on its own with the earlier stages' outputs ready (where the time goes).
+    const double router_ms = median_ms([&] {
+      mt::moe::MoeActivations act;
+      act.xe = act.gate_up = act.act = act.y = hn;  // present: moe_fill stops after routing
+      mt::moe::moe_fill(w, c, {}, Tensor(), hn, act);  // router GEMM, top-k, stats, permutation
+    });
+    mt::moe::MoeActivations full;
+    const double fill_ms = median_ms([&] {
+      full = mt::moe::MoeActivations();
+      mt::moe::moe_fill(w, c, {}, Tensor(), hn, full);
+    });
+    Tensor out = Tensor::empty({n, d}, DType::kBF16, Device::kCUDA);
+    const double combine_ms = median_ms([&] { mt::moe::moe_combine(full, out); });
+    const double backward_ms =
+        median_ms([&] { (void)mt::moe::moe_backward(w, g, c, hn, full, dout, 0.001); });
+    std::printf("{\"bench\": \"moe_layer_stages\", \"routing\": \"%s\", \"router_topk_permutation_ms\": "
+                "%.3f, \"forward_fill_ms\": %.3f, \"combine_ms\": %.3f, \"backward_ms\": %.3f}\n",
+                balanced ? "balanced" : "real", router_ms, fill_ms, combine_ms, backward_ms);
     const double ms = median_ms([&] {
       mt::moe::MoeActivations act;
       mt::moe::moe_fill(w, c, {}, Tensor(), hn, act);
-      Tensor out = Tensor::empty({n, d}, DType::kBF16, Device::kCUDA);
-      mt::moe::moe_combine(act, out);
+      Tensor layer_out = Tensor::empty({n, d}, DType::kBF16, Device::kCUDA);
+      mt::moe::moe_combine(act, layer_out);
       (void)mt::moe::moe_backward(w, g, c, hn, act, dout, 0.001);
     });
     std::printf("{\"bench\": \"moe_layer_fwd_bwd\", \"shape\": \"16384 tok, dim 2048, F 768, 128 "

@@ -66,7 +66,10 @@ cudaError_t cutlass_grouped_weight_gradient(const int64_t* offsets, int experts,
 cudaError_t router_forward(const float* logits, const float* bias, int64_t n, int e, int k,
                            bool norm_topk, bool balanced, float* scores, int32_t* index,
                            float* weight, int64_t* counts, cudaStream_t stream);
-cudaError_t column_sum(const float* scores, int64_t n, int e, float* out, cudaStream_t stream);
+// out (e) = column sums of scores (n, e); partial: column_sum_workspace(e) bytes.
+size_t column_sum_workspace(int e);
+cudaError_t column_sum(const float* scores, int64_t n, int e, float* partial, float* out,
+                       cudaStream_t stream);
 // aux_scale = aux_grad * E / N^2 (N: tokens of the whole batch); dlogits f32 (n, e).
 cudaError_t router_backward(const float* scores, const int32_t* index, const float* dweight,
                             const int64_t* counts, double aux_scale, int64_t n, int e, int k,

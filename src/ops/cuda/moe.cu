@@ -55,12 +55,25 @@ __global__ void router_kernel(const float* logits, const float* bias, int64_t n,
   }
 }
 
-// score_sum[c] = sum over tokens of scores[t, c], in token order.
-__global__ void column_sum_kernel(const float* scores, int64_t n, int e, float* out) {
+// score_sum[c] = sum over tokens of scores[t, c]: partial sums over kSumChunks row chunks
+// (enough blocks to fill the GPU), then the chunks in order. Deterministic.
+constexpr int kSumChunks = 128;
+
+__global__ void column_sum_partial_kernel(const float* scores, int64_t n, int e, float* partial) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= e) return;
+  const int64_t rows = (n + gridDim.y - 1) / gridDim.y;
+  const int64_t begin = blockIdx.y * rows, end = min(n, begin + rows);
+  float s = 0.f;
+  for (int64_t t = begin; t < end; ++t) s += scores[t * e + c];
+  partial[blockIdx.y * e + c] = s;
+}
+
+__global__ void column_sum_final_kernel(const float* partial, int chunks, int e, float* out) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= e) return;
   float s = 0.f;
-  for (int64_t t = 0; t < n; ++t) s += scores[t * e + c];
+  for (int k = 0; k < chunks; ++k) s += partial[k * e + c];
   out[c] = s;
 }
 
@@ -197,8 +210,13 @@ cudaError_t router_forward(const float* logits, const float* bias, int64_t n, in
   return cudaGetLastError();
 }
 
-cudaError_t column_sum(const float* scores, int64_t n, int e, float* out, cudaStream_t stream) {
-  column_sum_kernel<<<(e + 127) / 128, 128, 0, stream>>>(scores, n, e, out);
+size_t column_sum_workspace(int e) { return sizeof(float) * kSumChunks * e; }
+
+cudaError_t column_sum(const float* scores, int64_t n, int e, float* partial, float* out,
+                       cudaStream_t stream) {
+  const dim3 grid((e + 127) / 128, kSumChunks);
+  column_sum_partial_kernel<<<grid, 128, 0, stream>>>(scores, n, e, partial);
+  column_sum_final_kernel<<<(e + 127) / 128, 128, 0, stream>>>(partial, kSumChunks, e, out);
   return cudaGetLastError();
 }
 

@@ -35,8 +35,11 @@ ops::AuxStats router_aux_stats(const ops::Routing& r) {
   ops::AuxStats s{r.tokens_per_expert.to(Device::kCPU), Tensor::empty({e}, DType::kF32),
                   Tensor::empty({1}, DType::kI64)};
   Tensor sums = gpu_empty({e}, DType::kF32);
+  Tensor partial = gpu_empty(
+      {static_cast<int64_t>(kernels::column_sum_workspace(static_cast<int>(e)) / sizeof(float))},
+      DType::kF32);
   MT_CUDA_CHECK(kernels::column_sum(r.scores.data<float>(), n, static_cast<int>(e),
-                                    sums.data<float>(), nullptr));
+                                    partial.data<float>(), sums.data<float>(), nullptr));
   s.score_sum.copy_from(sums);
   s.tokens.data<int64_t>()[0] = n;
   return s;
