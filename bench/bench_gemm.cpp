@@ -1,7 +1,8 @@
 // GEMM benchmarks on one GPU, JSON lines: the dense cuBLASLt bf16 ceiling (8192^3), and the
 // grouped expert GEMMs (forward, dx, dw) at the balanced shape of ../shared/GPU.md
 // (131072 x 2048 rows by 128 experts of 2048 x 1536), each with its ratio to the dense ceiling
-// measured in the same run. The PyTorch comparator (torch._grouped_mm) is bench/grouped_mm_torch.py.
+// measured in the same run. The PyTorch comparator (torch._grouped_mm) is
+// bench/grouped_mm_torch.py.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
@@ -9,71 +10,35 @@
 #include <functional>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "core/cuda_check.h"
-#include "core/rng.h"
-#include "ops/gemm.h"
 #include "ops/cuda/kernels.h"
+#include "ops/gemm.h"
 #include "ops/grouped_gemm.h"
 
 namespace {
 
-using mt::Device;
-using mt::DType;
-using mt::Tensor;
-
-// Uniform random values in [-scale, scale) (never time on zeros): a 4 Mi-element random block
-// made on the host, copied over the tensor; the repetition does not matter for timing.
-Tensor random_bf16(const mt::Shape& s, uint64_t seed, double scale) {
-  constexpr int64_t kBlock = 1 << 22;
-  Tensor block = Tensor::empty({kBlock}, DType::kBF16);
-  const mt::CounterRng rng{seed, 1};
-  for (int64_t i = 0; i < kBlock; ++i)
-    block.data<mt::bf16>()[i] = mt::to_bf16(static_cast<float>(scale * (rng.uniform(i) * 2 - 1)));
-  Tensor t = Tensor::empty(s, DType::kBF16, Device::kCUDA);
-  for (int64_t at = 0; at < t.numel(); at += kBlock) {
-    const int64_t len = std::min(kBlock, t.numel() - at);
-    Tensor dst = t.view(at, {len});
-    dst.copy_from(block.view(0, {len}));
-  }
-  return t;
-}
-
-// Median of `reps` timed runs after `warmup` untimed ones, in milliseconds (CUDA events).
-double time_ms(const std::function<void()>& fn, int warmup = 5, int reps = 20) {
-  for (int i = 0; i < warmup; ++i) fn();
-  cudaEvent_t start, stop;
-  MT_CUDA_CHECK(cudaEventCreate(&start));
-  MT_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<float> ms(reps);
-  for (int i = 0; i < reps; ++i) {
-    MT_CUDA_CHECK(cudaEventRecord(start));
-    fn();
-    MT_CUDA_CHECK(cudaEventRecord(stop));
-    MT_CUDA_CHECK(cudaEventSynchronize(stop));
-    MT_CUDA_CHECK(cudaEventElapsedTime(&ms[i], start, stop));
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
-  std::sort(ms.begin(), ms.end());
-  return ms[reps / 2];
-}
-
 void report(const char* name, const char* shape, double flops, double ms, double ceiling_tflops) {
   const double tflops = flops / (ms * 1e-3) / 1e12;
-  std::printf("{\"bench\": \"%s\", \"shape\": \"%s\", \"ms\": %.4f, \"tflops\": %.1f, "
-              "\"ratio_to_dense_ceiling\": %.3f}\n",
-              name, shape, ms, tflops, ceiling_tflops > 0 ? tflops / ceiling_tflops : 1.0);
+  std::printf(
+      "{\"bench\": \"%s\", \"shape\": \"%s\", \"ms\": %.4f, \"tflops\": %.1f, "
+      "\"ratio_to_dense_ceiling\": %.3f}\n",
+      name, shape, ms, tflops, ceiling_tflops > 0 ? tflops / ceiling_tflops : 1.0);
   std::fflush(stdout);
 }
 
 }  // namespace
 
 int main() {
+  using mt::Device;
+  using mt::DType;
+  using mt::Tensor;
   // Dense ceiling: cuBLASLt bf16, 8192^3.
   const int64_t d = 8192;
-  const Tensor a = random_bf16({d, d}, 1, 1.0), b = random_bf16({d, d}, 2, 1.0);
+  const Tensor a = mt::bench::random_bf16({d, d}, 1, 1.0),
+               b = mt::bench::random_bf16({d, d}, 2, 1.0);
   Tensor c = Tensor::empty({d, d}, DType::kBF16, Device::kCUDA);
-  const double dense_ms = time_ms([&] {
+  const double dense_ms = mt::bench::median_ms([&] {
     mt::ops::gemm(a, mt::ops::Transpose::kNo, b, mt::ops::Transpose::kNo, c,
                   mt::ops::Accumulate::kNo);
   });
@@ -87,8 +52,9 @@ int main() {
   Tensor off_host = Tensor::empty({experts + 1}, DType::kI64);
   for (int64_t e = 0; e <= experts; ++e) off_host.data<int64_t>()[e] = e * rows_per_expert;
   const Tensor off = off_host.to(Device::kCUDA);
-  const Tensor x = random_bf16({m, k}, 3, 1.0), w = random_bf16({experts, k, n}, 4, 0.05);
-  const Tensor dy = random_bf16({m, n}, 5, 1.0);
+  const Tensor x = mt::bench::random_bf16({m, k}, 3, 1.0),
+               w = mt::bench::random_bf16({experts, k, n}, 4, 0.05);
+  const Tensor dy = mt::bench::random_bf16({m, n}, 5, 1.0);
   Tensor out = Tensor::empty({m, n}, DType::kBF16, Device::kCUDA);
   Tensor dx = Tensor::empty({m, k}, DType::kBF16, Device::kCUDA);
   Tensor dw = Tensor::zeros({experts, k, n}, DType::kF32, Device::kCUDA);
@@ -96,16 +62,19 @@ int main() {
   const char* shape = "131072x2048 @ 128x2048x1536 bf16 balanced";
   // What the ops use (CUTLASS's Hopper kernels where built), then version 1 directly.
   report("grouped_gemm_forward", shape, flops,
-         time_ms([&] { mt::ops::grouped_gemm_forward(x, w, off, out); }), ceiling);
+         mt::bench::median_ms([&] { mt::ops::grouped_gemm_forward(x, w, off, out); }), ceiling);
   report("grouped_gemm_dx", shape, flops,
-         time_ms([&] { mt::ops::grouped_gemm_backward_input(dy, w, off, dx); }), ceiling);
+         mt::bench::median_ms([&] { mt::ops::grouped_gemm_backward_input(dy, w, off, dx); }),
+         ceiling);
   report("grouped_gemm_dw", shape, flops,
-         time_ms([&] { mt::ops::grouped_gemm_backward_weight(x, dy, off, dw); }), ceiling);
+         mt::bench::median_ms([&] { mt::ops::grouped_gemm_backward_weight(x, dy, off, dw); }),
+         ceiling);
   const int64_t* o = off.data<int64_t>();
   const int ne = static_cast<int>(experts);
-  report("grouped_gemm_forward_v1", shape, flops, time_ms([&] {
+  report("grouped_gemm_forward_v1", shape, flops, mt::bench::median_ms([&] {
            MT_CUDA_CHECK(mt::cuda::kernels::grouped_gemm_rows(x.raw(), w.raw(), o, ne, m, k, n,
                                                               false, out.raw(), false, nullptr));
-         }), ceiling);
+         }),
+         ceiling);
   return 0;
 }

@@ -11,15 +11,15 @@
 
 namespace variants {
 
+using cute::_1;
+using cute::_128;
+using cute::_2;
+using cute::_256;
+using cute::_64;
+using cute::Shape;
+using cutlass::layout::RowMajor;
 using mt::cuda::grouped_sm90::Config;
 using mt::cuda::grouped_sm90::Pingpong;
-using cutlass::layout::RowMajor;
-using cute::Shape;
-using cute::_64;
-using cute::_128;
-using cute::_256;
-using cute::_1;
-using cute::_2;
 
 __global__ void fill_random(cutlass::bfloat16_t* p, int64_t n, uint32_t seed, float scale) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
@@ -32,23 +32,27 @@ __global__ void fill_random(cutlass::bfloat16_t* p, int64_t n, uint32_t seed, fl
   }
 }
 
-#define CHECK(x)                                                                           \
-  do {                                                                                     \
-    cudaError_t e = (x);                                                                   \
-    if (e != cudaSuccess) {                                                                \
-      std::printf("{\"error\": \"%s at line %d\"}\n", cudaGetErrorString(e), __LINE__);    \
-      std::exit(1);                                                                        \
-    }                                                                                      \
+#define CHECK(x)                                                                        \
+  do {                                                                                  \
+    cudaError_t e = (x);                                                                \
+    if (e != cudaSuccess) {                                                             \
+      std::printf("{\"error\": \"%s at line %d\"}\n", cudaGetErrorString(e), __LINE__); \
+      std::exit(1);                                                                     \
+    }                                                                                   \
   } while (0)
 
 template <class C>
 void time_variant(const char* name, const int64_t* offsets, int experts, const void* x,
                   const void* w, void* out, int64_t m, int64_t k, int64_t n) {
   const size_t bytes =
-      mt::cuda::grouped_sm90::workspace_bytes<mt::cuda::grouped_sm90::Product::kForward, C>(experts);
+      mt::cuda::grouped_sm90::workspace_bytes<mt::cuda::grouped_sm90::Product::kForward, C>(
+          experts);
   void* ws = nullptr;
   CHECK(cudaMalloc(&ws, bytes));
-  auto call = [&] { CHECK((mt::cuda::grouped_sm90::run<mt::cuda::grouped_sm90::Product::kForward, C>(offsets, experts, x, w, out, m, k, n, ws, bytes, nullptr))); };
+  auto call = [&] {
+    CHECK((mt::cuda::grouped_sm90::run<mt::cuda::grouped_sm90::Product::kForward, C>(
+        offsets, experts, x, w, out, m, k, n, ws, bytes, nullptr)));
+  };
   for (int i = 0; i < 5; ++i) call();
   cudaEvent_t a, b;
   cudaEventCreate(&a);
@@ -63,9 +67,10 @@ void time_variant(const char* name, const int64_t* offsets, int experts, const v
   }
   std::sort(ms.begin(), ms.end());
   const double med = ms[ms.size() / 2];
-  std::printf("{\"bench\": \"grouped_forward_variant\", \"variant\": \"%s\", \"ms\": %.4f, "
-              "\"tflops\": %.1f}\n",
-              name, med, 2.0 * m * k * n / (med * 1e-3) / 1e12);
+  std::printf(
+      "{\"bench\": \"grouped_forward_variant\", \"variant\": \"%s\", \"ms\": %.4f, "
+      "\"tflops\": %.1f}\n",
+      name, med, 2.0 * m * k * n / (med * 1e-3) / 1e12);
   std::fflush(stdout);
   cudaFree(ws);
 }
@@ -89,7 +94,8 @@ int main() {
   fill_random<<<1024, 256>>>(w, experts * k * n, 2, 0.05f);
   CHECK(cudaDeviceSynchronize());
   using bf = cutlass::bfloat16_t;
-  time_variant<Config<RowMajor, RowMajor, bf>>("coop 128x128x64 1x1", d_off, experts, x, w, out, m, k, n);
+  time_variant<Config<RowMajor, RowMajor, bf>>("coop 128x128x64 1x1", d_off, experts, x, w, out, m,
+                                               k, n);
   time_variant<Config<RowMajor, RowMajor, bf, Shape<_256, _128, _64>, Shape<_2, _1, _1>>>(
       "coop 256x128x64 2x1", d_off, experts, x, w, out, m, k, n);
   time_variant<Config<RowMajor, RowMajor, bf, Shape<_128, _256, _64>, Shape<_1, _2, _1>>>(

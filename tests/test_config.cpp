@@ -1,12 +1,12 @@
 // Config parsing: every kind of bad input gives one ConfigError naming the key; presets load;
 // the HF config.json reader agrees with the presets; the CLI exits with code 2.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
 #include <array>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
-#include <sys/wait.h>
 
 #include "core/error.h"
 #include "model/flops.h"
@@ -68,7 +68,8 @@ TEST(Config, PresetsLoad) {
     const std::string path = std::string(MOETRAIN_SOURCE_DIR) + "/configs/" + name + ".toml";
     EXPECT_NO_THROW(load_config(path, {})) << path;
   }
-  const Config c = load_config(std::string(MOETRAIN_SOURCE_DIR) + "/configs/qwen3-30b-a3b.toml", {});
+  const Config c =
+      load_config(std::string(MOETRAIN_SOURCE_DIR) + "/configs/qwen3-30b-a3b.toml", {});
   EXPECT_NEAR(train_flops_per_token(c.model, 16384) / 1e9, 56.9, 0.05);
 }
 
@@ -125,11 +126,11 @@ CliRun run_cli(const std::string& args) {
 
 TEST(Cli, ConfigErrorsExitWithCode2AndOneLine) {
   const std::string tiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
-  for (const std::string& args :
-       {"train --config " + tiny + " --set model.colour=3",
-        "train --config " + tiny + " --set model.n_kv_heads=3",
-        "train --config " + tiny + " --set model.top_k=100",
-        std::string("train --config /nonexistent.toml"), "train --config " + tiny + " --bogus-flag"}) {
+  for (const std::string& args : {"train --config " + tiny + " --set model.colour=3",
+                                  "train --config " + tiny + " --set model.n_kv_heads=3",
+                                  "train --config " + tiny + " --set model.top_k=100",
+                                  std::string("train --config /nonexistent.toml"),
+                                  "train --config " + tiny + " --bogus-flag"}) {
     const CliRun r = run_cli(args);
     EXPECT_EQ(r.code, 2) << args << "\n" << r.err;
     EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << args << "\n" << r.err;

@@ -22,14 +22,14 @@ TEST(BF16, RoundsToNearestEven) {
 }
 
 TEST(E4M3, HandCheckedValues) {
-  EXPECT_EQ(to_e4m3(1.0f), 0x38);      // exponent 7 (bias 7), mantissa 0
-  EXPECT_EQ(to_e4m3(448.0f), 0x7E);    // max finite
-  EXPECT_EQ(to_e4m3(1000.0f), 0x7E);   // saturates
+  EXPECT_EQ(to_e4m3(1.0f), 0x38);     // exponent 7 (bias 7), mantissa 0
+  EXPECT_EQ(to_e4m3(448.0f), 0x7E);   // max finite
+  EXPECT_EQ(to_e4m3(1000.0f), 0x7E);  // saturates
   EXPECT_EQ(to_e4m3(-1000.0f), 0xFE);
   EXPECT_EQ(to_e4m3(std::ldexp(1.0f, -9)), 0x01);  // smallest subnormal
   EXPECT_EQ(to_e4m3(std::ldexp(1.0f, -6)), 0x08);  // smallest normal
-  EXPECT_EQ(to_e4m3(1.0625f), 0x38);   // halfway 1 and 1.125: ties to even (1.0)
-  EXPECT_EQ(to_e4m3(1.1875f), 0x3A);   // halfway 1.125 and 1.25: ties to even (1.25)
+  EXPECT_EQ(to_e4m3(1.0625f), 0x38);               // halfway 1 and 1.125: ties to even (1.0)
+  EXPECT_EQ(to_e4m3(1.1875f), 0x3A);               // halfway 1.125 and 1.25: ties to even (1.25)
   EXPECT_EQ(to_e4m3(0.0f), 0x00);
   EXPECT_TRUE(std::isnan(from_e4m3(to_e4m3(NAN))));
   EXPECT_EQ(from_e4m3(0x7E), 448.0f);

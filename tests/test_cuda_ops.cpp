@@ -6,18 +6,18 @@
 #include <cstring>
 #include <random>
 
+#include "moe/moe_layer.h"
 #include "ops/activation.h"
-#include "ops/gemm.h"
-#include "ops/grouped_gemm.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/kernels.h"
-#include "moe/moe_layer.h"
+#include "ops/gemm.h"
+#include "ops/grouped_gemm.h"
 #include "ops/loss.h"
-#include "ops/permute.h"
-#include "ops/route.h"
 #include "ops/norm.h"
 #include "ops/optim.h"
+#include "ops/permute.h"
 #include "ops/rope.h"
+#include "ops/route.h"
 #include "testing.h"
 
 namespace mt {
@@ -187,11 +187,14 @@ TEST_P(GpuCase, GroupedGemmWithDeviceOffsets) {
   const int64_t* o = goff.data<int64_t>();
   const int ne = static_cast<int>(e);
   ASSERT_EQ(cuda::kernels::grouped_gemm_rows(gx.raw(), gw.raw(), o, ne, m, k, n, false, vout.raw(),
-                                             false, nullptr), cudaSuccess);
+                                             false, nullptr),
+            cudaSuccess);
   ASSERT_EQ(cuda::kernels::grouped_gemm_rows(gdy.raw(), gw.raw(), o, ne, m, n, k, true, vdx.raw(),
-                                             false, nullptr), cudaSuccess);
+                                             false, nullptr),
+            cudaSuccess);
   ASSERT_EQ(cuda::kernels::grouped_gemm_weight(gx.raw(), gdy.raw(), o, ne, k, n, vdw.raw(), true,
-                                               nullptr), cudaSuccess);
+                                               nullptr),
+            cudaSuccess);
   expect_close(vout, out, "grouped forward v1");
   expect_close(vdx, dx, "grouped dx v1");
   expect_close(vdw, dw, "grouped dw v1");
@@ -215,7 +218,8 @@ TEST_P(GpuCase, RouterPermutationAndCombine) {
   const ops::AuxStats cs = ops::router_aux_stats(cr), gs = ops::router_aux_stats(gr);
   EXPECT_LT(relative_error(gs.score_sum, cs.score_sum), 1e-5);
   const Tensor dweight = testing::randn({n, k}, seed + 12, 1.0, DType::kF32);
-  Tensor cdl = Tensor::empty({n, e}, DType::kF32), gdl = Tensor::poisoned({n, e}, DType::kF32, Device::kCUDA);
+  Tensor cdl = Tensor::empty({n, e}, DType::kF32),
+         gdl = Tensor::poisoned({n, e}, DType::kF32, Device::kCUDA);
   ops::router_backward(cr, opt, cs, dweight, 0.01, cdl);
   ops::router_backward(gr, opt, gs, dweight.to(Device::kCUDA), 0.01, gdl);
   EXPECT_LT(relative_error(gdl, cdl), 1e-5) << "router backward";

@@ -1,17 +1,17 @@
 // Distributed training on in-process ranks: the collectives, the mesh, the expert exchange, and
 // the proof that any (world, ep) reproduces the single-rank loss, gradients and parameters.
+#include <arpa/inet.h>
 #include <gtest/gtest.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <mutex>
 #include <nlohmann/json.hpp>
-#include <arpa/inet.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
-#include <sys/wait.h>
-#include <unistd.h>
 
 #include "dist/communicator.h"
 #include "dist/mesh.h"
@@ -100,9 +100,12 @@ TEST(InProcess, AFailingRankStopsTheOthersWithItsError) {
 
 TEST(InProcess, AMissingRankTimesOutWithItsState) {
   try {
-    run_in_process(2, [](Communicator& c) {
-      if (c.rank() == 0) c.barrier();
-    }, /*timeout_s=*/0.3);
+    run_in_process(
+        2,
+        [](Communicator& c) {
+          if (c.rank() == 0) c.barrier();
+        },
+        /*timeout_s=*/0.3);
     FAIL() << "a rank that never arrives must time out";
   } catch (const Error& e) {
     const std::string msg = e.what();
@@ -160,13 +163,29 @@ TEST(ExpertExchange, DispatchDeliversRowsToOwnersAndCombineInverts) {
 // --- equivalence with one rank -------------------------------------------------------------
 
 std::vector<std::string> small_model(int64_t rows_per_rank) {
-  return {"model.vocab_size=32", "model.dim=8", "model.n_layers=2", "model.n_heads=4",
-          "model.n_kv_heads=2", "model.head_dim=6", "model.n_experts=8", "model.top_k=2",
-          "model.moe_dim=5", "model.init_std=0.5", "model.compute_dtype=f64",
-          "model.aux_loss_coef=0.01", "model.bias_update_rate=0.001", "data.languages=2",
-          "data.branching=2", "data.min_doc_len=4", "data.max_doc_len=12", "train.seq_len=16",
-          "train.batch_rows=" + std::to_string(rows_per_rank), "train.grad_accum=2",
-          "train.steps=3", "train.warmup_steps=1", "train.log_every=100"};
+  return {"model.vocab_size=32",
+          "model.dim=8",
+          "model.n_layers=2",
+          "model.n_heads=4",
+          "model.n_kv_heads=2",
+          "model.head_dim=6",
+          "model.n_experts=8",
+          "model.top_k=2",
+          "model.moe_dim=5",
+          "model.init_std=0.5",
+          "model.compute_dtype=f64",
+          "model.aux_loss_coef=0.01",
+          "model.bias_update_rate=0.001",
+          "data.languages=2",
+          "data.branching=2",
+          "data.min_doc_len=4",
+          "data.max_doc_len=12",
+          "train.seq_len=16",
+          "train.batch_rows=" + std::to_string(rows_per_rank),
+          "train.grad_accum=2",
+          "train.steps=3",
+          "train.warmup_steps=1",
+          "train.log_every=100"};
 }
 
 struct Snapshot {
@@ -245,7 +264,8 @@ TEST_P(Equivalence, OneStepLossAndGradientsThenThreeStepsParameters) {
   const Snapshot ref1 = train(0, 1, 1), got1 = train(world, ep, 1);
   EXPECT_NEAR(got1.metrics[0].loss, ref1.metrics[0].loss, 1e-10 * ref1.metrics[0].loss);
   EXPECT_NEAR(got1.metrics[0].aux_loss, ref1.metrics[0].aux_loss, 1e-10 * ref1.metrics[0].aux_loss);
-  EXPECT_NEAR(got1.metrics[0].grad_norm, ref1.metrics[0].grad_norm, 1e-10 * ref1.metrics[0].grad_norm);
+  EXPECT_NEAR(got1.metrics[0].grad_norm, ref1.metrics[0].grad_norm,
+              1e-10 * ref1.metrics[0].grad_norm);
   expect_same(got1.grads, ref1.grads, 1e-10, "gradient");
   const Snapshot ref3 = train(0, 1, 3), got3 = train(world, ep, 3);
   for (int s = 0; s < 3; ++s)
@@ -341,11 +361,12 @@ const std::string kLaunchArgs = std::string(" train --config ") + MOETRAIN_SOURC
 
 TEST(Launch, ProcessesGiveTheSameLossesAsInProcessRanks) {
   const auto tmp = std::filesystem::temp_directory_path();
-  const std::string a = (tmp / "mt_launch_a.jsonl").string(), b = (tmp / "mt_launch_b.jsonl").string();
+  const std::string a = (tmp / "mt_launch_a.jsonl").string(),
+                    b = (tmp / "mt_launch_b.jsonl").string();
   std::filesystem::remove(a);
   std::filesystem::remove(b);
-  const Proc launched = run_cmd(std::string(MOETRAIN_BINARY) + " launch -n 2 --" + kLaunchArgs +
-                                " --metrics " + a);
+  const Proc launched =
+      run_cmd(std::string(MOETRAIN_BINARY) + " launch -n 2 --" + kLaunchArgs + " --metrics " + a);
   ASSERT_EQ(launched.code, 0) << launched.output;
   const Proc threads = run_cmd(std::string(MOETRAIN_BINARY) + kLaunchArgs +
                                " --set parallel.world=2 --metrics " + b);
@@ -382,10 +403,10 @@ TEST(SocketBackend, TheSurvivorsNameTheDeadRank) {
   const std::string env = "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MOETRAIN_TIMEOUT_S=60 MASTER_PORT=" +
                           std::to_string(free_port());
   const std::string out0 = (std::filesystem::temp_directory_path() / "mt_rank0.txt").string();
-  const Proc p = run_cmd("((" + env + " RANK=0 timeout 120 " + MOETRAIN_BINARY + kLaunchArgs +
-                         " >" + out0 + " 2>&1; echo rank0=$? >>" + out0 + ") & " + env +
-                         " RANK=1 MOETRAIN_FAULT_EXIT=1:2 " + MOETRAIN_BINARY + kLaunchArgs +
-                         "; echo rank1=$?; wait)");
+  const Proc p =
+      run_cmd("((" + env + " RANK=0 timeout 120 " + MOETRAIN_BINARY + kLaunchArgs + " >" + out0 +
+              " 2>&1; echo rank0=$? >>" + out0 + ") & " + env + " RANK=1 MOETRAIN_FAULT_EXIT=1:2 " +
+              MOETRAIN_BINARY + kLaunchArgs + "; echo rank1=$?; wait)");
   EXPECT_NE(p.output.find("rank1=17"), std::string::npos) << p.output;
   std::ifstream in(out0);
   const std::string rank0((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -394,8 +415,8 @@ TEST(SocketBackend, TheSurvivorsNameTheDeadRank) {
 }
 
 TEST(Launch, BadTorchrunEnvironmentIsAConfigError) {
-  const Proc p = run_cmd("WORLD_SIZE=2 RANK=5 MASTER_PORT=1 " + std::string(MOETRAIN_BINARY) +
-                         kLaunchArgs);
+  const Proc p =
+      run_cmd("WORLD_SIZE=2 RANK=5 MASTER_PORT=1 " + std::string(MOETRAIN_BINARY) + kLaunchArgs);
   EXPECT_EQ(p.code, 2) << p.output;
   EXPECT_NE(p.output.find("RANK=5 must be below WORLD_SIZE=2"), std::string::npos) << p.output;
   const Proc q = run_cmd("WORLD_SIZE=two RANK=0 " + std::string(MOETRAIN_BINARY) + kLaunchArgs);

@@ -68,7 +68,9 @@ void check_model_gradients(const ModelConfig& c) {
       }
 }
 
-TEST(Model, GradientsMatchFiniteDifferences) { check_model_gradients(small_config()); }
+TEST(Model, GradientsMatchFiniteDifferences) {
+  check_model_gradients(small_config());
+}
 
 TEST(Model, GradientsMatchFiniteDifferencesTiedNoNormTopk) {
   ModelConfig c = small_config();
@@ -86,7 +88,8 @@ TEST(Model, GradientsMatchFiniteDifferencesForcedBalanced) {
 
 TEST(Model, CheckpointPoliciesGiveIdenticalGradients) {
   std::vector<std::vector<Tensor>> grads;
-  for (auto policy : {CheckpointPolicy::kNone, CheckpointPolicy::kSelective, CheckpointPolicy::kFull}) {
+  for (auto policy :
+       {CheckpointPolicy::kNone, CheckpointPolicy::kSelective, CheckpointPolicy::kFull}) {
     ModelConfig c = small_config();
     c.compute_dtype = DType::kF32;
     c.checkpoint = policy;

@@ -30,7 +30,9 @@ Tensor i32(std::initializer_list<int32_t> v) {
   return t;
 }
 
-Tensor like(const Tensor& t) { return Tensor::poisoned(t.shape(), t.dtype()); }
+Tensor like(const Tensor& t) {
+  return Tensor::poisoned(t.shape(), t.dtype());
+}
 
 TEST(Gemm, MatchesNaiveLoopsForEveryTranspose) {
   const Tensor a = randn({5, 7}, 1), b = randn({7, 4}, 2);
@@ -148,12 +150,14 @@ AttnCase attn_case() {
 
 TEST(Attention, SingleTokenDocumentCopiesItsValue) {
   AttnCase c = attn_case();
-  Tensor out = Tensor::poisoned({8, 4, 6}, DType::kF64), lse = Tensor::poisoned({8, 4}, DType::kF64);
+  Tensor out = Tensor::poisoned({8, 4, 6}, DType::kF64),
+         lse = Tensor::poisoned({8, 4}, DType::kF64);
   ops::attention_forward(c.q, c.k, c.v, c.cu, c.scale, out, lse);
   EXPECT_TRUE(all_finite(out) && all_finite(lse));
   for (int h = 0; h < 4; ++h) {
     const int g = h / 2;
-    for (int d = 0; d < 6; ++d) EXPECT_NEAR(out.item((3 * 4 + h) * 6 + d), c.v.item((3 * 2 + g) * 6 + d), 1e-14);
+    for (int d = 0; d < 6; ++d)
+      EXPECT_NEAR(out.item((3 * 4 + h) * 6 + d), c.v.item((3 * 2 + g) * 6 + d), 1e-14);
     double s = 0;
     for (int d = 0; d < 8; ++d) s += c.q.item((3 * 4 + h) * 8 + d) * c.k.item((3 * 2 + g) * 8 + d);
     EXPECT_NEAR(lse.item(3 * 4 + h), s * c.scale, 1e-14);
@@ -162,7 +166,8 @@ TEST(Attention, SingleTokenDocumentCopiesItsValue) {
 
 TEST(Attention, MatchesDenseSoftmaxAndIsolatesDocuments) {
   AttnCase c = attn_case();
-  Tensor out = Tensor::poisoned({8, 4, 6}, DType::kF64), lse = Tensor::poisoned({8, 4}, DType::kF64);
+  Tensor out = Tensor::poisoned({8, 4, 6}, DType::kF64),
+         lse = Tensor::poisoned({8, 4}, DType::kF64);
   ops::attention_forward(c.q, c.k, c.v, c.cu, c.scale, out, lse);
   // Token 6 (document 2 = tokens 4..7), head 3 -> kv head 1: explicit softmax over tokens 4..6.
   double w[3], z = 0;
@@ -187,7 +192,8 @@ TEST(Attention, MatchesDenseSoftmaxAndIsolatesDocuments) {
 TEST(Attention, Gradients) {
   AttnCase c = attn_case();
   Tensor g = randn({8, 4, 6}, 4);
-  Tensor out = Tensor::poisoned({8, 4, 6}, DType::kF64), lse = Tensor::poisoned({8, 4}, DType::kF64);
+  Tensor out = Tensor::poisoned({8, 4, 6}, DType::kF64),
+         lse = Tensor::poisoned({8, 4}, DType::kF64);
   auto loss = [&] {
     ops::attention_forward(c.q, c.k, c.v, c.cu, c.scale, out, lse);
     return dot(out, g);
@@ -245,7 +251,8 @@ TEST(Router, Gradients) {
       loss();
       Tensor dl = like(logits);
       ops::router_backward(r, opt, ops::router_aux_stats(r), g, aux_grad, dl);
-      EXPECT_LT(gradcheck(loss, logits, dl), kGradTol) << "norm " << norm << " balanced " << balanced;
+      EXPECT_LT(gradcheck(loss, logits, dl), kGradTol)
+          << "norm " << norm << " balanced " << balanced;
     }
   }
 }

@@ -2,13 +2,13 @@
 // checkpoint is bit-identical; gradient accumulation equals one big batch; bad checkpoints and
 // NaN losses fail with clear errors and the right exit codes.
 #include <gtest/gtest.h>
+#include <sys/wait.h>
 
 #include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 #include <nlohmann/json.hpp>
-#include <sys/wait.h>
 
 #include "core/error.h"
 #include "train/checkpoint.h"
@@ -171,8 +171,8 @@ TEST(Train, NanLossStopsWithExitCode5AndKeepsCheckpoints) {
   const std::string dir = fresh_dir("mt_nan_ckpt");
   const std::string cmd = std::string(MOETRAIN_BINARY) + " train --config " + kTiny +
                           " --set train.lr=1e30 --set train.grad_clip=0 --set train.warmup_steps=0"
-                          " --set checkpoint.every=1 --set checkpoint.dir=" + dir +
-                          " --steps 20 >/dev/null 2>&1";
+                          " --set checkpoint.every=1 --set checkpoint.dir=" +
+                          dir + " --steps 20 >/dev/null 2>&1";
   const int status = std::system(cmd.c_str());
   EXPECT_EQ(WIFEXITED(status) ? WEXITSTATUS(status) : -1, 5);
   std::ifstream latest(dir + "/latest");

@@ -94,10 +94,11 @@ int run_train(const ConfigArgs& a, int64_t steps, const std::string& metrics,
 int run_flops(const ConfigArgs& a) {
   const mt::Config c = mt::load_config(a.path, a.overrides);
   const mt::ParamCounts p = mt::count_params(c.model);
-  std::printf("{\"params\": %lld, \"active_params\": %.0f, \"seq_len\": %lld, "
-              "\"train_flops_per_token\": %.6e}\n",
-              static_cast<long long>(p.total), p.active, static_cast<long long>(c.train.seq_len),
-              mt::train_flops_per_token(c.model, c.train.seq_len));
+  std::printf(
+      "{\"params\": %lld, \"active_params\": %.0f, \"seq_len\": %lld, "
+      "\"train_flops_per_token\": %.6e}\n",
+      static_cast<long long>(p.total), p.active, static_cast<long long>(c.train.seq_len),
+      mt::train_flops_per_token(c.model, c.train.seq_len));
   return 0;
 }
 
@@ -115,9 +116,11 @@ int main(int argc, char** argv) {
   train->add_option("--metrics", metrics, "append one JSON object per step to this file");
   train->add_option("--resume", resume, "checkpoint file, or a checkpoint directory's latest");
   mt::dist::LaunchOptions launch_opt;
-  CLI::App* launch = app.add_subcommand("launch", "start N ranks on this host: launch -n N -- train ...");
+  CLI::App* launch =
+      app.add_subcommand("launch", "start N ranks on this host: launch -n N -- train ...");
   launch->add_option("-n,--nproc", launch_opt.nproc, "processes (ranks)")->required();
-  launch->add_option("--master-port", launch_opt.master_port, "rendezvous port (default: a free one)");
+  launch->add_option("--master-port", launch_opt.master_port,
+                     "rendezvous port (default: a free one)");
   launch->add_option("args", launch_opt.args, "the moetrain command of every rank")->required();
   CLI::App* flops = app.add_subcommand("flops", "parameter counts and FLOPs per token");
   add_config_options(flops, flops_cfg);

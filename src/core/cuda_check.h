@@ -6,14 +6,14 @@
 
 #include "core/error.h"
 
-#define MT_CUDA_CHECK(expr)                                                                    \
-  do {                                                                                         \
-    const cudaError_t mt_err_ = (expr);                                                        \
-    if (mt_err_ != cudaSuccess)                                                                \
-      throw ::mt::Error(::mt::ExitCode::kInternal,                                             \
-                        fmt::format("CUDA error {} ({}) in {} at {}:{}",                       \
-                                    cudaGetErrorName(mt_err_), cudaGetErrorString(mt_err_),     \
-                                    #expr, __FILE__, __LINE__));                               \
+#define MT_CUDA_CHECK(expr)                                                           \
+  do {                                                                                \
+    const cudaError_t mt_err_ = (expr);                                               \
+    if (mt_err_ != cudaSuccess)                                                       \
+      throw ::mt::Error(                                                              \
+          ::mt::ExitCode::kInternal,                                                  \
+          fmt::format("CUDA error {} ({}) in {} at {}:{}", cudaGetErrorName(mt_err_), \
+                      cudaGetErrorString(mt_err_), #expr, __FILE__, __LINE__));       \
   } while (0)
 
 // After a kernel launch: launch-configuration errors now, not at the next sync.

@@ -10,28 +10,44 @@ namespace mt {
 
 size_t dtype_size(DType t) {
   switch (t) {
-    case DType::kF32: return 4;
-    case DType::kF64: return 8;
-    case DType::kBF16: return 2;
-    case DType::kE4M3: return 1;
-    case DType::kE8M0: return 1;
-    case DType::kI32: return 4;
-    case DType::kI64: return 8;
-    case DType::kU8: return 1;
+    case DType::kF32:
+      return 4;
+    case DType::kF64:
+      return 8;
+    case DType::kBF16:
+      return 2;
+    case DType::kE4M3:
+      return 1;
+    case DType::kE8M0:
+      return 1;
+    case DType::kI32:
+      return 4;
+    case DType::kI64:
+      return 8;
+    case DType::kU8:
+      return 1;
   }
   MT_CHECK(false, "unknown dtype {}", static_cast<int>(t));
 }
 
 std::string_view dtype_name(DType t) {
   switch (t) {
-    case DType::kF32: return "f32";
-    case DType::kF64: return "f64";
-    case DType::kBF16: return "bf16";
-    case DType::kE4M3: return "e4m3";
-    case DType::kE8M0: return "e8m0";
-    case DType::kI32: return "i32";
-    case DType::kI64: return "i64";
-    case DType::kU8: return "u8";
+    case DType::kF32:
+      return "f32";
+    case DType::kF64:
+      return "f64";
+    case DType::kBF16:
+      return "bf16";
+    case DType::kE4M3:
+      return "e4m3";
+    case DType::kE8M0:
+      return "e8m0";
+    case DType::kI32:
+      return "i32";
+    case DType::kI64:
+      return "i64";
+    case DType::kU8:
+      return "u8";
   }
   return "?";
 }
@@ -55,7 +71,9 @@ bf16 to_bf16(float x) {
   return bf16{static_cast<uint16_t>(u >> 16)};
 }
 
-float from_bf16(bf16 x) { return std::bit_cast<float>(static_cast<uint32_t>(x.bits) << 16); }
+float from_bf16(bf16 x) {
+  return std::bit_cast<float>(static_cast<uint32_t>(x.bits) << 16);
+}
 
 uint8_t to_e4m3(float x) {
   if (std::isnan(x)) return 0x7F;
@@ -64,9 +82,9 @@ uint8_t to_e4m3(float x) {
   if (a >= kE4M3Max) return sign | 0x7E;  // saturate (also +-inf)
   // Smallest normal is 2^-6; subnormals step by 2^-9. Work in units of the target ulp.
   int exp;
-  std::frexp(a, &exp);          // a = m * 2^exp, m in [0.5, 1)
-  int e = exp - 1;              // a in [2^e, 2^(e+1))
-  if (e < -6) e = -6;           // subnormal range shares the 2^-6 binade's ulp
+  std::frexp(a, &exp);  // a = m * 2^exp, m in [0.5, 1)
+  int e = exp - 1;      // a in [2^e, 2^(e+1))
+  if (e < -6) e = -6;   // subnormal range shares the 2^-6 binade's ulp
   const float ulp = std::ldexp(1.0f, e - 3);
   float q = std::nearbyint(a / ulp);  // default rounding mode: nearest even
   float r = q * ulp;

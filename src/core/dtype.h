@@ -16,17 +16,35 @@ bool parse_dtype(std::string_view name, DType* out);
 
 template <class T>
 constexpr DType dtype_of();
-template <> constexpr DType dtype_of<float>() { return DType::kF32; }
-template <> constexpr DType dtype_of<double>() { return DType::kF64; }
-template <> constexpr DType dtype_of<int32_t>() { return DType::kI32; }
-template <> constexpr DType dtype_of<int64_t>() { return DType::kI64; }
-template <> constexpr DType dtype_of<uint8_t>() { return DType::kU8; }
+template <>
+constexpr DType dtype_of<float>() {
+  return DType::kF32;
+}
+template <>
+constexpr DType dtype_of<double>() {
+  return DType::kF64;
+}
+template <>
+constexpr DType dtype_of<int32_t>() {
+  return DType::kI32;
+}
+template <>
+constexpr DType dtype_of<int64_t>() {
+  return DType::kI64;
+}
+template <>
+constexpr DType dtype_of<uint8_t>() {
+  return DType::kU8;
+}
 
 // bfloat16: the top 16 bits of an fp32, rounded to nearest even; NaN stays a (quiet) NaN.
 struct bf16 {
   uint16_t bits = 0;
 };
-template <> constexpr DType dtype_of<bf16>() { return DType::kBF16; }
+template <>
+constexpr DType dtype_of<bf16>() {
+  return DType::kBF16;
+}
 bf16 to_bf16(float x);
 float from_bf16(bf16 x);
 

@@ -11,11 +11,11 @@ namespace mt {
 // Exit codes mean something (STYLE.md): scripts can tell a typo from a crash.
 enum class ExitCode : int {
   kOk = 0,
-  kInternal = 1,     // a bug: an MT_CHECK failed
-  kConfig = 2,       // unknown key, wrong type, impossible shape, bad command line
-  kData = 3,         // truncated or corrupt data file
-  kCheckpoint = 4,   // missing, corrupt or mismatched checkpoint
-  kNumerical = 5,    // NaN/Inf in the loss or gradients
+  kInternal = 1,    // a bug: an MT_CHECK failed
+  kConfig = 2,      // unknown key, wrong type, impossible shape, bad command line
+  kData = 3,        // truncated or corrupt data file
+  kCheckpoint = 4,  // missing, corrupt or mismatched checkpoint
+  kNumerical = 5,   // NaN/Inf in the loss or gradients
 };
 
 class Error : public std::runtime_error {
@@ -40,12 +40,13 @@ struct NumericalError : Error {
   explicit NumericalError(const std::string& m) : Error(ExitCode::kNumerical, m) {}
 };
 
-[[noreturn]] void check_failed(const char* expr, const char* file, int line, const std::string& msg);
+[[noreturn]] void check_failed(const char* expr, const char* file, int line,
+                               const std::string& msg);
 
 }  // namespace mt
 
 // Internal invariant; the message may use fmt syntax.
-#define MT_CHECK(cond, ...)                                                      \
-  do {                                                                           \
+#define MT_CHECK(cond, ...)                                                               \
+  do {                                                                                    \
     if (!(cond)) ::mt::check_failed(#cond, __FILE__, __LINE__, fmt::format(__VA_ARGS__)); \
   } while (0)

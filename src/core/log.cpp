@@ -17,8 +17,12 @@ Logger& logger() {
 }
 }  // namespace
 
-void set_level(Level l) { logger().level = l; }
-void set_rank(int rank) { logger().rank = rank; }
+void set_level(Level l) {
+  logger().level = l;
+}
+void set_rank(int rank) {
+  logger().rank = rank;
+}
 
 void write(Level l, const std::string& msg) {
   Logger& g = logger();

@@ -93,7 +93,8 @@ DeviceAllocator& allocator_for(Device d) {
 
 #if MOETRAIN_HAS_CUDA
 cudaMemcpyKind copy_kind(Device dst, Device src) {
-  if (dst == Device::kCUDA) return src == Device::kCUDA ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice;
+  if (dst == Device::kCUDA)
+    return src == Device::kCUDA ? cudaMemcpyDeviceToDevice : cudaMemcpyHostToDevice;
   return src == Device::kCUDA ? cudaMemcpyDeviceToHost : cudaMemcpyHostToHost;
 }
 #endif
@@ -172,7 +173,9 @@ Tensor Tensor::poisoned(const Shape& shape, DType dtype, Device device) {
   Tensor t = empty(shape, dtype, device);
   switch (dtype) {
     case DType::kI32:
-    case DType::kI64: t.fill_(-123456789.0); break;
+    case DType::kI64:
+      t.fill_(-123456789.0);
+      break;
     case DType::kU8:
     case DType::kE8M0:
     case DType::kE4M3: {  // 0xFF: NaN in e4m3/e8m0
@@ -181,7 +184,8 @@ Tensor Tensor::poisoned(const Shape& shape, DType dtype, Device device) {
       t.copy_from(host);
       break;
     }
-    default: t.fill_(std::numeric_limits<double>::quiet_NaN());
+    default:
+      t.fill_(std::numeric_limits<double>::quiet_NaN());
   }
   return t;
 }
@@ -196,7 +200,9 @@ void* Tensor::raw() {
   MT_CHECK(defined(), "access to an undefined tensor");
   return static_cast<char*>(storage_->ptr()) + offset_ * dtype_size(dtype_);
 }
-const void* Tensor::raw() const { return const_cast<Tensor*>(this)->raw(); }
+const void* Tensor::raw() const {
+  return const_cast<Tensor*>(this)->raw();
+}
 
 void Tensor::check_type(DType t) const {
   MT_CHECK(t == dtype_, "tensor of dtype {} accessed as {}", dtype_name(dtype_), dtype_name(t));
@@ -254,14 +260,22 @@ double Tensor::item(int64_t i) const {
   if (device_ != Device::kCPU) return view(i, {1}).to(Device::kCPU).item(0);
   const void* p = raw();
   switch (dtype_) {
-    case DType::kF32: return static_cast<const float*>(p)[i];
-    case DType::kF64: return static_cast<const double*>(p)[i];
-    case DType::kBF16: return from_bf16(static_cast<const bf16*>(p)[i]);
-    case DType::kE4M3: return from_e4m3(static_cast<const uint8_t*>(p)[i]);
-    case DType::kE8M0: return from_e8m0(static_cast<const uint8_t*>(p)[i]);
-    case DType::kI32: return static_cast<const int32_t*>(p)[i];
-    case DType::kI64: return static_cast<double>(static_cast<const int64_t*>(p)[i]);
-    case DType::kU8: return static_cast<const uint8_t*>(p)[i];
+    case DType::kF32:
+      return static_cast<const float*>(p)[i];
+    case DType::kF64:
+      return static_cast<const double*>(p)[i];
+    case DType::kBF16:
+      return from_bf16(static_cast<const bf16*>(p)[i]);
+    case DType::kE4M3:
+      return from_e4m3(static_cast<const uint8_t*>(p)[i]);
+    case DType::kE8M0:
+      return from_e8m0(static_cast<const uint8_t*>(p)[i]);
+    case DType::kI32:
+      return static_cast<const int32_t*>(p)[i];
+    case DType::kI64:
+      return static_cast<double>(static_cast<const int64_t*>(p)[i]);
+    case DType::kU8:
+      return static_cast<const uint8_t*>(p)[i];
   }
   return 0;
 }
@@ -276,14 +290,29 @@ void Tensor::set_item(int64_t i, double v) {
   }
   void* p = raw();
   switch (dtype_) {
-    case DType::kF32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
-    case DType::kF64: static_cast<double*>(p)[i] = v; break;
-    case DType::kBF16: static_cast<bf16*>(p)[i] = to_bf16(static_cast<float>(v)); break;
-    case DType::kE4M3: static_cast<uint8_t*>(p)[i] = to_e4m3(static_cast<float>(v)); break;
-    case DType::kE8M0: MT_CHECK(false, "set_item on e8m0: scales are computed, not cast");
-    case DType::kI32: static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v); break;
-    case DType::kI64: static_cast<int64_t*>(p)[i] = static_cast<int64_t>(v); break;
-    case DType::kU8: static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(v); break;
+    case DType::kF32:
+      static_cast<float*>(p)[i] = static_cast<float>(v);
+      break;
+    case DType::kF64:
+      static_cast<double*>(p)[i] = v;
+      break;
+    case DType::kBF16:
+      static_cast<bf16*>(p)[i] = to_bf16(static_cast<float>(v));
+      break;
+    case DType::kE4M3:
+      static_cast<uint8_t*>(p)[i] = to_e4m3(static_cast<float>(v));
+      break;
+    case DType::kE8M0:
+      MT_CHECK(false, "set_item on e8m0: scales are computed, not cast");
+    case DType::kI32:
+      static_cast<int32_t*>(p)[i] = static_cast<int32_t>(v);
+      break;
+    case DType::kI64:
+      static_cast<int64_t*>(p)[i] = static_cast<int64_t>(v);
+      break;
+    case DType::kU8:
+      static_cast<uint8_t*>(p)[i] = static_cast<uint8_t>(v);
+      break;
   }
 }
 

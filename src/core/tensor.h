@@ -67,7 +67,7 @@ class Tensor {
   Tensor slice_rows(int64_t begin, int64_t end) const;
 
   Tensor clone() const;
-  Tensor to(DType dtype) const;  // conversion through double; bf16/e4m3 round to nearest even
+  Tensor to(DType dtype) const;    // conversion through double; bf16/e4m3 round to nearest even
   Tensor to(Device device) const;  // a copy on `device` (host <-> GPU through cudaMemcpy)
   // Same numel and dtype; either side may be on the CPU or the GPU.
   void copy_from(const Tensor& src);

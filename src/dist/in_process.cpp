@@ -90,9 +90,12 @@ class InProcessComm : public Communicator {
         for (int64_t i = 0; i < n; ++i) out[i] += in[i];
       }
     };
-    if (t.dtype() == DType::kI64) sum(int64_t{});
-    else if (t.dtype() == DType::kI32) sum(int32_t{});
-    else ops::dispatch_float(t.dtype(), sum);
+    if (t.dtype() == DType::kI64)
+      sum(int64_t{});
+    else if (t.dtype() == DType::kI32)
+      sum(int32_t{});
+    else
+      ops::dispatch_float(t.dtype(), sum);
     sync("all_reduce");
   }
 
@@ -110,8 +113,7 @@ class InProcessComm : public Communicator {
     MT_CHECK(rows == s_total && (recv.ndim() ? recv.dim(0) : 0) == r_total,
              "all_to_all rows: send {} vs counts {}, recv {} vs counts {}", rows, s_total,
              recv.ndim() ? recv.dim(0) : 0, r_total);
-    const size_t row_bytes =
-        rows ? send.nbytes() / rows : (r_total ? recv.nbytes() / r_total : 0);
+    const size_t row_bytes = rows ? send.nbytes() / rows : (r_total ? recv.nbytes() / r_total : 0);
     post(send.defined() && send.numel() ? send.raw() : nullptr, &send_rows);
     sync("all_to_all");
     size_t out = 0;
@@ -187,8 +189,8 @@ class InProcessComm : public Communicator {
     }
     using Clock = std::chrono::steady_clock;
     const Clock::time_point deadline =
-        Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                           std::chrono::duration<double>(g_->timeout_s));
+        Clock::now() +
+        std::chrono::duration_cast<Clock::duration>(std::chrono::duration<double>(g_->timeout_s));
     while (g_->generation == gen) {
       if (*g_->world_failed)
         throw Error(ExitCode::kInternal,

@@ -35,7 +35,9 @@ int free_port() {
 
 std::string describe(int status) {
   if (WIFEXITED(status)) return fmt::format("exited with code {}", WEXITSTATUS(status));
-  if (WIFSIGNALED(status)) return fmt::format("was killed by signal {} ({})", WTERMSIG(status), strsignal(WTERMSIG(status)));
+  if (WIFSIGNALED(status))
+    return fmt::format("was killed by signal {} ({})", WTERMSIG(status),
+                       strsignal(WTERMSIG(status)));
   return "stopped";
 }
 
@@ -48,12 +50,14 @@ int exit_code_of(int status) {
 
 int launch_local(const LaunchOptions& opt) {
   if (opt.nproc < 1) throw ConfigError(fmt::format("launch: -n {} must be >= 1", opt.nproc));
-  if (opt.args.empty()) throw ConfigError("launch: nothing to run (usage: launch -n N -- train ...)");
+  if (opt.args.empty())
+    throw ConfigError("launch: nothing to run (usage: launch -n N -- train ...)");
   const int port = opt.master_port ? opt.master_port : free_port();
   std::vector<pid_t> pids(opt.nproc, -1);
   for (int r = 0; r < opt.nproc; ++r) {
     const pid_t pid = ::fork();
-    if (pid < 0) throw Error(ExitCode::kInternal, fmt::format("launch: fork: {}", std::strerror(errno)));
+    if (pid < 0)
+      throw Error(ExitCode::kInternal, fmt::format("launch: fork: {}", std::strerror(errno)));
     if (pid == 0) {
       ::setenv("RANK", std::to_string(r).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);

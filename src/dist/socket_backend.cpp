@@ -26,10 +26,20 @@ namespace {
 using Clock = std::chrono::steady_clock;
 constexpr uint32_t kMagic = 0x4D43544D;  // "MTCM"
 
-enum class Op : uint32_t { kHello, kBye, kBarrier, kAllGather, kAllReduce, kReduceScatter, kAllToAll, kSplit };
+enum class Op : uint32_t {
+  kHello,
+  kBye,
+  kBarrier,
+  kAllGather,
+  kAllReduce,
+  kReduceScatter,
+  kAllToAll,
+  kSplit
+};
 const char* op_name(Op op) {
-  static const char* kNames[] = {"hello", "bye", "barrier", "all_gather", "all_reduce",
-                                 "reduce_scatter", "all_to_all", "split"};
+  static const char* kNames[] = {"hello",      "bye",        "barrier",
+                                 "all_gather", "all_reduce", "reduce_scatter",
+                                 "all_to_all", "split"};
   return kNames[static_cast<uint32_t>(op)];
 }
 
@@ -67,7 +77,8 @@ bool read_all(int fd, void* p, size_t n, double timeout_s, const char* waiting_f
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(timeout_s));
   while (n > 0) {
-    const auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
+    const auto left =
+        std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now());
     if (left.count() <= 0)
       throw Error(ExitCode::kInternal,
                   fmt::format("timed out after {:.0f} s waiting for {}", timeout_s, waiting_for));
@@ -82,7 +93,8 @@ bool read_all(int fd, void* p, size_t n, double timeout_s, const char* waiting_f
     }
     if (r == 0) {
       if (n == total) return false;
-      throw Error(ExitCode::kInternal, fmt::format("connection closed while reading {}", waiting_for));
+      throw Error(ExitCode::kInternal,
+                  fmt::format("connection closed while reading {}", waiting_for));
     }
     c += r;
     n -= static_cast<size_t>(r);
@@ -99,7 +111,8 @@ void send_msg(int fd, Header h, const std::string& payload) {
 
 bool recv_msg(int fd, Header& h, std::string& payload, double timeout_s, const char* what) {
   if (!read_all(fd, &h, sizeof(h), timeout_s, what)) return false;
-  if (h.magic != kMagic) throw Error(ExitCode::kInternal, "corrupt message from a peer (bad magic)");
+  if (h.magic != kMagic)
+    throw Error(ExitCode::kInternal, "corrupt message from a peer (bad magic)");
   payload.resize(h.bytes);
   if (h.bytes && !read_all(fd, payload.data(), h.bytes, timeout_s, what))
     throw Error(ExitCode::kInternal, "connection closed mid-message");
@@ -132,9 +145,12 @@ std::string sum_parts(const std::vector<std::string>& parts) {
       for (size_t i = 0; i < n; ++i) o[i] += in[i];
     }
   };
-  if (dt == DType::kI64) sum(int64_t{});
-  else if (dt == DType::kI32) sum(int32_t{});
-  else ops::dispatch_float(dt, sum);
+  if (dt == DType::kI64)
+    sum(int64_t{});
+  else if (dt == DType::kI32)
+    sum(int32_t{});
+  else
+    ops::dispatch_float(dt, sum);
   return out;
 }
 
@@ -143,7 +159,10 @@ std::string sum_parts(const std::vector<std::string>& parts) {
 class Hub {
  public:
   Hub(int listen_fd, int world, double timeout_s)
-      : listen_fd_(listen_fd), world_(world), timeout_s_(timeout_s), fds_(world, -1),
+      : listen_fd_(listen_fd),
+        world_(world),
+        timeout_s_(timeout_s),
+        fds_(world, -1),
         done_(world, false) {}
   ~Hub() {
     for (int fd : fds_)
@@ -176,14 +195,15 @@ class Hub {
       pollfd pfd{listen_fd_, POLLIN, 0};
       if (Clock::now() > deadline)
         throw Error(ExitCode::kInternal,
-                    fmt::format("rendezvous: only {} of {} ranks connected within {:.0f} s",
-                                joined, world_, timeout_s_));
+                    fmt::format("rendezvous: only {} of {} ranks connected within {:.0f} s", joined,
+                                world_, timeout_s_));
       if (::poll(&pfd, 1, 200) <= 0) continue;
       const int fd = ::accept(listen_fd_, nullptr, nullptr);
       if (fd < 0) continue;
       Header h;
       std::string payload;
-      if (!recv_msg(fd, h, payload, timeout_s_, "hello") || h.op != static_cast<uint32_t>(Op::kHello)) {
+      if (!recv_msg(fd, h, payload, timeout_s_, "hello") ||
+          h.op != static_cast<uint32_t>(Op::kHello)) {
         ::close(fd);
         continue;
       }
@@ -227,7 +247,8 @@ class Hub {
 
   void contribute(int rank, const Header& h, std::string payload) {
     const std::vector<int>& members = groups_.at(h.group);
-    const int gr = static_cast<int>(std::find(members.begin(), members.end(), rank) - members.begin());
+    const int gr =
+        static_cast<int>(std::find(members.begin(), members.end(), rank) - members.begin());
     MT_CHECK(gr < static_cast<int>(members.size()), "rank {} is not in group {}", rank, h.group);
     Pending& p = pending_[{h.group, h.seq}];
     if (p.parts.empty()) {
@@ -254,14 +275,17 @@ class Hub {
     const size_t n = p.parts.size();
     std::vector<std::string> out(n);
     switch (p.op) {
-      case Op::kBarrier: break;
+      case Op::kBarrier:
+        break;
       case Op::kAllGather: {
         std::string all;
         for (const auto& part : p.parts) all += part;
         std::fill(out.begin(), out.end(), all);
         break;
       }
-      case Op::kAllReduce: std::fill(out.begin(), out.end(), sum_parts(p.parts)); break;
+      case Op::kAllReduce:
+        std::fill(out.begin(), out.end(), sum_parts(p.parts));
+        break;
       case Op::kReduceScatter: {
         const std::string sum = sum_parts(p.parts);
         const size_t chunk = sum.size() / n;
@@ -301,7 +325,8 @@ class Hub {
         }
         break;
       }
-      default: MT_CHECK(false, "unexpected op {}", static_cast<uint32_t>(p.op));
+      default:
+        MT_CHECK(false, "unexpected op {}", static_cast<uint32_t>(p.op));
     }
     return out;
   }
@@ -388,8 +413,9 @@ class SocketComm : public Communicator {
 
   void all_to_all(const Tensor& send, const std::vector<int64_t>& send_rows, Tensor& recv,
                   const std::vector<int64_t>& recv_rows) override {
-    MT_CHECK(static_cast<int>(send_rows.size()) == size_ && static_cast<int>(recv_rows.size()) == size_,
-             "all_to_all needs {} counts per side", size_);
+    MT_CHECK(
+        static_cast<int>(send_rows.size()) == size_ && static_cast<int>(recv_rows.size()) == size_,
+        "all_to_all needs {} counts per side", size_);
     const int64_t rows = send.ndim() ? send.dim(0) : 0;
     const uint64_t row_bytes = rows ? send.nbytes() / rows : 0;
     std::string payload;
@@ -430,10 +456,11 @@ class SocketComm : public Communicator {
     const std::string what = fmt::format("{} (rank {})", op_name(op), conn_->rank);
     if (!recv_msg(conn_->fd, h, reply, conn_->timeout_s, what.c_str()))
       throw Error(ExitCode::kInternal,
-                  fmt::format("rank {}: lost the connection to rank 0 (the hub) in {}",
-                              conn_->rank, op_name(op)));
+                  fmt::format("rank {}: lost the connection to rank 0 (the hub) in {}", conn_->rank,
+                              op_name(op)));
     if (h.status != 0)
-      throw Error(ExitCode::kInternal, fmt::format("rank {} in {}: {}", conn_->rank, op_name(op), reply));
+      throw Error(ExitCode::kInternal,
+                  fmt::format("rank {} in {}: {}", conn_->rank, op_name(op), reply));
     return reply;
   }
 
@@ -446,7 +473,8 @@ class SocketComm : public Communicator {
 int env_int(const char* name, int fallback, bool required) {
   const char* v = std::getenv(name);
   if (!v) {
-    if (required) throw ConfigError(fmt::format("launch: environment variable {} is not set", name));
+    if (required)
+      throw ConfigError(fmt::format("launch: environment variable {} is not set", name));
     return fallback;
   }
   char* end = nullptr;
@@ -476,7 +504,8 @@ int connect_to(const Rendezvous& r) {
   addrinfo hints{}, *res = nullptr;
   hints.ai_family = AF_INET;
   hints.ai_socktype = SOCK_STREAM;
-  if (::getaddrinfo(r.master_addr.c_str(), std::to_string(r.master_port).c_str(), &hints, &res) != 0)
+  if (::getaddrinfo(r.master_addr.c_str(), std::to_string(r.master_port).c_str(), &hints, &res) !=
+      0)
     throw ConfigError(fmt::format("launch: cannot resolve MASTER_ADDR={}", r.master_addr));
   const auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                            std::chrono::duration<double>(r.timeout_s));
@@ -501,7 +530,9 @@ int connect_to(const Rendezvous& r) {
 
 }  // namespace
 
-bool launched_by_env() { return std::getenv("WORLD_SIZE") != nullptr; }
+bool launched_by_env() {
+  return std::getenv("WORLD_SIZE") != nullptr;
+}
 
 Rendezvous rendezvous_from_env() {
   Rendezvous r;
@@ -535,8 +566,8 @@ std::unique_ptr<Communicator> connect_socket_world(const Rendezvous& r) {
   Header h;
   std::string reply;
   if (!recv_msg(conn->fd, h, reply, r.timeout_s, "the rendezvous") || h.status != 0)
-    throw Error(ExitCode::kInternal,
-                fmt::format("rank {}: rendezvous failed: {}", r.rank, reply.empty() ? "closed" : reply));
+    throw Error(ExitCode::kInternal, fmt::format("rank {}: rendezvous failed: {}", r.rank,
+                                                 reply.empty() ? "closed" : reply));
   return std::make_unique<SocketComm>(conn, 0, r.rank, r.world);
 }
 

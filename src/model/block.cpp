@@ -46,7 +46,9 @@ void drop_for_policy(BlockActivations& a, CheckpointPolicy policy) {
   a.moe = moe::MoeActivations();
 }
 
-Tensor new_like(const Tensor& t) { return Tensor::empty(t.shape(), t.dtype()); }
+Tensor new_like(const Tensor& t) {
+  return Tensor::empty(t.shape(), t.dtype());
+}
 
 // Computes every activation that is not saved, in forward order; attention is never rerun.
 void block_fill(const BlockParams& p, const ModelConfig& c, const BlockInputs& in,
@@ -105,23 +107,22 @@ void block_fill(const BlockParams& p, const ModelConfig& c, const BlockInputs& i
 
 }  // namespace
 
-std::vector<ParamGroup> make_block_groups(const ModelConfig& c, int64_t layer,
-                                          int64_t first_expert, int64_t local_experts) {
+std::vector<ParamGroup> make_block_groups(const ModelConfig& c, int64_t layer, int64_t first_expert,
+                                          int64_t local_experts) {
   const std::string pre = fmt::format("layers.{}.", layer);
   std::vector<ParamSpec> dense = {
-      {pre + "attn_norm", {c.dim}, true},
-      {pre + "attn.wq", {c.dim, c.q_dim()}},
-      {pre + "attn.wk", {c.dim, c.kv_dim()}},
-      {pre + "attn.wv", {c.dim, c.kv_dim()}},
-      {pre + "attn.wo", {c.q_dim(), c.dim}},
-      {pre + "attn.q_norm", {c.head_dim}, true},
-      {pre + "attn.k_norm", {c.head_dim}, true},
-      {pre + "mlp_norm", {c.dim}, true},
+      {pre + "attn_norm", {c.dim}, true},         {pre + "attn.wq", {c.dim, c.q_dim()}},
+      {pre + "attn.wk", {c.dim, c.kv_dim()}},     {pre + "attn.wv", {c.dim, c.kv_dim()}},
+      {pre + "attn.wo", {c.q_dim(), c.dim}},      {pre + "attn.q_norm", {c.head_dim}, true},
+      {pre + "attn.k_norm", {c.head_dim}, true},  {pre + "mlp_norm", {c.dim}, true},
       {pre + "moe.router", {c.dim, c.n_experts}},
   };
   const int64_t gate_up = c.dim * 2 * c.moe_dim, down = c.moe_dim * c.dim;  // per expert
   std::vector<ParamSpec> experts = {
-      {pre + "moe.w_gate_up", {local_experts, c.dim, 2 * c.moe_dim}, false, 0,
+      {pre + "moe.w_gate_up",
+       {local_experts, c.dim, 2 * c.moe_dim},
+       false,
+       0,
        first_expert * gate_up},
       {pre + "moe.w_down", {local_experts, c.moe_dim, c.dim}, false, 0, first_expert * down},
   };
@@ -131,8 +132,12 @@ std::vector<ParamGroup> make_block_groups(const ModelConfig& c, int64_t layer,
   return groups;
 }
 
-BlockParams bind_block_params(const std::vector<ParamGroup>& groups) { return bind(groups, false); }
-BlockParams bind_block_grads(const std::vector<ParamGroup>& groups) { return bind(groups, true); }
+BlockParams bind_block_params(const std::vector<ParamGroup>& groups) {
+  return bind(groups, false);
+}
+BlockParams bind_block_grads(const std::vector<ParamGroup>& groups) {
+  return bind(groups, true);
+}
 
 Tensor block_forward(const BlockParams& p, const ModelConfig& c, const BlockInputs& in,
                      const Tensor& x, BlockActivations& a) {

@@ -12,21 +12,21 @@ namespace mt {
 // Views into a block unit's two flat buffers (or its gradients). Shapes: D = dim, H = heads,
 // KV = kv heads, hd = head_dim, E = experts, F = moe_dim.
 struct BlockParams {
-  Tensor attn_norm;  // (D)
-  Tensor wq;         // (D, H*hd)
-  Tensor wk;         // (D, KV*hd)
-  Tensor wv;         // (D, KV*hd)
-  Tensor wo;         // (H*hd, D)
-  Tensor q_norm;     // (hd)
-  Tensor k_norm;     // (hd)
-  Tensor mlp_norm;   // (D)
+  Tensor attn_norm;     // (D)
+  Tensor wq;            // (D, H*hd)
+  Tensor wk;            // (D, KV*hd)
+  Tensor wv;            // (D, KV*hd)
+  Tensor wo;            // (H*hd, D)
+  Tensor q_norm;        // (hd)
+  Tensor k_norm;        // (hd)
+  Tensor mlp_norm;      // (D)
   moe::MoeWeights moe;  // router (D, E) dense; w_gate_up (E, D, 2F), w_down (E, F, D) expert
 };
 
 // The block unit's parameter groups: [0] dense, [1] expert, the latter holding experts
 // [first_expert, first_expert + local_experts) (all of them without expert parallelism).
-std::vector<ParamGroup> make_block_groups(const ModelConfig& c, int64_t layer,
-                                          int64_t first_expert, int64_t local_experts);
+std::vector<ParamGroup> make_block_groups(const ModelConfig& c, int64_t layer, int64_t first_expert,
+                                          int64_t local_experts);
 BlockParams bind_block_params(const std::vector<ParamGroup>& groups);
 BlockParams bind_block_grads(const std::vector<ParamGroup>& groups);
 
@@ -34,14 +34,14 @@ BlockParams bind_block_grads(const std::vector<ParamGroup>& groups);
 // recomputes the rest in backward (attention output and LSE always survive: attention never
 // runs twice).
 struct BlockActivations {
-  Tensor x;                    // (N, D)      block input             [all policies]
-  Tensor attn, lse;            // (N, H, hd), (N, H)                  [all policies]
-  Tensor q, k, v, o;           // GEMM outputs (N, H*hd), (N, KV*hd) x2, (N, D)  [none, selective]
-  Tensor xn, attn_rstd;        // (N, D), (N)                         [none]
+  Tensor x;              // (N, D)      block input             [all policies]
+  Tensor attn, lse;      // (N, H, hd), (N, H)                  [all policies]
+  Tensor q, k, v, o;     // GEMM outputs (N, H*hd), (N, KV*hd) x2, (N, D)  [none, selective]
+  Tensor xn, attn_rstd;  // (N, D), (N)                         [none]
   Tensor qn, q_rstd, kn, k_rstd;  // (N*H, hd), (N*H), (N*KV, hd), (N*KV)  [none]
-  Tensor qr, kr;               // after RoPE (N, H, hd), (N, KV, hd)  [none]
-  Tensor h, hn, mlp_rstd;      // (N, D), (N, D), (N)                 [none]
-  moe::MoeActivations moe;     // routing, logits, xe, gate_up, ye, y [selective]; xp, act [none]
+  Tensor qr, kr;                  // after RoPE (N, H, hd), (N, KV, hd)  [none]
+  Tensor h, hn, mlp_rstd;         // (N, D), (N, D), (N)                 [none]
+  moe::MoeActivations moe;        // routing, logits, xe, gate_up, ye, y [selective]; xp, act [none]
   // Step statistics, always kept: i64 (E) rows routed to each expert, and the aux loss.
   Tensor tokens_per_expert;
   double aux_loss = 0;

@@ -9,9 +9,12 @@ namespace mt {
 
 const char* policy_name(CheckpointPolicy p) {
   switch (p) {
-    case CheckpointPolicy::kNone: return "none";
-    case CheckpointPolicy::kSelective: return "selective";
-    case CheckpointPolicy::kFull: return "full";
+    case CheckpointPolicy::kNone:
+      return "none";
+    case CheckpointPolicy::kSelective:
+      return "selective";
+    case CheckpointPolicy::kFull:
+      return "full";
   }
   return "?";
 }
@@ -40,18 +43,18 @@ void ModelConfig::validate() const {
   positive("top_k", top_k);
   positive("moe_dim", moe_dim);
   if (n_heads % n_kv_heads != 0)
-    throw ConfigError(fmt::format(
-        "config: model.n_heads = {} is not a multiple of model.n_kv_heads = {}", n_heads,
-        n_kv_heads));
+    throw ConfigError(
+        fmt::format("config: model.n_heads = {} is not a multiple of model.n_kv_heads = {}",
+                    n_heads, n_kv_heads));
   if (head_dim % 2 != 0)
     throw ConfigError(
         fmt::format("config: model.head_dim = {} must be even (RoPE rotates pairs)", head_dim));
   if (top_k > n_experts)
-    throw ConfigError(fmt::format("config: model.top_k = {} exceeds model.n_experts = {}", top_k,
-                                  n_experts));
+    throw ConfigError(
+        fmt::format("config: model.top_k = {} exceeds model.n_experts = {}", top_k, n_experts));
   if (vocab_size > (int64_t{1} << 31) - 1)
-    throw ConfigError(fmt::format("config: model.vocab_size = {} does not fit i32 token ids",
-                                  vocab_size));
+    throw ConfigError(
+        fmt::format("config: model.vocab_size = {} does not fit i32 token ids", vocab_size));
   if (!(rope_theta > 0)) throw ConfigError("config: model.rope_theta must be > 0");
   if (!(rms_norm_eps > 0)) throw ConfigError("config: model.rms_norm_eps must be > 0");
   if (!(init_std > 0)) throw ConfigError("config: model.init_std must be > 0");
@@ -99,8 +102,10 @@ ModelConfig model_config_from_hf_json(const std::string& path, ModelConfig base)
   get_int("num_experts", &c.n_experts);
   get_int("num_experts_per_tok", &c.top_k);
   get_int("moe_intermediate_size", &c.moe_dim);
-  if (j.contains("head_dim")) get_int("head_dim", &c.head_dim);
-  else c.head_dim = c.dim / c.n_heads;
+  if (j.contains("head_dim"))
+    get_int("head_dim", &c.head_dim);
+  else
+    c.head_dim = c.dim / c.n_heads;
   get_num("rope_theta", &c.rope_theta);
   get_num("rms_norm_eps", &c.rms_norm_eps);
   get_num("router_aux_loss_coef", &c.aux_loss_coef);

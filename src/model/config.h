@@ -15,22 +15,22 @@ bool parse_policy(const std::string& s, CheckpointPolicy* out);
 
 struct ModelConfig {
   // --- architecture (HF Qwen3MoeConfig names in comments) ---
-  int64_t vocab_size = 256;           // vocab_size
-  int64_t dim = 64;                   // hidden_size
-  int64_t n_layers = 2;               // num_hidden_layers
-  int64_t n_heads = 4;                // num_attention_heads
-  int64_t n_kv_heads = 2;             // num_key_value_heads
-  int64_t head_dim = 16;              // head_dim (independent of dim / n_heads)
-  int64_t n_experts = 8;              // num_experts
-  int64_t top_k = 2;                  // num_experts_per_tok
-  int64_t moe_dim = 64;               // moe_intermediate_size
-  double rope_theta = 10000.0;        // rope_theta
-  double rms_norm_eps = 1e-6;         // rms_norm_eps
-  bool norm_topk_prob = true;         // norm_topk_prob
-  bool tie_word_embeddings = false;   // tie_word_embeddings
+  int64_t vocab_size = 256;          // vocab_size
+  int64_t dim = 64;                  // hidden_size
+  int64_t n_layers = 2;              // num_hidden_layers
+  int64_t n_heads = 4;               // num_attention_heads
+  int64_t n_kv_heads = 2;            // num_key_value_heads
+  int64_t head_dim = 16;             // head_dim (independent of dim / n_heads)
+  int64_t n_experts = 8;             // num_experts
+  int64_t top_k = 2;                 // num_experts_per_tok
+  int64_t moe_dim = 64;              // moe_intermediate_size
+  double rope_theta = 10000.0;       // rope_theta
+  double rms_norm_eps = 1e-6;        // rms_norm_eps
+  bool norm_topk_prob = true;        // norm_topk_prob
+  bool tie_word_embeddings = false;  // tie_word_embeddings
   // --- routing and balancing ---
-  double aux_loss_coef = 0.001;       // router_aux_loss_coef; 0 disables
-  double bias_update_rate = 0.0;      // aux-loss-free balancing (0 = off)
+  double aux_loss_coef = 0.001;   // router_aux_loss_coef; 0 disables
+  double bias_update_rate = 0.0;  // aux-loss-free balancing (0 = off)
   bool force_balanced_routing = false;
   // --- numerics and memory ---
   double init_std = 0.02;

@@ -10,8 +10,8 @@
 namespace mt {
 
 struct ParamCounts {
-  int64_t total = 0;   // every trainable parameter
-  double active = 0;   // per token, as defined above
+  int64_t total = 0;  // every trainable parameter
+  double active = 0;  // per token, as defined above
 };
 ParamCounts count_params(const ModelConfig& c);
 double train_flops_per_token(const ModelConfig& c, int64_t seq_len);

@@ -32,12 +32,12 @@ struct ParamSpec {
 struct ParamGroup {
   ParamKind kind = ParamKind::kDense;
   std::vector<ParamSpec> specs;
-  int64_t numel = 0;                    // sum of the specs, unpadded
-  dist::Communicator* comm = nullptr;   // the FSDP group; null: not sharded
-  Tensor shard;                         // (padded / n) owned master parameters
-  Tensor grad_shard;                    // (padded / n)
-  Tensor params;                        // (padded) full parameters while gathered
-  Tensor grads;                         // (padded) full gradients during backward
+  int64_t numel = 0;                   // sum of the specs, unpadded
+  dist::Communicator* comm = nullptr;  // the FSDP group; null: not sharded
+  Tensor shard;                        // (padded / n) owned master parameters
+  Tensor grad_shard;                   // (padded / n)
+  Tensor params;                       // (padded) full parameters while gathered
+  Tensor grads;                        // (padded) full gradients during backward
 
   bool sharded() const { return comm != nullptr; }
   int64_t shard_begin() const { return sharded() ? comm->rank() * shard.numel() : 0; }

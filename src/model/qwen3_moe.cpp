@@ -70,7 +70,9 @@ Tensor Qwen3Moe::head_weight() const {
   return cfg_.tie_word_embeddings ? units_[0].groups[0].param(0) : g.param(1);
 }
 
-MicroBatchLosses Qwen3Moe::forward(const Batch& b) { return run(b, nullptr); }
+MicroBatchLosses Qwen3Moe::forward(const Batch& b) {
+  return run(b, nullptr);
+}
 MicroBatchLosses Qwen3Moe::forward_backward(const Batch& b, const LossScale& s) {
   return run(b, &s);
 }

@@ -14,8 +14,10 @@ void move_rows(const Tensor& in, Tensor& out, const std::vector<int64_t>& index,
   const char* src = static_cast<const char*>(in.raw());
   char* dst = static_cast<char*>(out.raw());
   for (int64_t i = 0; i < rows; ++i) {
-    if (dir == Direction::kGather) std::memcpy(dst + i * row_bytes, src + index[i] * row_bytes, row_bytes);
-    else std::memcpy(dst + index[i] * row_bytes, src + i * row_bytes, row_bytes);
+    if (dir == Direction::kGather)
+      std::memcpy(dst + i * row_bytes, src + index[i] * row_bytes, row_bytes);
+    else
+      std::memcpy(dst + index[i] * row_bytes, src + i * row_bytes, row_bytes);
   }
 }
 }  // namespace

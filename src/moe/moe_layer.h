@@ -29,18 +29,18 @@ struct MoeComms {
 // What the forward leaves for the backward. A field left undefined is recomputed by moe_fill.
 // N local tokens, M = N*k routed rows, R rows received for this rank's experts (R = M w/o EP).
 struct MoeActivations {
-  Tensor logits;                  // (N, E)       GEMM output
-  ops::Routing routing;           // scores, choices, weights, counts
-  ops::AuxStats aux_stats;        // of the whole batch (all ranks)
-  ops::ExpertPermutation perm;    // local expert-major layout
+  Tensor logits;                             // (N, E)       GEMM output
+  ops::Routing routing;                      // scores, choices, weights, counts
+  ops::AuxStats aux_stats;                   // of the whole batch (all ranks)
+  ops::ExpertPermutation perm;               // local expert-major layout
   std::shared_ptr<ExpertExchange> exchange;  // EP layout (null without EP)
-  Tensor xp;                      // (M, D)       permuted input rows (a gather)
-  Tensor xe;                      // (R, D)       rows for this rank's experts (comm output)
-  Tensor gate_up;                 // (R, 2F)      GEMM output
-  Tensor act;                     // (R, F)       SwiGLU (elementwise)
-  Tensor ye;                      // (R, D)       GEMM output
-  Tensor y;                       // (M, D)       expert outputs back in local order (comm output)
-  double aux_loss = 0;            // per-layer load-balancing loss (without coefficient)
+  Tensor xp;                                 // (M, D)       permuted input rows (a gather)
+  Tensor xe;            // (R, D)       rows for this rank's experts (comm output)
+  Tensor gate_up;       // (R, 2F)      GEMM output
+  Tensor act;           // (R, F)       SwiGLU (elementwise)
+  Tensor ye;            // (R, D)       GEMM output
+  Tensor y;             // (M, D)       expert outputs back in local order (comm output)
+  double aux_loss = 0;  // per-layer load-balancing loss (without coefficient)
 };
 
 ops::RouterOptions router_options(const ModelConfig& c);

@@ -8,9 +8,14 @@ namespace mt::ops {
 template <class F>
 void dispatch_float(DType t, F&& f) {
   switch (t) {
-    case DType::kF32: f(float{}); break;
-    case DType::kF64: f(double{}); break;
-    default: MT_CHECK(false, "op needs f32 or f64, got {}", dtype_name(t));
+    case DType::kF32:
+      f(float{});
+      break;
+    case DType::kF64:
+      f(double{});
+      break;
+    default:
+      MT_CHECK(false, "op needs f32 or f64, got {}", dtype_name(t));
   }
 }
 

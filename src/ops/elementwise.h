@@ -4,11 +4,11 @@
 
 namespace mt::ops {
 
-void add_(Tensor& a, const Tensor& b);             // a += b
+void add_(Tensor& a, const Tensor& b);                    // a += b
 void add(const Tensor& a, const Tensor& b, Tensor& out);  // out = a + b
-void scale_(Tensor& a, double s);                  // a *= s
-void convert(const Tensor& src, Tensor& dst);      // dtype conversion, same numel, same device
-double sum_of_squares(const Tensor& a);            // in double
+void scale_(Tensor& a, double s);                         // a *= s
+void convert(const Tensor& src, Tensor& dst);  // dtype conversion, same numel, same device
+double sum_of_squares(const Tensor& a);        // in double
 bool has_non_finite(const Tensor& a);
 
 }  // namespace mt::ops

@@ -8,8 +8,7 @@ enum class Transpose { kNo, kYes };
 enum class Accumulate { kNo, kYes };
 
 // c (M, N) = op(a) (M, K) @ op(b) (K, N), plus the old c when accumulating.
-void gemm(const Tensor& a, Transpose ta, const Tensor& b, Transpose tb, Tensor& c,
-          Accumulate acc);
+void gemm(const Tensor& a, Transpose ta, const Tensor& b, Transpose tb, Tensor& c, Accumulate acc);
 
 // Linear layer without bias. x (N, in), w (in, out), y (N, out).
 void linear_forward(const Tensor& x, const Tensor& w, Tensor& y);

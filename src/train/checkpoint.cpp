@@ -15,14 +15,22 @@ namespace {
 
 const char* st_dtype(DType t) {
   switch (t) {
-    case DType::kF32: return "F32";
-    case DType::kF64: return "F64";
-    case DType::kBF16: return "BF16";
-    case DType::kE4M3: return "F8_E4M3";
-    case DType::kE8M0: return "F8_E8M0";
-    case DType::kI32: return "I32";
-    case DType::kI64: return "I64";
-    case DType::kU8: return "U8";
+    case DType::kF32:
+      return "F32";
+    case DType::kF64:
+      return "F64";
+    case DType::kBF16:
+      return "BF16";
+    case DType::kE4M3:
+      return "F8_E4M3";
+    case DType::kE8M0:
+      return "F8_E8M0";
+    case DType::kI32:
+      return "I32";
+    case DType::kI64:
+      return "I64";
+    case DType::kU8:
+      return "U8";
   }
   return "?";
 }
@@ -84,8 +92,7 @@ void write_safetensors(const std::string& path, const SafetensorsFile& f) {
   std::memcpy(bytes.data(), &hlen, 8);
   bytes += h;
   bytes.reserve(bytes.size() + offset);
-  for (const auto& [_, t] : f.tensors)
-    bytes.append(static_cast<const char*>(t.raw()), t.nbytes());
+  for (const auto& [_, t] : f.tensors) bytes.append(static_cast<const char*>(t.raw()), t.nbytes());
   write_file_atomically(path, bytes);
 }
 
@@ -131,8 +138,12 @@ SafetensorsFile read_safetensors(const std::string& path) {
 }
 
 namespace {
-bool multi_rank(const dist::Communicator* world) { return world && world->size() > 1; }
-std::string rank_file(int rank) { return fmt::format("rank_{}.safetensors", rank); }
+bool multi_rank(const dist::Communicator* world) {
+  return world && world->size() > 1;
+}
+std::string rank_file(int rank) {
+  return fmt::format("rank_{}.safetensors", rank);
+}
 }  // namespace
 
 std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
@@ -148,9 +159,8 @@ std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
     path = (fs::path(dir) / (step_name + ".safetensors")).string();
   }
   SafetensorsFile f;
-  for_each_state(model, opt, [&](const std::string& name, const Tensor& t) {
-    f.tensors.emplace(name, t);
-  });
+  for_each_state(model, opt,
+                 [&](const std::string& name, const Tensor& t) { f.tensors.emplace(name, t); });
   f.metadata["format"] = "moetrain-checkpoint-1";
   f.metadata["step"] = std::to_string(st.step);
   f.metadata["data_position"] = std::to_string(st.data_position);
@@ -198,18 +208,17 @@ TrainState load_checkpoint(const std::string& path_in, Qwen3Moe& model, AdamW& o
   for_each_state(model, opt, [&](const std::string& name, const Tensor& t) {
     auto it = f.tensors.find(name);
     if (it == f.tensors.end())
-      throw CheckpointError(fmt::format(
-          "checkpoint: '{}' lacks tensor {} (was it written for another model config?)", path,
-          name));
+      throw CheckpointError(
+          fmt::format("checkpoint: '{}' lacks tensor {} (was it written for another model config?)",
+                      path, name));
     if (it->second.shape() != t.shape() || it->second.dtype() != t.dtype())
-      throw CheckpointError(fmt::format(
-          "checkpoint: '{}': tensor {} is {} {}, the model expects {} {}", path, name,
-          dtype_name(it->second.dtype()), shape_str(it->second.shape()), dtype_name(t.dtype()),
-          shape_str(t.shape())));
+      throw CheckpointError(
+          fmt::format("checkpoint: '{}': tensor {} is {} {}, the model expects {} {}", path, name,
+                      dtype_name(it->second.dtype()), shape_str(it->second.shape()),
+                      dtype_name(t.dtype()), shape_str(t.shape())));
   });
-  for_each_state(model, opt, [&](const std::string& name, Tensor t) {
-    t.copy_from(f.tensors.at(name));
-  });
+  for_each_state(model, opt,
+                 [&](const std::string& name, Tensor t) { t.copy_from(f.tensors.at(name)); });
   TrainState st;
   try {
     st.step = std::stoll(f.metadata.at("step"));

@@ -1,9 +1,10 @@
 #include "train/config.h"
 
+#include <toml++/toml.h>
+
 #include <fstream>
 #include <functional>
 #include <sstream>
-#include <toml++/toml.h>
 
 #include "core/error.h"
 
@@ -14,10 +15,14 @@ namespace {
 enum class FieldType { kInt, kFloat, kBool, kString };
 const char* type_name(FieldType t) {
   switch (t) {
-    case FieldType::kInt: return "an integer";
-    case FieldType::kFloat: return "a number";
-    case FieldType::kBool: return "true or false";
-    case FieldType::kString: return "a string";
+    case FieldType::kInt:
+      return "an integer";
+    case FieldType::kFloat:
+      return "a number";
+    case FieldType::kBool:
+      return "true or false";
+    case FieldType::kString:
+      return "a string";
   }
   return "?";
 }
@@ -40,15 +45,23 @@ struct Field {
 template <class S, class T>
 Field member(const char* sec, const char* key, S Config::*s, T S::*m) {
   FieldType t;
-  if constexpr (std::is_same_v<T, bool>) t = FieldType::kBool;
-  else if constexpr (std::is_integral_v<T>) t = FieldType::kInt;
-  else if constexpr (std::is_floating_point_v<T>) t = FieldType::kFloat;
-  else t = FieldType::kString;
+  if constexpr (std::is_same_v<T, bool>)
+    t = FieldType::kBool;
+  else if constexpr (std::is_integral_v<T>)
+    t = FieldType::kInt;
+  else if constexpr (std::is_floating_point_v<T>)
+    t = FieldType::kFloat;
+  else
+    t = FieldType::kString;
   return {sec, key, t, [=](Config& c, const Value& v) {
-            if constexpr (std::is_same_v<T, bool>) (c.*s).*m = v.b;
-            else if constexpr (std::is_integral_v<T>) (c.*s).*m = static_cast<T>(v.i);
-            else if constexpr (std::is_floating_point_v<T>) (c.*s).*m = v.f;
-            else (c.*s).*m = v.s;
+            if constexpr (std::is_same_v<T, bool>)
+              (c.*s).*m = v.b;
+            else if constexpr (std::is_integral_v<T>)
+              (c.*s).*m = static_cast<T>(v.i);
+            else if constexpr (std::is_floating_point_v<T>)
+              (c.*s).*m = v.f;
+            else
+              (c.*s).*m = v.s;
           }};
 }
 
@@ -110,9 +123,12 @@ const std::vector<Field>& fields() {
       member("train", "log_every", &Config::train, &T::log_every),
       {"data", "source", FieldType::kString,
        [](Config& c, const Value& v) {
-         if (v.s == "synthetic") c.data.source = DataSourceKind::kSynthetic;
-         else if (v.s == "tokens") c.data.source = DataSourceKind::kTokens;
-         else if (v.s == "sft") c.data.source = DataSourceKind::kSft;
+         if (v.s == "synthetic")
+           c.data.source = DataSourceKind::kSynthetic;
+         else if (v.s == "tokens")
+           c.data.source = DataSourceKind::kTokens;
+         else if (v.s == "sft")
+           c.data.source = DataSourceKind::kSft;
          else
            throw ConfigError(
                fmt::format("config: data.source = \"{}\" (valid: synthetic, tokens, sft)", v.s));
@@ -153,9 +169,12 @@ Value read_value(const toml::node& node, const Field& f) {
       v.i = node.as_integer()->get();
       break;
     case FieldType::kFloat:
-      if (node.is_integer()) v.f = static_cast<double>(node.as_integer()->get());
-      else if (node.is_floating_point()) v.f = node.as_floating_point()->get();
-      else throw wrong();
+      if (node.is_integer())
+        v.f = static_cast<double>(node.as_integer()->get());
+      else if (node.is_floating_point())
+        v.f = node.as_floating_point()->get();
+      else
+        throw wrong();
       break;
     case FieldType::kBool:
       if (!node.is_boolean()) throw wrong();
@@ -181,11 +200,10 @@ void apply_table(const toml::table& root, Config& c) {
       throw ConfigError(fmt::format("config: {} must be a table [{}]", section, section));
     const toml::table& t = *node.as_table();
     for (const auto& [key, _] : t)
-      if (std::none_of(fields().begin(), fields().end(), [&](const Field& f) {
-            return section == f.section && key.str() == f.key;
-          }))
-        throw ConfigError(fmt::format("config: unknown key {}.{} (valid keys in [{}]: {})",
-                                      section, key.str(), section, valid_keys(section)));
+      if (std::none_of(fields().begin(), fields().end(),
+                       [&](const Field& f) { return section == f.section && key.str() == f.key; }))
+        throw ConfigError(fmt::format("config: unknown key {}.{} (valid keys in [{}]: {})", section,
+                                      key.str(), section, valid_keys(section)));
     // hf_config first, so that explicit keys in the same table override what it loaded.
     for (const Field& f : fields()) {
       if (section != f.section || std::string(f.key) != "hf_config") continue;
@@ -244,8 +262,8 @@ void validate_config(const Config& c) {
   if (!(t.lr > 0)) throw ConfigError(fmt::format("config: train.lr = {} must be > 0", t.lr));
   if (t.warmup_steps < 0) throw ConfigError("config: train.warmup_steps must be >= 0");
   if (t.min_lr_ratio < 0 || t.min_lr_ratio > 1)
-    throw ConfigError(fmt::format("config: train.min_lr_ratio = {} must be in [0, 1]",
-                                  t.min_lr_ratio));
+    throw ConfigError(
+        fmt::format("config: train.min_lr_ratio = {} must be in [0, 1]", t.min_lr_ratio));
   if (t.beta1 < 0 || t.beta1 >= 1 || t.beta2 < 0 || t.beta2 >= 1)
     throw ConfigError("config: train.beta1 and train.beta2 must be in [0, 1)");
   if (t.grad_clip < 0) throw ConfigError("config: train.grad_clip must be >= 0 (0 disables)");
@@ -259,26 +277,28 @@ void validate_config(const Config& c) {
           d.min_doc_len, d.max_doc_len));
     const int64_t words = (c.model.vocab_size - d.languages) / 2;
     if (words < d.branching)
-      throw ConfigError(fmt::format(
-          "config: model.vocab_size = {} is too small for data.languages = {} with "
-          "data.branching = {} (needs vocab_size >= languages + 2 * branching)",
-          c.model.vocab_size, d.languages, d.branching));
+      throw ConfigError(
+          fmt::format("config: model.vocab_size = {} is too small for data.languages = {} with "
+                      "data.branching = {} (needs vocab_size >= languages + 2 * branching)",
+                      c.model.vocab_size, d.languages, d.branching));
   } else if (d.path.empty()) {
     throw ConfigError("config: data.path must name a token file when data.source is not synthetic");
   }
   const ParallelConfig& p = c.parallel;
-  if (p.world < 1) throw ConfigError(fmt::format("config: parallel.world = {} must be >= 1", p.world));
+  if (p.world < 1)
+    throw ConfigError(fmt::format("config: parallel.world = {} must be >= 1", p.world));
   if (p.ep < 1 || p.world % p.ep != 0)
     throw ConfigError(fmt::format(
         "config: parallel.ep = {} must divide parallel.world = {} (valid: divisors of {})", p.ep,
         p.world, p.world));
   if (c.model.n_experts % p.ep != 0)
-    throw ConfigError(fmt::format("config: parallel.ep = {} must divide model.n_experts = {}",
-                                  p.ep, c.model.n_experts));
+    throw ConfigError(fmt::format("config: parallel.ep = {} must divide model.n_experts = {}", p.ep,
+                                  c.model.n_experts));
   if (c.checkpoint.every < 0) throw ConfigError("config: checkpoint.every must be >= 0");
   const std::string& dev = c.hardware.device;
   if (dev != "auto" && dev != "cpu" && dev != "cuda")
-    throw ConfigError(fmt::format("config: hardware.device = \"{}\" (valid: auto, cpu, cuda)", dev));
+    throw ConfigError(
+        fmt::format("config: hardware.device = \"{}\" (valid: auto, cpu, cuda)", dev));
   if (c.hardware.threads < 0) throw ConfigError("config: hardware.threads must be >= 0");
 }
 

@@ -12,18 +12,18 @@ namespace mt {
 
 struct TrainConfig {
   int64_t steps = 300;
-  int64_t seq_len = 128;        // tokens per packed row
-  int64_t batch_rows = 8;       // rows per micro-batch
-  int64_t grad_accum = 1;       // micro-batches per optimizer step
-  double lr = 3e-3;             // peak learning rate
-  double min_lr_ratio = 0.1;    // cosine floor as a fraction of lr
+  int64_t seq_len = 128;      // tokens per packed row
+  int64_t batch_rows = 8;     // rows per micro-batch
+  int64_t grad_accum = 1;     // micro-batches per optimizer step
+  double lr = 3e-3;           // peak learning rate
+  double min_lr_ratio = 0.1;  // cosine floor as a fraction of lr
   int64_t warmup_steps = 20;
   double weight_decay = 0.1;
   double beta1 = 0.9;
   double beta2 = 0.95;
   double eps = 1e-8;
-  double grad_clip = 1.0;       // global L2 norm; 0 disables
-  uint64_t seed = 1234;         // parameter initialisation
+  double grad_clip = 1.0;  // global L2 norm; 0 disables
+  uint64_t seed = 1234;    // parameter initialisation
   int64_t log_every = 10;
   int64_t tokens_per_step() const { return seq_len * batch_rows * grad_accum; }
 };
@@ -32,7 +32,7 @@ enum class DataSourceKind { kSynthetic, kTokens, kSft };
 
 struct DataConfig {
   DataSourceKind source = DataSourceKind::kSynthetic;
-  std::string path;             // token file for "tokens" and "sft"
+  std::string path;  // token file for "tokens" and "sft"
   // Synthetic mixture of stochastic languages (see train/synthetic_data.h).
   int64_t languages = 4;
   int64_t branching = 4;
@@ -42,8 +42,8 @@ struct DataConfig {
 };
 
 struct CheckpointConfig {
-  std::string dir;              // empty: no checkpoints
-  int64_t every = 0;            // steps between checkpoints; 0: only at the end
+  std::string dir;    // empty: no checkpoints
+  int64_t every = 0;  // steps between checkpoints; 0: only at the end
 };
 
 struct HardwareConfig {
@@ -66,7 +66,7 @@ struct Config {
   DataConfig data;
   CheckpointConfig checkpoint;
   HardwareConfig hardware;
-  std::string source;           // where it came from, for logs
+  std::string source;  // where it came from, for logs
 };
 
 // Parses a TOML file (path may be empty: defaults) and applies "section.key=value" overrides,

@@ -21,8 +21,8 @@ Batch pack_rows(const std::vector<PackedRow>& rows, int64_t seq_len) {
   std::vector<int32_t> cu;
   for (size_t r = 0; r < rows.size(); ++r) {
     const PackedRow& row = rows[r];
-    MT_CHECK(static_cast<int64_t>(row.tokens.size()) == seq_len + 1, "row of {} tokens, expected {}",
-             row.tokens.size(), seq_len + 1);
+    MT_CHECK(static_cast<int64_t>(row.tokens.size()) == seq_len + 1,
+             "row of {} tokens, expected {}", row.tokens.size(), seq_len + 1);
     int64_t start = 0;
     for (int64_t i = 0; i < seq_len; ++i) {
       const int64_t at = static_cast<int64_t>(r) * seq_len + i;
@@ -89,8 +89,7 @@ class SyntheticLoader : public DataLoader {
  private:
   PackedRow row(int64_t index, int64_t seq_len) const {
     SyntheticRow s = lang_.make_row(index, seq_len);
-    return {std::move(s.tokens), std::move(s.doc_start),
-            std::vector<uint8_t>(seq_len + 1, 1)};
+    return {std::move(s.tokens), std::move(s.doc_start), std::vector<uint8_t>(seq_len + 1, 1)};
   }
   SyntheticLanguages lang_;
   int64_t next_row_ = 0;
@@ -123,9 +122,9 @@ class TokenFileLoader : public DataLoader {
   int64_t position() const override { return pos_; }
   void set_position(int64_t p) override {
     if (p < 0 || p >= static_cast<int64_t>(docs_.tokens.size()))
-      throw CheckpointError(fmt::format(
-          "checkpoint data position {} is outside the token file's {} tokens", p,
-          docs_.tokens.size()));
+      throw CheckpointError(
+          fmt::format("checkpoint data position {} is outside the token file's {} tokens", p,
+                      docs_.tokens.size()));
     pos_ = p;
   }
   DataStats stats(int64_t) const override {
@@ -150,9 +149,9 @@ class TokenFileLoader : public DataLoader {
 std::unique_ptr<DataLoader> make_data_loader(const Config& c) {
   switch (c.data.source) {
     case DataSourceKind::kSynthetic:
-      return std::make_unique<SyntheticLoader>(
-          SyntheticSpec{c.model.vocab_size, c.data.languages, c.data.branching, c.data.min_doc_len,
-                        c.data.max_doc_len, c.data.seed});
+      return std::make_unique<SyntheticLoader>(SyntheticSpec{c.model.vocab_size, c.data.languages,
+                                                             c.data.branching, c.data.min_doc_len,
+                                                             c.data.max_doc_len, c.data.seed});
     case DataSourceKind::kTokens:
     case DataSourceKind::kSft: {
       TokenDocuments d = read_token_file(c.data.path, c.model.vocab_size);

@@ -47,8 +47,7 @@ double AdamW::clip_grad_norm(double max_norm) {
 void AdamW::step(double lr, int64_t step) {
   const ops::AdamWHyper h{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, step};
   for (size_t i = 0; i < groups_.size(); ++i)
-    ops::adamw_step(groups_[i]->shard, groups_[i]->grad_shard, state_[2 * i], state_[2 * i + 1],
-                    h);
+    ops::adamw_step(groups_[i]->shard, groups_[i]->grad_shard, state_[2 * i], state_[2 * i + 1], h);
 }
 
 }  // namespace mt

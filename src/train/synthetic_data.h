@@ -29,9 +29,9 @@ struct SyntheticSpec {
 
 // One packed row of length+1 tokens: documents laid end to end, the last one cut.
 struct SyntheticRow {
-  std::vector<int32_t> tokens;    // (length + 1)
-  std::vector<uint8_t> doc_start; // (length + 1) 1 where a document (its marker) starts
-  std::vector<double> true_nll;   // (length + 1) -log p_true(token | history); 0 at markers
+  std::vector<int32_t> tokens;     // (length + 1)
+  std::vector<uint8_t> doc_start;  // (length + 1) 1 where a document (its marker) starts
+  std::vector<double> true_nll;    // (length + 1) -log p_true(token | history); 0 at markers
 };
 
 class SyntheticLanguages {

@@ -5,8 +5,8 @@
 #include <filesystem>
 #include <fstream>
 
-#include "core/error.h"
 #include "core/atomic_file.h"
+#include "core/error.h"
 
 namespace mt {
 
@@ -34,8 +34,8 @@ TokenDocuments read_token_file(const std::string& path, int64_t vocab_size) {
   char header[kHeaderBytes];
   in.read(header, kHeaderBytes);
   if (std::memcmp(header, kMagic, 8) != 0)
-    throw DataError(fmt::format("data: '{}' is not a moetrain token file (magic is not MTTOKENS)",
-                                path));
+    throw DataError(
+        fmt::format("data: '{}' is not a moetrain token file (magic is not MTTOKENS)", path));
   const uint32_t version = read_le<uint32_t>(header + 8);
   const uint32_t flags = read_le<uint32_t>(header + 12);
   const uint64_t docs = read_le<uint64_t>(header + 16);
@@ -48,15 +48,17 @@ TokenDocuments read_token_file(const std::string& path, int64_t vocab_size) {
   const bool has_mask = flags & kFlagLossMask;
   // Guard the arithmetic: absurd counts would overflow the expected size.
   if (docs > size || ntok > size)
-    throw DataError(fmt::format("data: '{}' is corrupt or truncated: header claims {} documents "
-                                "and {} tokens in a {}-byte file",
-                                path, docs, ntok, size));
+    throw DataError(
+        fmt::format("data: '{}' is corrupt or truncated: header claims {} documents "
+                    "and {} tokens in a {}-byte file",
+                    path, docs, ntok, size));
   const uint64_t expected = kHeaderBytes + 8 * (docs + 1) + 4 * ntok + (has_mask ? ntok : 0);
   if (size != expected)
-    throw DataError(fmt::format("data: '{}' is {}: header says {} documents and {} tokens "
-                                "({} bytes), the file has {} bytes",
-                                path, size < expected ? "truncated" : "corrupt (trailing bytes)",
-                                docs, ntok, expected, size));
+    throw DataError(
+        fmt::format("data: '{}' is {}: header says {} documents and {} tokens "
+                    "({} bytes), the file has {} bytes",
+                    path, size < expected ? "truncated" : "corrupt (trailing bytes)", docs, ntok,
+                    expected, size));
   TokenDocuments d;
   d.doc_offsets.resize(docs + 1);
   d.tokens.resize(ntok);
@@ -68,9 +70,10 @@ TokenDocuments read_token_file(const std::string& path, int64_t vocab_size) {
   }
   if (!in) throw DataError(fmt::format("data: read error in '{}'", path));
   if (d.doc_offsets.front() != 0 || d.doc_offsets.back() != ntok)
-    throw DataError(fmt::format("data: '{}' is corrupt: document offsets run from {} to {}, "
-                                "expected 0 to {}",
-                                path, d.doc_offsets.front(), d.doc_offsets.back(), ntok));
+    throw DataError(
+        fmt::format("data: '{}' is corrupt: document offsets run from {} to {}, "
+                    "expected 0 to {}",
+                    path, d.doc_offsets.front(), d.doc_offsets.back(), ntok));
   for (uint64_t i = 0; i < docs; ++i)
     if (d.doc_offsets[i + 1] < d.doc_offsets[i])
       throw DataError(fmt::format("data: '{}' is corrupt: document offset {} decreases ({} -> {})",
@@ -79,7 +82,8 @@ TokenDocuments read_token_file(const std::string& path, int64_t vocab_size) {
     if (d.tokens[i] >= static_cast<uint64_t>(vocab_size))
       throw DataError(fmt::format("data: '{}': token {} at position {} is >= model.vocab_size {}",
                                   path, d.tokens[i], i, vocab_size));
-  if (ntok < 2) throw DataError(fmt::format("data: '{}' holds {} tokens; needs at least 2", path, ntok));
+  if (ntok < 2)
+    throw DataError(fmt::format("data: '{}' holds {} tokens; needs at least 2", path, ntok));
   return d;
 }
 

@@ -23,7 +23,7 @@ namespace mt {
 struct TokenDocuments {
   std::vector<uint64_t> doc_offsets;  // (docs + 1)
   std::vector<uint32_t> tokens;
-  std::vector<uint8_t> loss_mask;     // empty, or one per token
+  std::vector<uint8_t> loss_mask;  // empty, or one per token
   int64_t num_docs() const { return static_cast<int64_t>(doc_offsets.size()) - 1; }
 };
 

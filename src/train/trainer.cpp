@@ -25,7 +25,9 @@ double cpu_ghz() {
   return 2.5;
 }
 
-nlohmann::json finite_or_null(double v) { return std::isfinite(v) ? nlohmann::json(v) : nullptr; }
+nlohmann::json finite_or_null(double v) {
+  return std::isfinite(v) ? nlohmann::json(v) : nullptr;
+}
 
 void write_progress(int64_t step, int64_t total, const StepMetrics& m) {
   constexpr int kWidth = 30;
@@ -52,7 +54,8 @@ Trainer::Trainer(const Config& c, dist::Communicator* world) : cfg_(c), world_(w
            world_size(), c.parallel.world);
   if (world_) {
     mesh_ = std::make_unique<dist::DeviceMesh>(
-        *world_, dist::MeshShape{static_cast<int>(c.parallel.world), static_cast<int>(c.parallel.ep)},
+        *world_,
+        dist::MeshShape{static_cast<int>(c.parallel.world), static_cast<int>(c.parallel.ep)},
         c.model.n_experts);
   }
   model_ = std::make_unique<Qwen3Moe>(c.model, c.train.seed, mesh_.get());
@@ -158,11 +161,12 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
   }
   const ParamCounts pc = count_params(cfg_.model);
   if (is_rank0())
-    log::info("model: {} layers, dim {}, {} experts top-{}; {:.2f}M params ({:.2f}M active); "
-            "{} tokens/step; data floor {:.4f} nats, unigram {:.4f}",
-            cfg_.model.n_layers, cfg_.model.dim, cfg_.model.n_experts, cfg_.model.top_k,
-            pc.total / 1e6, pc.active / 1e6, t.tokens_per_step() * world_size(), stats_.loss_floor,
-            stats_.unigram_entropy);
+    log::info(
+        "model: {} layers, dim {}, {} experts top-{}; {:.2f}M params ({:.2f}M active); "
+        "{} tokens/step; data floor {:.4f} nats, unigram {:.4f}",
+        cfg_.model.n_layers, cfg_.model.dim, cfg_.model.n_experts, cfg_.model.top_k, pc.total / 1e6,
+        pc.active / 1e6, t.tokens_per_step() * world_size(), stats_.loss_floor,
+        stats_.unigram_entropy);
   std::vector<StepMetrics> all;
   bool first_line = true;
   while (step_ < last) {
@@ -170,10 +174,14 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
     all.push_back(m);
     maybe_inject_fault(world_ ? world_->rank() : 0, m.step);
     if (metrics.is_open()) {
-      nlohmann::ordered_json j{{"step", m.step},           {"loss", m.loss},
-                               {"aux_loss", m.aux_loss},   {"grad_norm", m.grad_norm},
-                               {"lr", m.lr},               {"tokens_per_s", m.tokens_per_s},
-                               {"mfu", m.mfu},             {"peak_bytes", m.peak_bytes}};
+      nlohmann::ordered_json j{{"step", m.step},
+                               {"loss", m.loss},
+                               {"aux_loss", m.aux_loss},
+                               {"grad_norm", m.grad_norm},
+                               {"lr", m.lr},
+                               {"tokens_per_s", m.tokens_per_s},
+                               {"mfu", m.mfu},
+                               {"peak_bytes", m.peak_bytes}};
       if (first_line) {
         j["loss_floor"] = finite_or_null(stats_.loss_floor);
         j["unigram_entropy"] = finite_or_null(stats_.unigram_entropy);
@@ -183,14 +191,15 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
     }
     if (opt.progress_bar && is_rank0()) write_progress(m.step, last, m);
     if (is_rank0() && (m.step % t.log_every == 0 || m.step == last))
-      log::info("step {:>5} | loss {:.4f} | aux {:.4f} | grad_norm {:.4f} | lr {:.3e} | "
-                "{:.0f} tok/s | mfu {:.2f}% | peak mem {:.1f} MiB",
-                m.step, m.loss, m.aux_loss, m.grad_norm, m.lr, m.tokens_per_s, 100 * m.mfu,
-                m.peak_bytes / 1048576.0);
+      log::info(
+          "step {:>5} | loss {:.4f} | aux {:.4f} | grad_norm {:.4f} | lr {:.3e} | "
+          "{:.0f} tok/s | mfu {:.2f}% | peak mem {:.1f} MiB",
+          m.step, m.loss, m.aux_loss, m.grad_norm, m.lr, m.tokens_per_s, 100 * m.mfu,
+          m.peak_bytes / 1048576.0);
     const bool at_interval = cfg_.checkpoint.every > 0 && m.step % cfg_.checkpoint.every == 0;
     if (!cfg_.checkpoint.dir.empty() && (at_interval || m.step == last)) {
-      const std::string path = save_checkpoint(cfg_.checkpoint.dir, *model_, *opt_,
-                                               {step_, data_->position()}, world_);
+      const std::string path =
+          save_checkpoint(cfg_.checkpoint.dir, *model_, *opt_, {step_, data_->position()}, world_);
       if (is_rank0()) log::info("checkpoint: {}", path);
     }
   }

@@ -15,12 +15,12 @@ namespace mt {
 
 struct StepMetrics {
   int64_t step = 0;
-  double loss = 0;        // mean cross-entropy over the step's counted tokens
-  double aux_loss = 0;    // mean over micro-batches of the summed per-layer aux losses
-  double grad_norm = 0;   // before clipping
+  double loss = 0;       // mean cross-entropy over the step's counted tokens
+  double aux_loss = 0;   // mean over micro-batches of the summed per-layer aux losses
+  double grad_norm = 0;  // before clipping
   double lr = 0;
   double tokens_per_s = 0;
-  double mfu = 0;         // model FLOPs / (time * peak)
+  double mfu = 0;  // model FLOPs / (time * peak)
   int64_t peak_bytes = 0;
 };
 

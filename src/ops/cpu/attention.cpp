@@ -25,8 +25,7 @@ AttnDims check_attention(const Tensor& q, const Tensor& k, const Tensor& v,
   MT_CHECK(d.kv > 0 && d.h % d.kv == 0, "query heads {} not a multiple of kv heads {}", d.h, d.kv);
   expect_dtype(cu_seqlens, DType::kI32, "cu_seqlens");
   const int32_t* cu = cu_seqlens.data<int32_t>();
-  MT_CHECK(d.docs >= 1 && cu[0] == 0 && cu[d.docs] == d.n, "cu_seqlens must run from 0 to {}",
-           d.n);
+  MT_CHECK(d.docs >= 1 && cu[0] == 0 && cu[d.docs] == d.n, "cu_seqlens must run from 0 to {}", d.n);
   for (int64_t s = 0; s < d.docs; ++s)
     MT_CHECK(cu[s] <= cu[s + 1], "cu_seqlens decreases at {}", s);
   return d;

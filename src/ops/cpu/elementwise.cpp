@@ -9,7 +9,9 @@
 
 namespace mt::ops {
 
-void add_(Tensor& a, const Tensor& b) { add(a, b, a); }
+void add_(Tensor& a, const Tensor& b) {
+  add(a, b, a);
+}
 
 void add(const Tensor& a, const Tensor& b, Tensor& out) {
   MT_CHECK(a.numel() == b.numel() && a.numel() == out.numel() && a.dtype() == b.dtype() &&

@@ -50,11 +50,11 @@ std::vector<T> transposed(const T* a, int64_t rows, int64_t cols) {
 
 }  // namespace
 
-void gemm(const Tensor& a, Transpose ta, const Tensor& b, Transpose tb, Tensor& c,
-          Accumulate acc) {
+void gemm(const Tensor& a, Transpose ta, const Tensor& b, Transpose tb, Tensor& c, Accumulate acc) {
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(a))
-    return cuda::gemm(a, ta == Transpose::kYes, b, tb == Transpose::kYes, c, acc == Accumulate::kYes);
+    return cuda::gemm(a, ta == Transpose::kYes, b, tb == Transpose::kYes, c,
+                      acc == Accumulate::kYes);
 #endif
   expect_cpu(a, "gemm a");
   MT_CHECK(a.ndim() == 2 && b.ndim() == 2 && c.ndim() == 2, "gemm needs 2-d tensors, got {} {} {}",

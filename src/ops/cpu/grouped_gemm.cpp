@@ -53,8 +53,8 @@ void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor
   for (int64_t e = 0; e < g.experts; ++e) {
     if (off[e + 1] == off[e]) continue;
     Tensor o = dx.slice_rows(off[e], off[e + 1]);
-    gemm(dy.slice_rows(off[e], off[e + 1]), Transpose::kNo, expert_weight(w, e), Transpose::kYes,
-         o, Accumulate::kNo);
+    gemm(dy.slice_rows(off[e], off[e + 1]), Transpose::kNo, expert_weight(w, e), Transpose::kYes, o,
+         Accumulate::kNo);
   }
 }
 

@@ -55,7 +55,8 @@ void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const T
                             const Tensor& lse, double grad_scale, Tensor& dlogits) {
   check_loss_inputs(logits, targets, mask);
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(logits)) return cuda::cross_entropy_backward(logits, targets, mask, lse, grad_scale, dlogits);
+  if (on_gpu(logits))
+    return cuda::cross_entropy_backward(logits, targets, mask, lse, grad_scale, dlogits);
 #endif
   const int64_t n = logits.dim(0), v = logits.dim(1);
   expect_shape(dlogits, logits.shape(), "dlogits");

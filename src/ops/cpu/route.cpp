@@ -19,7 +19,9 @@ void router_forward(const Tensor& logits, const Tensor& bias, const RouterOption
   MT_CHECK(k >= 1 && k <= e, "top_k {} outside [1, {}]", k, e);
   if (bias.defined()) expect_shape(bias, {e}, "router bias");
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(logits)) return cuda::router_forward(logits, bias, opt.top_k, opt.norm_topk_prob, opt.force_balanced, out);
+  if (on_gpu(logits))
+    return cuda::router_forward(logits, bias, opt.top_k, opt.norm_topk_prob, opt.force_balanced,
+                                out);
 #endif
   out.scores = Tensor::empty({n, e}, logits.dtype());
   out.expert_index = Tensor::empty({n, k}, DType::kI32);
@@ -85,8 +87,8 @@ double router_aux_loss(const AuxStats& s) {
   if (n == 0) return 0.0;
   double aux = 0;
   for (int64_t c = 0; c < e; ++c)
-    aux += static_cast<double>(s.tokens_per_expert.data<int64_t>()[c]) / n *
-           (s.score_sum.item(c) / n);
+    aux +=
+        static_cast<double>(s.tokens_per_expert.data<int64_t>()[c]) / n * (s.score_sum.item(c) / n);
   return aux * e;
 }
 

@@ -12,12 +12,18 @@ namespace mt::cuda {
 
 constexpr int kBlock = 256;  // threads per block for row-wise kernels (8 warps)
 
-__device__ __forceinline__ float to_float(float x) { return x; }
-__device__ __forceinline__ float to_float(__nv_bfloat16 x) { return __bfloat162float(x); }
+__device__ __forceinline__ float to_float(float x) {
+  return x;
+}
+__device__ __forceinline__ float to_float(__nv_bfloat16 x) {
+  return __bfloat162float(x);
+}
 template <class T>
 __device__ __forceinline__ T from_float(float x);
 template <>
-__device__ __forceinline__ float from_float<float>(float x) { return x; }
+__device__ __forceinline__ float from_float<float>(float x) {
+  return x;
+}
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);  // round to nearest even, as mt::to_bf16
@@ -51,8 +57,10 @@ __device__ __forceinline__ float block_max(float v) {
 // Calls f(T{}) with T the element type named by s.
 template <class F>
 void dispatch_storage(kernels::Storage s, F&& f) {
-  if (s == kernels::Storage::kF32) f(float{});
-  else f(__nv_bfloat16{});
+  if (s == kernels::Storage::kF32)
+    f(float{});
+  else
+    f(__nv_bfloat16{});
 }
 
 inline int grid_for(int64_t n, int block = kBlock) {

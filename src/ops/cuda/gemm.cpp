@@ -8,12 +8,12 @@
 #include "core/cuda_check.h"
 #include "ops/cuda/ops.h"
 
-#define MT_CUBLAS_CHECK(expr)                                                                  \
-  do {                                                                                         \
-    const cublasStatus_t mt_st_ = (expr);                                                      \
-    if (mt_st_ != CUBLAS_STATUS_SUCCESS)                                                       \
-      throw ::mt::Error(::mt::ExitCode::kInternal,                                             \
-                        fmt::format("cuBLAS error {} in {} at {}:{}",                          \
+#define MT_CUBLAS_CHECK(expr)                                                                     \
+  do {                                                                                            \
+    const cublasStatus_t mt_st_ = (expr);                                                         \
+    if (mt_st_ != CUBLAS_STATUS_SUCCESS)                                                          \
+      throw ::mt::Error(::mt::ExitCode::kInternal,                                                \
+                        fmt::format("cuBLAS error {} in {} at {}:{}",                             \
                                     cublasLtGetStatusString(mt_st_), #expr, __FILE__, __LINE__)); \
   } while (0)
 
@@ -39,9 +39,12 @@ Lt& lt() {
 
 cudaDataType_t cuda_type(DType t) {
   switch (t) {
-    case DType::kF32: return CUDA_R_32F;
-    case DType::kBF16: return CUDA_R_16BF;
-    default: MT_CHECK(false, "GPU gemm needs f32 or bf16, got {}", dtype_name(t));
+    case DType::kF32:
+      return CUDA_R_32F;
+    case DType::kBF16:
+      return CUDA_R_16BF;
+    default:
+      MT_CHECK(false, "GPU gemm needs f32 or bf16, got {}", dtype_name(t));
   }
 }
 
@@ -73,8 +76,10 @@ void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, bool ac
   // cuBLAS's A is our b, its B is our a (see the top of the file).
   const cublasOperation_t op_a = tb ? CUBLAS_OP_T : CUBLAS_OP_N;
   const cublasOperation_t op_b = ta ? CUBLAS_OP_T : CUBLAS_OP_N;
-  MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
-  MT_CUBLAS_CHECK(cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
+  MT_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
+  MT_CUBLAS_CHECK(
+      cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
   const cudaDataType_t in = cuda_type(a.dtype()), out = cuda_type(c.dtype());
   const Layout la(in, tb ? k : n, tb ? n : k, tb ? k : n);
   const Layout lb(in, ta ? m : k, ta ? k : m, ta ? m : k);
@@ -82,13 +87,14 @@ void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, bool ac
   cublasLtMatmulPreference_t pref = nullptr;
   MT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const size_t ws = kWorkspaceBytes;
-  MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES,
-                                                       &ws, sizeof(ws)));
+  MT_CUBLAS_CHECK(cublasLtMatmulPreferenceSetAttribute(
+      pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
   cublasLtMatmulHeuristicResult_t heur{};
   int found = 0;
   MT_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt().handle, op, la.desc, lb.desc, lc.desc,
                                                  lc.desc, pref, 1, &heur, &found));
-  MT_CHECK(found > 0, "cuBLASLt has no algorithm for {}x{}x{} ({})", m, n, k, dtype_name(a.dtype()));
+  MT_CHECK(found > 0, "cuBLASLt has no algorithm for {}x{}x{} ({})", m, n, k,
+           dtype_name(a.dtype()));
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   MT_CUBLAS_CHECK(cublasLtMatmul(lt().handle, op, &alpha, b.raw(), la.desc, a.raw(), lb.desc, &beta,
                                  c.raw(), lc.desc, c.raw(), lc.desc, &heur.algo, lt().workspace, ws,

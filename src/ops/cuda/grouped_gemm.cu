@@ -15,21 +15,22 @@ using namespace nvcuda;
 using bf16 = __nv_bfloat16;
 
 constexpr int kBM = 128, kBN = 128, kBK = 32;
-constexpr int kThreads = 256;          // 8 warps: 2 along M x 4 along N, each 64 x 32
-constexpr int kPad = 8;                // bf16 elements of row padding against bank conflicts
-constexpr int kVec = 8;                // bf16 per 16-byte load
+constexpr int kThreads = 256;  // 8 warps: 2 along M x 4 along N, each 64 x 32
+constexpr int kPad = 8;        // bf16 elements of row padding against bank conflicts
+constexpr int kVec = 8;        // bf16 per 16-byte load
 
 struct Smem {
-  bf16 a[kBM * (kBK + kPad)];          // A tile: row-major (m, k), or col-major (k, m) for dW
-  bf16 b[kBN * (kBK + kPad) > kBK * (kBN + kPad) ? kBN * (kBK + kPad) : kBK * (kBN + kPad)];
-  float stage[8][16 * 16];             // per-warp epilogue staging of one fragment
+  bf16 a[kBM * (kBK + kPad)];  // A tile: row-major (m, k), or col-major (k, m) for dW
+  bf16 b[kBN * (kBK + kPad) > kBK*(kBN + kPad) ? kBN*(kBK + kPad) : kBK*(kBN + kPad)];
+  float stage[8][16 * 16];  // per-warp epilogue staging of one fragment
 };
 static_assert(sizeof(Smem) <= 48 * 1024, "static shared memory limit");
 
 // Copies a tile of `rows` x `cols` (cols contiguous in global memory) into shared memory at
 // dst[r * dst_ld + c]; rows at or past row_end and cols at or past col_end read as zero.
 __device__ void load_tile(const bf16* src, int64_t src_ld, int64_t row0, int64_t row_end,
-                          int64_t col0, int64_t col_end, bf16* dst, int dst_ld, int rows, int cols) {
+                          int64_t col0, int64_t col_end, bf16* dst, int dst_ld, int rows,
+                          int cols) {
   const int vecs_per_row = cols / kVec;
   for (int v = threadIdx.x; v < rows * vecs_per_row; v += kThreads) {
     const int r = v / vecs_per_row, c = (v % vecs_per_row) * kVec;
@@ -43,9 +44,8 @@ __device__ void load_tile(const bf16* src, int64_t src_ld, int64_t row0, int64_t
 // Writes one 16x16 fp32 fragment to out (ld out_ld) at (row0, col0) within the bounds,
 // converting to bf16 or keeping f32, adding the old value when accumulating.
 __device__ void store_fragment(const wmma::fragment<wmma::accumulator, 16, 16, 16, float>& acc,
-                               float* stage, void* out, bool out_f32, int64_t out_ld,
-                               int64_t row0, int64_t row_end, int64_t col0, int64_t col_end,
-                               bool accumulate) {
+                               float* stage, void* out, bool out_f32, int64_t out_ld, int64_t row0,
+                               int64_t row_end, int64_t col0, int64_t col_end, bool accumulate) {
   wmma::store_matrix_sync(stage, acc, 16, wmma::mem_row_major);
   __syncwarp();
   const int lane = threadIdx.x % 32;
@@ -82,9 +82,9 @@ __device__ bool find_row_tile(const int64_t* offsets, int experts, int64_t tile,
 
 // out rows of expert e = a rows @ B_e, where B_e is w[e] (k x n, row-major) or, with
 // b_transposed, w[e]^T for w[e] stored (n x k) row-major.
-__global__ void __launch_bounds__(kThreads) grouped_rows_kernel(
-    const bf16* a, const bf16* w, const int64_t* offsets, int experts, int64_t k, int64_t n,
-    bool b_transposed, void* out, bool out_f32) {
+__global__ void __launch_bounds__(kThreads)
+    grouped_rows_kernel(const bf16* a, const bf16* w, const int64_t* offsets, int experts,
+                        int64_t k, int64_t n, bool b_transposed, void* out, bool out_f32) {
   __shared__ Smem s;
   int e;
   int64_t row0, row_end;
@@ -101,7 +101,7 @@ __global__ void __launch_bounds__(kThreads) grouped_rows_kernel(
     load_tile(a, k, row0, row_end, k0, k, s.a, kBK + kPad, kBM, kBK);
     if (!b_transposed)  // B (k, n) row-major: tile rows k0.., cols col0..
       load_tile(we, n, k0, k, col0, n, s.b, kBN + kPad, kBK, kBN);
-    else                // B = w^T, w (n, k): tile stored col-major as (col, k)
+    else  // B = w^T, w (n, k): tile stored col-major as (col, k)
       load_tile(we, k, col0, n, k0, k, s.b, kBK + kPad, kBN, kBK);
     __syncthreads();
     for (int kk = 0; kk < kBK; kk += 16) {
@@ -130,9 +130,9 @@ __global__ void __launch_bounds__(kThreads) grouped_rows_kernel(
 }
 
 // dw[e] (k x n) += x_e^T (k x rows) @ dy_e (rows x n): the reduction runs over the expert's rows.
-__global__ void __launch_bounds__(kThreads) grouped_weight_kernel(
-    const bf16* x, const bf16* dy, const int64_t* offsets, int64_t k, int64_t n, void* dw,
-    bool out_f32) {
+__global__ void __launch_bounds__(kThreads)
+    grouped_weight_kernel(const bf16* x, const bf16* dy, const int64_t* offsets, int64_t k,
+                          int64_t n, void* dw, bool out_f32) {
   __shared__ Smem s;
   const int e = blockIdx.z;
   const int64_t begin = offsets[e], end = offsets[e + 1];
@@ -160,8 +160,9 @@ __global__ void __launch_bounds__(kThreads) grouped_weight_kernel(
     }
     __syncthreads();
   }
-  void* dwe = out_f32 ? static_cast<void*>(static_cast<float*>(dw) + static_cast<int64_t>(e) * k * n)
-                      : static_cast<void*>(static_cast<bf16*>(dw) + static_cast<int64_t>(e) * k * n);
+  void* dwe = out_f32
+                  ? static_cast<void*>(static_cast<float*>(dw) + static_cast<int64_t>(e) * k * n)
+                  : static_cast<void*>(static_cast<bf16*>(dw) + static_cast<int64_t>(e) * k * n);
   for (int i = 0; i < 4; ++i)
     for (int j = 0; j < 2; ++j)
       store_fragment(acc[i][j], s.stage[warp], dwe, out_f32, n, m0 + wm * 64 + i * 16, k,
@@ -187,9 +188,8 @@ cudaError_t grouped_gemm_weight(const void* x, const void* dy, const int64_t* of
                                 int64_t k, int64_t n, void* dw, bool out_f32, cudaStream_t stream) {
   if (k == 0 || n == 0 || experts == 0) return cudaSuccess;
   const dim3 grid((n + kBN - 1) / kBN, (k + kBM - 1) / kBM, experts);
-  grouped_weight_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const bf16*>(x),
-                                                       static_cast<const bf16*>(dy), offsets, k, n,
-                                                       dw, out_f32);
+  grouped_weight_kernel<<<grid, kThreads, 0, stream>>>(
+      static_cast<const bf16*>(x), static_cast<const bf16*>(dy), offsets, k, n, dw, out_f32);
   return cudaGetLastError();
 }
 

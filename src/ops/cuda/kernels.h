@@ -17,8 +17,8 @@ int rmsnorm_chunks(int64_t n);
 cudaError_t rmsnorm_backward(Storage s, const void* x, const void* w, const float* rstd,
                              const void* dy, void* dx, void* dw, float* partial, int64_t n,
                              int64_t d, cudaStream_t stream);
-cudaError_t rope(Storage s, const void* x, const int32_t* pos, double theta, int direction,
-                 void* y, int64_t n, int64_t heads, int64_t head_dim, cudaStream_t stream);
+cudaError_t rope(Storage s, const void* x, const int32_t* pos, double theta, int direction, void* y,
+                 int64_t n, int64_t heads, int64_t head_dim, cudaStream_t stream);
 cudaError_t swiglu_forward(Storage s, const void* h, void* a, int64_t m, int64_t f,
                            cudaStream_t stream);
 cudaError_t swiglu_backward(Storage s, const void* h, const void* da, void* dh, int64_t m,

@@ -50,8 +50,8 @@ cudaError_t cross_entropy_forward(Storage st, const void* logits, const int32_t*
   if (n == 0) return cudaSuccess;
   dispatch_storage(st, [&](auto tag) {
     using T = decltype(tag);
-    cross_entropy_forward_kernel<T><<<n, kBlock, 0, stream>>>(static_cast<const T*>(logits),
-                                                              targets, mask, lse, loss, v);
+    cross_entropy_forward_kernel<T>
+        <<<n, kBlock, 0, stream>>>(static_cast<const T*>(logits), targets, mask, lse, loss, v);
   });
   return cudaGetLastError();
 }

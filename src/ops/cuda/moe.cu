@@ -210,7 +210,9 @@ cudaError_t router_forward(const float* logits, const float* bias, int64_t n, in
   return cudaGetLastError();
 }
 
-size_t column_sum_workspace(int e) { return sizeof(float) * kSumChunks * e; }
+size_t column_sum_workspace(int e) {
+  return sizeof(float) * kSumChunks * e;
+}
 
 cudaError_t column_sum(const float* scores, int64_t n, int e, float* partial, float* out,
                        cudaStream_t stream) {
@@ -224,16 +226,17 @@ cudaError_t router_backward(const float* scores, const int32_t* index, const flo
                             const int64_t* counts, double aux_scale, int64_t n, int e, int k,
                             bool norm_topk, float* dlogits, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  router_backward_kernel<<<(n + 127) / 128, 128, 0, stream>>>(scores, index, dweight, counts,
-                                                              aux_scale, n, e, k, norm_topk,
-                                                              dlogits);
+  router_backward_kernel<<<(n + 127) / 128, 128, 0, stream>>>(
+      scores, index, dweight, counts, aux_scale, n, e, k, norm_topk, dlogits);
   return cudaGetLastError();
 }
 
 // Workspace layout: counts i64 (e, rounded to 256 B) | choice, keys_out, choice_out i32 (m each,
 // each rounded to 256 B) | CUB's radix-sort scratch.
 namespace {
-size_t round256(size_t b) { return (b + 255) / 256 * 256; }
+size_t round256(size_t b) {
+  return (b + 255) / 256 * 256;
+}
 }  // namespace
 
 size_t permutation_workspace(int64_t m, int e) {
@@ -254,7 +257,8 @@ cudaError_t expert_permutation(const int32_t* expert_index, int64_t m, int k, in
   auto* keys_out = reinterpret_cast<int32_t*>(p + round256(sizeof(int32_t) * m));
   auto* choice_out = reinterpret_cast<int32_t*>(p + 2 * round256(sizeof(int32_t) * m));
   void* sort_ws = p + 3 * round256(sizeof(int32_t) * m);
-  size_t sort_bytes = workspace_bytes - (static_cast<char*>(sort_ws) - static_cast<char*>(workspace));
+  size_t sort_bytes =
+      workspace_bytes - (static_cast<char*>(sort_ws) - static_cast<char*>(workspace));
   if (cudaError_t err = cudaMemsetAsync(counts, 0, sizeof(int64_t) * e, stream); err != cudaSuccess)
     return err;
   if (m > 0) histogram_kernel<<<(m + 255) / 256, 256, 0, stream>>>(expert_index, m, counts);
@@ -264,9 +268,9 @@ cudaError_t expert_permutation(const int32_t* expert_index, int64_t m, int k, in
   int bits = 1;
   while ((1 << bits) < e) ++bits;
   // LSD radix sort is stable: within an expert, choices stay in token order.
-  if (cudaError_t err = cub::DeviceRadixSort::SortPairs(sort_ws, sort_bytes, expert_index, keys_out,
-                                                        choice, choice_out, static_cast<int>(m), 0,
-                                                        bits, stream);
+  if (cudaError_t err =
+          cub::DeviceRadixSort::SortPairs(sort_ws, sort_bytes, expert_index, keys_out, choice,
+                                          choice_out, static_cast<int>(m), 0, bits, stream);
       err != cudaSuccess)
     return err;
   permutation_kernel<<<(m + 255) / 256, 256, 0, stream>>>(choice_out, m, k, source_token,
@@ -291,9 +295,8 @@ cudaError_t weighted_sum_rows(Storage s, const void* rows, const int32_t* row_of
   if (tokens == 0) return cudaSuccess;
   dispatch_storage(s, [&](auto tag) {
     using T = decltype(tag);
-    weighted_sum_kernel<T><<<tokens, kBlock, 0, stream>>>(static_cast<const T*>(rows),
-                                                          row_of_choice, scale, k,
-                                                          static_cast<T*>(out), width);
+    weighted_sum_kernel<T><<<tokens, kBlock, 0, stream>>>(
+        static_cast<const T*>(rows), row_of_choice, scale, k, static_cast<T*>(out), width);
   });
   return cudaGetLastError();
 }
@@ -314,21 +317,21 @@ cudaError_t combine_backward(Storage s, const void* dout, const void* y,
 cudaError_t convert(Storage from, const void* src, void* dst, int64_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   if (from == Storage::kF32)
-    convert_kernel_f32_bf16<<<grid_for(n), kBlock, 0, stream>>>(static_cast<const float*>(src),
-                                                               static_cast<__nv_bfloat16*>(dst), n);
+    convert_kernel_f32_bf16<<<grid_for(n), kBlock, 0, stream>>>(
+        static_cast<const float*>(src), static_cast<__nv_bfloat16*>(dst), n);
   else
     convert_kernel_bf16_f32<<<grid_for(n), kBlock, 0, stream>>>(
         static_cast<const __nv_bfloat16*>(src), static_cast<float*>(dst), n);
   return cudaGetLastError();
 }
 
-cudaError_t add(Storage s, const void* a, const void* b, void* out, int64_t n, cudaStream_t stream) {
+cudaError_t add(Storage s, const void* a, const void* b, void* out, int64_t n,
+                cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   dispatch_storage(s, [&](auto tag) {
     using T = decltype(tag);
-    add_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(static_cast<const T*>(a),
-                                                      static_cast<const T*>(b),
-                                                      static_cast<T*>(out), n);
+    add_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(
+        static_cast<const T*>(a), static_cast<const T*>(b), static_cast<T*>(out), n);
   });
   return cudaGetLastError();
 }

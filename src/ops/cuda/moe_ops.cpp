@@ -12,7 +12,9 @@ kernels::Storage storage(const Tensor& t) {
   MT_CHECK(t.dtype() == DType::kF32 || t.dtype() == DType::kBF16, "MoE rows must be f32 or bf16");
   return t.dtype() == DType::kF32 ? kernels::Storage::kF32 : kernels::Storage::kBF16;
 }
-Tensor gpu_empty(const Shape& s, DType d) { return Tensor::empty(s, d, Device::kCUDA); }
+Tensor gpu_empty(const Shape& s, DType d) {
+  return Tensor::empty(s, d, Device::kCUDA);
+}
 }  // namespace
 
 void router_forward(const Tensor& logits, const Tensor& bias, int top_k, bool norm_topk,
@@ -24,10 +26,9 @@ void router_forward(const Tensor& logits, const Tensor& bias, int top_k, bool no
   out.expert_weight = gpu_empty({n, top_k}, DType::kF32);
   out.tokens_per_expert = gpu_empty({e}, DType::kI64);
   MT_CUDA_CHECK(kernels::router_forward(
-      logits.data<float>(), bias.defined() ? bias.data<float>() : nullptr, n,
-      static_cast<int>(e), top_k, norm_topk, balanced, out.scores.data<float>(),
-      out.expert_index.data<int32_t>(), out.expert_weight.data<float>(),
-      out.tokens_per_expert.data<int64_t>(), nullptr));
+      logits.data<float>(), bias.defined() ? bias.data<float>() : nullptr, n, static_cast<int>(e),
+      top_k, norm_topk, balanced, out.scores.data<float>(), out.expert_index.data<int32_t>(),
+      out.expert_weight.data<float>(), out.tokens_per_expert.data<int64_t>(), nullptr));
 }
 
 ops::AuxStats router_aux_stats(const ops::Routing& r) {
@@ -79,11 +80,10 @@ void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst) {
 
 void weighted_sum_rows(const Tensor& rows, const Tensor& row_of_choice, const Tensor* scale,
                        int64_t k, Tensor& out) {
-  MT_CHECK(rows.dtype() == out.dtype(), "weighted sum of {} rows into {}",
-           dtype_name(rows.dtype()), dtype_name(out.dtype()));
+  MT_CHECK(rows.dtype() == out.dtype(), "weighted sum of {} rows into {}", dtype_name(rows.dtype()),
+           dtype_name(out.dtype()));
   if (scale) expect_dtype(*scale, DType::kF32, "combine weights (GPU: f32)");
-  MT_CUDA_CHECK(kernels::weighted_sum_rows(storage(rows), rows.raw(),
-                                           row_of_choice.data<int32_t>(),
+  MT_CUDA_CHECK(kernels::weighted_sum_rows(storage(rows), rows.raw(), row_of_choice.data<int32_t>(),
                                            scale ? scale->data<float>() : nullptr, out.dim(0),
                                            static_cast<int>(k), out.raw(), out.dim(1), nullptr));
 }
@@ -94,14 +94,14 @@ void combine_backward(const Tensor& dout, const Tensor& yp, const Tensor& row_of
   expect_dtype(dweight, DType::kF32, "combine dweight (GPU: f32)");
   MT_CUDA_CHECK(kernels::combine_backward(storage(yp), dout.raw(), yp.raw(),
                                           row_of_choice.data<int32_t>(), weight.data<float>(),
-                                          weight.dim(0), static_cast<int>(weight.dim(1)),
-                                          dyp.raw(), dweight.data<float>(), yp.dim(1), nullptr));
+                                          weight.dim(0), static_cast<int>(weight.dim(1)), dyp.raw(),
+                                          dweight.data<float>(), yp.dim(1), nullptr));
 }
 
 void convert(const Tensor& src, Tensor& dst) {
-  MT_CHECK(src.numel() == dst.numel() && src.dtype() != dst.dtype(),
-           "convert of {} {} into {} {}", dtype_name(src.dtype()), shape_str(src.shape()),
-           dtype_name(dst.dtype()), shape_str(dst.shape()));
+  MT_CHECK(src.numel() == dst.numel() && src.dtype() != dst.dtype(), "convert of {} {} into {} {}",
+           dtype_name(src.dtype()), shape_str(src.shape()), dtype_name(dst.dtype()),
+           shape_str(dst.shape()));
   storage(dst);
   MT_CUDA_CHECK(kernels::convert(storage(src), src.raw(), dst.raw(), src.numel(), nullptr));
 }

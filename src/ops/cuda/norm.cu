@@ -36,7 +36,8 @@ __global__ void rmsnorm_dx_kernel(const T* x, const T* w, const float* rstd, con
   const float mean = block_sum(dot) / static_cast<float>(d);
   for (int64_t c = threadIdx.x; c < d; c += blockDim.x) {
     const float xv = to_float(x[row * d + c]);
-    dx[row * d + c] = from_float<T>(r * (to_float(dy[row * d + c]) * to_float(w[c]) - xv * r * mean));
+    dx[row * d + c] =
+        from_float<T>(r * (to_float(dy[row * d + c]) * to_float(w[c]) - xv * r * mean));
   }
 }
 
@@ -49,7 +50,8 @@ __global__ void rmsnorm_dw_partial_kernel(const T* x, const float* rstd, const T
   const int64_t rows = (n + gridDim.y - 1) / gridDim.y;
   const int64_t begin = blockIdx.y * rows, end = min(n, begin + rows);
   float s = 0.f;
-  for (int64_t i = begin; i < end; ++i) s += to_float(dy[i * d + c]) * to_float(x[i * d + c]) * rstd[i];
+  for (int64_t i = begin; i < end; ++i)
+    s += to_float(dy[i * d + c]) * to_float(x[i * d + c]) * rstd[i];
   partial[blockIdx.y * d + c] = s;
 }
 
@@ -66,16 +68,17 @@ __global__ void rmsnorm_dw_sum_kernel(const float* partial, int chunks, T* dw, i
 
 namespace kernels {
 
-int rmsnorm_chunks(int64_t n) { return static_cast<int>(std::min<int64_t>(kRowChunks, std::max<int64_t>(n, 1))); }
+int rmsnorm_chunks(int64_t n) {
+  return static_cast<int>(std::min<int64_t>(kRowChunks, std::max<int64_t>(n, 1)));
+}
 
 cudaError_t rmsnorm_forward(Storage st, const void* x, const void* w, float eps, void* y,
                             float* rstd, int64_t n, int64_t d, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   dispatch_storage(st, [&](auto tag) {
     using T = decltype(tag);
-    rmsnorm_forward_kernel<T><<<n, kBlock, 0, stream>>>(static_cast<const T*>(x),
-                                                        static_cast<const T*>(w), eps,
-                                                        static_cast<T*>(y), rstd, d);
+    rmsnorm_forward_kernel<T><<<n, kBlock, 0, stream>>>(
+        static_cast<const T*>(x), static_cast<const T*>(w), eps, static_cast<T*>(y), rstd, d);
   });
   return cudaGetLastError();
 }
@@ -89,12 +92,12 @@ cudaError_t rmsnorm_backward(Storage st, const void* x, const void* w, const flo
     using T = decltype(tag);
     const T* xp = static_cast<const T*>(x);
     const T* dyp = static_cast<const T*>(dy);
-    rmsnorm_dx_kernel<T><<<n, kBlock, 0, stream>>>(xp, static_cast<const T*>(w), rstd, dyp,
-                                                   static_cast<T*>(dx), d);
+    rmsnorm_dx_kernel<T>
+        <<<n, kBlock, 0, stream>>>(xp, static_cast<const T*>(w), rstd, dyp, static_cast<T*>(dx), d);
     const dim3 grid((d + kBlock - 1) / kBlock, chunks);
     rmsnorm_dw_partial_kernel<T><<<grid, kBlock, 0, stream>>>(xp, rstd, dyp, partial, n, d);
-    rmsnorm_dw_sum_kernel<T><<<(d + kBlock - 1) / kBlock, kBlock, 0, stream>>>(
-        partial, chunks, static_cast<T*>(dw), d);
+    rmsnorm_dw_sum_kernel<T>
+        <<<(d + kBlock - 1) / kBlock, kBlock, 0, stream>>>(partial, chunks, static_cast<T*>(dw), d);
   });
   return cudaGetLastError();
 }

@@ -14,16 +14,19 @@ namespace {
 kernels::Storage storage_of(const Tensor& t, const char* name) {
   MT_CHECK(t.device() == Device::kCUDA, "{} must be on the GPU", name);
   switch (t.dtype()) {
-    case DType::kF32: return kernels::Storage::kF32;
-    case DType::kBF16: return kernels::Storage::kBF16;
-    default: MT_CHECK(false, "{} must be f32 or bf16 on the GPU, got {}", name, dtype_name(t.dtype()));
+    case DType::kF32:
+      return kernels::Storage::kF32;
+    case DType::kBF16:
+      return kernels::Storage::kBF16;
+    default:
+      MT_CHECK(false, "{} must be f32 or bf16 on the GPU, got {}", name, dtype_name(t.dtype()));
   }
 }
 
 void same_storage_type(const Tensor& a, const Tensor& b, const char* name) {
-  MT_CHECK(a.dtype() == b.dtype() && b.device() == Device::kCUDA, "{} is {} on {}, expected {} on the GPU",
-           name, dtype_name(b.dtype()), b.device() == Device::kCUDA ? "the GPU" : "the CPU",
-           dtype_name(a.dtype()));
+  MT_CHECK(a.dtype() == b.dtype() && b.device() == Device::kCUDA,
+           "{} is {} on {}, expected {} on the GPU", name, dtype_name(b.dtype()),
+           b.device() == Device::kCUDA ? "the GPU" : "the CPU", dtype_name(a.dtype()));
 }
 
 }  // namespace
@@ -37,9 +40,9 @@ void check_grouped(std::initializer_list<const Tensor*> bf16_operands, const Ten
     expect_dtype(*t, DType::kBF16, "grouped gemm operand (GPU v1 is bf16)");
     MT_CHECK(t->device() == Device::kCUDA, "grouped gemm operands must be on the GPU");
   }
-  MT_CHECK(out.device() == Device::kCUDA &&
-               (out.dtype() == DType::kBF16 || out.dtype() == DType::kF32),
-           "grouped gemm output must be bf16 or f32 on the GPU");
+  MT_CHECK(
+      out.device() == Device::kCUDA && (out.dtype() == DType::kBF16 || out.dtype() == DType::kF32),
+      "grouped gemm output must be bf16 or f32 on the GPU");
   expect_dtype(offsets, DType::kI64, "expert offsets");
   MT_CHECK(offsets.device() == Device::kCUDA && offsets.numel() == experts + 1,
            "expert offsets must be {} i64 on the GPU", experts + 1);
@@ -129,8 +132,8 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, Tensor& y, Te
   same_storage_type(x, w, "rmsnorm weight");
   same_storage_type(x, y, "rmsnorm y");
   MT_CUDA_CHECK(kernels::rmsnorm_forward(storage_of(x, "rmsnorm x"), x.raw(), w.raw(),
-                                         static_cast<float>(eps), y.raw(), rstd.data<float>(), n,
-                                         d, nullptr));
+                                         static_cast<float>(eps), y.raw(), rstd.data<float>(), n, d,
+                                         nullptr));
 }
 
 void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy,
@@ -158,7 +161,8 @@ void swiglu_forward(const Tensor& h, Tensor& a) {
   const int64_t m = h.dim(0), f = h.dim(1) / 2;
   expect_shape(a, {m, f}, "swiglu out");
   same_storage_type(h, a, "swiglu out");
-  MT_CUDA_CHECK(kernels::swiglu_forward(storage_of(h, "swiglu h"), h.raw(), a.raw(), m, f, nullptr));
+  MT_CUDA_CHECK(
+      kernels::swiglu_forward(storage_of(h, "swiglu h"), h.raw(), a.raw(), m, f, nullptr));
 }
 
 void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh) {
@@ -167,8 +171,8 @@ void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh) {
   expect_shape(dh, h.shape(), "swiglu dh");
   same_storage_type(h, da, "swiglu da");
   same_storage_type(h, dh, "swiglu dh");
-  MT_CUDA_CHECK(kernels::swiglu_backward(storage_of(h, "swiglu h"), h.raw(), da.raw(), dh.raw(),
-                                         m, f, nullptr));
+  MT_CUDA_CHECK(kernels::swiglu_backward(storage_of(h, "swiglu h"), h.raw(), da.raw(), dh.raw(), m,
+                                         f, nullptr));
 }
 
 double cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
@@ -205,9 +209,11 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, double 
   }
   const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
   const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
-  const kernels::AdamWScalars s{static_cast<float>(beta1), static_cast<float>(beta2),
+  const kernels::AdamWScalars s{static_cast<float>(beta1),
+                                static_cast<float>(beta2),
                                 static_cast<float>(1.0 - lr * weight_decay),
-                                static_cast<float>(lr / bc1), static_cast<float>(std::sqrt(bc2)),
+                                static_cast<float>(lr / bc1),
+                                static_cast<float>(std::sqrt(bc2)),
                                 static_cast<float>(eps)};
   MT_CUDA_CHECK(kernels::adamw(param.data<float>(), grad.data<float>(), m.data<float>(),
                                v.data<float>(), s, n, nullptr));

@@ -6,8 +6,8 @@ namespace mt::cuda {
 
 namespace {
 
-__global__ void adamw_kernel(float* p, const float* g, float* m, float* v,
-                             kernels::AdamWScalars s, int64_t n) {
+__global__ void adamw_kernel(float* p, const float* g, float* m, float* v, kernels::AdamWScalars s,
+                             int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
     const float gi = g[i];

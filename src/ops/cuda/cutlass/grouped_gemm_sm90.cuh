@@ -49,7 +49,7 @@ struct Config {
   using ElementIn = cutlass::bfloat16_t;
   using ElementOutput = ElementOut;
   using LayoutC = cutlass::layout::RowMajor;
-  static constexpr int kAlignIn = 8;                                  // 16 bytes of bf16
+  static constexpr int kAlignIn = 8;  // 16 bytes of bf16
   static constexpr int kAlignOut = 16 / sizeof(ElementOut);
   using TileShape = Tile;
   using ClusterShape = Cluster;
@@ -62,10 +62,10 @@ struct Config {
       kAlignOut, ElementOut, LayoutC*, kAlignOut, EpilogueSchedule,
       cutlass::epilogue::fusion::LinearCombination<ElementOut, float>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn, LayoutA*, kAlignIn,
-      ElementIn, LayoutB*, kAlignIn, float, TileShape, ClusterShape,
-      cutlass::gemm::collective::StageCountAutoCarveout<
-          static_cast<int>(sizeof(typename Epilogue::SharedStorage))>,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn, LayoutA*, kAlignIn, ElementIn,
+      LayoutB*, kAlignIn, float, TileShape, ClusterShape,
+      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
+          sizeof(typename Epilogue::SharedStorage))>,
       KernelSchedule>::CollectiveOp;
   using Kernel = cutlass::gemm::kernel::GemmUniversal<ProblemShape, Mainloop, Epilogue>;
   using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
@@ -92,8 +92,8 @@ struct GroupArrays {
 
 template <Product P, class C>
 __global__ void fill_group_arrays(GroupArrays<C> g, const int64_t* offsets, int experts,
-                                  const void* lhs, const void* rhs, void* out, int64_t k,
-                                  int64_t n, typename C::StrideA sa, typename C::StrideB sb,
+                                  const void* lhs, const void* rhs, void* out, int64_t k, int64_t n,
+                                  typename C::StrideA sa, typename C::StrideB sb,
                                   typename C::StrideC sc) {
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= experts) return;
@@ -103,12 +103,14 @@ __global__ void fill_group_arrays(GroupArrays<C> g, const int64_t* offsets, int 
   const In* r = static_cast<const In*>(rhs);
   auto* o = static_cast<typename C::ElementOutput*>(out);
   if constexpr (P == Product::kForward) {  // lhs = x (m, k), rhs = w (E, k, n), out (m, n)
-    g.shapes[e] = typename C::Shape3(static_cast<int>(rows), static_cast<int>(n), static_cast<int>(k));
+    g.shapes[e] =
+        typename C::Shape3(static_cast<int>(rows), static_cast<int>(n), static_cast<int>(k));
     g.a[e] = l + row0 * k;
     g.b[e] = r + e * k * n;
     g.d[e] = o + row0 * n;
   } else if constexpr (P == Product::kInputGradient) {  // lhs = dy (m, n), rhs = w, out dx (m, k)
-    g.shapes[e] = typename C::Shape3(static_cast<int>(rows), static_cast<int>(k), static_cast<int>(n));
+    g.shapes[e] =
+        typename C::Shape3(static_cast<int>(rows), static_cast<int>(k), static_cast<int>(n));
     g.a[e] = l + row0 * n;
     g.b[e] = r + e * k * n;
     g.d[e] = o + row0 * k;
@@ -131,7 +133,8 @@ template <class C>
 size_t array_bytes(int experts) {
   auto round = [](size_t b) { return (b + 255) / 256 * 256; };
   return round(sizeof(typename C::Shape3) * experts) + 4 * round(sizeof(void*) * experts) +
-         round(sizeof(typename C::StrideA) * experts) + round(sizeof(typename C::StrideB) * experts) +
+         round(sizeof(typename C::StrideA) * experts) +
+         round(sizeof(typename C::StrideB) * experts) +
          2 * round(sizeof(typename C::StrideC) * experts);
 }
 
@@ -203,7 +206,7 @@ cudaError_t run(const int64_t* offsets, int experts, const void* lhs, const void
   char* base = static_cast<char*>(workspace);
   const auto args = make_arguments<P, C>(base, experts, g);
   fill_group_arrays<P, C><<<(experts + 127) / 128, 128, 0, stream>>>(g, offsets, experts, lhs, rhs,
-                                                                    out, k, n, sa, sb, sc);
+                                                                     out, k, n, sa, sb, sc);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   typename C::Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;

@@ -5,9 +5,10 @@
 namespace mt::cuda::kernels {
 
 namespace {
-using C = grouped_sm90::Config<cutlass::layout::RowMajor, cutlass::layout::RowMajor, cutlass::bfloat16_t>;
+using C =
+    grouped_sm90::Config<cutlass::layout::RowMajor, cutlass::layout::RowMajor, cutlass::bfloat16_t>;
 using P = std::integral_constant<grouped_sm90::Product, grouped_sm90::Product::kForward>;
-}
+}  // namespace
 
 size_t cutlass_grouped_forward_workspace(int experts) {
   return grouped_sm90::workspace_bytes<P::value, C>(experts);

@@ -5,17 +5,19 @@
 namespace mt::cuda::kernels {
 
 namespace {
-using C = grouped_sm90::Config<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor, cutlass::bfloat16_t>;
+using C = grouped_sm90::Config<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor,
+                               cutlass::bfloat16_t>;
 using P = std::integral_constant<grouped_sm90::Product, grouped_sm90::Product::kInputGradient>;
-}
+}  // namespace
 
 size_t cutlass_grouped_input_gradient_workspace(int experts) {
   return grouped_sm90::workspace_bytes<P::value, C>(experts);
 }
 
 cudaError_t cutlass_grouped_input_gradient(const int64_t* offsets, int experts, const void* lhs,
-                                    const void* rhs, void* out, int64_t m, int64_t k, int64_t n,
-                                    void* workspace, size_t workspace_size, cudaStream_t stream) {
+                                           const void* rhs, void* out, int64_t m, int64_t k,
+                                           int64_t n, void* workspace, size_t workspace_size,
+                                           cudaStream_t stream) {
   return grouped_sm90::run<P::value, C>(offsets, experts, lhs, rhs, out, m, k, n, workspace,
                                         workspace_size, stream);
 }

@@ -7,15 +7,16 @@ namespace mt::cuda::kernels {
 namespace {
 using C = grouped_sm90::Config<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, float>;
 using P = std::integral_constant<grouped_sm90::Product, grouped_sm90::Product::kWeightGradient>;
-}
+}  // namespace
 
 size_t cutlass_grouped_weight_gradient_workspace(int experts) {
   return grouped_sm90::workspace_bytes<P::value, C>(experts);
 }
 
 cudaError_t cutlass_grouped_weight_gradient(const int64_t* offsets, int experts, const void* lhs,
-                                    const void* rhs, void* out, int64_t m, int64_t k, int64_t n,
-                                    void* workspace, size_t workspace_size, cudaStream_t stream) {
+                                            const void* rhs, void* out, int64_t m, int64_t k,
+                                            int64_t n, void* workspace, size_t workspace_size,
+                                            cudaStream_t stream) {
   return grouped_sm90::run<P::value, C>(offsets, experts, lhs, rhs, out, m, k, n, workspace,
                                         workspace_size, stream);
 }
