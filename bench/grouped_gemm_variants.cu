@@ -94,8 +94,8 @@ int main() {
   fill_random<<<1024, 256>>>(w, experts * k * n, 2, 0.05f);
   CHECK(cudaDeviceSynchronize());
   using bf = cutlass::bfloat16_t;
-  time_variant<Config<RowMajor, RowMajor, bf>>("coop 128x128x64 1x1", d_off, experts, x, w, out, m,
-                                               k, n);
+  time_variant<Config<RowMajor, RowMajor, bf, Shape<_128, _128, _64>, Shape<_1, _1, _1>>>(
+      "coop 128x128x64 1x1", d_off, experts, x, w, out, m, k, n);
   time_variant<Config<RowMajor, RowMajor, bf, Shape<_256, _128, _64>, Shape<_2, _1, _1>>>(
       "coop 256x128x64 2x1", d_off, experts, x, w, out, m, k, n);
   time_variant<Config<RowMajor, RowMajor, bf, Shape<_128, _256, _64>, Shape<_1, _2, _1>>>(
