@@ -8,8 +8,10 @@
 
 #include "moe/moe_layer.h"
 #include "ops/activation.h"
+#include "ops/attention.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/kernels.h"
+#include "ops/embedding.h"
 #include "ops/gemm.h"
 #include "ops/grouped_gemm.h"
 #include "ops/loss.h"
@@ -288,6 +290,56 @@ TEST_P(GpuCase, MoeLayerForwardBackwardMatchesCpu) {
   EXPECT_LT(relative_error(gg.w_gate_up, cg.w_gate_up), tol) << "d w_gate_up";
   EXPECT_LT(relative_error(gg.w_down, cg.w_down), tol) << "d w_down";
   EXPECT_NEAR(ga.aux_loss, ca.aux_loss, 1e-4 * ca.aux_loss);
+}
+
+TEST_P(GpuCase, AttentionPackedCausalGqa) {
+  // Documents of 300, 1, 57 and 700 tokens; 8 query heads over 2 kv heads; Dqk 64, Dv 32.
+  const std::vector<int32_t> cu = {0, 300, 301, 358, 1058};
+  const int64_t n = 1058, h = 8, kv = 2, dqk = 64, dv = 32;
+  Tensor cus = Tensor::empty({5}, DType::kI32);
+  for (int i = 0; i < 5; ++i) cus.set_item(i, cu[i]);
+  const Tensor q = input({n, h, dqk}), k = input({n, kv, dqk}), v = input({n, kv, dv});
+  const Tensor dout = input({n, h, dv});
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dqk));
+  Tensor out = Tensor::empty({n, h, dv}, DType::kF32), lse = Tensor::empty({n, h}, DType::kF32);
+  ops::attention_forward(q, k, v, cus, scale, out, lse);
+  Tensor dq = Tensor::empty(q.shape(), DType::kF32), dk = Tensor::empty(k.shape(), DType::kF32);
+  Tensor dvv = Tensor::empty(v.shape(), DType::kF32);
+  ops::attention_backward(q, k, v, out, lse, dout, cus, scale, dq, dk, dvv);
+
+  const Tensor gq = gpu(q), gk = gpu(k), gv = gpu(v), gcu = cus.to(Device::kCUDA);
+  Tensor gout = gpu_out({n, h, dv}), glse = gpu_out({n, h}, DType::kF32);
+  ops::attention_forward(gq, gk, gv, gcu, scale, gout, glse);
+  expect_close(gout, out, "attention out");
+  expect_close(glse, lse, "attention lse");
+  Tensor gdq = gpu_out(q.shape()), gdk = gpu_out(k.shape()), gdv = gpu_out(v.shape());
+  // The backward reads the GPU's own forward output, as training does.
+  ops::attention_backward(gq, gk, gv, gout, glse, gpu(dout), gcu, scale, gdq, gdk, gdv);
+  expect_close(gdq, dq, "attention dq");
+  expect_close(gdk, dk, "attention dk");
+  expect_close(gdv, dvv, "attention dv");
+}
+
+TEST_P(GpuCase, EmbeddingGatherAndDeterministicBackward) {
+  const int64_t vocab = 1000, d = 64, n = 4096;
+  Tensor ids = Tensor::empty({n}, DType::kI32);
+  const CounterRng rng{seed, 3};
+  for (int64_t i = 0; i < n; ++i) ids.set_item(i, rng.below(i, 97) * 7);  // repeats, gaps
+  const Tensor table = input({vocab, d}), dout = input({n, d});
+  Tensor out = Tensor::empty({n, d}, DType::kF32), dtable = input({vocab, d}, 0.1);
+  const Tensor dtable0 = dtable.clone();
+  ops::embedding_forward(ids, table, out);
+  ops::embedding_backward(ids, dout, dtable);
+  const Tensor gids = ids.to(Device::kCUDA);
+  Tensor gout = gpu_out({n, d}), gdtable = gpu(dtable0);
+  ops::embedding_forward(gids, gpu(table), gout);
+  ops::embedding_backward(gids, gpu(dout), gdtable);
+  expect_close(gout, out, "embedding forward");
+  expect_close(gdtable, dtable, "embedding backward (accumulated)");
+  Tensor again = gpu(dtable0);
+  ops::embedding_backward(gids, gpu(dout), again);
+  const Tensor a = again.to(Device::kCPU), b = gdtable.to(Device::kCPU);
+  EXPECT_EQ(std::memcmp(a.raw(), b.raw(), a.nbytes()), 0) << "embedding backward not deterministic";
 }
 
 INSTANTIATE_TEST_SUITE_P(Storage, GpuCase, ::testing::Values(DType::kF32, DType::kBF16),

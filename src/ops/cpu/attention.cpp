@@ -7,6 +7,9 @@
 #include <vector>
 
 #include "ops/dispatch.h"
+#if MOETRAIN_HAS_CUDA
+#include "ops/cuda/ops.h"
+#endif
 
 namespace mt::ops {
 
@@ -35,6 +38,9 @@ AttnDims check_attention(const Tensor& q, const Tensor& k, const Tensor& v,
 
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
                        double scale, Tensor& out, Tensor& lse) {
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(q)) return cuda::attention_forward(q, k, v, cu_seqlens, scale, out, lse);
+#endif
   const AttnDims d = check_attention(q, k, v, cu_seqlens);
   expect_shape(out, {d.n, d.h, d.dv}, "attention out");
   expect_shape(lse, {d.n, d.h}, "attention lse");
@@ -79,6 +85,10 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                         const Tensor& lse, const Tensor& dout, const Tensor& cu_seqlens,
                         double scale, Tensor& dq, Tensor& dk, Tensor& dv) {
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(q))
+    return cuda::attention_backward(q, k, v, out, lse, dout, cu_seqlens, scale, dq, dk, dv);
+#endif
   const AttnDims d = check_attention(q, k, v, cu_seqlens);
   expect_shape(dout, {d.n, d.h, d.dv}, "attention dout");
   expect_shape(dq, q.shape(), "attention dq");

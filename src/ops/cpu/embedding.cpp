@@ -1,6 +1,9 @@
 #include "ops/embedding.h"
 
 #include "ops/dispatch.h"
+#if MOETRAIN_HAS_CUDA
+#include "ops/cuda/ops.h"
+#endif
 
 namespace mt::ops {
 
@@ -14,6 +17,9 @@ void check_ids(const Tensor& ids, int64_t vocab) {
 }  // namespace
 
 void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) {
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(table)) return cuda::embedding_forward(ids, table, out);
+#endif
   const int64_t n = ids.numel(), d = table.dim(1);
   check_ids(ids, table.dim(0));
   expect_shape(out, {n, d}, "embedding out");
@@ -29,6 +35,9 @@ void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) {
 }
 
 void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(dtable)) return cuda::embedding_backward(ids, dout, dtable);
+#endif
   const int64_t n = ids.numel(), d = dtable.dim(1);
   check_ids(ids, dtable.dim(0));
   expect_shape(dout, {n, d}, "embedding dout");

@@ -61,6 +61,20 @@ cudaError_t cutlass_grouped_weight_gradient(const int64_t* offsets, int experts,
                                             cudaStream_t stream);
 #endif
 
+// --- attention (attention.cu): the reference GPU kernel, packed causal documents, GQA ---
+// q (n, heads, dqk), k (n, kv_heads, dqk), v (n, kv_heads, dv), cu_seqlens i32 (docs + 1);
+// out (n, heads, dv), lse f32 (n, heads).
+cudaError_t attention_forward(Storage s, const void* q, const void* k, const void* v,
+                              const int32_t* cu_seqlens, int docs, int64_t n, int heads,
+                              int kv_heads, int dqk, int dv, float scale, void* out, float* lse,
+                              cudaStream_t stream);
+// delta: f32 scratch (n, heads). dq, dk, dv overwritten.
+cudaError_t attention_backward(Storage s, const void* q, const void* k, const void* v,
+                               const void* out, const float* lse, const void* dout,
+                               const int32_t* cu_seqlens, int docs, int64_t n, int heads,
+                               int kv_heads, int dqk, int dv, float scale, float* delta, void* dq,
+                               void* dk, void* dvv, cudaStream_t stream);
+
 // --- MoE layer (moe.cu) ---
 // logits, scores f32 (n, e); index i32 / weight f32 (n, k); counts i64 (e), zeroed here.
 cudaError_t router_forward(const float* logits, const float* bias, int64_t n, int e, int k,
@@ -91,6 +105,10 @@ cudaError_t weighted_sum_rows(Storage s, const void* rows, const int32_t* row_of
 cudaError_t combine_backward(Storage s, const void* dout, const void* y,
                              const int32_t* row_of_choice, const float* weight, int64_t tokens,
                              int k, void* dy, float* dweight, int64_t width, cudaStream_t stream);
+// out[s] (width) += sum over r in [offsets[s], offsets[s+1]) of rows[order[r]], in order.
+cudaError_t segment_sum_rows(Storage s, const void* rows, const int32_t* order,
+                             const int64_t* offsets, int64_t segments, int64_t width, void* out,
+                             cudaStream_t stream);
 cudaError_t add(Storage s, const void* a, const void* b, void* out, int64_t n, cudaStream_t stream);
 
 struct AdamWScalars {

@@ -187,6 +187,22 @@ __global__ void combine_backward_kernel(const T* dout, const T* y, const int32_t
   if (threadIdx.x == 0) dweight[tj] = dot;
 }
 
+// out[s] += sum of rows[order[r]] for r in [offsets[s], offsets[s+1]), in order; one block per
+// segment (empty segments return at once).
+template <class T>
+__global__ void segment_sum_kernel(const T* rows, const int32_t* order, const int64_t* offsets,
+                                   T* out, int64_t width) {
+  const int64_t seg = blockIdx.x;
+  const int64_t begin = offsets[seg], end = offsets[seg + 1];
+  if (begin == end) return;
+  for (int64_t c = threadIdx.x; c < width; c += blockDim.x) {
+    float acc = to_float(out[seg * width + c]);
+    for (int64_t r = begin; r < end; ++r)
+      acc += to_float(rows[static_cast<int64_t>(order[r]) * width + c]);
+    out[seg * width + c] = from_float<T>(acc);
+  }
+}
+
 template <class T>
 __global__ void add_kernel(const T* a, const T* b, T* out, int64_t n) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
@@ -322,6 +338,18 @@ cudaError_t convert(Storage from, const void* src, void* dst, int64_t n, cudaStr
   else
     convert_kernel_bf16_f32<<<grid_for(n), kBlock, 0, stream>>>(
         static_cast<const __nv_bfloat16*>(src), static_cast<float*>(dst), n);
+  return cudaGetLastError();
+}
+
+cudaError_t segment_sum_rows(Storage s, const void* rows, const int32_t* order,
+                             const int64_t* offsets, int64_t segments, int64_t width, void* out,
+                             cudaStream_t stream) {
+  if (segments == 0) return cudaSuccess;
+  dispatch_storage(s, [&](auto tag) {
+    using T = decltype(tag);
+    segment_sum_kernel<T><<<segments, 128, 0, stream>>>(static_cast<const T*>(rows), order, offsets,
+                                                        static_cast<T*>(out), width);
+  });
   return cudaGetLastError();
 }
 

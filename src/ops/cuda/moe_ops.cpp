@@ -98,6 +98,25 @@ void combine_backward(const Tensor& dout, const Tensor& yp, const Tensor& row_of
                                           dweight.data<float>(), yp.dim(1), nullptr));
 }
 
+void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) {
+  MT_CHECK(ids.device() == Device::kCUDA && ids.dtype() == DType::kI32,
+           "ids must be i32 on the GPU");
+  gather_rows(table, ids, out);
+}
+
+void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
+  MT_CHECK(ids.device() == Device::kCUDA && ids.dtype() == DType::kI32,
+           "ids must be i32 on the GPU");
+  MT_CHECK(dout.dtype() == dtable.dtype(), "embedding gradient {} into a {} table",
+           dtype_name(dout.dtype()), dtype_name(dtable.dtype()));
+  // Token positions sorted by id (stable), then each id's rows summed in token order.
+  ops::ExpertPermutation by_id;
+  cuda::make_expert_permutation(ids.reshape({ids.numel(), 1}), dtable.dim(0), by_id);
+  MT_CUDA_CHECK(kernels::segment_sum_rows(
+      storage(dout), dout.raw(), by_id.source_token.data<int32_t>(),
+      by_id.expert_offsets.data<int64_t>(), dtable.dim(0), dtable.dim(1), dtable.raw(), nullptr));
+}
+
 void convert(const Tensor& src, Tensor& dst) {
   MT_CHECK(src.numel() == dst.numel() && src.dtype() != dst.dtype(), "convert of {} {} into {} {}",
            dtype_name(src.dtype()), shape_str(src.shape()), dtype_name(dst.dtype()),

@@ -123,6 +123,36 @@ void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tenso
                                              dw.dtype() == DType::kF32, nullptr));
 }
 
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
+                       double scale, Tensor& out, Tensor& lse) {
+  const int64_t n = q.dim(0);
+  expect_shape(out, {n, q.dim(1), v.dim(2)}, "attention out");
+  expect_shape(lse, {n, q.dim(1)}, "attention lse");
+  expect_dtype(lse, DType::kF32, "attention lse (GPU)");
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&k, &v, &out})
+    same_storage_type(q, *t, "attention operand");
+  MT_CUDA_CHECK(kernels::attention_forward(
+      storage_of(q, "attention q"), q.raw(), k.raw(), v.raw(), cu_seqlens.data<int32_t>(),
+      static_cast<int>(cu_seqlens.numel() - 1), n, static_cast<int>(q.dim(1)),
+      static_cast<int>(k.dim(1)), static_cast<int>(q.dim(2)), static_cast<int>(v.dim(2)),
+      static_cast<float>(scale), out.raw(), lse.data<float>(), nullptr));
+}
+
+void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                        const Tensor& lse, const Tensor& dout, const Tensor& cu_seqlens,
+                        double scale, Tensor& dq, Tensor& dk, Tensor& dv) {
+  const int64_t n = q.dim(0);
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&k, &v, &out, &dout, &dq, &dk, &dv})
+    same_storage_type(q, *t, "attention operand");
+  Tensor delta = Tensor::empty({n, q.dim(1)}, DType::kF32, Device::kCUDA);
+  MT_CUDA_CHECK(kernels::attention_backward(
+      storage_of(q, "attention q"), q.raw(), k.raw(), v.raw(), out.raw(), lse.data<float>(),
+      dout.raw(), cu_seqlens.data<int32_t>(), static_cast<int>(cu_seqlens.numel() - 1), n,
+      static_cast<int>(q.dim(1)), static_cast<int>(k.dim(1)), static_cast<int>(q.dim(2)),
+      static_cast<int>(v.dim(2)), static_cast<float>(scale), delta.data<float>(), dq.raw(),
+      dk.raw(), dv.raw(), nullptr));
+}
+
 void rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd) {
   const int64_t n = x.dim(0), d = x.dim(1);
   expect_shape(w, {d}, "rmsnorm weight");

@@ -18,6 +18,17 @@ void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor
 void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets,
                                   Tensor& dw);
 
+// Attention (ops.cpp): the reference GPU kernel; lse f32.
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
+                       double scale, Tensor& out, Tensor& lse);
+void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                        const Tensor& lse, const Tensor& dout, const Tensor& cu_seqlens,
+                        double scale, Tensor& dq, Tensor& dk, Tensor& dv);
+// Embedding (moe_ops.cpp): forward is a row gather; backward sums the rows of each id in token
+// order (sorted by id, deterministic) into dtable.
+void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out);
+void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable);
+
 // MoE layer (moe_ops.cpp): logits, scores, weights f32; rows f32 or bf16.
 void router_forward(const Tensor& logits, const Tensor& bias, int top_k, bool norm_topk,
                     bool balanced, ops::Routing& out);

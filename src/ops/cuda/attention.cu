@@ -1,0 +1,182 @@
+// Reference attention on the GPU for packed causal documents with GQA: one warp per
+// (token, head), online softmax in fp32, keys visited in order. It is the correctness fallback
+// and the GPU-side reference for the cuDNN SDPA path; O(S^2) per document, not a fast kernel.
+// Backward: dq per (query, head) warp; dk and dv per (key, kv head) warp looping over the
+// queries and heads that read it, so every output has one writer (deterministic, no atomics).
+#include "ops/cuda/common.cuh"
+
+namespace mt::cuda {
+
+namespace {
+
+constexpr int kWarpsPerBlock = 8;
+constexpr int kMaxDim = 256;  // head dims up to 256: at most 8 values per lane
+
+struct AttnGeometry {
+  int64_t n;
+  int heads, kv_heads, dqk, dv;
+  float scale;
+};
+
+// The document of token i: the segment [begin, end) of cu_seqlens holding it (binary search).
+__device__ void doc_of(const int32_t* cu, int docs, int64_t i, int64_t* begin, int64_t* end) {
+  int lo = 0, hi = docs;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (cu[mid] <= i)
+      lo = mid;
+    else
+      hi = mid;
+  }
+  *begin = cu[lo];
+  *end = cu[lo + 1];
+}
+
+template <class T>
+__device__ float warp_dot(const T* a, const T* b, int d) {
+  float s = 0.f;
+  for (int c = threadIdx.x % 32; c < d; c += 32) s += to_float(a[c]) * to_float(b[c]);
+  for (int o = 16; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+  return s;
+}
+
+template <class T>
+__global__ void attention_forward_kernel(const T* q, const T* k, const T* v, const int32_t* cu,
+                                         int docs, AttnGeometry g, T* out, float* lse) {
+  const int64_t item = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32;
+  if (item >= g.n * g.heads) return;
+  const int64_t i = item / g.heads;
+  const int h = static_cast<int>(item % g.heads), kvh = h / (g.heads / g.kv_heads);
+  const int lane = threadIdx.x % 32;
+  int64_t begin, end;
+  doc_of(cu, docs, i, &begin, &end);
+  const T* qi = q + (i * g.heads + h) * g.dqk;
+  float m = -INFINITY, sum = 0.f, acc[kMaxDim / 32] = {};
+  for (int64_t j = begin; j <= i; ++j) {
+    const float s = warp_dot(qi, k + (j * g.kv_heads + kvh) * g.dqk, g.dqk) * g.scale;
+    const float m_new = fmaxf(m, s);
+    const float correction = expf(m - m_new), p = expf(s - m_new);
+    sum = sum * correction + p;
+    const T* vj = v + (j * g.kv_heads + kvh) * g.dv;
+    for (int c = lane, r = 0; c < g.dv; c += 32, ++r)
+      acc[r] = acc[r] * correction + p * to_float(vj[c]);
+    m = m_new;
+  }
+  T* oi = out + (i * g.heads + h) * g.dv;
+  for (int c = lane, r = 0; c < g.dv; c += 32, ++r) oi[c] = from_float<T>(acc[r] / sum);
+  if (lane == 0) lse[i * g.heads + h] = m + logf(sum);
+}
+
+// delta[i, h] = dout_i . out_i (the softmax backward's row term).
+template <class T>
+__global__ void attention_delta_kernel(const T* out, const T* dout, AttnGeometry g, float* delta) {
+  const int64_t item = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32;
+  if (item >= g.n * g.heads) return;
+  const float d = warp_dot(out + item * g.dv, dout + item * g.dv, g.dv);
+  if (threadIdx.x % 32 == 0) delta[item] = d;
+}
+
+template <class T>
+__global__ void attention_dq_kernel(const T* q, const T* k, const T* v, const T* dout,
+                                    const float* lse, const float* delta, const int32_t* cu,
+                                    int docs, AttnGeometry g, T* dq) {
+  const int64_t item = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32;
+  if (item >= g.n * g.heads) return;
+  const int64_t i = item / g.heads;
+  const int h = static_cast<int>(item % g.heads), kvh = h / (g.heads / g.kv_heads);
+  const int lane = threadIdx.x % 32;
+  int64_t begin, end;
+  doc_of(cu, docs, i, &begin, &end);
+  const T* qi = q + item * g.dqk;
+  const T* doi = dout + item * g.dv;
+  float acc[kMaxDim / 32] = {};
+  for (int64_t j = begin; j <= i; ++j) {
+    const T* kj = k + (j * g.kv_heads + kvh) * g.dqk;
+    const float p = expf(warp_dot(qi, kj, g.dqk) * g.scale - lse[item]);
+    const float dp = warp_dot(doi, v + (j * g.kv_heads + kvh) * g.dv, g.dv);
+    const float ds = p * (dp - delta[item]) * g.scale;
+    for (int c = lane, r = 0; c < g.dqk; c += 32, ++r) acc[r] += ds * to_float(kj[c]);
+  }
+  for (int c = lane, r = 0; c < g.dqk; c += 32, ++r) dq[item * g.dqk + c] = from_float<T>(acc[r]);
+}
+
+template <class T>
+__global__ void attention_dkv_kernel(const T* q, const T* k, const T* v, const T* dout,
+                                     const float* lse, const float* delta, const int32_t* cu,
+                                     int docs, AttnGeometry g, T* dk, T* dv) {
+  const int64_t item = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32;
+  if (item >= g.n * g.kv_heads) return;
+  const int64_t j = item / g.kv_heads;
+  const int kvh = static_cast<int>(item % g.kv_heads), group = g.heads / g.kv_heads;
+  const int lane = threadIdx.x % 32;
+  int64_t begin, end;
+  doc_of(cu, docs, j, &begin, &end);
+  const T* kj = k + item * g.dqk;
+  const T* vj = v + item * g.dv;
+  float dk_acc[kMaxDim / 32] = {}, dv_acc[kMaxDim / 32] = {};
+  for (int h = kvh * group; h < (kvh + 1) * group; ++h) {
+    for (int64_t i = j; i < end; ++i) {
+      const int64_t row = i * g.heads + h;
+      const T* qi = q + row * g.dqk;
+      const T* doi = dout + row * g.dv;
+      const float p = expf(warp_dot(qi, kj, g.dqk) * g.scale - lse[row]);
+      const float ds = p * (warp_dot(doi, vj, g.dv) - delta[row]) * g.scale;
+      for (int c = lane, r = 0; c < g.dqk; c += 32, ++r) dk_acc[r] += ds * to_float(qi[c]);
+      for (int c = lane, r = 0; c < g.dv; c += 32, ++r) dv_acc[r] += p * to_float(doi[c]);
+    }
+  }
+  for (int c = lane, r = 0; c < g.dqk; c += 32, ++r)
+    dk[item * g.dqk + c] = from_float<T>(dk_acc[r]);
+  for (int c = lane, r = 0; c < g.dv; c += 32, ++r) dv[item * g.dv + c] = from_float<T>(dv_acc[r]);
+}
+
+int blocks_for(int64_t items) {
+  return static_cast<int>((items + kWarpsPerBlock - 1) / kWarpsPerBlock);
+}
+
+}  // namespace
+
+namespace kernels {
+
+cudaError_t attention_forward(Storage s, const void* q, const void* k, const void* v,
+                              const int32_t* cu_seqlens, int docs, int64_t n, int heads,
+                              int kv_heads, int dqk, int dv, float scale, void* out, float* lse,
+                              cudaStream_t stream) {
+  if (dqk > kMaxDim || dv > kMaxDim || heads % kv_heads != 0) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  const AttnGeometry g{n, heads, kv_heads, dqk, dv, scale};
+  dispatch_storage(s, [&](auto tag) {
+    using T = decltype(tag);
+    attention_forward_kernel<T><<<blocks_for(n * heads), 32 * kWarpsPerBlock, 0, stream>>>(
+        static_cast<const T*>(q), static_cast<const T*>(k), static_cast<const T*>(v), cu_seqlens,
+        docs, g, static_cast<T*>(out), lse);
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t attention_backward(Storage s, const void* q, const void* k, const void* v,
+                               const void* out, const float* lse, const void* dout,
+                               const int32_t* cu_seqlens, int docs, int64_t n, int heads,
+                               int kv_heads, int dqk, int dv, float scale, float* delta, void* dq,
+                               void* dk, void* dvv, cudaStream_t stream) {
+  if (dqk > kMaxDim || dv > kMaxDim || heads % kv_heads != 0) return cudaErrorInvalidValue;
+  if (n == 0) return cudaSuccess;
+  const AttnGeometry g{n, heads, kv_heads, dqk, dv, scale};
+  const int threads = 32 * kWarpsPerBlock;
+  dispatch_storage(s, [&](auto tag) {
+    using T = decltype(tag);
+    const T *tq = static_cast<const T*>(q), *tk = static_cast<const T*>(k),
+            *tv = static_cast<const T*>(v), *tdo = static_cast<const T*>(dout);
+    attention_delta_kernel<T>
+        <<<blocks_for(n * heads), threads, 0, stream>>>(static_cast<const T*>(out), tdo, g, delta);
+    attention_dq_kernel<T><<<blocks_for(n * heads), threads, 0, stream>>>(
+        tq, tk, tv, tdo, lse, delta, cu_seqlens, docs, g, static_cast<T*>(dq));
+    attention_dkv_kernel<T><<<blocks_for(n * kv_heads), threads, 0, stream>>>(
+        tq, tk, tv, tdo, lse, delta, cu_seqlens, docs, g, static_cast<T*>(dk),
+        static_cast<T*>(dvv));
+  });
+  return cudaGetLastError();
+}
+
+}  // namespace kernels
+}  // namespace mt::cuda
