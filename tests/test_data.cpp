@@ -72,6 +72,21 @@ TEST(TokenFile, TruncatedAndCorruptFilesAreNamed) {
   EXPECT_NE(data_error(temp_path("mt_missing.tok")).find("cannot open"), std::string::npos);
 }
 
+TEST(TokenFile, WrittenByTheScriptReadsBack) {
+  // scripts/make_token_file.py is how users make token files; its output must be this format.
+  const std::string jsonl = temp_path("mt_docs.jsonl"), out = temp_path("mt_docs.tok");
+  std::ofstream(jsonl) << "[1, 2, 3]\n{\"tokens\": [4, 5], \"loss_mask\": [0, 1]}\n[6, 7, 8, 9]\n";
+  const std::string cmd = "python3 " + std::string(MOETRAIN_SOURCE_DIR) +
+                          "/scripts/make_token_file.py " + jsonl + " " + out + " >/dev/null";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  const TokenDocuments d = read_token_file(out, 100);
+  EXPECT_EQ(d.doc_offsets, (std::vector<uint64_t>{0, 3, 5, 9}));
+  EXPECT_EQ(d.tokens, (std::vector<uint32_t>{1, 2, 3, 4, 5, 6, 7, 8, 9}));
+  EXPECT_EQ(d.loss_mask, (std::vector<uint8_t>{1, 1, 1, 0, 1, 1, 1, 1, 1}));
+  std::ofstream(jsonl) << "[1, -2]\n";
+  EXPECT_NE(std::system((cmd + " 2>/dev/null").c_str()), 0) << "a negative id must be refused";
+}
+
 TEST(Packing, PositionsSegmentsAndMasks) {
   // Row: [A0 A1 A2 | B0 B1 ] + next token C0 (a new document) as the last target.
   PackedRow row{{10, 11, 12, 20, 21, 30}, {1, 0, 0, 1, 0, 1}, {1, 1, 1, 1, 1, 1}};

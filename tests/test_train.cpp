@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "train/checkpoint.h"
+#include "train/token_file.h"
 #include "train/trainer.h"
 
 namespace mt {
@@ -153,6 +154,38 @@ TEST(Train, CheckpointOfAnotherShapeIsRefusedAndLeavesTheModel) {
   Trainer again(parse_config_string("", short_run()));
   resume.resume = file;
   EXPECT_THROW(again.run(resume), CheckpointError);
+}
+
+TEST(Train, SftTokenFileTrainsThroughTheCli) {
+  const std::string dir = fresh_dir("mt_sft");
+  std::filesystem::create_directories(dir);
+  TokenDocuments docs;
+  docs.doc_offsets = {0};
+  for (int d = 0; d < 40; ++d) {
+    for (int i = 0; i < 30; ++i) {
+      docs.tokens.push_back(static_cast<uint32_t>((d * 7 + i * 3) % 256));
+      docs.loss_mask.push_back(i >= 10);  // the "prompt" does not count
+    }
+    docs.doc_offsets.push_back(docs.tokens.size());
+  }
+  write_token_file(dir + "/sft.tok", docs);
+  const std::string cmd = std::string(MOETRAIN_BINARY) + " train --config " + kTiny +
+                          " --set data.source=sft --set data.path=" + dir +
+                          "/sft.tok --set train.seq_len=64 --set train.batch_rows=2 --steps 3"
+                          " --metrics " +
+                          dir + "/m.jsonl >/dev/null 2>&1";
+  ASSERT_EQ(std::system(cmd.c_str()), 0);
+  std::ifstream in(dir + "/m.jsonl");
+  std::string line;
+  int lines = 0;
+  while (std::getline(in, line)) {
+    const auto j = nlohmann::json::parse(line);
+    EXPECT_TRUE(std::isfinite(j.at("loss").get<double>()));
+    if (lines++ == 0) {
+      EXPECT_TRUE(j.at("loss_floor").is_null());  // unknown for real data
+    }
+  }
+  EXPECT_EQ(lines, 3);
 }
 
 TEST(Train, NanLossStopsWithExitCode5AndKeepsCheckpoints) {
