@@ -10,7 +10,13 @@ export NCCL_NVLS_ENABLE=0
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 "$bundle/test_cuda_ops" --gtest_output="json:$out/test_cuda_ops.json" >"$out/test_cuda_ops.log" 2>&1
 status=$?
+# The training tests read configs/ from the source tree they were built in: run from here.
+MOETRAIN_SOURCE_DIR="$PWD" "$bundle/test_cuda_train" >>"$out/test_cuda_ops.log" 2>&1 || status=1
 grep -E "^\[ *(OK|FAILED) *\]|Failure|error|seed" "$out/test_cuda_ops.log" | grep -v "listed below" | tail -40
+# The README's main job, on the GPU (hardware.device = auto picks it).
+"$bundle/moetrain" train --config configs/tiny.toml --set train.log_every=100 \
+  --metrics "$out/tiny_gpu.jsonl" >"$out/tiny_gpu.log" 2>&1 || status=1
+tail -2 "$out/tiny_gpu.log"
 if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
   "$bundle/bench_gemm" >"$out/bench.jsonl" 2>"$out/bench.log" || echo "bench_gemm failed: $(tail -3 "$out/bench.log")"
   python3 bench/grouped_mm_torch.py >>"$out/bench.jsonl" 2>>"$out/bench.log" || echo "torch comparator failed: $(tail -3 "$out/bench.log")"

@@ -32,22 +32,30 @@ void add_config_options(CLI::App* cmd, ConfigArgs& a) {
   cmd->add_option("--set", a.overrides, "override: section.key=value (repeatable)");
 }
 
-// The GPU backend is issue 4; until it lands, a GPU is reported and the CPU engine runs.
-void choose_device(const mt::Config& c) {
+// Resolves hardware.device: "auto" takes the GPU when one is visible and the run is one rank
+// in f32 (several GPU ranks need NCCL, not built yet; f64 is a CPU-only check mode).
+void choose_device(mt::Config& c) {
   int gpus = 0;
 #if MOETRAIN_HAS_CUDA
   gpus = mt::cuda::device_count();
 #endif
-  if (c.hardware.device == "cuda")
+  if (c.hardware.device == "cuda" && gpus == 0)
     throw mt::ConfigError(
-        "config: hardware.device = \"cuda\": the CUDA backend is not built yet (valid now: auto, "
-        "cpu)");
-  if (gpus > 0 && c.hardware.device == "auto") {
+        "config: hardware.device = \"cuda\" but no GPU is visible (valid here: auto, cpu)");
+  if (c.hardware.device == "cuda" && c.parallel.world > 1)
+    throw mt::ConfigError(fmt::format(
+        "config: hardware.device = \"cuda\" with parallel.world = {} needs the NCCL backend, "
+        "which is not built yet (valid: parallel.world = 1, or hardware.device = \"cpu\")",
+        c.parallel.world));
+  if (c.hardware.device != "auto") return;
+  const bool gpu_ok = gpus > 0 && c.parallel.world == 1 && c.model.compute_dtype == mt::DType::kF32;
+  c.hardware.device = gpu_ok ? "cuda" : "cpu";
 #if MOETRAIN_HAS_CUDA
-    mt::log::warn("found {} GPU(s) ({}), but the CUDA backend is not built yet: running on the CPU",
-                  gpus, mt::cuda::device_name(0));
+  if (gpu_ok)
+    mt::log::info("running on {} (bf16 compute, fp32 master weights)", mt::cuda::device_name(0));
+  else if (gpus > 0)
+    mt::log::info("GPU present; running on the CPU (parallel.world > 1 or f64)");
 #endif
-  }
 }
 
 int run_train(const ConfigArgs& a, int64_t steps, const std::string& metrics,
@@ -60,7 +68,7 @@ int run_train(const ConfigArgs& a, int64_t steps, const std::string& metrics,
     mt::log::set_rank(rdv->rank);
     overrides.insert(overrides.begin(), fmt::format("parallel.world={}", rdv->world));
   }
-  const mt::Config c = mt::load_config(a.path, overrides);
+  mt::Config c = mt::load_config(a.path, overrides);
   if (rdv && c.parallel.world != rdv->world)
     throw mt::ConfigError(fmt::format("config: parallel.world = {} but WORLD_SIZE = {}",
                                       c.parallel.world, rdv->world));

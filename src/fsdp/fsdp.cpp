@@ -19,12 +19,18 @@ void shard_group(ParamGroup& g, dist::Communicator& comm) {
 }
 
 void gather(ParamGroup& g) {
-  if (!g.sharded()) return;
-  g.params = Tensor::empty({g.shard.numel() * g.comm->size()}, g.shard.dtype());
-  g.comm->all_gather(g.shard, g.params);
+  if (g.sharded()) {
+    g.params = Tensor::empty({g.shard.numel() * g.comm->size()}, g.shard.dtype());
+    g.comm->all_gather(g.shard, g.params);
+  }
+  if (g.compute_dtype != g.params.dtype()) {  // mixed precision: the ops read a cast copy
+    g.compute = Tensor::empty(g.params.shape(), g.compute_dtype, g.params.device());
+    ops::convert(g.params, g.compute);
+  }
 }
 
 void release(ParamGroup& g) {
+  g.compute = Tensor();
   if (g.sharded()) g.params = Tensor();
 }
 

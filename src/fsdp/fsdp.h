@@ -11,9 +11,10 @@ namespace mt::fsdp {
 // of comm.size() with zeros and keeps this rank's slice.
 void shard_group(ParamGroup& g, dist::Communicator& comm);
 
-// params (padded) = all-gather of the shards. Collective over the group's comm.
+// params (padded) = all-gather of the shards (collective over the group's comm); then, in mixed
+// precision, the compute copy. Call before the unit runs, sharded or not.
 void gather(ParamGroup& g);
-// Drops the gathered params (reshard after forward, and after backward).
+// Drops the gathered params and the compute copy (reshard after forward, and after backward).
 void release(ParamGroup& g);
 // Allocates zeroed full gradients for the unit's backward.
 void begin_backward(ParamGroup& g);

@@ -12,7 +12,8 @@ struct Batch {
   Tensor positions;   // i32 (N) position within the document
   Tensor cu_seqlens;  // i32 (S + 1) document boundaries, 0 ... N
   int64_t size() const { return tokens.numel(); }
-  int64_t masked_tokens() const;
+  int64_t masked_tokens() const;  // reads the mask on the host
+  Batch to(Device device) const;
 };
 
 }  // namespace mt

@@ -19,7 +19,7 @@ enum ExpertIndex { kGateUp, kDown };
 BlockParams bind(const std::vector<ParamGroup>& groups, bool grads) {
   MT_CHECK(groups.size() == 2, "a block unit has 2 parameter groups, got {}", groups.size());
   auto get = [&](int group, int i) {
-    return grads ? groups[group].grad(i) : groups[group].param(i);
+    return grads ? groups[group].grad(i) : groups[group].weight(i);
   };
   BlockParams p;
   p.attn_norm = get(0, kAttnNorm);
@@ -47,44 +47,45 @@ void drop_for_policy(BlockActivations& a, CheckpointPolicy policy) {
 }
 
 Tensor new_like(const Tensor& t) {
-  return Tensor::empty(t.shape(), t.dtype());
+  return Tensor::empty(t.shape(), t.dtype(), t.device());
 }
 
 // Computes every activation that is not saved, in forward order; attention is never rerun.
 void block_fill(const BlockParams& p, const ModelConfig& c, const BlockInputs& in,
                 BlockActivations& a) {
   const int64_t n = a.x.dim(0);
-  const DType dt = a.x.dtype();
+  const DType dt = a.x.dtype(), st = c.stat_dtype();
+  const Device dev = a.x.device();
   if (!a.xn.defined()) {
     a.xn = new_like(a.x);
-    a.attn_rstd = Tensor::empty({n}, dt);
+    a.attn_rstd = Tensor::empty({n}, st, dev);
     ops::rmsnorm_forward(a.x, p.attn_norm, c.rms_norm_eps, a.xn, a.attn_rstd);
   }
   if (!a.q.defined()) {
-    a.q = Tensor::empty({n, c.q_dim()}, dt);
-    a.k = Tensor::empty({n, c.kv_dim()}, dt);
-    a.v = Tensor::empty({n, c.kv_dim()}, dt);
+    a.q = Tensor::empty({n, c.q_dim()}, dt, dev);
+    a.k = Tensor::empty({n, c.kv_dim()}, dt, dev);
+    a.v = Tensor::empty({n, c.kv_dim()}, dt, dev);
     ops::linear_forward(a.xn, p.wq, a.q);
     ops::linear_forward(a.xn, p.wk, a.k);
     ops::linear_forward(a.xn, p.wv, a.v);
   }
   if (!a.qn.defined()) {
-    a.qn = Tensor::empty({n * c.n_heads, c.head_dim}, dt);
-    a.kn = Tensor::empty({n * c.n_kv_heads, c.head_dim}, dt);
-    a.q_rstd = Tensor::empty({n * c.n_heads}, dt);
-    a.k_rstd = Tensor::empty({n * c.n_kv_heads}, dt);
+    a.qn = Tensor::empty({n * c.n_heads, c.head_dim}, dt, dev);
+    a.kn = Tensor::empty({n * c.n_kv_heads, c.head_dim}, dt, dev);
+    a.q_rstd = Tensor::empty({n * c.n_heads}, st, dev);
+    a.k_rstd = Tensor::empty({n * c.n_kv_heads}, st, dev);
     ops::rmsnorm_forward(a.q.reshape(a.qn.shape()), p.q_norm, c.rms_norm_eps, a.qn, a.q_rstd);
     ops::rmsnorm_forward(a.k.reshape(a.kn.shape()), p.k_norm, c.rms_norm_eps, a.kn, a.k_rstd);
   }
   if (!a.qr.defined()) {
-    a.qr = Tensor::empty({n, c.n_heads, c.head_dim}, dt);
-    a.kr = Tensor::empty({n, c.n_kv_heads, c.head_dim}, dt);
+    a.qr = Tensor::empty({n, c.n_heads, c.head_dim}, dt, dev);
+    a.kr = Tensor::empty({n, c.n_kv_heads, c.head_dim}, dt, dev);
     ops::rope_forward(a.qn.reshape(a.qr.shape()), in.batch->positions, c.rope_theta, a.qr);
     ops::rope_forward(a.kn.reshape(a.kr.shape()), in.batch->positions, c.rope_theta, a.kr);
   }
   if (!a.attn.defined()) {
-    a.attn = Tensor::empty({n, c.n_heads, c.head_dim}, dt);
-    a.lse = Tensor::empty({n, c.n_heads}, dt);
+    a.attn = Tensor::empty({n, c.n_heads, c.head_dim}, dt, dev);
+    a.lse = Tensor::empty({n, c.n_heads}, st, dev);
     ops::attention_forward(a.qr, a.kr, a.v.reshape({n, c.n_kv_heads, c.head_dim}),
                            in.batch->cu_seqlens, 1.0 / std::sqrt(static_cast<double>(c.head_dim)),
                            a.attn, a.lse);
@@ -99,7 +100,7 @@ void block_fill(const BlockParams& p, const ModelConfig& c, const BlockInputs& i
   }
   if (!a.hn.defined()) {
     a.hn = new_like(a.x);
-    a.mlp_rstd = Tensor::empty({n}, dt);
+    a.mlp_rstd = Tensor::empty({n}, st, dev);
     ops::rmsnorm_forward(a.h, p.mlp_norm, c.rms_norm_eps, a.hn, a.mlp_rstd);
   }
   moe::moe_fill(p.moe, c, in.comms, in.router_bias, a.hn, a.moe);
@@ -127,8 +128,8 @@ std::vector<ParamGroup> make_block_groups(const ModelConfig& c, int64_t layer, i
       {pre + "moe.w_down", {local_experts, c.moe_dim, c.dim}, false, 0, first_expert * down},
   };
   std::vector<ParamGroup> groups;
-  groups.push_back(make_param_group(ParamKind::kDense, std::move(dense), c.compute_dtype));
-  groups.push_back(make_param_group(ParamKind::kExpert, std::move(experts), c.compute_dtype));
+  groups.push_back(make_param_group(ParamKind::kDense, std::move(dense), c.master_dtype()));
+  groups.push_back(make_param_group(ParamKind::kExpert, std::move(experts), c.master_dtype()));
   return groups;
 }
 
@@ -159,6 +160,7 @@ Tensor block_backward(const BlockParams& p, BlockParams& g, const ModelConfig& c
   block_fill(p, c, in, a);
   const int64_t n = a.x.dim(0);
   const DType dt = a.x.dtype();
+  const Device dev = a.x.device();
 
   // MoE half: out = h + moe(rmsnorm(h)).
   Tensor dh = dout.clone();
@@ -169,10 +171,10 @@ Tensor block_backward(const BlockParams& p, BlockParams& g, const ModelConfig& c
 
   // Attention half: h = x + attn(rmsnorm(x)) @ wo.
   Tensor dx = dh.clone();
-  Tensor dattn = Tensor::empty({n, c.q_dim()}, dt);
+  Tensor dattn = Tensor::empty({n, c.q_dim()}, dt, dev);
   ops::linear_backward(a.attn.reshape({n, c.q_dim()}), p.wo, dh, dattn, g.wo);
   Tensor dqr = new_like(a.qr), dkr = new_like(a.kr);
-  Tensor dv = Tensor::empty({n, c.n_kv_heads, c.head_dim}, dt);
+  Tensor dv = Tensor::empty({n, c.n_kv_heads, c.head_dim}, dt, dev);
   ops::attention_backward(a.qr, a.kr, a.v.reshape(dv.shape()), a.attn, a.lse,
                           dattn.reshape(a.attn.shape()), in.batch->cu_seqlens,
                           1.0 / std::sqrt(static_cast<double>(c.head_dim)), dqr, dkr, dv);
@@ -180,7 +182,7 @@ Tensor block_backward(const BlockParams& p, BlockParams& g, const ModelConfig& c
   Tensor dqn_heads = dqn.reshape(dqr.shape()), dkn_heads = dkn.reshape(dkr.shape());
   ops::rope_backward(dqr, in.batch->positions, c.rope_theta, dqn_heads);
   ops::rope_backward(dkr, in.batch->positions, c.rope_theta, dkn_heads);
-  Tensor dq = Tensor::empty(a.qn.shape(), dt), dk = Tensor::empty(a.kn.shape(), dt);
+  Tensor dq = new_like(a.qn), dk = new_like(a.kn);
   ops::rmsnorm_backward(a.q.reshape(a.qn.shape()), p.q_norm, a.q_rstd, dqn, dq, g.q_norm);
   ops::rmsnorm_backward(a.k.reshape(a.kn.shape()), p.k_norm, a.k_rstd, dkn, dk, g.k_norm);
 

@@ -60,7 +60,7 @@ void ModelConfig::validate() const {
   if (!(init_std > 0)) throw ConfigError("config: model.init_std must be > 0");
   if (aux_loss_coef < 0) throw ConfigError("config: model.aux_loss_coef must be >= 0");
   if (bias_update_rate < 0) throw ConfigError("config: model.bias_update_rate must be >= 0");
-  if (compute_dtype != DType::kF32 && compute_dtype != DType::kF64)
+  if (!on_gpu() && compute_dtype != DType::kF32 && compute_dtype != DType::kF64)
     throw ConfigError(fmt::format(
         "config: model.compute_dtype = \"{}\" is not available on the CPU (valid: f32, f64)",
         dtype_name(compute_dtype)));

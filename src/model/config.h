@@ -6,6 +6,7 @@
 #include <string>
 
 #include "core/dtype.h"
+#include "core/tensor.h"
 
 namespace mt {
 
@@ -36,6 +37,15 @@ struct ModelConfig {
   double init_std = 0.02;
   DType compute_dtype = DType::kF32;  // CPU: f32 to train, f64 for gradient checks
   CheckpointPolicy checkpoint = CheckpointPolicy::kNone;
+  // Where the model runs (set by the trainer from hardware.device). On the GPU: fp32 master
+  // weights and gradients, bf16 compute copies and activations, f32 statistics (RMSNorm rstd,
+  // attention and loss LSE, routing). On the CPU everything is compute_dtype.
+  Device device = Device::kCPU;
+
+  bool on_gpu() const { return device == Device::kCUDA; }
+  DType master_dtype() const { return on_gpu() ? DType::kF32 : compute_dtype; }
+  DType activation_dtype() const { return on_gpu() ? DType::kBF16 : compute_dtype; }
+  DType stat_dtype() const { return on_gpu() ? DType::kF32 : compute_dtype; }
 
   int64_t q_dim() const { return n_heads * head_dim; }
   int64_t kv_dim() const { return n_kv_heads * head_dim; }

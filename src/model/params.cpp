@@ -26,7 +26,18 @@ ParamGroup make_param_group(ParamKind kind, std::vector<ParamSpec> specs, DType 
   g.grads = Tensor::zeros({offset}, dtype);
   g.shard = g.params;
   g.grad_shard = g.grads;
+  g.compute_dtype = dtype;
   return g;
+}
+
+void place_group(ParamGroup& g, Device device, DType compute_dtype) {
+  MT_CHECK(!g.sharded(), "place_group before sharding");
+  g.compute_dtype = compute_dtype;
+  if (g.params.device() == device) return;
+  g.params = g.params.to(device);
+  g.grads = Tensor::zeros(g.grads.shape(), g.grads.dtype(), device);
+  g.shard = g.params;
+  g.grad_shard = g.grads;
 }
 
 void init_params(ParamGroup& g, uint64_t seed, double std) {

@@ -38,10 +38,18 @@ struct ParamGroup {
   Tensor grad_shard;                   // (padded / n)
   Tensor params;                       // (padded) full parameters while gathered
   Tensor grads;                        // (padded) full gradients during backward
+  // Mixed precision: the dtype the ops read the weights in, and the gathered params cast to it
+  // (undefined when it is the params' own dtype).
+  DType compute_dtype = DType::kF32;
+  Tensor compute;
 
   bool sharded() const { return comm != nullptr; }
   int64_t shard_begin() const { return sharded() ? comm->rank() * shard.numel() : 0; }
   Tensor param(size_t i) const { return params.view(specs[i].offset, specs[i].shape); }
+  // The weight as the ops read it: the compute copy when there is one.
+  Tensor weight(size_t i) const {
+    return (compute.defined() ? compute : params).view(specs[i].offset, specs[i].shape);
+  }
   Tensor grad(size_t i) const { return grads.view(specs[i].offset, specs[i].shape); }
 };
 
@@ -52,6 +60,9 @@ struct ParamUnit {
 
 // Builds an unsharded group from specs: assigns offsets, allocates zeroed params and grads.
 ParamGroup make_param_group(ParamKind kind, std::vector<ParamSpec> specs, DType dtype);
+// Moves an initialised, unsharded group's params and grads to `device`; the ops will read the
+// weights in `compute_dtype` (a copy made when the unit is gathered, when it differs).
+void place_group(ParamGroup& g, Device device, DType compute_dtype);
 // Initialises every parameter from (seed, name): N(0, std) for matrices, 1 for norm weights.
 // The values depend on nothing but the seed, the name and the element's index in the full
 // parameter (not on order, sharding or expert parallelism).

@@ -12,9 +12,15 @@
 namespace mt {
 
 int64_t Batch::masked_tokens() const {
+  const Tensor mask = loss_mask.device() == Device::kCPU ? loss_mask : loss_mask.to(Device::kCPU);
   int64_t n = 0;
-  for (int64_t i = 0; i < loss_mask.numel(); ++i) n += loss_mask.data<uint8_t>()[i] != 0;
+  for (int64_t i = 0; i < mask.numel(); ++i) n += mask.data<uint8_t>()[i] != 0;
   return n;
+}
+
+Batch Batch::to(Device device) const {
+  return {tokens.to(device), targets.to(device), loss_mask.to(device), positions.to(device),
+          cu_seqlens.to(device)};
 }
 
 namespace {
@@ -33,7 +39,9 @@ Qwen3Moe::Qwen3Moe(const ModelConfig& c, uint64_t seed, dist::DeviceMesh* mesh)
     if (mesh->ep_size() > 1) comms_.ep = &mesh->ep();
     if (mesh->world().size() > 1) comms_.batch = &mesh->world();
   }
-  const DType dt = cfg_.compute_dtype;
+  const DType dt = cfg_.master_dtype();
+  MT_CHECK(!(mesh && cfg_.on_gpu() && mesh->world().size() > 1),
+           "several ranks on the GPU need the NCCL backend, which is not built yet");
   ParamUnit embed{"embed", {}};
   embed.groups.push_back(
       make_param_group(ParamKind::kDense, {{"embed.table", {c.vocab_size, c.dim}}}, dt));
@@ -47,14 +55,15 @@ Qwen3Moe::Qwen3Moe(const ModelConfig& c, uint64_t seed, dist::DeviceMesh* mesh)
       ParamUnit{"head", {make_param_group(ParamKind::kDense, std::move(head_specs), dt)}});
   for (auto& u : units_)
     for (auto& g : u.groups) {
-      init_params(g, seed, c.init_std);
+      init_params(g, seed, c.init_std);  // on the host, then moved: same values on any device
+      place_group(g, cfg_.device, cfg_.activation_dtype());
       if (!mesh) continue;
       dist::Communicator& group =
           g.kind == ParamKind::kExpert ? mesh->dp_shard_mod_ep() : mesh->world();
       if (group.size() > 1) fsdp::shard_group(g, group);
     }
   for (int64_t l = 0; l < c.n_layers; ++l) {
-    router_bias_.push_back(Tensor::zeros({c.n_experts}, dt));
+    router_bias_.push_back(Tensor::zeros({c.n_experts}, cfg_.stat_dtype(), cfg_.device));
     expert_load_.push_back(Tensor::zeros({c.n_experts}, DType::kI64));
   }
 }
@@ -67,7 +76,7 @@ void Qwen3Moe::zero_grad() {
 
 Tensor Qwen3Moe::head_weight() const {
   const ParamGroup& g = units_.back().groups[0];
-  return cfg_.tie_word_embeddings ? units_[0].groups[0].param(0) : g.param(1);
+  return cfg_.tie_word_embeddings ? units_[0].groups[0].weight(0) : g.weight(1);
 }
 
 MicroBatchLosses Qwen3Moe::forward(const Batch& b) {
@@ -80,15 +89,16 @@ MicroBatchLosses Qwen3Moe::forward_backward(const Batch& b, const LossScale& s) 
 MicroBatchLosses Qwen3Moe::run(const Batch& b, const LossScale* scale) {
   const ModelConfig& c = cfg_;
   const int64_t n = b.size(), L = c.n_layers;
-  const DType dt = c.compute_dtype;
+  const DType dt = c.activation_dtype(), st = c.stat_dtype();
+  const Device dev = c.device;
   const bool tied = c.tie_word_embeddings;
   ParamUnit& embed = units_.front();
   ParamUnit& head = units_.back();
 
   // Forward. Each unit is gathered just before it runs and released right after.
   fsdp::gather(embed);
-  Tensor x = Tensor::empty({n, c.dim}, dt);
-  ops::embedding_forward(b.tokens, embed.groups[0].param(0), x);
+  Tensor x = Tensor::empty({n, c.dim}, dt, dev);
+  ops::embedding_forward(b.tokens, embed.groups[0].weight(0), x);
   if (!tied) fsdp::release(embed);  // tied: the head reads the table too
   std::vector<BlockActivations> acts(L);
   std::vector<BlockInputs> inputs(L);
@@ -102,18 +112,19 @@ MicroBatchLosses Qwen3Moe::run(const Batch& b, const LossScale* scale) {
     x = block_forward(bind_block_params(unit.groups), c, inputs[l], x, acts[l]);
     fsdp::release(unit);
     out.aux_sum += acts[l].aux_loss;
-    const int64_t* routed = acts[l].tokens_per_expert.data<int64_t>();
+    const Tensor counts = acts[l].tokens_per_expert.to(Device::kCPU);
+    const int64_t* routed = counts.data<int64_t>();
     for (int64_t e = 0; e < c.n_experts; ++e) expert_load_[l].data<int64_t>()[e] += routed[e];
   }
   fsdp::gather(head);
-  const Tensor norm_w = head.groups[0].param(0);
-  Tensor xf = Tensor::empty({n, c.dim}, dt), rstd = Tensor::empty({n}, dt);
+  const Tensor norm_w = head.groups[0].weight(0);
+  Tensor xf = Tensor::empty({n, c.dim}, dt, dev), rstd = Tensor::empty({n}, st, dev);
   ops::rmsnorm_forward(x, norm_w, c.rms_norm_eps, xf, rstd);
-  Tensor logits = Tensor::empty({n, c.vocab_size}, dt);
+  Tensor logits = Tensor::empty({n, c.vocab_size}, dt, dev);
   const Tensor w_out = head_weight();
   ops::gemm(xf, ops::Transpose::kNo, w_out, tied ? ops::Transpose::kYes : ops::Transpose::kNo,
             logits, ops::Accumulate::kNo);
-  Tensor lse = Tensor::empty({n}, dt);
+  Tensor lse = Tensor::empty({n}, st, dev);
   out.ce_sum = ops::cross_entropy_forward(logits, b.targets, b.loss_mask, lse);
   out.masked = b.masked_tokens();
   if (!scale) {
@@ -124,12 +135,12 @@ MicroBatchLosses Qwen3Moe::run(const Batch& b, const LossScale* scale) {
 
   // Backward: head, blocks in reverse, embedding; each unit's gradients are reduce-scattered
   // as soon as its backward is done.
-  Tensor dlogits = Tensor::empty(logits.shape(), dt);
+  Tensor dlogits = Tensor::empty(logits.shape(), dt, dev);
   ops::cross_entropy_backward(logits, b.targets, b.loss_mask, lse, scale->ce_scale, dlogits);
   logits = Tensor();
   fsdp::begin_backward(head);
   fsdp::begin_backward(embed);
-  Tensor dxf = Tensor::empty({n, c.dim}, dt);
+  Tensor dxf = Tensor::empty({n, c.dim}, dt, dev);
   if (tied) {
     ops::gemm(dlogits, ops::Transpose::kNo, w_out, ops::Transpose::kNo, dxf, ops::Accumulate::kNo);
     Tensor dtable = embed.groups[0].grad(0);
@@ -139,7 +150,7 @@ MicroBatchLosses Qwen3Moe::run(const Batch& b, const LossScale* scale) {
     Tensor dw_out = head.groups[0].grad(1);
     ops::linear_backward(xf, w_out, dlogits, dxf, dw_out);
   }
-  Tensor dx = Tensor::empty({n, c.dim}, dt);
+  Tensor dx = Tensor::empty({n, c.dim}, dt, dev);
   Tensor dnorm = head.groups[0].grad(0);
   ops::rmsnorm_backward(x, norm_w, rstd, dxf, dx, dnorm);
   fsdp::reduce_gradients(head, kGradDivideFactor);

@@ -159,8 +159,9 @@ std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
     path = (fs::path(dir) / (step_name + ".safetensors")).string();
   }
   SafetensorsFile f;
-  for_each_state(model, opt,
-                 [&](const std::string& name, const Tensor& t) { f.tensors.emplace(name, t); });
+  for_each_state(model, opt, [&](const std::string& name, const Tensor& t) {
+    f.tensors.emplace(name, t.device() == Device::kCPU ? t : t.to(Device::kCPU));
+  });
   f.metadata["format"] = "moetrain-checkpoint-1";
   f.metadata["step"] = std::to_string(st.step);
   f.metadata["data_position"] = std::to_string(st.data_position);

@@ -47,7 +47,7 @@ struct CheckpointConfig {
 };
 
 struct HardwareConfig {
-  std::string device = "auto";  // auto | cpu | cuda
+  std::string device = "auto";  // auto (the CLI picks the GPU when it can) | cpu | cuda
   double peak_tflops = 0;       // for MFU; 0: estimate for the device
   int64_t threads = 0;          // CPU threads; 0: all cores
 };

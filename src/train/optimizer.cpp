@@ -21,8 +21,8 @@ AdamW::AdamW(std::vector<ParamUnit>& units, const TrainConfig& t, dist::Communic
   for (auto& u : units)
     for (auto& g : u.groups) {
       groups_.push_back(&g);
-      state_.push_back(Tensor::zeros(g.shard.shape(), g.shard.dtype()));
-      state_.push_back(Tensor::zeros(g.shard.shape(), g.shard.dtype()));
+      state_.push_back(Tensor::zeros(g.shard.shape(), g.shard.dtype(), g.shard.device()));
+      state_.push_back(Tensor::zeros(g.shard.shape(), g.shard.dtype(), g.shard.device()));
     }
 }
 

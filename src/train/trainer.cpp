@@ -50,6 +50,7 @@ double peak_flops(const HardwareConfig& h) {
 
 Trainer::Trainer(const Config& c, dist::Communicator* world) : cfg_(c), world_(world) {
   if (c.hardware.threads > 0) omp_set_num_threads(static_cast<int>(c.hardware.threads));
+  cfg_.model.device = c.hardware.device == "cuda" ? Device::kCUDA : Device::kCPU;
   MT_CHECK(world_size() == c.parallel.world, "communicator of {} ranks for parallel.world = {}",
            world_size(), c.parallel.world);
   if (world_) {
@@ -58,13 +59,16 @@ Trainer::Trainer(const Config& c, dist::Communicator* world) : cfg_(c), world_(w
         dist::MeshShape{static_cast<int>(c.parallel.world), static_cast<int>(c.parallel.ep)},
         c.model.n_experts);
   }
-  model_ = std::make_unique<Qwen3Moe>(c.model, c.train.seed, mesh_.get());
+  model_ = std::make_unique<Qwen3Moe>(cfg_.model, c.train.seed, mesh_.get());
   opt_ = std::make_unique<AdamW>(model_->units(), c.train, world_);
   data_ = make_data_loader(c);
   stats_ = data_->stats(c.train.seq_len);
   flops_per_token_ = train_flops_per_token(c.model, c.train.seq_len);
-  // In-process CPU ranks share one host: each rank's share of the host's peak.
-  peak_flops_ = peak_flops(c.hardware) / world_size();
+  // In-process CPU ranks share one host: each rank's share of the host's peak. A GPU without
+  // hardware.peak_tflops is measured against the H200's dense bf16 rate (989 TFLOP/s).
+  peak_flops_ = cfg_.model.on_gpu() && c.hardware.peak_tflops <= 0
+                    ? 989e12
+                    : peak_flops(c.hardware) / world_size();
 }
 
 // Rank r takes rows [r * rows, (r + 1) * rows) of each global micro-batch of world * rows rows,
@@ -75,13 +79,13 @@ Batch Trainer::next_local_batch() {
   data_->skip(r * t.batch_rows, t.seq_len);
   Batch b = data_->next(t.batch_rows, t.seq_len);
   data_->skip((world_size() - 1 - r) * t.batch_rows, t.seq_len);
-  return b;
+  return cfg_.model.on_gpu() ? b.to(Device::kCUDA) : b;
 }
 
 StepMetrics Trainer::train_step() {
   const TrainConfig& t = cfg_.train;
   const auto start = std::chrono::steady_clock::now();
-  reset_peak_memory(Device::kCPU);
+  reset_peak_memory(cfg_.model.device);
   StepMetrics m;
   m.step = step_ + 1;
   m.lr = learning_rate(t, m.step);
@@ -128,7 +132,7 @@ StepMetrics Trainer::train_step() {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   m.tokens_per_s = static_cast<double>(t.tokens_per_step() * world_size()) / seconds;
   m.mfu = flops_per_token_ * m.tokens_per_s / (peak_flops_ * world_size());
-  m.peak_bytes = memory_stats(Device::kCPU).peak_bytes;
+  m.peak_bytes = memory_stats(cfg_.model.device).peak_bytes;
   return m;
 }
 

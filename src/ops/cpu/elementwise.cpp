@@ -39,6 +39,9 @@ void convert(const Tensor& src, Tensor& dst) {
 }
 
 void scale_(Tensor& a, double s) {
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(a)) return cuda::scale_(a, s);
+#endif
   dispatch_float(a.dtype(), [&](auto tag) {
     using T = decltype(tag);
     T* p = a.data<T>();
@@ -47,6 +50,9 @@ void scale_(Tensor& a, double s) {
 }
 
 double sum_of_squares(const Tensor& a) {
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(a)) return cuda::sum_of_squares(a);
+#endif
   double s = 0;
   dispatch_float(a.dtype(), [&](auto tag) {
     using T = decltype(tag);

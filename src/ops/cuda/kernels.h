@@ -15,8 +15,8 @@ cudaError_t rmsnorm_forward(Storage s, const void* x, const void* w, float eps, 
 // dx overwritten; dw accumulated through `partial` (chunks x d floats, chunks = rmsnorm_chunks(n)).
 int rmsnorm_chunks(int64_t n);
 cudaError_t rmsnorm_backward(Storage s, const void* x, const void* w, const float* rstd,
-                             const void* dy, void* dx, void* dw, float* partial, int64_t n,
-                             int64_t d, cudaStream_t stream);
+                             const void* dy, void* dx, void* dw, bool dw_f32, float* partial,
+                             int64_t n, int64_t d, cudaStream_t stream);
 cudaError_t rope(Storage s, const void* x, const int32_t* pos, double theta, int direction, void* y,
                  int64_t n, int64_t heads, int64_t head_dim, cudaStream_t stream);
 cudaError_t swiglu_forward(Storage s, const void* h, void* a, int64_t m, int64_t f,
@@ -106,9 +106,15 @@ cudaError_t combine_backward(Storage s, const void* dout, const void* y,
                              const int32_t* row_of_choice, const float* weight, int64_t tokens,
                              int k, void* dy, float* dweight, int64_t width, cudaStream_t stream);
 // out[s] (width) += sum over r in [offsets[s], offsets[s+1]) of rows[order[r]], in order.
+// out is f32 (out_f32) or the rows' type.
 cudaError_t segment_sum_rows(Storage s, const void* rows, const int32_t* order,
                              const int64_t* offsets, int64_t segments, int64_t width, void* out,
-                             cudaStream_t stream);
+                             bool out_f32, cudaStream_t stream);
+// Deterministic sum of x^2 into *result on the host (waits for the stream).
+size_t sum_of_squares_workspace();
+cudaError_t sum_of_squares(Storage s, const void* x, int64_t n, void* workspace, double* result,
+                           cudaStream_t stream);
+cudaError_t scale(Storage s, void* x, float factor, int64_t n, cudaStream_t stream);
 cudaError_t add(Storage s, const void* a, const void* b, void* out, int64_t n, cudaStream_t stream);
 
 struct AdamWScalars {

@@ -189,9 +189,9 @@ __global__ void combine_backward_kernel(const T* dout, const T* y, const int32_t
 
 // out[s] += sum of rows[order[r]] for r in [offsets[s], offsets[s+1]), in order; one block per
 // segment (empty segments return at once).
-template <class T>
+template <class T, class TOut>
 __global__ void segment_sum_kernel(const T* rows, const int32_t* order, const int64_t* offsets,
-                                   T* out, int64_t width) {
+                                   TOut* out, int64_t width) {
   const int64_t seg = blockIdx.x;
   const int64_t begin = offsets[seg], end = offsets[seg + 1];
   if (begin == end) return;
@@ -199,8 +199,39 @@ __global__ void segment_sum_kernel(const T* rows, const int32_t* order, const in
     float acc = to_float(out[seg * width + c]);
     for (int64_t r = begin; r < end; ++r)
       acc += to_float(rows[static_cast<int64_t>(order[r]) * width + c]);
-    out[seg * width + c] = from_float<T>(acc);
+    out[seg * width + c] = from_float<TOut>(acc);
   }
+}
+
+// Deterministic sum of squares: per-block partials over fixed ranges, then one block adds them
+// in order (in double).
+constexpr int kSquareBlocks = 1024;
+
+template <class T>
+__global__ void sum_squares_partial_kernel(const T* x, int64_t n, float* partial) {
+  const int64_t per_block = (n + gridDim.x - 1) / gridDim.x;
+  const int64_t begin = blockIdx.x * per_block, end = min(n, begin + per_block);
+  float s = 0.f;
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    const float v = to_float(x[i]);
+    s += v * v;
+  }
+  s = block_sum(s);
+  if (threadIdx.x == 0) partial[blockIdx.x] = s;
+}
+
+__global__ void sum_partials_kernel(const float* partial, int count, double* out) {
+  if (threadIdx.x != 0) return;
+  double s = 0;
+  for (int i = 0; i < count; ++i) s += partial[i];
+  *out = s;
+}
+
+template <class T>
+__global__ void scale_kernel(T* x, float s, int64_t n) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
+       i += int64_t{gridDim.x} * blockDim.x)
+    x[i] = from_float<T>(to_float(x[i]) * s);
 }
 
 template <class T>
@@ -343,12 +374,43 @@ cudaError_t convert(Storage from, const void* src, void* dst, int64_t n, cudaStr
 
 cudaError_t segment_sum_rows(Storage s, const void* rows, const int32_t* order,
                              const int64_t* offsets, int64_t segments, int64_t width, void* out,
-                             cudaStream_t stream) {
+                             bool out_f32, cudaStream_t stream) {
   if (segments == 0) return cudaSuccess;
   dispatch_storage(s, [&](auto tag) {
     using T = decltype(tag);
-    segment_sum_kernel<T><<<segments, 128, 0, stream>>>(static_cast<const T*>(rows), order, offsets,
-                                                        static_cast<T*>(out), width);
+    if (out_f32)
+      segment_sum_kernel<T, float><<<segments, 128, 0, stream>>>(
+          static_cast<const T*>(rows), order, offsets, static_cast<float*>(out), width);
+    else
+      segment_sum_kernel<T, T><<<segments, 128, 0, stream>>>(static_cast<const T*>(rows), order,
+                                                             offsets, static_cast<T*>(out), width);
+  });
+  return cudaGetLastError();
+}
+
+size_t sum_of_squares_workspace() { return sizeof(float) * kSquareBlocks + sizeof(double); }
+
+cudaError_t sum_of_squares(Storage s, const void* x, int64_t n, void* workspace, double* result,
+                           cudaStream_t stream) {
+  auto* partial = static_cast<float*>(workspace);
+  auto* out = reinterpret_cast<double*>(partial + kSquareBlocks);
+  dispatch_storage(s, [&](auto tag) {
+    using T = decltype(tag);
+    sum_squares_partial_kernel<T>
+        <<<kSquareBlocks, kBlock, 0, stream>>>(static_cast<const T*>(x), n, partial);
+  });
+  sum_partials_kernel<<<1, 32, 0, stream>>>(partial, kSquareBlocks, out);
+  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  return cudaMemcpyAsync(result, out, sizeof(double), cudaMemcpyDeviceToHost, stream) == cudaSuccess
+             ? cudaStreamSynchronize(stream)
+             : cudaGetLastError();
+}
+
+cudaError_t scale(Storage s, void* x, float factor, int64_t n, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  dispatch_storage(s, [&](auto tag) {
+    using T = decltype(tag);
+    scale_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(static_cast<T*>(x), factor, n);
   });
   return cudaGetLastError();
 }

@@ -84,8 +84,8 @@ cudaError_t rmsnorm_forward(Storage st, const void* x, const void* w, float eps,
 }
 
 cudaError_t rmsnorm_backward(Storage st, const void* x, const void* w, const float* rstd,
-                             const void* dy, void* dx, void* dw, float* partial, int64_t n,
-                             int64_t d, cudaStream_t stream) {
+                             const void* dy, void* dx, void* dw, bool dw_f32, float* partial,
+                             int64_t n, int64_t d, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const int chunks = rmsnorm_chunks(n);
   dispatch_storage(st, [&](auto tag) {
@@ -96,8 +96,12 @@ cudaError_t rmsnorm_backward(Storage st, const void* x, const void* w, const flo
         <<<n, kBlock, 0, stream>>>(xp, static_cast<const T*>(w), rstd, dyp, static_cast<T*>(dx), d);
     const dim3 grid((d + kBlock - 1) / kBlock, chunks);
     rmsnorm_dw_partial_kernel<T><<<grid, kBlock, 0, stream>>>(xp, rstd, dyp, partial, n, d);
-    rmsnorm_dw_sum_kernel<T>
-        <<<(d + kBlock - 1) / kBlock, kBlock, 0, stream>>>(partial, chunks, static_cast<T*>(dw), d);
+    const int blocks = static_cast<int>((d + kBlock - 1) / kBlock);
+    if (dw_f32)  // mixed precision: bf16 activations, f32 gradient buffers
+      rmsnorm_dw_sum_kernel<float><<<blocks, kBlock, 0, stream>>>(partial, chunks,
+                                                                  static_cast<float*>(dw), d);
+    else
+      rmsnorm_dw_sum_kernel<T><<<blocks, kBlock, 0, stream>>>(partial, chunks, static_cast<T*>(dw), d);
   });
   return cudaGetLastError();
 }

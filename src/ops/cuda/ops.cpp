@@ -172,12 +172,14 @@ void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, cons
   expect_shape(dy, {n, d}, "rmsnorm dy");
   expect_shape(dx, {n, d}, "rmsnorm dx");
   expect_shape(dw, {d}, "rmsnorm dw");
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&w, &dy, &dx, &dw})
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&w, &dy, &dx})
     same_storage_type(x, *t, "rmsnorm operand");
+  MT_CHECK(dw.device() == Device::kCUDA && (dw.dtype() == x.dtype() || dw.dtype() == DType::kF32),
+           "rmsnorm dw must be {} or f32 on the GPU", dtype_name(x.dtype()));
   Tensor partial = Tensor::empty({kernels::rmsnorm_chunks(n), d}, DType::kF32, Device::kCUDA);
-  MT_CUDA_CHECK(kernels::rmsnorm_backward(storage_of(x, "rmsnorm x"), x.raw(), w.raw(),
-                                          rstd.data<float>(), dy.raw(), dx.raw(), dw.raw(),
-                                          partial.data<float>(), n, d, nullptr));
+  MT_CUDA_CHECK(kernels::rmsnorm_backward(
+      storage_of(x, "rmsnorm x"), x.raw(), w.raw(), rstd.data<float>(), dy.raw(), dx.raw(),
+      dw.raw(), dw.dtype() == DType::kF32, partial.data<float>(), n, d, nullptr));
 }
 
 void rope_apply(const Tensor& x, const Tensor& positions, double theta, int direction, Tensor& y) {

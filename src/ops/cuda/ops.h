@@ -44,6 +44,8 @@ void combine_backward(const Tensor& dout, const Tensor& yp, const Tensor& row_of
                       const Tensor& weight, Tensor& dyp, Tensor& dweight);
 void add(const Tensor& a, const Tensor& b, Tensor& out);
 void convert(const Tensor& src, Tensor& dst);  // f32 <-> bf16 on the GPU
+double sum_of_squares(const Tensor& x);         // deterministic; waits for the GPU
+void scale_(Tensor& x, double factor);
 
 void rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd);
 void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy,
