@@ -194,12 +194,15 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
       metrics << j.dump() << "\n" << std::flush;
     }
     if (opt.progress_bar && is_rank0()) write_progress(m.step, last, m);
-    if (is_rank0() && (m.step % t.log_every == 0 || m.step == last))
+    if (is_rank0() && (m.step % t.log_every == 0 || m.step == last)) {
+      // Clear the bar's line first so that the log line does not land after it.
+      if (opt.progress_bar && m.step != last) std::fprintf(stderr, "\r\033[2K");
       log::info(
           "step {:>5} | loss {:.4f} | aux {:.4f} | grad_norm {:.4f} | lr {:.3e} | "
           "{:.0f} tok/s | mfu {:.2f}% | peak mem {:.1f} MiB",
           m.step, m.loss, m.aux_loss, m.grad_norm, m.lr, m.tokens_per_s, 100 * m.mfu,
           m.peak_bytes / 1048576.0);
+    }
     const bool at_interval = cfg_.checkpoint.every > 0 && m.step % cfg_.checkpoint.every == 0;
     if (!cfg_.checkpoint.dir.empty() && (at_interval || m.step == last)) {
       const std::string path =
