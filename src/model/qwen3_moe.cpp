@@ -126,7 +126,6 @@ MicroBatchLosses Qwen3Moe::run(const Batch& b, const LossScale* scale) {
             logits, ops::Accumulate::kNo);
   Tensor lse = Tensor::empty({n}, st, dev);
   out.ce_sum = ops::cross_entropy_forward(logits, b.targets, b.loss_mask, lse);
-  out.masked = b.masked_tokens();
   if (!scale) {
     fsdp::release(head);
     fsdp::release(embed);

@@ -26,7 +26,6 @@ struct LossScale {
 struct MicroBatchLosses {
   double ce_sum = 0;   // sum of the token losses over masked tokens
   double aux_sum = 0;  // sum over layers of the per-layer aux loss (no coefficient)
-  int64_t masked = 0;
 };
 
 class Qwen3Moe {
