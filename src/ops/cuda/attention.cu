@@ -32,6 +32,22 @@ __device__ void doc_of(const int32_t* cu, int docs, int64_t i, int64_t* begin, i
   *end = cu[lo + 1];
 }
 
+// The (query token, head) a warp owns, its kv head and its document's token range.
+struct QueryItem {
+  int64_t item, token, doc_begin, doc_end;
+  int head, kv_head;
+};
+
+__device__ bool query_item(const int32_t* cu, int docs, const AttnGeometry& g, QueryItem* q) {
+  q->item = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32;
+  if (q->item >= g.n * g.heads) return false;
+  q->token = q->item / g.heads;
+  q->head = static_cast<int>(q->item % g.heads);
+  q->kv_head = q->head / (g.heads / g.kv_heads);
+  doc_of(cu, docs, q->token, &q->doc_begin, &q->doc_end);
+  return true;
+}
+
 template <class T>
 __device__ float warp_dot(const T* a, const T* b, int d) {
   float s = 0.f;
@@ -43,16 +59,13 @@ __device__ float warp_dot(const T* a, const T* b, int d) {
 template <class T>
 __global__ void attention_forward_kernel(const T* q, const T* k, const T* v, const int32_t* cu,
                                          int docs, AttnGeometry g, T* out, float* lse) {
-  const int64_t item = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32;
-  if (item >= g.n * g.heads) return;
-  const int64_t i = item / g.heads;
-  const int h = static_cast<int>(item % g.heads), kvh = h / (g.heads / g.kv_heads);
-  const int lane = threadIdx.x % 32;
-  int64_t begin, end;
-  doc_of(cu, docs, i, &begin, &end);
-  const T* qi = q + (i * g.heads + h) * g.dqk;
+  QueryItem w;
+  if (!query_item(cu, docs, g, &w)) return;
+  const int64_t i = w.token, item = w.item;
+  const int kvh = w.kv_head, lane = threadIdx.x % 32;
+  const T* qi = q + item * g.dqk;
   float m = -INFINITY, sum = 0.f, acc[kMaxDim / 32] = {};
-  for (int64_t j = begin; j <= i; ++j) {
+  for (int64_t j = w.doc_begin; j <= i; ++j) {
     const float s = warp_dot(qi, k + (j * g.kv_heads + kvh) * g.dqk, g.dqk) * g.scale;
     const float m_new = fmaxf(m, s);
     const float correction = expf(m - m_new), p = expf(s - m_new);
@@ -62,9 +75,9 @@ __global__ void attention_forward_kernel(const T* q, const T* k, const T* v, con
       acc[r] = acc[r] * correction + p * to_float(vj[c]);
     m = m_new;
   }
-  T* oi = out + (i * g.heads + h) * g.dv;
+  T* oi = out + item * g.dv;
   for (int c = lane, r = 0; c < g.dv; c += 32, ++r) oi[c] = from_float<T>(acc[r] / sum);
-  if (lane == 0) lse[i * g.heads + h] = m + logf(sum);
+  if (lane == 0) lse[item] = m + logf(sum);
 }
 
 // delta[i, h] = dout_i . out_i (the softmax backward's row term).
@@ -80,17 +93,14 @@ template <class T>
 __global__ void attention_dq_kernel(const T* q, const T* k, const T* v, const T* dout,
                                     const float* lse, const float* delta, const int32_t* cu,
                                     int docs, AttnGeometry g, T* dq) {
-  const int64_t item = blockIdx.x * int64_t{kWarpsPerBlock} + threadIdx.x / 32;
-  if (item >= g.n * g.heads) return;
-  const int64_t i = item / g.heads;
-  const int h = static_cast<int>(item % g.heads), kvh = h / (g.heads / g.kv_heads);
-  const int lane = threadIdx.x % 32;
-  int64_t begin, end;
-  doc_of(cu, docs, i, &begin, &end);
+  QueryItem w;
+  if (!query_item(cu, docs, g, &w)) return;
+  const int64_t i = w.token, item = w.item;
+  const int kvh = w.kv_head, lane = threadIdx.x % 32;
   const T* qi = q + item * g.dqk;
   const T* doi = dout + item * g.dv;
   float acc[kMaxDim / 32] = {};
-  for (int64_t j = begin; j <= i; ++j) {
+  for (int64_t j = w.doc_begin; j <= i; ++j) {
     const T* kj = k + (j * g.kv_heads + kvh) * g.dqk;
     const float p = expf(warp_dot(qi, kj, g.dqk) * g.scale - lse[item]);
     const float dp = warp_dot(doi, v + (j * g.kv_heads + kvh) * g.dv, g.dv);
