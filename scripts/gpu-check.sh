@@ -7,6 +7,11 @@ out=${OUT:-/tmp/moetrain-gpu}
 mkdir -p "$out"
 export LD_LIBRARY_PATH="$bundle:${LD_LIBRARY_PATH:-}"
 export NCCL_NVLS_ENABLE=0
+# cuDNN comes from the machine: the system's, else the one PyTorch's wheels carry.
+if ! ldconfig -p | grep -q 'libcudnn.so.9'; then
+  cudnn_dir=$(python3 -c 'import nvidia.cudnn, os; print(os.path.join(nvidia.cudnn.__path__[0], "lib"))' 2>/dev/null)
+  [ -n "$cudnn_dir" ] && export LD_LIBRARY_PATH="$LD_LIBRARY_PATH:$cudnn_dir"
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 "$bundle/test_cuda_ops" --gtest_output="json:$out/test_cuda_ops.json" >"$out/test_cuda_ops.log" 2>&1
 status=$?
@@ -17,12 +22,32 @@ grep -E "^\[ *(OK|FAILED) *\]|Failure|error|seed" "$out/test_cuda_ops.log" | gre
 "$bundle/moetrain" train --config configs/tiny.toml --set train.log_every=100 \
   --metrics "$out/tiny_gpu.jsonl" >"$out/tiny_gpu.log" 2>&1 || status=1
 tail -2 "$out/tiny_gpu.log"
-if [ "${GPU_CHECK_BENCH:-1}" = 1 ]; then
-  "$bundle/bench_gemm" >"$out/bench.jsonl" 2>"$out/bench.log" || echo "bench_gemm failed: $(tail -3 "$out/bench.log")"
-  python3 bench/grouped_mm_torch.py >>"$out/bench.jsonl" 2>>"$out/bench.log" || echo "torch comparator failed: $(tail -3 "$out/bench.log")"
-  [ -x "$bundle/bench_grouped_gemm_variants" ] && "$bundle/bench_grouped_gemm_variants" >>"$out/bench.jsonl" 2>>"$out/bench.log"
-  "$bundle/bench_moe_layer" >>"$out/bench.jsonl" 2>>"$out/bench.log" || echo "bench_moe_layer failed: $(tail -3 "$out/bench.log")"
-  python3 bench/moe_layer_torch.py >>"$out/bench.jsonl" 2>>"$out/bench.log" || echo "torch MoE comparator failed: $(tail -3 "$out/bench.log")"
+# Benchmarks: GPU_CHECK_BENCH lists which (default all; 0 for none), GPU_CHECK_LAYERS the layer
+# counts of the full-model step.
+benches=",${GPU_CHECK_BENCH:-gemm,attention,moe,model},"
+run_bench() {  # name, command...: JSON lines to bench.jsonl, failures named on stdout
+  local name=$1
+  shift
+  "$@" >>"$out/bench.jsonl" 2>>"$out/bench.log" || echo "$name failed: $(tail -3 "$out/bench.log")"
+}
+: >"$out/bench.jsonl"
+if [[ $benches == *,gemm,* ]]; then
+  run_bench bench_gemm "$bundle/bench_gemm"
+  run_bench grouped_mm_torch python3 bench/grouped_mm_torch.py
+  [ -x "$bundle/bench_grouped_gemm_variants" ] && run_bench variants "$bundle/bench_grouped_gemm_variants"
+fi
+if [[ $benches == *,attention,* ]]; then
+  run_bench bench_attention "$bundle/bench_attention"
+  run_bench attention_torch python3 bench/attention_torch.py
+fi
+if [[ $benches == *,moe,* ]]; then
+  run_bench bench_moe_layer "$bundle/bench_moe_layer"
+  run_bench moe_layer_torch python3 bench/moe_layer_torch.py
+fi
+if [[ $benches == *,model,* ]]; then
+  run_bench bench-model env OUT="$out" scripts/bench-model.sh "$bundle/moetrain" ${GPU_CHECK_LAYERS:-7}
+fi
+if [ -s "$out/bench.jsonl" ]; then
   echo "== benchmarks (JSON lines, also in bench.jsonl)"
   cat "$out/bench.jsonl"
 fi

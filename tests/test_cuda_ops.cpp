@@ -11,6 +11,7 @@
 #include "ops/attention.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/kernels.h"
+#include "ops/cuda/ops.h"
 #include "ops/embedding.h"
 #include "ops/gemm.h"
 #include "ops/grouped_gemm.h"
@@ -133,10 +134,14 @@ TEST_P(GpuCase, AdamWStep) {
   Tensor p = input({n}), g = input({n}, 0.1), m = input({n}, 0.01), v = input({n}, 0.01);
   for (int64_t i = 0; i < n; ++i) v.set_item(i, std::abs(v.item(i)));
   Tensor gp = p.to(Device::kCUDA), gm = m.to(Device::kCUDA), gv = v.to(Device::kCUDA);
-  const ops::AdamWHyper hyper{1e-3, 0.9, 0.95, 1e-8, 0.1, 7};
+  const ops::AdamWHyper hyper{1e-3, 0.9, 0.95, 1e-8, 0.1, 7, 0.5};  // clipped by half
   ops::adamw_step(p, g, m, v, hyper);
-  ops::adamw_step(gp, g.to(Device::kCUDA), gm, gv, hyper);
+  Tensor compute = Tensor::poisoned({n}, DType::kBF16, Device::kCUDA);
+  ops::adamw_step(gp, g.to(Device::kCUDA), gm, gv, hyper, &compute);
   expect_close(gp, p, "adamw params");
+  // The bf16 copy written in the same pass is exactly the cast of the new master weights.
+  const Tensor cast = gp.to(Device::kCPU).to(DType::kBF16), got = compute.to(Device::kCPU);
+  EXPECT_EQ(std::memcmp(cast.raw(), got.raw(), cast.nbytes()), 0) << "adamw compute copy";
   expect_close(gm, m, "adamw exp_avg");
   expect_close(gv, v, "adamw exp_avg_sq");
 }
@@ -302,12 +307,13 @@ TEST_P(GpuCase, AttentionPackedCausalGqa) {
   const Tensor dout = input({n, h, dv});
   const double scale = 1.0 / std::sqrt(static_cast<double>(dqk));
   Tensor out = Tensor::empty({n, h, dv}, DType::kF32), lse = Tensor::empty({n, h}, DType::kF32);
-  ops::attention_forward(q, k, v, cus, scale, out, lse);
+  ops::attention_forward(q, k, v, {cus, 700}, scale, out, lse);
   Tensor dq = Tensor::empty(q.shape(), DType::kF32), dk = Tensor::empty(k.shape(), DType::kF32);
   Tensor dvv = Tensor::empty(v.shape(), DType::kF32);
-  ops::attention_backward(q, k, v, out, lse, dout, cus, scale, dq, dk, dvv);
+  ops::attention_backward(q, k, v, out, lse, dout, {cus, 700}, scale, dq, dk, dvv);
 
-  const Tensor gq = gpu(q), gk = gpu(k), gv = gpu(v), gcu = cus.to(Device::kCUDA);
+  const Tensor gq = gpu(q), gk = gpu(k), gv = gpu(v);
+  const ops::Documents gcu{cus.to(Device::kCUDA), 700};
   Tensor gout = gpu_out({n, h, dv}), glse = gpu_out({n, h}, DType::kF32);
   ops::attention_forward(gq, gk, gv, gcu, scale, gout, glse);
   expect_close(gout, out, "attention out");
@@ -318,6 +324,73 @@ TEST_P(GpuCase, AttentionPackedCausalGqa) {
   expect_close(gdq, dq, "attention dq");
   expect_close(gdk, dk, "attention dk");
   expect_close(gdv, dvv, "attention dv");
+}
+
+// cuDNN's fused SDPA at Qwen3's head shape against the CPU reference (bf16 inputs, fp32 math):
+// five documents (padded to eight empty-tailed ones inside) including a one-token document,
+// then a second packing that builds another graph. Deterministic backward repeats bit for bit.
+TEST(CudnnAttention, MatchesReferenceOnPackedDocuments) {
+  if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU: run this test on the GPU machine";
+  if (!cuda::cudnn_attention_available()) GTEST_FAIL() << "built without the cuDNN frontend";
+  const uint64_t seed = fresh_seed();
+  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  const int64_t h = 16, kv = 2, d = 128;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  for (const std::vector<int32_t>& cu : {std::vector<int32_t>{0, 300, 301, 358, 1058, 1100},
+                                         std::vector<int32_t>{0, 1024, 1100}}) {
+    const int64_t n = cu.back(), docs = static_cast<int64_t>(cu.size()) - 1;
+    Tensor cus = Tensor::empty({docs + 1}, DType::kI32);
+    for (int64_t i = 0; i <= docs; ++i) cus.set_item(i, cu[i]);
+    const ops::Documents host_docs{cus, ops::max_document_length(cus)};
+    const auto bf16_values = [&](const Shape& s, uint64_t stream) {
+      return testing::randn(s, seed + stream, 1.0, DType::kF32).to(DType::kBF16).to(DType::kF32);
+    };
+    const Tensor q = bf16_values({n, h, d}, 1), k = bf16_values({n, kv, d}, 2),
+                 v = bf16_values({n, kv, d}, 3), dout = bf16_values({n, h, d}, 4);
+    Tensor out = Tensor::empty({n, h, d}, DType::kF32), lse = Tensor::empty({n, h}, DType::kF32);
+    ops::attention_forward(q, k, v, host_docs, scale, out, lse);
+    Tensor dq = Tensor::empty(q.shape(), DType::kF32), dk = Tensor::empty(k.shape(), DType::kF32),
+           dv = Tensor::empty(v.shape(), DType::kF32);
+    ops::attention_backward(q, k, v, out, lse, dout, host_docs, scale, dq, dk, dv);
+
+    const auto dev = [](const Tensor& t) { return t.to(DType::kBF16).to(Device::kCUDA); };
+    const auto poisoned = [](const Shape& s, DType t) {
+      return Tensor::poisoned(s, t, Device::kCUDA);
+    };
+    const ops::Documents docs_gpu{cus.to(Device::kCUDA), host_docs.max_length};
+    const Tensor gq = dev(q), gk = dev(k), gv = dev(v), gdout = dev(dout);
+    Tensor gout = poisoned(out.shape(), DType::kBF16), glse = poisoned(lse.shape(), DType::kF32);
+    cuda::cudnn_attention_forward(gq, gk, gv, docs_gpu, scale, gout, glse);
+    const auto close = [&](const Tensor& got, const Tensor& ref, double tol, const char* what) {
+      const Tensor host = got.to(Device::kCPU).to(DType::kF32);
+      ASSERT_TRUE(all_finite(host)) << what << ": unwritten (NaN) or non-finite";
+      EXPECT_LT(relative_error(host, ref), tol) << what << ", " << docs << " documents";
+    };
+    close(gout, out, 1e-2, "cudnn out");
+    close(glse, lse, 1e-4, "cudnn lse");
+    Tensor grad[2][3];
+    for (Tensor* g : grad) {
+      g[0] = poisoned(q.shape(), DType::kBF16);
+      g[1] = poisoned(k.shape(), DType::kBF16);
+      g[2] = poisoned(v.shape(), DType::kBF16);
+      cuda::cudnn_attention_backward(gq, gk, gv, gout, glse, gdout, docs_gpu, scale, true, g[0],
+                                     g[1], g[2]);
+    }
+    close(grad[0][0], dq, 2e-2, "cudnn dq");
+    close(grad[0][1], dk, 2e-2, "cudnn dk");
+    close(grad[0][2], dv, 2e-2, "cudnn dv");
+    for (int i = 0; i < 3; ++i) {
+      const Tensor a = grad[0][i].to(Device::kCPU), b = grad[1][i].to(Device::kCPU);
+      EXPECT_EQ(std::memcmp(a.raw(), b.raw(), a.nbytes()), 0) << "deterministic backward " << i;
+    }
+    Tensor fast[3] = {poisoned(q.shape(), DType::kBF16), poisoned(k.shape(), DType::kBF16),
+                      poisoned(v.shape(), DType::kBF16)};
+    cuda::cudnn_attention_backward(gq, gk, gv, gout, glse, gdout, docs_gpu, scale, false, fast[0],
+                                   fast[1], fast[2]);
+    close(fast[0], dq, 2e-2, "cudnn dq (non-deterministic)");
+    close(fast[1], dk, 2e-2, "cudnn dk (non-deterministic)");
+    close(fast[2], dv, 2e-2, "cudnn dv (non-deterministic)");
+  }
 }
 
 TEST_P(GpuCase, EmbeddingGatherAndDeterministicBackward) {

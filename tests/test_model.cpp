@@ -47,6 +47,7 @@ Batch small_batch(int64_t vocab, uint64_t seed) {
   b.cu_seqlens = Tensor::empty({4}, DType::kI32);
   const int32_t cu[4] = {0, 4, 6, 12};
   std::copy(cu, cu + 4, b.cu_seqlens.data<int32_t>());
+  b.max_seqlen = 6;
   return b;
 }
 

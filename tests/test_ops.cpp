@@ -139,20 +139,21 @@ TEST(Rope, Gradients) {
 }
 
 struct AttnCase {
-  Tensor q, k, v, cu;
+  Tensor q, k, v;
+  ops::Documents docs;
   double scale;
 };
 AttnCase attn_case() {
   // 3 documents (lengths 3, 1, 4), 4 query heads over 2 kv heads, Dqk 8 != Dv 6.
   return {randn({8, 4, 8}, 1, 0.7), randn({8, 2, 8}, 2, 0.7), randn({8, 2, 6}, 3),
-          i32({0, 3, 4, 8}), 1.0 / std::sqrt(8.0)};
+          {i32({0, 3, 4, 8}), 4}, 1.0 / std::sqrt(8.0)};
 }
 
 TEST(Attention, SingleTokenDocumentCopiesItsValue) {
   AttnCase c = attn_case();
   Tensor out = Tensor::poisoned({8, 4, 6}, DType::kF64),
          lse = Tensor::poisoned({8, 4}, DType::kF64);
-  ops::attention_forward(c.q, c.k, c.v, c.cu, c.scale, out, lse);
+  ops::attention_forward(c.q, c.k, c.v, c.docs, c.scale, out, lse);
   EXPECT_TRUE(all_finite(out) && all_finite(lse));
   for (int h = 0; h < 4; ++h) {
     const int g = h / 2;
@@ -168,7 +169,7 @@ TEST(Attention, MatchesDenseSoftmaxAndIsolatesDocuments) {
   AttnCase c = attn_case();
   Tensor out = Tensor::poisoned({8, 4, 6}, DType::kF64),
          lse = Tensor::poisoned({8, 4}, DType::kF64);
-  ops::attention_forward(c.q, c.k, c.v, c.cu, c.scale, out, lse);
+  ops::attention_forward(c.q, c.k, c.v, c.docs, c.scale, out, lse);
   // Token 6 (document 2 = tokens 4..7), head 3 -> kv head 1: explicit softmax over tokens 4..6.
   double w[3], z = 0;
   for (int j = 4; j <= 6; ++j) {
@@ -185,7 +186,7 @@ TEST(Attention, MatchesDenseSoftmaxAndIsolatesDocuments) {
   // Changing a later document's keys leaves earlier documents alone.
   Tensor out2 = like(out);
   c.k.set_item((5 * 2 + 0) * 8, 10.0);
-  ops::attention_forward(c.q, c.k, c.v, c.cu, c.scale, out2, lse);
+  ops::attention_forward(c.q, c.k, c.v, c.docs, c.scale, out2, lse);
   for (int64_t i = 0; i < 4 * 4 * 6; ++i) EXPECT_EQ(out.item(i), out2.item(i));
 }
 
@@ -195,15 +196,24 @@ TEST(Attention, Gradients) {
   Tensor out = Tensor::poisoned({8, 4, 6}, DType::kF64),
          lse = Tensor::poisoned({8, 4}, DType::kF64);
   auto loss = [&] {
-    ops::attention_forward(c.q, c.k, c.v, c.cu, c.scale, out, lse);
+    ops::attention_forward(c.q, c.k, c.v, c.docs, c.scale, out, lse);
     return dot(out, g);
   };
   loss();
   Tensor dq = like(c.q), dk = like(c.k), dv = like(c.v);
-  ops::attention_backward(c.q, c.k, c.v, out, lse, g, c.cu, c.scale, dq, dk, dv);
+  ops::attention_backward(c.q, c.k, c.v, out, lse, g, c.docs, c.scale, dq, dk, dv);
   EXPECT_LT(gradcheck(loss, c.q, dq), kGradTol);
   EXPECT_LT(gradcheck(loss, c.k, dk), kGradTol);
   EXPECT_LT(gradcheck(loss, c.v, dv), kGradTol);
+}
+
+TEST(Attention, LongestDocumentIsCheckedAndComputed) {
+  AttnCase c = attn_case();
+  EXPECT_EQ(ops::max_document_length(c.docs.cu_seqlens), 4);
+  Tensor out = Tensor::poisoned({8, 4, 6}, DType::kF64),
+         lse = Tensor::poisoned({8, 4}, DType::kF64);
+  c.docs.max_length = 3;  // understated: the GPU would size its grid too small
+  EXPECT_THROW(ops::attention_forward(c.q, c.k, c.v, c.docs, c.scale, out, lse), Error);
 }
 
 TEST(Router, HandCheckedChoiceAndWeights) {
@@ -407,6 +417,21 @@ TEST(AdamW, FirstStepIsSignedLearningRate) {
   const double expect =
       p1 * (1 - 0.001) - 0.1 * (m2 / (1 - 0.81)) / (std::sqrt(v2 / (1 - 0.9025)) + 1e-8);
   EXPECT_NEAR(p.item(0), expect, 1e-12);
+}
+
+TEST(AdamW, GradScaleEqualsScaledGradients) {
+  const Tensor p0 = randn({64}, 21), g = randn({64}, 22), m0 = randn({64}, 23, 0.01);
+  Tensor v0 = randn({64}, 24, 0.01);
+  for (int64_t i = 0; i < 64; ++i) v0.set_item(i, std::abs(v0.item(i)));
+  Tensor p = p0.clone(), m = m0.clone(), v = v0.clone();
+  ops::adamw_step(p, g, m, v, {0.1, 0.9, 0.95, 1e-8, 0.01, 3, 0.25});
+  Tensor gs = g.clone(), ps = p0.clone(), ms = m0.clone(), vs = v0.clone();
+  for (int64_t i = 0; i < 64; ++i) gs.set_item(i, 0.25 * g.item(i));
+  ops::adamw_step(ps, gs, ms, vs, {0.1, 0.9, 0.95, 1e-8, 0.01, 3});
+  for (int64_t i = 0; i < 64; ++i) {
+    EXPECT_EQ(p.item(i), ps.item(i));
+    EXPECT_EQ(v.item(i), vs.item(i));
+  }
 }
 
 }  // namespace

@@ -23,15 +23,18 @@ void gather(ParamGroup& g) {
     g.params = Tensor::empty({g.shard.numel() * g.comm->size()}, g.shard.dtype());
     g.comm->all_gather(g.shard, g.params);
   }
-  if (g.compute_dtype != g.params.dtype()) {  // mixed precision: the ops read a cast copy
+  if (g.compute_dtype != g.params.dtype() && !g.compute_current) {  // the ops read a cast copy
     g.compute = Tensor::empty(g.params.shape(), g.compute_dtype, g.params.device());
     ops::convert(g.params, g.compute);
+    g.compute_current = true;
   }
 }
 
 void release(ParamGroup& g) {
+  if (!g.sharded()) return;  // the unsharded cast copy stays: AdamW keeps it current
   g.compute = Tensor();
-  if (g.sharded()) g.params = Tensor();
+  g.compute_current = false;
+  g.params = Tensor();
 }
 
 void begin_backward(ParamGroup& g) {

@@ -2,6 +2,7 @@
 // to end), documents delimited by cu_seqlens. Positions restart at every document.
 #pragma once
 #include "core/tensor.h"
+#include "ops/attention.h"
 
 namespace mt {
 
@@ -11,8 +12,10 @@ struct Batch {
   Tensor loss_mask;   // u8  (N) 1 where the target counts
   Tensor positions;   // i32 (N) position within the document
   Tensor cu_seqlens;  // i32 (S + 1) document boundaries, 0 ... N
+  int64_t max_seqlen = 0;  // the longest document (known on the host, never read back)
   int64_t size() const { return tokens.numel(); }
-  int64_t masked_tokens() const;  // reads the mask on the host
+  int64_t masked_tokens() const;
+  ops::Documents documents() const { return {cu_seqlens, max_seqlen}; }  // reads the mask on the host
   Batch to(Device device) const;
 };
 

@@ -1,7 +1,9 @@
 #include "model/block.h"
 
 #include <cmath>
+#include <optional>
 
+#include "core/profile.h"
 #include "ops/attention.h"
 #include "ops/elementwise.h"
 #include "ops/gemm.h"
@@ -56,6 +58,7 @@ void block_fill(const BlockParams& p, const ModelConfig& c, const BlockInputs& i
   const int64_t n = a.x.dim(0);
   const DType dt = a.x.dtype(), st = c.stat_dtype();
   const Device dev = a.x.device();
+  std::optional<profile::Phase> phase(std::in_place, "attention_half.fill");
   if (!a.xn.defined()) {
     a.xn = new_like(a.x);
     a.attn_rstd = Tensor::empty({n}, st, dev);
@@ -86,8 +89,9 @@ void block_fill(const BlockParams& p, const ModelConfig& c, const BlockInputs& i
   if (!a.attn.defined()) {
     a.attn = Tensor::empty({n, c.n_heads, c.head_dim}, dt, dev);
     a.lse = Tensor::empty({n, c.n_heads}, st, dev);
+    const profile::Phase sdpa("sdpa.forward");
     ops::attention_forward(a.qr, a.kr, a.v.reshape({n, c.n_kv_heads, c.head_dim}),
-                           in.batch->cu_seqlens, 1.0 / std::sqrt(static_cast<double>(c.head_dim)),
+                           in.batch->documents(), 1.0 / std::sqrt(static_cast<double>(c.head_dim)),
                            a.attn, a.lse);
   }
   if (!a.o.defined()) {
@@ -103,6 +107,7 @@ void block_fill(const BlockParams& p, const ModelConfig& c, const BlockInputs& i
     a.mlp_rstd = Tensor::empty({n}, st, dev);
     ops::rmsnorm_forward(a.h, p.mlp_norm, c.rms_norm_eps, a.hn, a.mlp_rstd);
   }
+  phase.emplace("moe.fill");
   moe::moe_fill(p.moe, c, in.comms, in.router_bias, a.hn, a.moe);
 }
 
@@ -146,6 +151,7 @@ Tensor block_forward(const BlockParams& p, const ModelConfig& c, const BlockInpu
   a.x = x;
   block_fill(p, c, in, a);
   Tensor out = new_like(x);
+  const profile::Phase phase("moe.combine");
   moe::moe_combine(a.moe, out);
   ops::add_(out, a.h);
   a.tokens_per_expert = a.moe.routing.tokens_per_expert;
@@ -163,6 +169,7 @@ Tensor block_backward(const BlockParams& p, BlockParams& g, const ModelConfig& c
   const Device dev = a.x.device();
 
   // MoE half: out = h + moe(rmsnorm(h)).
+  std::optional<profile::Phase> phase(std::in_place, "moe.backward");
   Tensor dh = dout.clone();
   Tensor dhn = moe::moe_backward(p.moe, g.moe, c, a.hn, a.moe, dout, aux_grad);
   Tensor tmp = new_like(a.x);
@@ -170,14 +177,18 @@ Tensor block_backward(const BlockParams& p, BlockParams& g, const ModelConfig& c
   ops::add_(dh, tmp);
 
   // Attention half: h = x + attn(rmsnorm(x)) @ wo.
+  phase.emplace("attention_half.backward");
   Tensor dx = dh.clone();
   Tensor dattn = Tensor::empty({n, c.q_dim()}, dt, dev);
   ops::linear_backward(a.attn.reshape({n, c.q_dim()}), p.wo, dh, dattn, g.wo);
   Tensor dqr = new_like(a.qr), dkr = new_like(a.kr);
   Tensor dv = Tensor::empty({n, c.n_kv_heads, c.head_dim}, dt, dev);
-  ops::attention_backward(a.qr, a.kr, a.v.reshape(dv.shape()), a.attn, a.lse,
-                          dattn.reshape(a.attn.shape()), in.batch->cu_seqlens,
-                          1.0 / std::sqrt(static_cast<double>(c.head_dim)), dqr, dkr, dv);
+  {
+    const profile::Phase sdpa("sdpa.backward");
+    ops::attention_backward(a.qr, a.kr, a.v.reshape(dv.shape()), a.attn, a.lse,
+                            dattn.reshape(a.attn.shape()), in.batch->documents(),
+                            1.0 / std::sqrt(static_cast<double>(c.head_dim)), dqr, dkr, dv);
+  }
   Tensor dqn = new_like(a.qn), dkn = new_like(a.kn);
   Tensor dqn_heads = dqn.reshape(dqr.shape()), dkn_heads = dkn.reshape(dkr.shape());
   ops::rope_backward(dqr, in.batch->positions, c.rope_theta, dqn_heads);

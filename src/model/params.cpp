@@ -1,6 +1,7 @@
 #include "model/params.h"
 
 #include "core/rng.h"
+#include "ops/dispatch.h"
 
 namespace mt {
 
@@ -49,7 +50,13 @@ void init_params(ParamGroup& g, uint64_t seed, double std) {
     }
     const CounterRng rng{seed, fnv1a(g.specs[i].name)};
     const int64_t base = g.specs[i].init_offset;
-    for (int64_t j = 0; j < p.numel(); ++j) p.set_item(j, std * rng.normal(base + j));
+    // Counter-based: every element's value depends on its index only, so threads change nothing.
+    ops::dispatch_float(p.dtype(), [&](auto tag) {
+      using T = decltype(tag);
+      T* out = p.data<T>();
+#pragma omp parallel for schedule(static)
+      for (int64_t j = 0; j < p.numel(); ++j) out[j] = T(std * rng.normal(base + j));
+    });
   }
 }
 

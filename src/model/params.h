@@ -39,9 +39,13 @@ struct ParamGroup {
   Tensor params;                       // (padded) full parameters while gathered
   Tensor grads;                        // (padded) full gradients during backward
   // Mixed precision: the dtype the ops read the weights in, and the gathered params cast to it
-  // (undefined when it is the params' own dtype).
+  // (undefined when it is the params' own dtype). Sharded, the copy lives while the unit is
+  // gathered. Unsharded, it persists across steps: AdamW rewrites it in its own pass, so one
+  // GPU never re-casts its weights; compute_current says it still matches the params (anything
+  // else that writes params, like a checkpoint load, clears it).
   DType compute_dtype = DType::kF32;
   Tensor compute;
+  bool compute_current = false;
 
   bool sharded() const { return comm != nullptr; }
   int64_t shard_begin() const { return sharded() ? comm->rank() * shard.numel() : 0; }

@@ -1,7 +1,9 @@
 #include "model/qwen3_moe.h"
 
 #include <cmath>
+#include <optional>
 
+#include "core/profile.h"
 #include "fsdp/fsdp.h"
 #include "ops/elementwise.h"
 #include "ops/embedding.h"
@@ -20,7 +22,7 @@ int64_t Batch::masked_tokens() const {
 
 Batch Batch::to(Device device) const {
   return {tokens.to(device), targets.to(device), loss_mask.to(device), positions.to(device),
-          cu_seqlens.to(device)};
+          cu_seqlens.to(device), max_seqlen};
 }
 
 namespace {
@@ -108,14 +110,19 @@ MicroBatchLosses Qwen3Moe::run(const Batch& b, const LossScale* scale) {
     inputs[l].batch = &b;
     inputs[l].comms = comms_;
     if (c.bias_update_rate > 0) inputs[l].router_bias = router_bias_[l];
-    fsdp::gather(unit);
+    {
+      const profile::Phase phase("fsdp.gather");
+      fsdp::gather(unit);
+    }
     x = block_forward(bind_block_params(unit.groups), c, inputs[l], x, acts[l]);
     fsdp::release(unit);
     out.aux_sum += acts[l].aux_loss;
+    const profile::Phase phase("expert_load");
     const Tensor counts = acts[l].tokens_per_expert.to(Device::kCPU);
     const int64_t* routed = counts.data<int64_t>();
     for (int64_t e = 0; e < c.n_experts; ++e) expert_load_[l].data<int64_t>()[e] += routed[e];
   }
+  std::optional<profile::Phase> head_phase(std::in_place, "head");
   fsdp::gather(head);
   const Tensor norm_w = head.groups[0].weight(0);
   Tensor xf = Tensor::empty({n, c.dim}, dt, dev), rstd = Tensor::empty({n}, st, dev);
@@ -155,16 +162,22 @@ MicroBatchLosses Qwen3Moe::run(const Batch& b, const LossScale* scale) {
   fsdp::reduce_gradients(head, kGradDivideFactor);
   fsdp::release(head);
   fsdp::release(embed);
+  head_phase.reset();
   for (int64_t l = L - 1; l >= 0; --l) {
     ParamUnit& unit = units_[l + 1];
-    fsdp::gather(unit);
-    fsdp::begin_backward(unit);
+    {
+      const profile::Phase phase("fsdp.gather");
+      fsdp::gather(unit);
+      fsdp::begin_backward(unit);
+    }
     BlockParams g = bind_block_grads(unit.groups);
     dx = block_backward(bind_block_params(unit.groups), g, c, inputs[l], acts[l], dx,
                         scale->aux_scale);
+    const profile::Phase phase("fsdp.reduce");
     fsdp::reduce_gradients(unit, kGradDivideFactor);
     fsdp::release(unit);
   }
+  const profile::Phase phase("embedding.backward");
   Tensor dtable = embed.groups[0].grad(0);
   ops::embedding_backward(b.tokens, dx, dtable);
   fsdp::reduce_gradients(embed, kGradDivideFactor);

@@ -6,14 +6,23 @@
 
 namespace mt::ops {
 
+// Packed documents. The longest length travels with the boundaries (the data loader knows it)
+// so the GPU kernels size their grids without reading the boundaries back from the device.
+struct Documents {
+  Tensor cu_seqlens;       // i32 (S + 1), on the activations' device
+  int64_t max_length = 0;  // >= every document's length
+};
+// The longest document of host boundaries.
+int64_t max_document_length(const Tensor& cu_seqlens);
+
 // q (N, H, Dqk), k (N, KV, Dqk), v (N, KV, Dv), cu_seqlens i32 (S + 1) with cu_seqlens[S] = N.
 // out (N, H, Dv); lse (N, H) = log sum_j exp(scale * q.k_j), saved so backward never re-runs
 // the forward softmax normalisation.
-void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Documents& docs,
                        double scale, Tensor& out, Tensor& lse);
 // dq, dk, dv overwritten.
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                        const Tensor& lse, const Tensor& dout, const Tensor& cu_seqlens,
+                        const Tensor& lse, const Tensor& dout, const Documents& docs,
                         double scale, Tensor& dq, Tensor& dk, Tensor& dv);
 
 }  // namespace mt::ops

@@ -13,10 +13,14 @@ struct AdamWHyper {
   double beta2 = 0.95;
   double eps = 1e-8;
   double weight_decay = 0.0;
-  int64_t step = 1;  // 1-based, for bias correction
+  int64_t step = 1;         // 1-based, for bias correction
+  double grad_scale = 1.0;  // multiplies the gradient first: clipping without its own pass
 };
 
-// param, grad, m, v: same shape and dtype (f32 master state, or f64 in checks).
-void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWHyper& h);
+// param, grad, m, v: same shape and dtype (f32 master state, or f64 in checks). compute, when
+// given, receives the updated params in its own dtype (the bf16 copy the ops read) in the
+// same pass.
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWHyper& h,
+                Tensor* compute = nullptr);
 
 }  // namespace mt::ops

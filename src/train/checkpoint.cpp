@@ -220,6 +220,8 @@ TrainState load_checkpoint(const std::string& path_in, Qwen3Moe& model, AdamW& o
   });
   for_each_state(model, opt,
                  [&](const std::string& name, Tensor t) { t.copy_from(f.tensors.at(name)); });
+  for (auto& u : model.units())
+    for (auto& g : u.groups) g.compute_current = false;  // the cast copies are stale now
   TrainState st;
   try {
     st.step = std::stoll(f.metadata.at("step"));

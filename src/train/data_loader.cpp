@@ -39,6 +39,7 @@ Batch pack_rows(const std::vector<PackedRow>& rows, int64_t seq_len) {
   cu.push_back(static_cast<int32_t>(n));
   b.cu_seqlens = Tensor::empty({static_cast<int64_t>(cu.size())}, DType::kI32);
   std::copy(cu.begin(), cu.end(), b.cu_seqlens.data<int32_t>());
+  b.max_seqlen = ops::max_document_length(b.cu_seqlens);
   return b;
 }
 

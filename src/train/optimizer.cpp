@@ -37,17 +37,20 @@ double AdamW::grad_norm() const {
 
 double AdamW::clip_grad_norm(double max_norm) {
   const double norm = grad_norm();
-  if (max_norm > 0 && norm > max_norm) {
-    const double coef = max_norm / (norm + 1e-6);
-    for (ParamGroup* g : groups_) ops::scale_(g->grad_shard, coef);
-  }
+  clip_coef_ = max_norm > 0 && norm > max_norm ? max_norm / (norm + 1e-6) : 1.0;
   return norm;
 }
 
 void AdamW::step(double lr, int64_t step) {
-  const ops::AdamWHyper h{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, step};
-  for (size_t i = 0; i < groups_.size(); ++i)
-    ops::adamw_step(groups_[i]->shard, groups_[i]->grad_shard, state_[2 * i], state_[2 * i + 1], h);
+  const ops::AdamWHyper h{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, step,
+                          clip_coef_};
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    ParamGroup& g = *groups_[i];
+    // An unsharded group's persistent cast copy is rewritten in the same pass.
+    Tensor* compute = !g.sharded() && g.compute_current ? &g.compute : nullptr;
+    ops::adamw_step(g.shard, g.grad_shard, state_[2 * i], state_[2 * i + 1], h, compute);
+  }
+  clip_coef_ = 1.0;
 }
 
 }  // namespace mt

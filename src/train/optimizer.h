@@ -21,7 +21,8 @@ class AdamW {
         dist::Communicator* norm_group = nullptr);
   // sqrt of the sum of squares of every gradient element of the model, each counted once.
   double grad_norm() const;
-  // Scales gradients so the global norm is at most max_norm; returns the norm before clipping.
+  // Returns the norm; when it exceeds max_norm, the next step() scales the gradients so that the
+  // global norm is max_norm (inside the AdamW pass: no separate pass over the gradients).
   double clip_grad_norm(double max_norm);
   void step(double lr, int64_t step);
 
@@ -33,6 +34,7 @@ class AdamW {
   std::vector<Tensor> state_;
   TrainConfig cfg_;
   dist::Communicator* norm_group_;
+  double clip_coef_ = 1.0;  // set by clip_grad_norm, used once by step
 };
 
 }  // namespace mt

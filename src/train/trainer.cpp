@@ -2,6 +2,7 @@
 
 #include <omp.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -10,8 +11,12 @@
 #include <nlohmann/json.hpp>
 
 #include "core/log.h"
+#include "core/profile.h"
 #include "model/flops.h"
 #include "train/checkpoint.h"
+#if MOETRAIN_HAS_CUDA
+#include "ops/cuda/device.h"
+#endif
 
 namespace mt {
 
@@ -51,6 +56,9 @@ double peak_flops(const HardwareConfig& h) {
 Trainer::Trainer(const Config& c, dist::Communicator* world) : cfg_(c), world_(world) {
   if (c.hardware.threads > 0) omp_set_num_threads(static_cast<int>(c.hardware.threads));
   cfg_.model.device = c.hardware.device == "cuda" ? Device::kCUDA : Device::kCPU;
+#if MOETRAIN_HAS_CUDA
+  if (cfg_.model.on_gpu()) profile::set_device_sync(&cuda::synchronize);
+#endif
   MT_CHECK(world_size() == c.parallel.world, "communicator of {} ranks for parallel.world = {}",
            world_size(), c.parallel.world);
   if (world_) {
@@ -95,9 +103,12 @@ StepMetrics Trainer::train_step() {
   // accumulation gives the gradient of one big batch.
   std::vector<Batch> micro;
   Tensor counted_all = Tensor::zeros({1}, DType::kI64);
-  for (int64_t i = 0; i < t.grad_accum; ++i) {
-    micro.push_back(next_local_batch());
-    counted_all.data<int64_t>()[0] += micro.back().masked_tokens();
+  {
+    const profile::Phase phase("data");
+    for (int64_t i = 0; i < t.grad_accum; ++i) {
+      micro.push_back(next_local_batch());
+      counted_all.data<int64_t>()[0] += micro.back().masked_tokens();
+    }
   }
   if (world_) world_->all_reduce(counted_all);
   const int64_t counted = counted_all.data<int64_t>()[0];
@@ -118,14 +129,20 @@ StepMetrics Trainer::train_step() {
         "step {}: loss is {}; stopping before the optimizer step (checkpoints on disk are "
         "untouched; lower train.lr or resume from the last checkpoint)",
         m.step, m.loss));
-  m.grad_norm = opt_->clip_grad_norm(t.grad_clip);
+  {
+    const profile::Phase phase("grad_norm");
+    m.grad_norm = opt_->clip_grad_norm(t.grad_clip);
+  }
   if (!std::isfinite(m.grad_norm))
     throw NumericalError(fmt::format(
         "step {}: gradient norm is {}; stopping before the optimizer step (checkpoints on disk "
         "are untouched)",
         m.step, m.grad_norm));
-  opt_->step(m.lr, m.step);
-  model_->update_router_biases();
+  {
+    const profile::Phase phase("optimizer");
+    opt_->step(m.lr, m.step);
+    model_->update_router_biases();
+  }
   ++step_;
 
   const double seconds =
@@ -133,6 +150,15 @@ StepMetrics Trainer::train_step() {
   m.tokens_per_s = static_cast<double>(t.tokens_per_step() * world_size()) / seconds;
   m.mfu = flops_per_token_ * m.tokens_per_s / (peak_flops_ * world_size());
   m.peak_bytes = memory_stats(cfg_.model.device).peak_bytes;
+  if (profile::enabled() && is_rank0()) {
+    // Longest first; phases nest (gpu.* are the single ops inside the model's phases).
+    auto phases = profile::take();
+    std::sort(phases.begin(), phases.end(),
+              [](const auto& a, const auto& b) { return a.second > b.second; });
+    std::string line;
+    for (const auto& [name, ms] : phases) line += fmt::format(" | {} {:.1f}", name, ms);
+    log::info("profile step {} ({:.1f} ms){}", m.step, seconds * 1e3, line);
+  }
   return m;
 }
 

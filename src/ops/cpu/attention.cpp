@@ -2,6 +2,7 @@
 // recomputed in backward from the saved log-sum-exp.
 #include "ops/attention.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -20,7 +21,8 @@ struct AttnDims {
 };
 
 AttnDims check_attention(const Tensor& q, const Tensor& k, const Tensor& v,
-                         const Tensor& cu_seqlens) {
+                         const Documents& docs) {
+  const Tensor& cu_seqlens = docs.cu_seqlens;
   MT_CHECK(q.ndim() == 3 && k.ndim() == 3 && v.ndim() == 3, "attention needs (N, heads, dim)");
   AttnDims d{q.dim(0), q.dim(1), k.dim(1), q.dim(2), v.dim(2), cu_seqlens.numel() - 1};
   expect_shape(k, {d.n, d.kv, d.dqk}, "attention k");
@@ -29,22 +31,35 @@ AttnDims check_attention(const Tensor& q, const Tensor& k, const Tensor& v,
   expect_dtype(cu_seqlens, DType::kI32, "cu_seqlens");
   const int32_t* cu = cu_seqlens.data<int32_t>();
   MT_CHECK(d.docs >= 1 && cu[0] == 0 && cu[d.docs] == d.n, "cu_seqlens must run from 0 to {}", d.n);
-  for (int64_t s = 0; s < d.docs; ++s)
+  for (int64_t s = 0; s < d.docs; ++s) {
     MT_CHECK(cu[s] <= cu[s + 1], "cu_seqlens decreases at {}", s);
+    MT_CHECK(cu[s + 1] - cu[s] <= docs.max_length, "document {} has {} tokens, more than the "
+             "stated longest {}", s, cu[s + 1] - cu[s], docs.max_length);
+  }
   return d;
 }
 
 }  // namespace
 
-void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
+int64_t max_document_length(const Tensor& cu_seqlens) {
+  expect_dtype(cu_seqlens, DType::kI32, "cu_seqlens");
+  MT_CHECK(cu_seqlens.device() == Device::kCPU, "max_document_length reads host boundaries");
+  const int32_t* cu = cu_seqlens.data<int32_t>();
+  int64_t longest = 0;
+  for (int64_t s = 0; s + 1 < cu_seqlens.numel(); ++s)
+    longest = std::max<int64_t>(longest, cu[s + 1] - cu[s]);
+  return longest;
+}
+
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Documents& docs,
                        double scale, Tensor& out, Tensor& lse) {
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(q)) return cuda::attention_forward(q, k, v, cu_seqlens, scale, out, lse);
+  if (on_gpu(q)) return cuda::attention_forward(q, k, v, docs, scale, out, lse);
 #endif
-  const AttnDims d = check_attention(q, k, v, cu_seqlens);
+  const AttnDims d = check_attention(q, k, v, docs);
   expect_shape(out, {d.n, d.h, d.dv}, "attention out");
   expect_shape(lse, {d.n, d.h}, "attention lse");
-  const int32_t* cu = cu_seqlens.data<int32_t>();
+  const int32_t* cu = docs.cu_seqlens.data<int32_t>();
   const int64_t group = d.h / d.kv;
   dispatch_float(q.dtype(), [&](auto tag) {
     using T = decltype(tag);
@@ -83,18 +98,17 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
 }
 
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                        const Tensor& lse, const Tensor& dout, const Tensor& cu_seqlens,
+                        const Tensor& lse, const Tensor& dout, const Documents& docs,
                         double scale, Tensor& dq, Tensor& dk, Tensor& dv) {
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(q))
-    return cuda::attention_backward(q, k, v, out, lse, dout, cu_seqlens, scale, dq, dk, dv);
+  if (on_gpu(q)) return cuda::attention_backward(q, k, v, out, lse, dout, docs, scale, dq, dk, dv);
 #endif
-  const AttnDims d = check_attention(q, k, v, cu_seqlens);
+  const AttnDims d = check_attention(q, k, v, docs);
   expect_shape(dout, {d.n, d.h, d.dv}, "attention dout");
   expect_shape(dq, q.shape(), "attention dq");
   expect_shape(dk, k.shape(), "attention dk");
   expect_shape(dv, v.shape(), "attention dv");
-  const int32_t* cu = cu_seqlens.data<int32_t>();
+  const int32_t* cu = docs.cu_seqlens.data<int32_t>();
   const int64_t group = d.h / d.kv;
   dispatch_float(q.dtype(), [&](auto tag) {
     using T = decltype(tag);

@@ -9,14 +9,14 @@
 
 namespace mt::ops {
 
-void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWHyper& h) {
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWHyper& h,
+                Tensor* compute) {
   const int64_t n = param.numel();
   MT_CHECK(grad.numel() == n && m.numel() == n && v.numel() == n, "adamw buffers differ in size");
   MT_CHECK(h.step >= 1, "adamw step {} must be >= 1", h.step);
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(param))
-    return cuda::adamw_step(param, grad, m, v, h.lr, h.beta1, h.beta2, h.eps, h.weight_decay,
-                            h.step);
+    return cuda::adamw_step(param, grad, m, v, h, compute);
 #endif
   const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
   const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
@@ -30,14 +30,16 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const A
     const T decay = static_cast<T>(1.0 - h.lr * h.weight_decay);
     const T step_size = static_cast<T>(h.lr / bc1);
     const T sqrt_bc2 = static_cast<T>(std::sqrt(bc2));
-    const T eps = static_cast<T>(h.eps);
+    const T eps = static_cast<T>(h.eps), gs = static_cast<T>(h.grad_scale);
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) {
-      pm[i] = b1 * pm[i] + (T(1) - b1) * g[i];
-      pv[i] = b2 * pv[i] + (T(1) - b2) * g[i] * g[i];
+      const T gi = g[i] * gs;
+      pm[i] = b1 * pm[i] + (T(1) - b1) * gi;
+      pv[i] = b2 * pv[i] + (T(1) - b2) * gi * gi;
       p[i] = p[i] * decay - step_size * pm[i] / (std::sqrt(pv[i]) / sqrt_bc2 + eps);
     }
   });
+  if (compute) compute->copy_from(param.to(compute->dtype()));
 }
 
 }  // namespace mt::ops

@@ -140,6 +140,21 @@ __global__ void attention_dkv_kernel(const T* q, const T* k, const T* v, const T
   for (int c = lane, r = 0; c < g.dv; c += 32, ++r) dv[item * g.dv + c] = from_float<T>(dv_acc[r]);
 }
 
+// cuDNN's description of the packed documents: element offsets of each document in q, k, v, out
+// and lse, and its length. Documents past the real ones are empty and start at the end.
+__global__ void ragged_layout_kernel(const int32_t* cu, int docs, int padded_docs,
+                                     kernels::RaggedStrides st, kernels::RaggedLayout out) {
+  const int b = blockIdx.x * blockDim.x + threadIdx.x;
+  if (b > padded_docs) return;
+  const int32_t start = cu[b < docs ? b : docs];
+  out.q[b] = start * st.q;
+  out.k[b] = start * st.k;
+  out.v[b] = start * st.v;
+  out.o[b] = start * st.o;
+  out.stats[b] = start * st.stats;
+  if (b < padded_docs) out.seq_len[b] = b < docs ? cu[b + 1] - start : 0;
+}
+
 int blocks_for(int64_t items) {
   return static_cast<int>((items + kWarpsPerBlock - 1) / kWarpsPerBlock);
 }
@@ -185,6 +200,15 @@ cudaError_t attention_backward(Storage s, const void* q, const void* k, const vo
         tq, tk, tv, tdo, lse, delta, cu_seqlens, docs, g, static_cast<T*>(dk),
         static_cast<T*>(dvv));
   });
+  return cudaGetLastError();
+}
+
+cudaError_t attention_ragged_layout(const int32_t* cu_seqlens, int docs, int padded_docs,
+                                   RaggedStrides strides, RaggedLayout out, cudaStream_t stream) {
+  if (padded_docs < docs) return cudaErrorInvalidValue;
+  const int threads = 256;
+  ragged_layout_kernel<<<(padded_docs + threads) / threads, threads, 0, stream>>>(
+      cu_seqlens, docs, padded_docs, strides, out);
   return cudaGetLastError();
 }
 

@@ -12,6 +12,8 @@ int device_count() {
   return n;
 }
 
+void synchronize() { cudaDeviceSynchronize(); }
+
 std::string device_name(int index) {
   cudaDeviceProp prop{};
   if (cudaGetDeviceProperties(&prop, index) != cudaSuccess) return "unknown";

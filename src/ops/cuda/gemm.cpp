@@ -6,6 +6,7 @@
 #include <mutex>
 
 #include "core/cuda_check.h"
+#include "core/profile.h"
 #include "ops/cuda/ops.h"
 
 #define MT_CUBLAS_CHECK(expr)                                                                     \
@@ -59,6 +60,7 @@ struct Layout {
 }  // namespace
 
 void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, bool accumulate) {
+  const profile::Phase phase("gpu.gemm");
   const int64_t m = ta ? a.dim(1) : a.dim(0), k = ta ? a.dim(0) : a.dim(1);
   const int64_t n = tb ? b.dim(0) : b.dim(1);
   MT_CHECK(a.dtype() == b.dtype(), "GPU gemm operands differ: {} vs {}", dtype_name(a.dtype()),

@@ -75,6 +75,18 @@ cudaError_t attention_backward(Storage s, const void* q, const void* k, const vo
                                int kv_heads, int dqk, int dv, float scale, float* delta, void* dq,
                                void* dk, void* dvv, cudaStream_t stream);
 
+// cuDNN's ragged description of packed documents: per document (padded_docs of them, the ones
+// past `docs` empty) the element offset into q, k, v, out and lse (padded_docs + 1 entries:
+// stride per token times the document's first token) and its length (padded_docs entries).
+struct RaggedStrides {
+  int32_t q, k, v, o, stats;  // elements per token
+};
+struct RaggedLayout {
+  int32_t *q, *k, *v, *o, *stats, *seq_len;
+};
+cudaError_t attention_ragged_layout(const int32_t* cu_seqlens, int docs, int padded_docs,
+                                   RaggedStrides strides, RaggedLayout out, cudaStream_t stream);
+
 // --- MoE layer (moe.cu) ---
 // logits, scores f32 (n, e); index i32 / weight f32 (n, k); counts i64 (e), zeroed here.
 cudaError_t router_forward(const float* logits, const float* bias, int64_t n, int e, int k,
@@ -118,9 +130,10 @@ cudaError_t scale(Storage s, void* x, float factor, int64_t n, cudaStream_t stre
 cudaError_t add(Storage s, const void* a, const void* b, void* out, int64_t n, cudaStream_t stream);
 
 struct AdamWScalars {
-  float beta1, beta2, decay, step_size, sqrt_bc2, eps;
+  float beta1, beta2, decay, step_size, sqrt_bc2, eps, grad_scale;
 };
-cudaError_t adamw(float* p, const float* g, float* m, float* v, AdamWScalars s, int64_t n,
-                  cudaStream_t stream);
+// compute_bf16 (nullable) receives the updated parameters rounded to bf16.
+cudaError_t adamw(float* p, const float* g, float* m, float* v, void* compute_bf16,
+                  AdamWScalars s, int64_t n, cudaStream_t stream);
 
 }  // namespace mt::cuda::kernels

@@ -3,6 +3,7 @@
 // weighted combine and its backward, and the router backward. Every result is deterministic:
 // sums run in a fixed order, counts are integer atomics.
 #include <cub/device/device_radix_sort.cuh>
+#include <cub/device/device_scan.cuh>
 
 #include "ops/cuda/common.cuh"
 
@@ -131,16 +132,6 @@ __global__ void convert_kernel_bf16_f32(const __nv_bfloat16* src, float* dst, in
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x)
     dst[i] = __bfloat162float(src[i]);
-}
-
-// Exclusive scan of E counts into E + 1 offsets; one thread: E is at most a few hundred.
-__global__ void offsets_kernel(const int64_t* counts, int e, int64_t* offsets) {
-  int64_t at = 0;
-  for (int c = 0; c < e; ++c) {
-    offsets[c] = at;
-    at += counts[c];
-  }
-  offsets[e] = at;
 }
 
 // dst[i] = src[index[i]] rows of `width` elements (16-byte chunks when aligned).
@@ -291,25 +282,35 @@ size_t permutation_workspace(int64_t m, int e) {
   cub::DeviceRadixSort::SortPairs(nullptr, sort_bytes, static_cast<int32_t*>(nullptr),
                                   static_cast<int32_t*>(nullptr), static_cast<int32_t*>(nullptr),
                                   static_cast<int32_t*>(nullptr), static_cast<int>(m));
-  return round256(sizeof(int64_t) * e) + 3 * round256(sizeof(int32_t) * m) + sort_bytes;
+  // The offsets' scan runs before the sort and shares its scratch.
+  size_t scan_bytes = 0;
+  cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, static_cast<int64_t*>(nullptr),
+                                static_cast<int64_t*>(nullptr), e + 1);
+  return round256(sizeof(int64_t) * (e + 1)) + 3 * round256(sizeof(int32_t) * m) +
+         std::max(sort_bytes, scan_bytes);
 }
 
 cudaError_t expert_permutation(const int32_t* expert_index, int64_t m, int k, int e,
                                void* workspace, size_t workspace_bytes, int32_t* source_token,
                                int32_t* row_of_choice, int64_t* offsets, cudaStream_t stream) {
   char* p = static_cast<char*>(workspace);
-  auto* counts = reinterpret_cast<int64_t*>(p);
-  p += round256(sizeof(int64_t) * e);
+  auto* counts = reinterpret_cast<int64_t*>(p);  // e + 1: the last stays 0 for the total
+  p += round256(sizeof(int64_t) * (e + 1));
   auto* choice = reinterpret_cast<int32_t*>(p);
   auto* keys_out = reinterpret_cast<int32_t*>(p + round256(sizeof(int32_t) * m));
   auto* choice_out = reinterpret_cast<int32_t*>(p + 2 * round256(sizeof(int32_t) * m));
   void* sort_ws = p + 3 * round256(sizeof(int32_t) * m);
   size_t sort_bytes =
       workspace_bytes - (static_cast<char*>(sort_ws) - static_cast<char*>(workspace));
-  if (cudaError_t err = cudaMemsetAsync(counts, 0, sizeof(int64_t) * e, stream); err != cudaSuccess)
+  if (cudaError_t err = cudaMemsetAsync(counts, 0, sizeof(int64_t) * (e + 1), stream);
+      err != cudaSuccess)
     return err;
   if (m > 0) histogram_kernel<<<(m + 255) / 256, 256, 0, stream>>>(expert_index, m, counts);
-  offsets_kernel<<<1, 1, 0, stream>>>(counts, e, offsets);
+  // Parallel scan: the embedding backward sorts by token id, so e is the vocabulary (~150k).
+  if (cudaError_t err =
+          cub::DeviceScan::ExclusiveSum(sort_ws, sort_bytes, counts, offsets, e + 1, stream);
+      err != cudaSuccess)
+    return err;
   if (m == 0) return cudaGetLastError();
   iota_kernel<<<(m + 255) / 256, 256, 0, stream>>>(choice, m);
   int bits = 1;

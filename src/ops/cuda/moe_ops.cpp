@@ -1,6 +1,7 @@
 // Tensor-level wrappers of the MoE kernels (moe.cu): checks, device allocations from the
 // caching allocator, and the launch.
 #include "core/cuda_check.h"
+#include "core/profile.h"
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/ops.h"
 
@@ -19,6 +20,7 @@ Tensor gpu_empty(const Shape& s, DType d) {
 
 void router_forward(const Tensor& logits, const Tensor& bias, int top_k, bool norm_topk,
                     bool balanced, ops::Routing& out) {
+  const profile::Phase phase("gpu.router_forward");
   expect_dtype(logits, DType::kF32, "router logits (GPU: f32)");
   const int64_t n = logits.dim(0), e = logits.dim(1);
   out.scores = gpu_empty({n, e}, DType::kF32);
@@ -32,6 +34,7 @@ void router_forward(const Tensor& logits, const Tensor& bias, int top_k, bool no
 }
 
 ops::AuxStats router_aux_stats(const ops::Routing& r) {
+  const profile::Phase phase("gpu.router_aux_stats");
   const int64_t n = r.scores.dim(0), e = r.scores.dim(1);
   ops::AuxStats s{r.tokens_per_expert.to(Device::kCPU), Tensor::empty({e}, DType::kF32),
                   Tensor::empty({1}, DType::kI64)};
@@ -48,6 +51,7 @@ ops::AuxStats router_aux_stats(const ops::Routing& r) {
 
 void router_backward(const ops::Routing& r, int top_k, bool norm_topk, const ops::AuxStats& stats,
                      const Tensor& dweight, double aux_grad, Tensor& dlogits) {
+  const profile::Phase phase("gpu.router_backward");
   const int64_t n = r.scores.dim(0), e = r.scores.dim(1);
   const double total = static_cast<double>(stats.tokens.item(0));
   const Tensor counts = stats.tokens_per_expert.to(Device::kCUDA);
@@ -59,6 +63,7 @@ void router_backward(const ops::Routing& r, int top_k, bool norm_topk, const ops
 
 void make_expert_permutation(const Tensor& expert_index, int64_t experts,
                              ops::ExpertPermutation& out) {
+  const profile::Phase phase("gpu.make_expert_permutation");
   const int64_t n = expert_index.dim(0), k = expert_index.dim(1), m = n * k;
   out.source_token = gpu_empty({m}, DType::kI32);
   out.row_of_choice = gpu_empty({m}, DType::kI32);
@@ -72,6 +77,7 @@ void make_expert_permutation(const Tensor& expert_index, int64_t experts,
 }
 
 void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst) {
+  const profile::Phase phase("gpu.gather_rows");
   MT_CHECK(src.dtype() == dst.dtype(), "gather of {} rows into {}", dtype_name(src.dtype()),
            dtype_name(dst.dtype()));
   MT_CUDA_CHECK(kernels::gather_rows(storage(src), src.raw(), index.data<int32_t>(), dst.raw(),
@@ -80,6 +86,7 @@ void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst) {
 
 void weighted_sum_rows(const Tensor& rows, const Tensor& row_of_choice, const Tensor* scale,
                        int64_t k, Tensor& out) {
+  const profile::Phase phase("gpu.weighted_sum_rows");
   MT_CHECK(rows.dtype() == out.dtype(), "weighted sum of {} rows into {}", dtype_name(rows.dtype()),
            dtype_name(out.dtype()));
   if (scale) expect_dtype(*scale, DType::kF32, "combine weights (GPU: f32)");
@@ -90,6 +97,7 @@ void weighted_sum_rows(const Tensor& rows, const Tensor& row_of_choice, const Te
 
 void combine_backward(const Tensor& dout, const Tensor& yp, const Tensor& row_of_choice,
                       const Tensor& weight, Tensor& dyp, Tensor& dweight) {
+  const profile::Phase phase("gpu.combine_backward");
   expect_dtype(weight, DType::kF32, "combine weights (GPU: f32)");
   expect_dtype(dweight, DType::kF32, "combine dweight (GPU: f32)");
   MT_CUDA_CHECK(kernels::combine_backward(storage(yp), dout.raw(), yp.raw(),
@@ -99,12 +107,14 @@ void combine_backward(const Tensor& dout, const Tensor& yp, const Tensor& row_of
 }
 
 void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) {
+  const profile::Phase phase("gpu.embedding_forward");
   MT_CHECK(ids.device() == Device::kCUDA && ids.dtype() == DType::kI32,
            "ids must be i32 on the GPU");
   gather_rows(table, ids, out);
 }
 
 void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
+  const profile::Phase phase("gpu.embedding_backward");
   MT_CHECK(ids.device() == Device::kCUDA && ids.dtype() == DType::kI32,
            "ids must be i32 on the GPU");
   MT_CHECK(dout.dtype() == dtable.dtype() || dtable.dtype() == DType::kF32,
@@ -120,6 +130,7 @@ void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
 }
 
 double sum_of_squares(const Tensor& x) {
+  const profile::Phase phase("gpu.sum_of_squares");
   Tensor ws = gpu_empty({static_cast<int64_t>(kernels::sum_of_squares_workspace())}, DType::kU8);
   double result = 0;
   MT_CUDA_CHECK(kernels::sum_of_squares(storage(x), x.raw(), x.numel(), ws.raw(), &result, nullptr));
@@ -127,10 +138,12 @@ double sum_of_squares(const Tensor& x) {
 }
 
 void scale_(Tensor& x, double factor) {
+  const profile::Phase phase("gpu.scale_");
   MT_CUDA_CHECK(kernels::scale(storage(x), x.raw(), static_cast<float>(factor), x.numel(), nullptr));
 }
 
 void convert(const Tensor& src, Tensor& dst) {
+  const profile::Phase phase("gpu.convert");
   MT_CHECK(src.numel() == dst.numel() && src.dtype() != dst.dtype(), "convert of {} {} into {} {}",
            dtype_name(src.dtype()), shape_str(src.shape()), dtype_name(dst.dtype()),
            shape_str(dst.shape()));
@@ -139,6 +152,7 @@ void convert(const Tensor& src, Tensor& dst) {
 }
 
 void add(const Tensor& a, const Tensor& b, Tensor& out) {
+  const profile::Phase phase("gpu.add");
   MT_CUDA_CHECK(kernels::add(storage(a), a.raw(), b.raw(), out.raw(), a.numel(), nullptr));
 }
 

@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "core/cuda_check.h"
+#include "core/profile.h"
 #include "ops/cuda/kernels.h"
 
 namespace mt::cuda {
@@ -64,6 +65,7 @@ Tensor workspace(size_t bytes) {
 }  // namespace
 
 void grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& out) {
+  const profile::Phase phase("gpu.grouped_gemm_forward");
   const int64_t m = x.dim(0), e = w.dim(0), k = w.dim(1), n = w.dim(2);
   expect_shape(x, {m, k}, "grouped gemm x");
   expect_shape(out, {m, n}, "grouped gemm out");
@@ -84,6 +86,7 @@ void grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor& offset
 
 void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor& offsets,
                                  Tensor& dx) {
+  const profile::Phase phase("gpu.grouped_gemm_backward_input");
   const int64_t m = dy.dim(0), e = w.dim(0), k = w.dim(1), n = w.dim(2);
   expect_shape(dy, {m, n}, "grouped gemm dy");
   expect_shape(dx, {m, k}, "grouped gemm dx");
@@ -105,6 +108,7 @@ void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor
 
 void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets,
                                   Tensor& dw) {
+  const profile::Phase phase("gpu.grouped_gemm_backward_weight");
   const int64_t m = x.dim(0), e = dw.dim(0), k = dw.dim(1), n = dw.dim(2);
   expect_shape(x, {m, k}, "grouped gemm x");
   expect_shape(dy, {m, n}, "grouped gemm dy");
@@ -123,8 +127,11 @@ void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tenso
                                              dw.dtype() == DType::kF32, nullptr));
 }
 
-void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
-                       double scale, Tensor& out, Tensor& lse) {
+void reference_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                 const ops::Documents& docs, double scale, Tensor& out,
+                                 Tensor& lse) {
+  const profile::Phase phase("gpu.reference_attention_forward");
+  const Tensor& cu_seqlens = docs.cu_seqlens;
   const int64_t n = q.dim(0);
   expect_shape(out, {n, q.dim(1), v.dim(2)}, "attention out");
   expect_shape(lse, {n, q.dim(1)}, "attention lse");
@@ -138,9 +145,12 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
       static_cast<float>(scale), out.raw(), lse.data<float>(), nullptr));
 }
 
-void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                        const Tensor& lse, const Tensor& dout, const Tensor& cu_seqlens,
-                        double scale, Tensor& dq, Tensor& dk, Tensor& dv) {
+void reference_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const Tensor& out, const Tensor& lse, const Tensor& dout,
+                                  const ops::Documents& docs, double scale, Tensor& dq,
+                                  Tensor& dk, Tensor& dv) {
+  const profile::Phase phase("gpu.reference_attention_backward");
+  const Tensor& cu_seqlens = docs.cu_seqlens;
   const int64_t n = q.dim(0);
   for (const Tensor* t : std::initializer_list<const Tensor*>{&k, &v, &out, &dout, &dq, &dk, &dv})
     same_storage_type(q, *t, "attention operand");
@@ -153,7 +163,45 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
       dk.raw(), dv.raw(), nullptr));
 }
 
+namespace {
+bool use_cudnn_attention(const Tensor& q, const Tensor& v) {
+  return cudnn_attention_available() && cudnn_attention_supports(q, v);
+}
+}  // namespace
+
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                       const ops::Documents& docs, double scale, Tensor& out, Tensor& lse) {
+  if (use_cudnn_attention(q, v)) return cudnn_attention_forward(q, k, v, docs, scale, out, lse);
+  reference_attention_forward(q, k, v, docs, scale, out, lse);
+}
+
+void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                        const Tensor& lse, const Tensor& dout, const ops::Documents& docs,
+                        double scale, Tensor& dq, Tensor& dk, Tensor& dv) {
+  // Deterministic: a resumed run must repeat the uninterrupted one bit for bit.
+  if (use_cudnn_attention(q, v))
+    return cudnn_attention_backward(q, k, v, out, lse, dout, docs, scale, true, dq, dk, dv);
+  reference_attention_backward(q, k, v, out, lse, dout, docs, scale, dq, dk, dv);
+}
+
+#if !MOETRAIN_HAS_CUDNN
+bool cudnn_attention_available() { return false; }
+bool cudnn_attention_supports(const Tensor&, const Tensor&) { return false; }
+void cudnn_attention_forward(const Tensor&, const Tensor&, const Tensor&, const ops::Documents&,
+                             double, Tensor&, Tensor&) {
+  const profile::Phase phase("gpu.cudnn_attention_forward");
+  MT_CHECK(false, "built without the cuDNN frontend (scripts/setup.sh installs it)");
+}
+void cudnn_attention_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
+                              const Tensor&, const Tensor&, const ops::Documents&, double, bool,
+                              Tensor&, Tensor&, Tensor&) {
+  const profile::Phase phase("gpu.cudnn_attention_backward");
+  MT_CHECK(false, "built without the cuDNN frontend (scripts/setup.sh installs it)");
+}
+#endif
+
 void rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd) {
+  const profile::Phase phase("gpu.rmsnorm_forward");
   const int64_t n = x.dim(0), d = x.dim(1);
   expect_shape(w, {d}, "rmsnorm weight");
   expect_shape(y, {n, d}, "rmsnorm y");
@@ -168,6 +216,7 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, Tensor& y, Te
 
 void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy,
                       Tensor& dx, Tensor& dw) {
+  const profile::Phase phase("gpu.rmsnorm_backward");
   const int64_t n = x.dim(0), d = x.dim(1);
   expect_shape(dy, {n, d}, "rmsnorm dy");
   expect_shape(dx, {n, d}, "rmsnorm dx");
@@ -183,6 +232,7 @@ void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, cons
 }
 
 void rope_apply(const Tensor& x, const Tensor& positions, double theta, int direction, Tensor& y) {
+  const profile::Phase phase("gpu.rope_apply");
   same_storage_type(x, y, "rope output");
   MT_CHECK(positions.device() == Device::kCUDA, "rope positions must be on the GPU");
   MT_CUDA_CHECK(kernels::rope(storage_of(x, "rope x"), x.raw(), positions.data<int32_t>(), theta,
@@ -190,6 +240,7 @@ void rope_apply(const Tensor& x, const Tensor& positions, double theta, int dire
 }
 
 void swiglu_forward(const Tensor& h, Tensor& a) {
+  const profile::Phase phase("gpu.swiglu_forward");
   const int64_t m = h.dim(0), f = h.dim(1) / 2;
   expect_shape(a, {m, f}, "swiglu out");
   same_storage_type(h, a, "swiglu out");
@@ -198,6 +249,7 @@ void swiglu_forward(const Tensor& h, Tensor& a) {
 }
 
 void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh) {
+  const profile::Phase phase("gpu.swiglu_backward");
   const int64_t m = h.dim(0), f = h.dim(1) / 2;
   expect_shape(da, {m, f}, "swiglu da");
   expect_shape(dh, h.shape(), "swiglu dh");
@@ -209,6 +261,7 @@ void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh) {
 
 double cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
                              Tensor& lse) {
+  const profile::Phase phase("gpu.cross_entropy_forward");
   const int64_t n = logits.dim(0), v = logits.dim(1);
   expect_shape(lse, {n}, "loss lse");
   expect_dtype(lse, DType::kF32, "loss lse (GPU)");
@@ -224,6 +277,7 @@ double cross_entropy_forward(const Tensor& logits, const Tensor& targets, const 
 
 void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
                             const Tensor& lse, double grad_scale, Tensor& dlogits) {
+  const profile::Phase phase("gpu.cross_entropy_backward");
   expect_shape(dlogits, logits.shape(), "dlogits");
   same_storage_type(logits, dlogits, "dlogits");
   MT_CUDA_CHECK(kernels::cross_entropy_backward(
@@ -232,23 +286,31 @@ void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const T
       logits.dim(1), nullptr));
 }
 
-void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, double lr, double beta1,
-                double beta2, double eps, double weight_decay, int64_t step) {
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
+                const ops::AdamWHyper& h, Tensor* compute) {
+  const profile::Phase phase("gpu.adamw_step");
   const int64_t n = param.numel();
   for (const Tensor* t : std::initializer_list<const Tensor*>{&param, &grad, &m, &v}) {
     expect_dtype(*t, DType::kF32, "adamw buffer (GPU master state is f32)");
     MT_CHECK(t->numel() == n && t->device() == Device::kCUDA, "adamw buffers differ");
   }
-  const double bc1 = 1.0 - std::pow(beta1, static_cast<double>(step));
-  const double bc2 = 1.0 - std::pow(beta2, static_cast<double>(step));
-  const kernels::AdamWScalars s{static_cast<float>(beta1),
-                                static_cast<float>(beta2),
-                                static_cast<float>(1.0 - lr * weight_decay),
-                                static_cast<float>(lr / bc1),
+  const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
+  const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
+  const kernels::AdamWScalars s{static_cast<float>(h.beta1),
+                                static_cast<float>(h.beta2),
+                                static_cast<float>(1.0 - h.lr * h.weight_decay),
+                                static_cast<float>(h.lr / bc1),
                                 static_cast<float>(std::sqrt(bc2)),
-                                static_cast<float>(eps)};
+                                static_cast<float>(h.eps),
+                                static_cast<float>(h.grad_scale)};
+  if (compute) {
+    expect_dtype(*compute, DType::kBF16, "adamw compute copy (GPU)");
+    MT_CHECK(compute->numel() == n && compute->device() == Device::kCUDA, "adamw compute copy "
+             "of {} elements for {} parameters", compute->numel(), n);
+  }
   MT_CUDA_CHECK(kernels::adamw(param.data<float>(), grad.data<float>(), m.data<float>(),
-                               v.data<float>(), s, n, nullptr));
+                               v.data<float>(), compute ? compute->raw() : nullptr, s, n,
+                               nullptr));
 }
 
 }  // namespace mt::cuda

@@ -3,6 +3,8 @@
 // fp32); saved statistics (rstd, lse) are always f32. All run on the default stream.
 #pragma once
 #include "core/tensor.h"
+#include "ops/attention.h"
+#include "ops/optim.h"
 #include "ops/permute.h"
 #include "ops/route.h"
 
@@ -18,12 +20,29 @@ void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor
 void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets,
                                   Tensor& dw);
 
-// Attention (ops.cpp): the reference GPU kernel; lse f32.
-void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& cu_seqlens,
-                       double scale, Tensor& out, Tensor& lse);
+// Attention, lse f32: cuDNN's fused SDPA where it applies (bf16, head dims multiples of 8 up
+// to 256; deterministic backward), else the reference kernel (ops.cpp).
+void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                       const ops::Documents& docs, double scale, Tensor& out, Tensor& lse);
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                        const Tensor& lse, const Tensor& dout, const Tensor& cu_seqlens,
+                        const Tensor& lse, const Tensor& dout, const ops::Documents& docs,
                         double scale, Tensor& dq, Tensor& dk, Tensor& dv);
+// The two implementations, named for tests and benchmarks.
+void reference_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                 const ops::Documents& docs, double scale, Tensor& out,
+                                 Tensor& lse);
+void reference_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
+                                  const Tensor& out, const Tensor& lse, const Tensor& dout,
+                                  const ops::Documents& docs, double scale, Tensor& dq,
+                                  Tensor& dk, Tensor& dv);
+bool cudnn_attention_available();  // built with the cuDNN frontend
+bool cudnn_attention_supports(const Tensor& q, const Tensor& v);
+void cudnn_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                             const ops::Documents& docs, double scale, Tensor& out, Tensor& lse);
+void cudnn_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                              const Tensor& lse, const Tensor& dout, const ops::Documents& docs,
+                              double scale, bool deterministic, Tensor& dq, Tensor& dk,
+                              Tensor& dv);
 // Embedding (moe_ops.cpp): forward is a row gather; backward sums the rows of each id in token
 // order (sorted by id, deterministic) into dtable.
 void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out);
@@ -57,7 +76,7 @@ double cross_entropy_forward(const Tensor& logits, const Tensor& targets, const 
                              Tensor& lse);
 void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
                             const Tensor& lse, double grad_scale, Tensor& dlogits);
-void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, double lr, double beta1,
-                double beta2, double eps, double weight_decay, int64_t step);
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
+                const ops::AdamWHyper& h, Tensor* compute);  // compute: bf16 or null
 
 }  // namespace mt::cuda

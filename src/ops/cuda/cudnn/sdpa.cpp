@@ -1,0 +1,293 @@
+// Fused attention through cuDNN's SDPA graphs (the frontend's Graph API): packed documents as
+// ragged (THD) tensors, top-left causal mask inside each document, GQA, bf16 in and out, fp32
+// log-sum-exp laid out (N, H) like the reference's.
+//
+// A graph is built once per shape and cached: the document count is padded to a power of two
+// (empty documents past the real ones) and the longest document to a power of two, so a run
+// with varying packing builds a handful of graphs, not one per step. The ragged offsets and
+// lengths come from the device boundaries through one small kernel: no host sync.
+#include <cudnn_frontend.h>
+
+#include <bit>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <tuple>
+
+#include "core/cuda_check.h"
+#include "core/profile.h"
+#include "ops/cuda/kernels.h"
+#include "ops/cuda/ops.h"
+
+namespace mt::cuda {
+
+namespace fe = cudnn_frontend;
+using TensorAttr = std::shared_ptr<fe::graph::Tensor_attributes>;
+
+namespace {
+
+// Tensor uids of the variant pack.
+enum Uid : int64_t {
+  kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV,
+  kSeqLenQ, kSeqLenKV, kOffQ, kOffK, kOffV, kOffO, kOffStats
+};
+
+struct SdpaShape {
+  int64_t docs, max_len, tokens, heads, kv_heads, dqk, dv;
+  float scale;
+  bool backward, deterministic;
+  auto key() const {
+    return std::tuple(docs, max_len, tokens, heads, kv_heads, dqk, dv, scale, backward,
+                      deterministic);
+  }
+};
+
+void check(fe::error_t status, const SdpaShape& s, const char* step) {
+  MT_CHECK(status.is_good(),
+           "cuDNN SDPA {} ({}): {} (documents {}, longest {}, tokens {}, heads {}/{}, dims {}/{})",
+           s.backward ? "backward" : "forward", step, status.get_message(), s.docs, s.max_len,
+           s.tokens, s.heads, s.kv_heads, s.dqk, s.dv);
+}
+
+cudnnHandle_t handle() {
+  static cudnnHandle_t h = [] {
+    cudnnHandle_t created = nullptr;
+    const cudnnStatus_t st = cudnnCreate(&created);
+    MT_CHECK(st == CUDNN_STATUS_SUCCESS, "cudnnCreate failed: {}", cudnnGetErrorString(st));
+    return created;
+  }();
+  return h;
+}
+
+// A packed (tokens, heads, dim) tensor seen as cuDNN's (docs, heads, max_len, dim) with ragged
+// per-document offsets.
+TensorAttr packed(fe::graph::Graph& g, const char* name, Uid uid, const TensorAttr& offsets,
+                  const SdpaShape& s, int64_t heads, int64_t dim) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name(name)
+                      .set_uid(uid)
+                      .set_dim({s.docs, heads, s.max_len, dim})
+                      .set_stride({s.max_len * heads * dim, dim, heads * dim, 1})
+                      .set_ragged_offset(offsets));
+}
+
+void as_packed(const TensorAttr& t, Uid uid, const TensorAttr& offsets, const SdpaShape& s,
+               int64_t heads, int64_t dim) {
+  t->set_output(true)
+      .set_uid(uid)
+      .set_dim({s.docs, heads, s.max_len, dim})
+      .set_stride({s.max_len * heads * dim, dim, heads * dim, 1})
+      .set_ragged_offset(offsets);
+}
+
+TensorAttr int_vector(fe::graph::Graph& g, const char* name, Uid uid, int64_t len) {
+  return g.tensor(fe::graph::Tensor_attributes()
+                      .set_name(name)
+                      .set_uid(uid)
+                      .set_dim({len, 1, 1, 1})
+                      .set_stride({1, 1, 1, 1})
+                      .set_data_type(fe::DataType_t::INT32));
+}
+
+struct GraphInputs {
+  TensorAttr q, k, v, seq_q, seq_kv, off_q, off_k, off_v, off_o, off_stats;
+};
+
+GraphInputs declare_inputs(fe::graph::Graph& g, const SdpaShape& s) {
+  GraphInputs in;
+  in.off_q = int_vector(g, "off_q", kOffQ, s.docs + 1);
+  in.off_k = int_vector(g, "off_k", kOffK, s.docs + 1);
+  in.off_v = int_vector(g, "off_v", kOffV, s.docs + 1);
+  in.off_o = int_vector(g, "off_o", kOffO, s.docs + 1);
+  in.off_stats = int_vector(g, "off_stats", kOffStats, s.docs + 1);
+  in.seq_q = int_vector(g, "seq_q", kSeqLenQ, s.docs);
+  in.seq_kv = int_vector(g, "seq_kv", kSeqLenKV, s.docs);
+  in.q = packed(g, "q", kQ, in.off_q, s, s.heads, s.dqk);
+  in.k = packed(g, "k", kK, in.off_k, s, s.kv_heads, s.dqk);
+  in.v = packed(g, "v", kV, in.off_v, s, s.kv_heads, s.dv);
+  return in;
+}
+
+// The log-sum-exp, (docs, heads, max_len, 1) over the packed (tokens, heads) f32 buffer.
+void describe_stats(fe::graph::Tensor_attributes& t, const GraphInputs& in, const SdpaShape& s) {
+  t.set_uid(kStats)
+      .set_data_type(fe::DataType_t::FLOAT)
+      .set_dim({s.docs, s.heads, s.max_len, 1})
+      .set_stride({s.max_len * s.heads, 1, s.heads, 1})
+      .set_ragged_offset(in.off_stats);
+}
+
+std::shared_ptr<fe::graph::Graph> build(const SdpaShape& s) {
+  auto g = std::make_shared<fe::graph::Graph>();
+  g->set_io_data_type(fe::DataType_t::BFLOAT16)
+      .set_intermediate_data_type(fe::DataType_t::FLOAT)
+      .set_compute_data_type(fe::DataType_t::FLOAT);
+  const GraphInputs in = declare_inputs(*g, s);
+  if (!s.backward) {
+    auto options = fe::graph::SDPA_attributes()
+                       .set_name("sdpa")
+                       .set_generate_stats(true)
+                       .set_causal_mask(true)
+                       .set_attn_scale(s.scale)
+                       .set_padding_mask(true)
+                       .set_seq_len_q(in.seq_q)
+                       .set_seq_len_kv(in.seq_kv);
+    auto [o, stats] = g->sdpa(in.q, in.k, in.v, options);
+    as_packed(o, kO, in.off_o, s, s.heads, s.dv);
+    stats->set_output(true);
+    describe_stats(*stats, in, s);
+  } else {
+    const TensorAttr o = packed(*g, "o", kO, in.off_o, s, s.heads, s.dv);
+    const TensorAttr dout = packed(*g, "dO", kDO, in.off_o, s, s.heads, s.dv);
+    fe::graph::Tensor_attributes stats_desc;
+    stats_desc.set_name("stats");
+    describe_stats(stats_desc, in, s);
+    const TensorAttr stats = g->tensor(stats_desc);
+    auto options = fe::graph::SDPA_backward_attributes()
+                       .set_name("sdpa_backward")
+                       .set_causal_mask(true)
+                       .set_attn_scale(s.scale)
+                       .set_padding_mask(true)
+                       .set_seq_len_q(in.seq_q)
+                       .set_seq_len_kv(in.seq_kv)
+                       .set_max_total_seq_len_q(s.tokens)
+                       .set_max_total_seq_len_kv(s.tokens)
+                       .set_deterministic_algorithm(s.deterministic);
+    auto [dq, dk, dv] = g->sdpa_backward(in.q, in.k, in.v, o, dout, stats, options);
+    as_packed(dq, kDQ, in.off_q, s, s.heads, s.dqk);
+    as_packed(dk, kDK, in.off_k, s, s.kv_heads, s.dqk);
+    as_packed(dv, kDV, in.off_v, s, s.kv_heads, s.dv);
+  }
+  check(g->validate(), s, "validate");
+  check(g->build_operation_graph(handle()), s, "operation graph");
+  check(g->create_execution_plans({fe::HeurMode_t::A}), s, "execution plans");
+  check(g->check_support(handle()), s, "support");
+  check(g->build_plans(handle()), s, "build plans");
+  return g;
+}
+
+const fe::graph::Graph& cached_graph(const SdpaShape& s) {
+  static std::mutex mutex;
+  static std::map<decltype(s.key()), std::shared_ptr<fe::graph::Graph>> cache;
+  const std::lock_guard lock(mutex);
+  auto& slot = cache[s.key()];
+  if (!slot) slot = build(s);
+  return *slot;
+}
+
+int64_t padded_pow2(int64_t x, int64_t floor) {
+  return static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(std::max(x, floor))));
+}
+
+SdpaShape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, const ops::Documents& docs,
+                   double scale, bool backward, bool deterministic) {
+  MT_CHECK(docs.cu_seqlens.device() == Device::kCUDA && docs.cu_seqlens.dtype() == DType::kI32,
+           "cuDNN attention needs i32 cu_seqlens on the GPU");
+  MT_CHECK(docs.max_length >= 1 && docs.max_length <= q.dim(0),
+           "longest document {} outside [1, {}]", docs.max_length, q.dim(0));
+  MT_CHECK(q.dim(0) * q.dim(1) * std::max(q.dim(2), v.dim(2)) < (int64_t{1} << 31),
+           "cuDNN attention: {} tokens x {} heads overflow its 32-bit ragged offsets", q.dim(0),
+           q.dim(1));
+  return {padded_pow2(docs.cu_seqlens.numel() - 1, 1),
+          padded_pow2(docs.max_length, 64),
+          q.dim(0),
+          q.dim(1),
+          k.dim(1),
+          q.dim(2),
+          v.dim(2),
+          static_cast<float>(scale),
+          backward,
+          deterministic};
+}
+
+// Offsets and lengths on the device, the (padded_docs + 1) x 5 offsets then padded_docs lengths.
+struct Ragged {
+  Tensor buffer;
+  kernels::RaggedLayout at;
+};
+
+Ragged ragged_layout(const ops::Documents& docs, const SdpaShape& s) {
+  const int64_t b = s.docs;
+  Ragged r{Tensor::empty({5 * (b + 1) + b}, DType::kI32, Device::kCUDA), {}};
+  int32_t* base = r.buffer.data<int32_t>();
+  r.at = {base, base + (b + 1), base + 2 * (b + 1), base + 3 * (b + 1), base + 4 * (b + 1),
+          base + 5 * (b + 1)};
+  const auto i32 = [](int64_t x) { return static_cast<int32_t>(x); };
+  const kernels::RaggedStrides strides{i32(s.heads * s.dqk), i32(s.kv_heads * s.dqk),
+                                       i32(s.kv_heads * s.dv), i32(s.heads * s.dv),
+                                       i32(s.heads)};
+  MT_CUDA_CHECK(kernels::attention_ragged_layout(
+      docs.cu_seqlens.data<int32_t>(), static_cast<int>(docs.cu_seqlens.numel() - 1),
+      static_cast<int>(b), strides, r.at, nullptr));
+  return r;
+}
+
+void run(const fe::graph::Graph& g, std::unordered_map<int64_t, void*>& pack, const Ragged& r) {
+  pack[kOffQ] = r.at.q;
+  pack[kOffK] = r.at.k;
+  pack[kOffV] = r.at.v;
+  pack[kOffO] = r.at.o;
+  pack[kOffStats] = r.at.stats;
+  pack[kSeqLenQ] = r.at.seq_len;
+  pack[kSeqLenKV] = r.at.seq_len;
+  int64_t workspace_bytes = 0;
+  MT_CHECK(g.get_workspace_size(workspace_bytes).is_good(), "cuDNN SDPA workspace query failed");
+  Tensor workspace =
+      Tensor::empty({std::max<int64_t>(workspace_bytes, 1)}, DType::kU8, Device::kCUDA);
+  fe::error_t status = g.execute(handle(), pack, workspace.raw());
+  MT_CHECK(status.is_good(), "cuDNN SDPA execute failed: {}", status.get_message());
+}
+
+void check_operands(std::initializer_list<const Tensor*> ts) {
+  for (const Tensor* t : ts)
+    MT_CHECK(t->device() == Device::kCUDA && t->dtype() == DType::kBF16,
+             "cuDNN attention operands must be bf16 on the GPU, got {}", dtype_name(t->dtype()));
+}
+
+// The variant pack holds non-const pointers; cuDNN only reads the inputs.
+void* ptr(const Tensor& t) { return const_cast<void*>(t.raw()); }
+
+}  // namespace
+
+bool cudnn_attention_available() { return true; }
+
+bool cudnn_attention_supports(const Tensor& q, const Tensor& v) {
+  const auto dim_ok = [](int64_t d) { return d % 8 == 0 && d <= 256; };
+  return q.dtype() == DType::kBF16 && dim_ok(q.dim(2)) && dim_ok(v.dim(2));
+}
+
+void cudnn_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                             const ops::Documents& docs, double scale, Tensor& out, Tensor& lse) {
+  const profile::Phase phase("gpu.cudnn_attention_forward");
+  check_operands({&q, &k, &v, &out});
+  expect_shape(out, {q.dim(0), q.dim(1), v.dim(2)}, "attention out");
+  expect_shape(lse, {q.dim(0), q.dim(1)}, "attention lse");
+  expect_dtype(lse, DType::kF32, "attention lse (GPU)");
+  const SdpaShape s = shape_of(q, k, v, docs, scale, false, false);
+  const fe::graph::Graph& g = cached_graph(s);
+  const Ragged r = ragged_layout(docs, s);
+  std::unordered_map<int64_t, void*> pack{
+      {kQ, ptr(q)}, {kK, ptr(k)}, {kV, ptr(v)}, {kO, out.raw()}, {kStats, lse.raw()}};
+  run(g, pack, r);
+}
+
+void cudnn_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                              const Tensor& lse, const Tensor& dout, const ops::Documents& docs,
+                              double scale, bool deterministic, Tensor& dq, Tensor& dk,
+                              Tensor& dv) {
+  const profile::Phase phase("gpu.cudnn_attention_backward");
+  check_operands({&q, &k, &v, &out, &dout, &dq, &dk, &dv});
+  expect_shape(dq, q.shape(), "attention dq");
+  expect_shape(dk, k.shape(), "attention dk");
+  expect_shape(dv, v.shape(), "attention dv");
+  expect_dtype(lse, DType::kF32, "attention lse (GPU)");
+  const SdpaShape s = shape_of(q, k, v, docs, scale, true, deterministic);
+  const fe::graph::Graph& g = cached_graph(s);
+  const Ragged r = ragged_layout(docs, s);
+  std::unordered_map<int64_t, void*> pack{
+      {kQ, ptr(q)},        {kK, ptr(k)},       {kV, ptr(v)},    {kO, ptr(out)},  {kStats, ptr(lse)},
+      {kDO, ptr(dout)},    {kDQ, dq.raw()},    {kDK, dk.raw()}, {kDV, dv.raw()}};
+  run(g, pack, r);
+}
+
+}  // namespace mt::cuda
