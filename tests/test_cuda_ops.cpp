@@ -53,12 +53,22 @@ struct GpuCase : ::testing::TestWithParam<DType> {
     const double err = relative_error(host, ref);
     EXPECT_LT(err, tol()) << what << " (" << dtype_name(GetParam()) << ", seed " << seed << ")";
   }
+  void check_rmsnorm(int64_t n, int64_t d);
+  void check_swiglu(int64_t m, int64_t f);
+  void check_cross_entropy(int64_t n, int64_t v);
   uint64_t seed = 0;
   uint64_t counter = 0;
 };
 
+// Shapes: the model's hidden rows, QK-norm's many short rows, and an odd width that takes the
+// kernels' element-at-a-time path instead of 16-byte packs.
 TEST_P(GpuCase, RMSNormForwardBackward) {
-  const int64_t n = 4096, d = 2048;
+  for (const auto& [n, d] : {std::pair<int64_t, int64_t>{4096, 2048}, {20000, 128}, {1001, 100}})
+    check_rmsnorm(n, d);
+}
+
+void GpuCase::check_rmsnorm(int64_t n, int64_t d) {
+  SCOPED_TRACE(::testing::Message() << "rmsnorm " << n << " x " << d);
   const Tensor x = input({n, d}), w = input({d}, 0.5), dy = input({n, d});
   Tensor y = Tensor::empty({n, d}, DType::kF32), rstd = Tensor::empty({n}, DType::kF32);
   ops::rmsnorm_forward(x, w, 1e-6, y, rstd);
@@ -94,7 +104,12 @@ TEST_P(GpuCase, RopeForwardBackward) {
 }
 
 TEST_P(GpuCase, SwiGLUForwardBackward) {
-  const int64_t m = 8192, f = 768;
+  check_swiglu(8192, 768);
+  check_swiglu(999, 13);  // the element-at-a-time path
+}
+
+void GpuCase::check_swiglu(int64_t m, int64_t f) {
+  SCOPED_TRACE(::testing::Message() << "swiglu " << m << " x " << f);
   const Tensor h = input({m, 2 * f}, 2.0), da = input({m, f});
   Tensor a = Tensor::empty({m, f}, DType::kF32), dh = Tensor::empty({m, 2 * f}, DType::kF32);
   ops::swiglu_forward(h, a);
@@ -108,7 +123,11 @@ TEST_P(GpuCase, SwiGLUForwardBackward) {
 }
 
 TEST_P(GpuCase, CrossEntropyForwardBackward) {
-  const int64_t n = 1024, v = 32000;
+  for (const int64_t v : {32000, 1001}) check_cross_entropy(1024, v);
+}
+
+void GpuCase::check_cross_entropy(int64_t n, int64_t v) {
+  SCOPED_TRACE(::testing::Message() << "cross-entropy vocabulary " << v);
   const Tensor logits = input({n, v}, 3.0);
   Tensor targets = Tensor::empty({n}, DType::kI32), mask = Tensor::empty({n}, DType::kU8);
   const CounterRng rng{seed, 7};

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 
 #include "ops/cuda/kernels.h"
 
@@ -27,6 +28,72 @@ __device__ __forceinline__ float from_float<float>(float x) {
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float x) {
   return __float2bfloat16_rn(x);  // round to nearest even, as mt::to_bf16
+}
+
+// 16-byte packs: memory-bound kernels move 8 bf16 or 4 f32 per load and store, the width at
+// which the H200 reaches its bandwidth. Callers check `packable` (alignment and length) first.
+template <class T>
+struct Pack {
+  static constexpr int kSize = 16 / sizeof(T);
+  float v[kSize];
+};
+
+template <class T>
+__device__ __forceinline__ Pack<T> load_pack(const T* p) {
+  Pack<T> out;
+  const uint4 raw = *reinterpret_cast<const uint4*>(p);
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < Pack<T>::kSize; ++i) out.v[i] = to_float(e[i]);
+  return out;
+}
+
+template <class T>
+__device__ __forceinline__ void store_pack(T* p, const Pack<T>& in) {
+  uint4 raw;
+  T* e = reinterpret_cast<T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < Pack<T>::kSize; ++i) e[i] = from_float<T>(in.v[i]);
+  *reinterpret_cast<uint4*>(p) = raw;
+}
+
+// P consecutive elements as floats, P = Pack<T>::kSize (one 16-byte access) or 1 (the fallback
+// for unaligned or odd widths): kernels templated on P serve both.
+template <class T, int P>
+__device__ __forceinline__ void load_n(const T* p, float* v) {
+  if constexpr (P == 1) {
+    v[0] = to_float(*p);
+  } else {
+    const Pack<T> pk = load_pack(p);
+#pragma unroll
+    for (int i = 0; i < P; ++i) v[i] = pk.v[i];
+  }
+}
+
+template <class T, int P>
+__device__ __forceinline__ void store_n(T* p, const float* v) {
+  if constexpr (P == 1) {
+    *p = from_float<T>(v[0]);
+  } else {
+    Pack<T> pk;
+#pragma unroll
+    for (int i = 0; i < P; ++i) pk.v[i] = v[i];
+    store_pack(p, pk);
+  }
+}
+
+// True when every pointer is 16-byte aligned and rows of `width` elements keep it so.
+template <class T>
+inline bool packable(int64_t width, std::initializer_list<const void*> ptrs) {
+  if (width % Pack<T>::kSize != 0) return false;
+  for (const void* p : ptrs)
+    if (reinterpret_cast<uintptr_t>(p) % 16 != 0) return false;
+  return true;
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
 }
 
 // Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.

@@ -1,30 +1,44 @@
-// Elementwise kernels: SwiGLU forward/backward and RoPE (grid-stride loops, fp32 math).
+// Elementwise kernels: SwiGLU forward/backward and RoPE (grid-stride loops, fp32 math, 16-byte
+// packs where aligned).
 #include "ops/cuda/common.cuh"
 
 namespace mt::cuda {
 
 namespace {
 
-template <class T>
+// P consecutive outputs per step (a 16-byte pack when f and the pointers allow, else 1).
+template <class T, int P>
 __global__ void swiglu_forward_kernel(const T* h, T* a, int64_t m, int64_t f) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < m * f;
-       i += int64_t{gridDim.x} * blockDim.x) {
+  for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * P; i < m * f;
+       i += int64_t{gridDim.x} * blockDim.x * P) {
     const int64_t r = i / f, c = i % f;
-    const float g = to_float(h[r * 2 * f + c]), u = to_float(h[r * 2 * f + f + c]);
-    a[i] = from_float<T>(g / (1.f + __expf(-g)) * u);
+    float g[P], u[P];
+    load_n<T, P>(h + r * 2 * f + c, g);
+    load_n<T, P>(h + r * 2 * f + f + c, u);
+#pragma unroll
+    for (int k = 0; k < P; ++k) g[k] = g[k] / (1.f + __expf(-g[k])) * u[k];
+    store_n<T, P>(a + i, g);
   }
 }
 
-template <class T>
+template <class T, int P>
 __global__ void swiglu_backward_kernel(const T* h, const T* da, T* dh, int64_t m, int64_t f) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < m * f;
-       i += int64_t{gridDim.x} * blockDim.x) {
+  for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * P; i < m * f;
+       i += int64_t{gridDim.x} * blockDim.x * P) {
     const int64_t r = i / f, c = i % f;
-    const float g = to_float(h[r * 2 * f + c]), u = to_float(h[r * 2 * f + f + c]);
-    const float d = to_float(da[i]);
-    const float sig = 1.f / (1.f + __expf(-g));
-    dh[r * 2 * f + f + c] = from_float<T>(d * g * sig);
-    dh[r * 2 * f + c] = from_float<T>(d * u * sig * (1.f + g * (1.f - sig)));
+    float g[P], u[P], d[P];
+    load_n<T, P>(h + r * 2 * f + c, g);
+    load_n<T, P>(h + r * 2 * f + f + c, u);
+    load_n<T, P>(da + i, d);
+#pragma unroll
+    for (int k = 0; k < P; ++k) {
+      const float sig = 1.f / (1.f + __expf(-g[k]));
+      const float du = d[k] * g[k] * sig;
+      g[k] = d[k] * u[k] * sig * (1.f + g[k] * (1.f - sig));
+      u[k] = du;
+    }
+    store_n<T, P>(dh + r * 2 * f + c, g);
+    store_n<T, P>(dh + r * 2 * f + f + c, u);
   }
 }
 
@@ -59,8 +73,13 @@ cudaError_t swiglu_forward(Storage st, const void* h, void* a, int64_t m, int64_
   if (m * f == 0) return cudaSuccess;
   dispatch_storage(st, [&](auto tag) {
     using T = decltype(tag);
-    swiglu_forward_kernel<T><<<grid_for(m * f), kBlock, 0, stream>>>(static_cast<const T*>(h),
-                                                                     static_cast<T*>(a), m, f);
+    const T* hp = static_cast<const T*>(h);
+    T* ap = static_cast<T*>(a);
+    constexpr int P = Pack<T>::kSize;
+    if (packable<T>(f, {h, a}))
+      swiglu_forward_kernel<T, P><<<grid_for(m * f / P), kBlock, 0, stream>>>(hp, ap, m, f);
+    else
+      swiglu_forward_kernel<T, 1><<<grid_for(m * f), kBlock, 0, stream>>>(hp, ap, m, f);
   });
   return cudaGetLastError();
 }
@@ -70,8 +89,13 @@ cudaError_t swiglu_backward(Storage st, const void* h, const void* da, void* dh,
   if (m * f == 0) return cudaSuccess;
   dispatch_storage(st, [&](auto tag) {
     using T = decltype(tag);
-    swiglu_backward_kernel<T><<<grid_for(m * f), kBlock, 0, stream>>>(
-        static_cast<const T*>(h), static_cast<const T*>(da), static_cast<T*>(dh), m, f);
+    const T *hp = static_cast<const T*>(h), *dap = static_cast<const T*>(da);
+    T* dhp = static_cast<T*>(dh);
+    constexpr int P = Pack<T>::kSize;
+    if (packable<T>(f, {h, da, dh}))
+      swiglu_backward_kernel<T, P><<<grid_for(m * f / P), kBlock, 0, stream>>>(hp, dap, dhp, m, f);
+    else
+      swiglu_backward_kernel<T, 1><<<grid_for(m * f), kBlock, 0, stream>>>(hp, dap, dhp, m, f);
   });
   return cudaGetLastError();
 }

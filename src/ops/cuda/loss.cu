@@ -1,32 +1,43 @@
-// Cross-entropy on the GPU: one block per token row; the wrapper sums the per-row losses on the
-// host in row order (deterministic). Chunking over the vocabulary (never materialising fp32 logits
-// of every token) comes with the fused LM-head kernel.
+// Cross-entropy on the GPU: one block per token row, one pass over the logits (online softmax,
+// 16-byte packs); the wrapper sums the per-row losses on the host in row order (deterministic).
 #include "ops/cuda/common.cuh"
 
 namespace mt::cuda {
 
 namespace {
 
-template <class T>
+// One pass over the row: each thread keeps a running max and a sum of exp relative to it
+// (online softmax), merged across the block at the end.
+template <class T, int P>
 __global__ void cross_entropy_forward_kernel(const T* logits, const int32_t* targets,
                                              const uint8_t* mask, float* lse, float* loss,
                                              int64_t v) {
   const int64_t row = blockIdx.x;
   const T* l = logits + row * v;
-  float m = -INFINITY;
-  for (int64_t c = threadIdx.x; c < v; c += blockDim.x) m = fmaxf(m, to_float(l[c]));
-  m = block_max(m);
-  float s = 0.f;
-  for (int64_t c = threadIdx.x; c < v; c += blockDim.x) s += __expf(to_float(l[c]) - m);
-  s = block_sum(s);
+  float m = -INFINITY, s = 0.f;
+  for (int64_t c = threadIdx.x * P; c < v; c += blockDim.x * P) {
+    float x[P];
+    load_n<T, P>(l + c, x);
+    float local = x[0];
+#pragma unroll
+    for (int i = 1; i < P; ++i) local = fmaxf(local, x[i]);
+    if (local > m) {
+      s *= __expf(m - local);
+      m = local;
+    }
+#pragma unroll
+    for (int i = 0; i < P; ++i) s += __expf(x[i] - m);
+  }
+  const float row_max = block_max(m);
+  s = block_sum(m == -INFINITY ? 0.f : s * __expf(m - row_max));
   if (threadIdx.x == 0) {
-    const float lse_row = m + __logf(s);
+    const float lse_row = row_max + __logf(s);
     lse[row] = lse_row;
     loss[row] = mask[row] ? lse_row - to_float(l[targets[row]]) : 0.f;
   }
 }
 
-template <class T>
+template <class T, int P>
 __global__ void cross_entropy_backward_kernel(const T* logits, const int32_t* targets,
                                               const uint8_t* mask, const float* lse, float scale,
                                               T* dlogits, int64_t v) {
@@ -34,9 +45,15 @@ __global__ void cross_entropy_backward_kernel(const T* logits, const int32_t* ta
   const float g = mask[row] ? scale : 0.f;
   const float lse_row = lse[row];
   const int32_t target = targets[row];
-  for (int64_t c = threadIdx.x; c < v; c += blockDim.x) {
-    const float p = g == 0.f ? 0.f : __expf(to_float(logits[row * v + c]) - lse_row);
-    dlogits[row * v + c] = from_float<T>(g * (p - (c == target ? 1.f : 0.f)));
+  for (int64_t c = threadIdx.x * P; c < v; c += blockDim.x * P) {
+    float x[P];
+    load_n<T, P>(logits + row * v + c, x);
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      const float p = g == 0.f ? 0.f : __expf(x[i] - lse_row);
+      x[i] = g * (p - (c + i == target ? 1.f : 0.f));
+    }
+    store_n<T, P>(dlogits + row * v + c, x);
   }
 }
 
@@ -50,8 +67,12 @@ cudaError_t cross_entropy_forward(Storage st, const void* logits, const int32_t*
   if (n == 0) return cudaSuccess;
   dispatch_storage(st, [&](auto tag) {
     using T = decltype(tag);
-    cross_entropy_forward_kernel<T>
-        <<<n, kBlock, 0, stream>>>(static_cast<const T*>(logits), targets, mask, lse, loss, v);
+    const T* l = static_cast<const T*>(logits);
+    if (packable<T>(v, {logits}))
+      cross_entropy_forward_kernel<T, Pack<T>::kSize>
+          <<<n, kBlock, 0, stream>>>(l, targets, mask, lse, loss, v);
+    else
+      cross_entropy_forward_kernel<T, 1><<<n, kBlock, 0, stream>>>(l, targets, mask, lse, loss, v);
   });
   return cudaGetLastError();
 }
@@ -62,8 +83,14 @@ cudaError_t cross_entropy_backward(Storage st, const void* logits, const int32_t
   if (n == 0) return cudaSuccess;
   dispatch_storage(st, [&](auto tag) {
     using T = decltype(tag);
-    cross_entropy_backward_kernel<T><<<n, kBlock, 0, stream>>>(
-        static_cast<const T*>(logits), targets, mask, lse, scale, static_cast<T*>(dlogits), v);
+    const T* l = static_cast<const T*>(logits);
+    T* dl = static_cast<T*>(dlogits);
+    if (packable<T>(v, {logits, dlogits}))
+      cross_entropy_backward_kernel<T, Pack<T>::kSize>
+          <<<n, kBlock, 0, stream>>>(l, targets, mask, lse, scale, dl, v);
+    else
+      cross_entropy_backward_kernel<T, 1>
+          <<<n, kBlock, 0, stream>>>(l, targets, mask, lse, scale, dl, v);
   });
   return cudaGetLastError();
 }

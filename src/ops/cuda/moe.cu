@@ -145,23 +145,27 @@ __global__ void gather_rows_kernel(const T* src, const int32_t* index, T* dst, i
   for (int64_t c = threadIdx.x; c < width; c += blockDim.x) d[c] = s[c];
 }
 
-// out[t] = sum_j scale[t, j] * rows[row_of_choice[t*k + j]] (scale null: 1), fp32 math.
-template <class T>
+// out[t] = sum_j scale[t, j] * rows[row_of_choice[t, j]] (scale null: 1), fp32 math; one block
+// per token, P columns per step (16-byte packs when aligned).
+template <class T, int P>
 __global__ void weighted_sum_kernel(const T* rows, const int32_t* row_of_choice, const float* scale,
                                     int k, T* out, int64_t width) {
   const int64_t t = blockIdx.x;
-  for (int64_t c = threadIdx.x; c < width; c += blockDim.x) {
-    float acc = 0.f;
+  for (int64_t c = threadIdx.x * P; c < width; c += blockDim.x * P) {
+    float acc[P] = {};
     for (int j = 0; j < k; ++j) {
       const float w = scale ? scale[t * k + j] : 1.f;
-      acc += w * to_float(rows[static_cast<int64_t>(row_of_choice[t * k + j]) * width + c]);
+      float x[P];
+      load_n<T, P>(rows + static_cast<int64_t>(row_of_choice[t * k + j]) * width + c, x);
+#pragma unroll
+      for (int i = 0; i < P; ++i) acc[i] += w * x[i];
     }
-    out[t * width + c] = from_float<T>(acc);
+    store_n<T, P>(out + t * width + c, acc);
   }
 }
 
 // One block per (token, choice): dy row = w * dout[t]; dweight = dout[t] . y row.
-template <class T>
+template <class T, int P>
 __global__ void combine_backward_kernel(const T* dout, const T* y, const int32_t* row_of_choice,
                                         const float* weight, int k, T* dy, float* dweight,
                                         int64_t width) {
@@ -169,10 +173,16 @@ __global__ void combine_backward_kernel(const T* dout, const T* y, const int32_t
   const int64_t row = row_of_choice[tj];
   const float w = weight[tj];
   float dot = 0.f;
-  for (int64_t c = threadIdx.x; c < width; c += blockDim.x) {
-    const float g = to_float(dout[t * width + c]);
-    dy[row * width + c] = from_float<T>(w * g);
-    dot += g * to_float(y[row * width + c]);
+  for (int64_t c = threadIdx.x * P; c < width; c += blockDim.x * P) {
+    float g[P], yv[P];
+    load_n<T, P>(dout + t * width + c, g);
+    load_n<T, P>(y + row * width + c, yv);
+#pragma unroll
+    for (int i = 0; i < P; ++i) {
+      dot += g[i] * yv[i];
+      g[i] *= w;
+    }
+    store_n<T, P>(dy + row * width + c, g);
   }
   dot = block_sum(dot);
   if (threadIdx.x == 0) dweight[tj] = dot;
@@ -225,10 +235,21 @@ __global__ void scale_kernel(T* x, float s, int64_t n) {
     x[i] = from_float<T>(to_float(x[i]) * s);
 }
 
+// Packs over the first `packs` x P elements, then single elements.
 template <class T>
-__global__ void add_kernel(const T* a, const T* b, T* out, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x)
+__global__ void add_kernel(const T* a, const T* b, T* out, int64_t n, int64_t packs) {
+  constexpr int P = Pack<T>::kSize;
+  const int64_t first = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
+  for (int64_t i = first; i < packs; i += stride) {
+    float x[P], y[P];
+    load_n<T, P>(a + i * P, x);
+    load_n<T, P>(b + i * P, y);
+#pragma unroll
+    for (int k = 0; k < P; ++k) x[k] += y[k];
+    store_n<T, P>(out + i * P, x);
+  }
+  for (int64_t i = packs * P + first; i < n; i += stride)
     out[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
 }
 
@@ -331,8 +352,13 @@ cudaError_t gather_rows(Storage s, const void* src, const int32_t* index, void* 
   if (rows == 0) return cudaSuccess;
   dispatch_storage(s, [&](auto tag) {
     using T = decltype(tag);
-    gather_rows_kernel<T><<<rows, kBlock, 0, stream>>>(static_cast<const T*>(src), index,
-                                                       static_cast<T*>(dst), rows, width);
+    if (packable<T>(width, {src, dst}))  // rows as 16-byte units
+      gather_rows_kernel<uint4><<<rows, kBlock, 0, stream>>>(
+          static_cast<const uint4*>(src), index, static_cast<uint4*>(dst), rows,
+          width / Pack<T>::kSize);
+    else
+      gather_rows_kernel<T><<<rows, kBlock, 0, stream>>>(static_cast<const T*>(src), index,
+                                                         static_cast<T*>(dst), rows, width);
   });
   return cudaGetLastError();
 }
@@ -343,8 +369,13 @@ cudaError_t weighted_sum_rows(Storage s, const void* rows, const int32_t* row_of
   if (tokens == 0) return cudaSuccess;
   dispatch_storage(s, [&](auto tag) {
     using T = decltype(tag);
-    weighted_sum_kernel<T><<<tokens, kBlock, 0, stream>>>(
-        static_cast<const T*>(rows), row_of_choice, scale, k, static_cast<T*>(out), width);
+    const T* r = static_cast<const T*>(rows);
+    T* o = static_cast<T*>(out);
+    if (packable<T>(width, {rows, out}))
+      weighted_sum_kernel<T, Pack<T>::kSize>
+          <<<tokens, kBlock, 0, stream>>>(r, row_of_choice, scale, k, o, width);
+    else
+      weighted_sum_kernel<T, 1><<<tokens, kBlock, 0, stream>>>(r, row_of_choice, scale, k, o, width);
   });
   return cudaGetLastError();
 }
@@ -355,9 +386,14 @@ cudaError_t combine_backward(Storage s, const void* dout, const void* y,
   if (tokens == 0) return cudaSuccess;
   dispatch_storage(s, [&](auto tag) {
     using T = decltype(tag);
-    combine_backward_kernel<T><<<tokens * k, kBlock, 0, stream>>>(
-        static_cast<const T*>(dout), static_cast<const T*>(y), row_of_choice, weight, k,
-        static_cast<T*>(dy), dweight, width);
+    const T *g = static_cast<const T*>(dout), *yr = static_cast<const T*>(y);
+    T* d = static_cast<T*>(dy);
+    if (packable<T>(width, {dout, y, dy}))
+      combine_backward_kernel<T, Pack<T>::kSize>
+          <<<tokens * k, kBlock, 0, stream>>>(g, yr, row_of_choice, weight, k, d, dweight, width);
+    else
+      combine_backward_kernel<T, 1>
+          <<<tokens * k, kBlock, 0, stream>>>(g, yr, row_of_choice, weight, k, d, dweight, width);
   });
   return cudaGetLastError();
 }
@@ -421,8 +457,9 @@ cudaError_t add(Storage s, const void* a, const void* b, void* out, int64_t n,
   if (n == 0) return cudaSuccess;
   dispatch_storage(s, [&](auto tag) {
     using T = decltype(tag);
-    add_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(
-        static_cast<const T*>(a), static_cast<const T*>(b), static_cast<T*>(out), n);
+    const int64_t packs = packable<T>(Pack<T>::kSize, {a, b, out}) ? n / Pack<T>::kSize : 0;
+    add_kernel<T><<<grid_for(std::max<int64_t>(packs, 1)), kBlock, 0, stream>>>(
+        static_cast<const T*>(a), static_cast<const T*>(b), static_cast<T*>(out), n, packs);
   });
   return cudaGetLastError();
 }

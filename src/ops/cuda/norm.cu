@@ -1,4 +1,5 @@
-// RMSNorm on the GPU. Forward and dx: one block per row, fp32 statistics. dw: a deterministic
+// RMSNorm on the GPU. Forward and dx: one warp per row (16-byte packs when aligned), fp32
+// statistics; rows as short as QK-norm's 128 keep every lane busy. dw: a deterministic
 // two-pass column reduction (partials per row chunk, then summed in chunk order), so that runs
 // and resumes are bit-identical.
 #include "ops/cuda/common.cuh"
@@ -7,39 +8,65 @@ namespace mt::cuda {
 
 namespace {
 
-constexpr int kRowChunks = 64;  // row chunks of the dw reduction: enough blocks to fill 132 SMs
+constexpr int kRowsPerBlock = kBlock / 32;  // forward and dx: one warp per row
+constexpr int kMaxRowChunks = 1024;         // dw partials: row chunks of at least 256 rows
 
-template <class T>
+template <class T, int P>
 __global__ void rmsnorm_forward_kernel(const T* x, const T* w, float eps, T* y, float* rstd,
-                                       int64_t d) {
-  const int64_t row = blockIdx.x;
+                                       int64_t n, int64_t d) {
+  const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / 32;
+  if (row >= n) return;  // whole warps: no block-wide barrier below
+  const int lane = threadIdx.x % 32;
   const T* xr = x + row * d;
   float ss = 0.f;
-  for (int64_t c = threadIdx.x; c < d; c += blockDim.x) {
-    const float v = to_float(xr[c]);
-    ss += v * v;
+  for (int64_t c = lane * P; c < d; c += 32 * P) {
+    float v[P];
+    load_n<T, P>(xr + c, v);
+#pragma unroll
+    for (int i = 0; i < P; ++i) ss += v[i] * v[i];
   }
-  const float r = rsqrtf(block_sum(ss) / static_cast<float>(d) + eps);
-  if (threadIdx.x == 0) rstd[row] = r;
-  for (int64_t c = threadIdx.x; c < d; c += blockDim.x)
-    y[row * d + c] = from_float<T>(to_float(xr[c]) * r * to_float(w[c]));
+  const float r = rsqrtf(warp_sum(ss) / static_cast<float>(d) + eps);
+  if (lane == 0) rstd[row] = r;
+  for (int64_t c = lane * P; c < d; c += 32 * P) {
+    float v[P], wv[P];
+    load_n<T, P>(xr + c, v);
+    load_n<T, P>(w + c, wv);
+#pragma unroll
+    for (int i = 0; i < P; ++i) v[i] = v[i] * r * wv[i];
+    store_n<T, P>(y + row * d + c, v);
+  }
 }
 
-template <class T>
+template <class T, int P>
 __global__ void rmsnorm_dx_kernel(const T* x, const T* w, const float* rstd, const T* dy, T* dx,
-                                  int64_t d) {
-  const int64_t row = blockIdx.x;
+                                  int64_t n, int64_t d) {
+  const int64_t row = blockIdx.x * int64_t{kRowsPerBlock} + threadIdx.x / 32;
+  if (row >= n) return;
+  const int lane = threadIdx.x % 32;
   const float r = rstd[row];
+  const T *xr = x + row * d, *dyr = dy + row * d;
   float dot = 0.f;
-  for (int64_t c = threadIdx.x; c < d; c += blockDim.x)
-    dot += to_float(dy[row * d + c]) * to_float(w[c]) * to_float(x[row * d + c]) * r;
-  const float mean = block_sum(dot) / static_cast<float>(d);
-  for (int64_t c = threadIdx.x; c < d; c += blockDim.x) {
-    const float xv = to_float(x[row * d + c]);
-    dx[row * d + c] =
-        from_float<T>(r * (to_float(dy[row * d + c]) * to_float(w[c]) - xv * r * mean));
+  for (int64_t c = lane * P; c < d; c += 32 * P) {
+    float xv[P], gv[P], wv[P];
+    load_n<T, P>(xr + c, xv);
+    load_n<T, P>(dyr + c, gv);
+    load_n<T, P>(w + c, wv);
+#pragma unroll
+    for (int i = 0; i < P; ++i) dot += gv[i] * wv[i] * xv[i] * r;
+  }
+  const float mean = warp_sum(dot) / static_cast<float>(d);
+  for (int64_t c = lane * P; c < d; c += 32 * P) {
+    float xv[P], gv[P], wv[P];
+    load_n<T, P>(xr + c, xv);
+    load_n<T, P>(dyr + c, gv);
+    load_n<T, P>(w + c, wv);
+#pragma unroll
+    for (int i = 0; i < P; ++i) gv[i] = r * (gv[i] * wv[i] - xv[i] * r * mean);
+    store_n<T, P>(dx + row * d + c, gv);
   }
 }
+
+int row_blocks(int64_t n) { return static_cast<int>((n + kRowsPerBlock - 1) / kRowsPerBlock); }
 
 // partial[chunk, c] = sum over the chunk's rows of dy * x * rstd.
 template <class T>
@@ -69,7 +96,7 @@ __global__ void rmsnorm_dw_sum_kernel(const float* partial, int chunks, T* dw, i
 namespace kernels {
 
 int rmsnorm_chunks(int64_t n) {
-  return static_cast<int>(std::min<int64_t>(kRowChunks, std::max<int64_t>(n, 1)));
+  return static_cast<int>(std::clamp<int64_t>(n / 256, 1, kMaxRowChunks));
 }
 
 cudaError_t rmsnorm_forward(Storage st, const void* x, const void* w, float eps, void* y,
@@ -77,8 +104,13 @@ cudaError_t rmsnorm_forward(Storage st, const void* x, const void* w, float eps,
   if (n == 0) return cudaSuccess;
   dispatch_storage(st, [&](auto tag) {
     using T = decltype(tag);
-    rmsnorm_forward_kernel<T><<<n, kBlock, 0, stream>>>(
-        static_cast<const T*>(x), static_cast<const T*>(w), eps, static_cast<T*>(y), rstd, d);
+    const T *xp = static_cast<const T*>(x), *wp = static_cast<const T*>(w);
+    T* yp = static_cast<T*>(y);
+    if (packable<T>(d, {x, w, y}))
+      rmsnorm_forward_kernel<T, Pack<T>::kSize>
+          <<<row_blocks(n), kBlock, 0, stream>>>(xp, wp, eps, yp, rstd, n, d);
+    else
+      rmsnorm_forward_kernel<T, 1><<<row_blocks(n), kBlock, 0, stream>>>(xp, wp, eps, yp, rstd, n, d);
   });
   return cudaGetLastError();
 }
@@ -92,10 +124,16 @@ cudaError_t rmsnorm_backward(Storage st, const void* x, const void* w, const flo
     using T = decltype(tag);
     const T* xp = static_cast<const T*>(x);
     const T* dyp = static_cast<const T*>(dy);
-    rmsnorm_dx_kernel<T>
-        <<<n, kBlock, 0, stream>>>(xp, static_cast<const T*>(w), rstd, dyp, static_cast<T*>(dx), d);
-    const dim3 grid((d + kBlock - 1) / kBlock, chunks);
-    rmsnorm_dw_partial_kernel<T><<<grid, kBlock, 0, stream>>>(xp, rstd, dyp, partial, n, d);
+    const T* wp = static_cast<const T*>(w);
+    T* dxp = static_cast<T*>(dx);
+    if (packable<T>(d, {x, w, dy, dx}))
+      rmsnorm_dx_kernel<T, Pack<T>::kSize>
+          <<<row_blocks(n), kBlock, 0, stream>>>(xp, wp, rstd, dyp, dxp, n, d);
+    else
+      rmsnorm_dx_kernel<T, 1><<<row_blocks(n), kBlock, 0, stream>>>(xp, wp, rstd, dyp, dxp, n, d);
+    const int columns = static_cast<int>(std::min<int64_t>(kBlock, (d + 31) / 32 * 32));
+    const dim3 grid(static_cast<unsigned>((d + columns - 1) / columns), chunks);
+    rmsnorm_dw_partial_kernel<T><<<grid, columns, 0, stream>>>(xp, rstd, dyp, partial, n, d);
     const int blocks = static_cast<int>((d + kBlock - 1) / kBlock);
     if (dw_f32)  // mixed precision: bf16 activations, f32 gradient buffers
       rmsnorm_dw_sum_kernel<float><<<blocks, kBlock, 0, stream>>>(partial, chunks,
