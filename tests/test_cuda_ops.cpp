@@ -207,6 +207,13 @@ TEST_P(GpuCase, GroupedGemmWithDeviceOffsets) {
   expect_close(gout, out, "grouped forward");
   expect_close(gdx, dx, "grouped dx");
   expect_close(gdw, dw, "grouped dw (accumulated, f32)");
+  // Overwriting into a poisoned buffer: experts 1 and 4 have no rows and must come out zero.
+  Tensor fresh = Tensor::empty({e, k, n}, DType::kF32);
+  ops::grouped_gemm_backward_weight(x, dy, off, fresh, ops::Accumulate::kNo);
+  Tensor gfresh = gpu_out({e, k, n}, DType::kF32);
+  ops::grouped_gemm_backward_weight(gx, gdy, goff, gfresh, ops::Accumulate::kNo);
+  expect_close(gfresh, fresh, "grouped dw (overwritten, f32)");
+  EXPECT_EQ(fresh.to(DType::kF32).item(1 * k * n + 5), 0.0);
 
   // Version 1 (the fallback without CUTLASS) through its kernel API, on the same data.
   Tensor vout = gpu_out({m, n}), vdx = gpu_out({m, k}), vdw = dw0.to(Device::kCUDA);
@@ -219,7 +226,7 @@ TEST_P(GpuCase, GroupedGemmWithDeviceOffsets) {
                                              false, nullptr),
             cudaSuccess);
   ASSERT_EQ(cuda::kernels::grouped_gemm_weight(gx.raw(), gdy.raw(), o, ne, k, n, vdw.raw(), true,
-                                               nullptr),
+                                               true, nullptr),
             cudaSuccess);
   expect_close(vout, out, "grouped forward v1");
   expect_close(vdx, dx, "grouped dx v1");

@@ -38,7 +38,12 @@ void release(ParamGroup& g) {
 }
 
 void begin_backward(ParamGroup& g) {
-  if (g.sharded()) g.grads = Tensor::zeros({g.shard.numel() * g.comm->size()}, g.shard.dtype());
+  if (!g.sharded()) return;
+  const Shape full{g.shard.numel() * g.comm->size()};
+  // Expert gradients are written whole by their first writer (see ParamGroup::grads_unwritten).
+  g.grads_unwritten = g.kind == ParamKind::kExpert;
+  g.grads = g.grads_unwritten ? Tensor::empty(full, g.shard.dtype(), g.shard.device())
+                              : Tensor::zeros(full, g.shard.dtype(), g.shard.device());
 }
 
 void reduce_gradients(ParamGroup& g, double divide_factor) {

@@ -162,7 +162,7 @@ Tensor block_forward(const BlockParams& p, const ModelConfig& c, const BlockInpu
 
 Tensor block_backward(const BlockParams& p, BlockParams& g, const ModelConfig& c,
                       const BlockInputs& in, BlockActivations& a, const Tensor& dout,
-                      double aux_grad) {
+                      double aux_grad, ops::Accumulate expert_grads) {
   block_fill(p, c, in, a);
   const int64_t n = a.x.dim(0);
   const DType dt = a.x.dtype();
@@ -171,7 +171,7 @@ Tensor block_backward(const BlockParams& p, BlockParams& g, const ModelConfig& c
   // MoE half: out = h + moe(rmsnorm(h)).
   std::optional<profile::Phase> phase(std::in_place, "moe.backward");
   Tensor dh = dout.clone();
-  Tensor dhn = moe::moe_backward(p.moe, g.moe, c, a.hn, a.moe, dout, aux_grad);
+  Tensor dhn = moe::moe_backward(p.moe, g.moe, c, a.hn, a.moe, dout, aux_grad, expert_grads);
   Tensor tmp = new_like(a.x);
   ops::rmsnorm_backward(a.h, p.mlp_norm, a.mlp_rstd, dhn, tmp, g.mlp_norm);
   ops::add_(dh, tmp);

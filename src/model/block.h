@@ -56,9 +56,10 @@ struct BlockInputs {
 // out (N, D). Keeps in `a` what the policy saves.
 Tensor block_forward(const BlockParams& p, const ModelConfig& c, const BlockInputs& in,
                      const Tensor& x, BlockActivations& a);
-// Returns dx (N, D); weight gradients accumulate into g; releases `a`.
+// Returns dx (N, D); weight gradients accumulate into g (the expert ones are overwritten when
+// expert_grads is kNo); releases `a`.
 Tensor block_backward(const BlockParams& p, BlockParams& g, const ModelConfig& c,
                       const BlockInputs& in, BlockActivations& a, const Tensor& dout,
-                      double aux_grad);
+                      double aux_grad, ops::Accumulate expert_grads = ops::Accumulate::kYes);
 
 }  // namespace mt

@@ -46,6 +46,10 @@ struct ParamGroup {
   DType compute_dtype = DType::kF32;
   Tensor compute;
   bool compute_current = false;
+  // True when `grads` holds nothing of this step yet, so its first writer overwrites instead of
+  // adding: the expert gradients (96% of a Qwen3-MoE's parameters) are then never zero-filled,
+  // and their GEMMs never read them back.
+  bool grads_unwritten = false;
 
   bool sharded() const { return comm != nullptr; }
   int64_t shard_begin() const { return sharded() ? comm->rank() * shard.numel() : 0; }

@@ -72,7 +72,12 @@ Qwen3Moe::Qwen3Moe(const ModelConfig& c, uint64_t seed, dist::DeviceMesh* mesh)
 
 void Qwen3Moe::zero_grad() {
   for (auto& u : units_)
-    for (auto& g : u.groups) g.grad_shard.zero_();
+    for (auto& g : u.groups) {
+      if (g.kind == ParamKind::kExpert && !g.sharded())
+        g.grads_unwritten = true;  // the backward overwrites them: no fill
+      else
+        g.grad_shard.zero_();
+    }
   for (auto& l : expert_load_) l.zero_();
 }
 
@@ -171,8 +176,11 @@ MicroBatchLosses Qwen3Moe::run(const Batch& b, const LossScale* scale) {
       fsdp::begin_backward(unit);
     }
     BlockParams g = bind_block_grads(unit.groups);
+    ParamGroup& experts = unit.groups[1];
     dx = block_backward(bind_block_params(unit.groups), g, c, inputs[l], acts[l], dx,
-                        scale->aux_scale);
+                        scale->aux_scale,
+                        experts.grads_unwritten ? ops::Accumulate::kNo : ops::Accumulate::kYes);
+    experts.grads_unwritten = false;
     const profile::Phase phase("fsdp.reduce");
     fsdp::reduce_gradients(unit, kGradDivideFactor);
     fsdp::release(unit);

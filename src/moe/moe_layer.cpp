@@ -74,7 +74,8 @@ void moe_combine(const MoeActivations& a, Tensor& out) {
 }
 
 Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const ModelConfig& c, const Tensor& hn,
-                    const MoeActivations& a, const Tensor& dout, double aux_grad) {
+                    const MoeActivations& a, const Tensor& dout, double aux_grad,
+                    ops::Accumulate expert_grads) {
   const int64_t n = hn.dim(0), m = n * c.top_k, r = a.xe.dim(0);
   const DType dt = hn.dtype();
   const Device dev = hn.device();
@@ -86,13 +87,13 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const ModelConfig& c, co
 
   Tensor dact = Tensor::empty({r, c.moe_dim}, dt, dev);
   ops::grouped_gemm_backward_input(dye, w.w_down, offsets, dact);
-  ops::grouped_gemm_backward_weight(a.act, dye, offsets, g.w_down);
+  ops::grouped_gemm_backward_weight(a.act, dye, offsets, g.w_down, expert_grads);
 
   Tensor dgate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
   ops::swiglu_backward(a.gate_up, dact, dgate_up);
   Tensor dxe = Tensor::empty({r, c.dim}, dt, dev);
   ops::grouped_gemm_backward_input(dgate_up, w.w_gate_up, offsets, dxe);
-  ops::grouped_gemm_backward_weight(a.xe, dgate_up, offsets, g.w_gate_up);
+  ops::grouped_gemm_backward_weight(a.xe, dgate_up, offsets, g.w_gate_up, expert_grads);
   const Tensor dxp = a.exchange ? a.exchange->combine(dxe) : dxe;  // dispatch's backward
 
   Tensor dhn = Tensor::empty({n, c.dim}, dt, dev);

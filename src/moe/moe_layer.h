@@ -9,6 +9,7 @@
 #include "dist/communicator.h"
 #include "model/config.h"
 #include "moe/expert_exchange.h"
+#include "ops/gemm.h"
 #include "ops/permute.h"
 #include "ops/route.h"
 
@@ -51,7 +52,10 @@ void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, 
 // out (N, D) = combine of the expert outputs; requires a filled `a`.
 void moe_combine(const MoeActivations& a, Tensor& out);
 // Returns d hn (N, D); weight gradients accumulate into g. aux_grad = d(total) / d(aux_loss).
+// expert_grads: kYes adds to g's expert gradients, kNo overwrites them (their first write of a
+// step); the router gradient always accumulates.
 Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const ModelConfig& c, const Tensor& hn,
-                    const MoeActivations& a, const Tensor& dout, double aux_grad);
+                    const MoeActivations& a, const Tensor& dout, double aux_grad,
+                    ops::Accumulate expert_grads = ops::Accumulate::kYes);
 
 }  // namespace mt::moe

@@ -2,6 +2,7 @@
 // Row counts are data (routing), shapes are static: M = tokens * top_k.
 #pragma once
 #include "core/tensor.h"
+#include "ops/gemm.h"
 
 namespace mt::ops {
 
@@ -11,7 +12,9 @@ void grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor& offset
 void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor& offsets,
                                  Tensor& dx);
 // dw[e] (K, N) += x_e^T dy_e: the ragged-K product; experts with no rows keep their gradient.
+// Accumulate::kNo overwrites instead (experts with no rows get zeros): the first gradient of a
+// step needs neither a zeroed buffer nor a read of it.
 void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets,
-                                  Tensor& dw);
+                                  Tensor& dw, Accumulate accumulate = Accumulate::kYes);
 
 }  // namespace mt::ops

@@ -59,11 +59,14 @@ void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor
 }
 
 void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets,
-                                  Tensor& dw) {
+                                  Tensor& dw, Accumulate accumulate) {
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(x)) return cuda::grouped_gemm_backward_weight(x, dy, offsets, dw);
+  if (on_gpu(x))
+    return cuda::grouped_gemm_backward_weight(x, dy, offsets, dw,
+                                              accumulate == Accumulate::kYes);
 #endif
   const GroupDims g = check_group(x, dw, offsets);
+  if (accumulate == Accumulate::kNo) dw.zero_();
   const int64_t* off = offsets.data<int64_t>();
   for (int64_t e = 0; e < g.experts; ++e) {
     if (off[e + 1] == off[e]) continue;

@@ -129,10 +129,11 @@ __global__ void __launch_bounds__(kThreads)
                      col0 + wn * 32 + j * 16, n, false);
 }
 
-// dw[e] (k x n) += x_e^T (k x rows) @ dy_e (rows x n): the reduction runs over the expert's rows.
+// dw[e] (k x n) (+)= x_e^T (k x rows) @ dy_e (rows x n): the reduction runs over the expert's
+// rows.
 __global__ void __launch_bounds__(kThreads)
     grouped_weight_kernel(const bf16* x, const bf16* dy, const int64_t* offsets, int64_t k,
-                          int64_t n, void* dw, bool out_f32) {
+                          int64_t n, void* dw, bool out_f32, bool accumulate) {
   __shared__ Smem s;
   const int e = blockIdx.z;
   const int64_t begin = offsets[e], end = offsets[e + 1];
@@ -166,7 +167,20 @@ __global__ void __launch_bounds__(kThreads)
   for (int i = 0; i < 4; ++i)
     for (int j = 0; j < 2; ++j)
       store_fragment(acc[i][j], s.stage[warp], dwe, out_f32, n, m0 + wm * 64 + i * 16, k,
-                     col0 + wn * 32 + j * 16, n, true);
+                     col0 + wn * 32 + j * 16, n, accumulate);
+}
+
+__global__ void zero_empty_groups_kernel(const int64_t* offsets, void* out, int64_t elems,
+                                         bool out_f32) {
+  const int e = blockIdx.y;
+  if (offsets[e] != offsets[e + 1]) return;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < elems;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    if (out_f32)
+      static_cast<float*>(out)[e * elems + i] = 0.f;
+    else
+      static_cast<bf16*>(out)[e * elems + i] = __float2bfloat16_rn(0.f);
+  }
 }
 
 }  // namespace
@@ -185,11 +199,22 @@ cudaError_t grouped_gemm_rows(const void* a, const void* w, const int64_t* offse
 }
 
 cudaError_t grouped_gemm_weight(const void* x, const void* dy, const int64_t* offsets, int experts,
-                                int64_t k, int64_t n, void* dw, bool out_f32, cudaStream_t stream) {
+                                int64_t k, int64_t n, void* dw, bool out_f32, bool accumulate,
+                                cudaStream_t stream) {
   if (k == 0 || n == 0 || experts == 0) return cudaSuccess;
   const dim3 grid((n + kBN - 1) / kBN, (k + kBM - 1) / kBM, experts);
-  grouped_weight_kernel<<<grid, kThreads, 0, stream>>>(
-      static_cast<const bf16*>(x), static_cast<const bf16*>(dy), offsets, k, n, dw, out_f32);
+  grouped_weight_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const bf16*>(x),
+                                                       static_cast<const bf16*>(dy), offsets, k, n,
+                                                       dw, out_f32, accumulate);
+  return cudaGetLastError();
+}
+
+cudaError_t zero_empty_groups(const int64_t* offsets, int experts, void* out, int64_t group_elems,
+                              bool out_f32, cudaStream_t stream) {
+  if (experts == 0 || group_elems == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>(std::min<int64_t>((group_elems + 255) / 256, 64)),
+                  static_cast<unsigned>(experts));
+  zero_empty_groups_kernel<<<grid, 256, 0, stream>>>(offsets, out, group_elems, out_f32);
   return cudaGetLastError();
 }
 

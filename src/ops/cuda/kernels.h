@@ -36,14 +36,20 @@ cudaError_t cross_entropy_backward(Storage s, const void* logits, const int32_t*
 cudaError_t grouped_gemm_rows(const void* a, const void* w, const int64_t* offsets, int experts,
                               int64_t m, int64_t k, int64_t n, bool b_transposed, void* out,
                               bool out_f32, cudaStream_t stream);
-// dw[e] (k, n) += x_e^T dy_e over the expert's rows; experts without rows are left alone.
+// dw[e] (k, n) (+)= x_e^T dy_e over the expert's rows (accumulate: add to dw, else overwrite);
+// experts without rows are left alone (see zero_empty_groups).
 cudaError_t grouped_gemm_weight(const void* x, const void* dy, const int64_t* offsets, int experts,
-                                int64_t k, int64_t n, void* dw, bool out_f32, cudaStream_t stream);
+                                int64_t k, int64_t n, void* dw, bool out_f32, bool accumulate,
+                                cudaStream_t stream);
+// Zeroes out[e] (group_elems elements, f32 or bf16) of every group e without rows: what an
+// overwriting weight gradient leaves unwritten.
+cudaError_t zero_empty_groups(const int64_t* offsets, int experts, void* out, int64_t group_elems,
+                              bool out_f32, cudaStream_t stream);
 
 // The same three products through CUTLASS's Hopper grouped kernels (TMA + wgmma), all group
 // arguments built on the device from the offsets. lhs/rhs/out as the products' comments in
 // cutlass/grouped_gemm_sm90.cuh; out is bf16 (forward, input gradient) or f32 (weight gradient,
-// accumulated). workspace: device memory of at least *_workspace(experts) bytes.
+// accumulated or overwritten). workspace: device memory of at least *_workspace(experts) bytes.
 #if MOETRAIN_HAS_CUTLASS
 size_t cutlass_grouped_forward_workspace(int experts);
 size_t cutlass_grouped_input_gradient_workspace(int experts);
@@ -58,7 +64,7 @@ cudaError_t cutlass_grouped_input_gradient(const int64_t* offsets, int experts, 
 cudaError_t cutlass_grouped_weight_gradient(const int64_t* offsets, int experts, const void* lhs,
                                             const void* rhs, void* out, int64_t m, int64_t k,
                                             int64_t n, void* workspace, size_t workspace_size,
-                                            cudaStream_t stream);
+                                            bool accumulate, cudaStream_t stream);
 #endif
 
 // --- attention (attention.cu): the reference GPU kernel, packed causal documents, GQA ---

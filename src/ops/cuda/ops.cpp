@@ -107,24 +107,28 @@ void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor
 }
 
 void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets,
-                                  Tensor& dw) {
+                                  Tensor& dw, bool accumulate) {
   const profile::Phase phase("gpu.grouped_gemm_backward_weight");
   const int64_t m = x.dim(0), e = dw.dim(0), k = dw.dim(1), n = dw.dim(2);
   expect_shape(x, {m, k}, "grouped gemm x");
   expect_shape(dy, {m, n}, "grouped gemm dy");
   check_grouped({&x, &dy}, dw, offsets, e, k, n);
+  if (!accumulate)  // the GEMMs write only experts with rows
+    MT_CUDA_CHECK(kernels::zero_empty_groups(offsets.data<int64_t>(), static_cast<int>(e),
+                                             dw.raw(), k * n, dw.dtype() == DType::kF32,
+                                             nullptr));
 #if MOETRAIN_HAS_CUTLASS
   if (should_use_cutlass_grouped(dw, DType::kF32)) {
     Tensor ws = workspace(kernels::cutlass_grouped_weight_gradient_workspace(static_cast<int>(e)));
     MT_CUDA_CHECK(kernels::cutlass_grouped_weight_gradient(
         offsets.data<int64_t>(), static_cast<int>(e), x.raw(), dy.raw(), dw.raw(), m, k, n,
-        ws.raw(), ws.nbytes(), nullptr));
+        ws.raw(), ws.nbytes(), accumulate, nullptr));
     return;
   }
 #endif
   MT_CUDA_CHECK(kernels::grouped_gemm_weight(x.raw(), dy.raw(), offsets.data<int64_t>(),
                                              static_cast<int>(e), k, n, dw.raw(),
-                                             dw.dtype() == DType::kF32, nullptr));
+                                             dw.dtype() == DType::kF32, accumulate, nullptr));
 }
 
 void reference_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,

@@ -18,7 +18,7 @@ void grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor& offset
 void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor& offsets,
                                  Tensor& dx);
 void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets,
-                                  Tensor& dw);
+                                  Tensor& dw, bool accumulate);
 
 // Attention, lse f32: cuDNN's fused SDPA where it applies (bf16, head dims multiples of 8 up
 // to 256; deterministic backward), else the reference kernel (ops.cpp).

@@ -140,7 +140,8 @@ size_t array_bytes(int experts) {
 }
 
 template <Product P, class C>
-typename C::Gemm::Arguments make_arguments(char* base, int experts, GroupArrays<C>& g) {
+typename C::Gemm::Arguments make_arguments(char* base, int experts, GroupArrays<C>& g,
+                                           bool accumulate) {
   char* p = base;
   auto take = [&](auto*& field, size_t bytes) {
     field = reinterpret_cast<std::remove_reference_t<decltype(field)>>(p);
@@ -161,7 +162,7 @@ typename C::Gemm::Arguments make_arguments(char* base, int experts, GroupArrays<
   typename C::Gemm::Arguments args;
   decltype(args.epilogue.thread) fusion{};
   fusion.alpha = 1.0f;
-  fusion.beta = P == Product::kWeightGradient ? 1.0f : 0.0f;  // dw accumulates into itself
+  fusion.beta = accumulate ? 1.0f : 0.0f;  // beta 0: the epilogue never reads the output
   fusion.alpha_ptr = nullptr;
   fusion.beta_ptr = nullptr;
   fusion.alpha_ptr_array = nullptr;
@@ -182,14 +183,14 @@ template <Product P, class C>
 size_t workspace_bytes(int experts) {
   GroupArrays<C> g{};
   return array_bytes<C>(experts) +
-         C::Gemm::get_workspace_size(make_arguments<P, C>(nullptr, experts, g));
+         C::Gemm::get_workspace_size(make_arguments<P, C>(nullptr, experts, g, false));
 }
 
 // Runs product P over `experts` groups; m is the total row count, k and n the dense sizes.
 template <Product P, class C>
 cudaError_t run(const int64_t* offsets, int experts, const void* lhs, const void* rhs, void* out,
                 int64_t m, int64_t k, int64_t n, void* workspace, size_t workspace_size,
-                cudaStream_t stream) {
+                cudaStream_t stream, bool accumulate = false) {
   if (workspace_size < workspace_bytes<P, C>(experts)) return cudaErrorInvalidValue;
   // The strides do not depend on the ragged dimension: computed once here, written per group.
   int M = 0, N = 0, K = 0;
@@ -205,7 +206,7 @@ cudaError_t run(const int64_t* offsets, int experts, const void* lhs, const void
   const auto sc = cutlass::make_cute_packed_stride(typename C::StrideC{}, {M, N, 1});
   GroupArrays<C> g{};
   char* base = static_cast<char*>(workspace);
-  const auto args = make_arguments<P, C>(base, experts, g);
+  const auto args = make_arguments<P, C>(base, experts, g, accumulate);
   fill_group_arrays<P, C><<<(experts + 127) / 128, 128, 0, stream>>>(g, offsets, experts, lhs, rhs,
                                                                      out, k, n, sa, sb, sc);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;

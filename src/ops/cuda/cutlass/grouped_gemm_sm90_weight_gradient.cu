@@ -16,9 +16,9 @@ size_t cutlass_grouped_weight_gradient_workspace(int experts) {
 cudaError_t cutlass_grouped_weight_gradient(const int64_t* offsets, int experts, const void* lhs,
                                             const void* rhs, void* out, int64_t m, int64_t k,
                                             int64_t n, void* workspace, size_t workspace_size,
-                                            cudaStream_t stream) {
+                                            bool accumulate, cudaStream_t stream) {
   return grouped_sm90::run<P::value, C>(offsets, experts, lhs, rhs, out, m, k, n, workspace,
-                                        workspace_size, stream);
+                                        workspace_size, stream, accumulate);
 }
 
 }  // namespace mt::cuda::kernels
