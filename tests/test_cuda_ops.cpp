@@ -56,6 +56,7 @@ struct GpuCase : ::testing::TestWithParam<DType> {
   void check_rmsnorm(int64_t n, int64_t d);
   void check_swiglu(int64_t m, int64_t f);
   void check_cross_entropy(int64_t n, int64_t v);
+  void check_rope(int64_t hd);
   uint64_t seed = 0;
   uint64_t counter = 0;
 };
@@ -88,7 +89,12 @@ void GpuCase::check_rmsnorm(int64_t n, int64_t d) {
 }
 
 TEST_P(GpuCase, RopeForwardBackward) {
-  const int64_t n = 2048, h = 8, hd = 128;
+  for (const int64_t hd : {128, 20}) check_rope(hd);  // 20: pairs not a whole 16-byte pack
+}
+
+void GpuCase::check_rope(int64_t hd) {
+  SCOPED_TRACE(::testing::Message() << "rope head dim " << hd);
+  const int64_t n = 2048, h = 8;
   const Tensor x = input({n, h, hd});
   Tensor pos = Tensor::empty({n}, DType::kI32);
   for (int64_t i = 0; i < n; ++i) pos.set_item(i, (i * 7919) % 40960);  // up to 40k positions
@@ -172,10 +178,14 @@ TEST_P(GpuCase, GemmEveryTransposeAndAccumulate) {
       const Tensor a = ta == ops::Transpose::kNo ? input({m, k}) : input({k, m});
       const Tensor b = tb == ops::Transpose::kNo ? input({k, n}) : input({n, k});
       Tensor c = input({m, n});
+      const Tensor c0 = c.clone();
       Tensor gc_acc = gpu(c).to(DType::kF32);  // f32 output accumulating bf16/f32 products
       ops::gemm(a, ta, b, tb, c, ops::Accumulate::kYes);
       ops::gemm(gpu(a), ta, gpu(b), tb, gc_acc, ops::Accumulate::kYes);
       expect_close(gc_acc, c, "gemm accumulate into f32");
+      Tensor gc_same = gpu(c0);  // accumulating in the operands' dtype (bf16: residual sums)
+      ops::gemm(gpu(a), ta, gpu(b), tb, gc_same, ops::Accumulate::kYes);
+      expect_close(gc_same, c, "gemm accumulate in place");
       Tensor ref = Tensor::empty({m, n}, DType::kF32), gc = gpu_out({m, n});
       ops::gemm(a, ta, b, tb, ref, ops::Accumulate::kNo);
       ops::gemm(gpu(a), ta, gpu(b), tb, gc, ops::Accumulate::kNo);

@@ -197,12 +197,10 @@ Tensor block_backward(const BlockParams& p, BlockParams& g, const ModelConfig& c
   ops::rmsnorm_backward(a.q.reshape(a.qn.shape()), p.q_norm, a.q_rstd, dqn, dq, g.q_norm);
   ops::rmsnorm_backward(a.k.reshape(a.kn.shape()), p.k_norm, a.k_rstd, dkn, dk, g.k_norm);
 
-  Tensor dxn = new_like(a.x), part = new_like(a.x);
+  Tensor dxn = new_like(a.x);
   ops::linear_backward(a.xn, p.wq, dq.reshape({n, c.q_dim()}), dxn, g.wq);
-  ops::linear_backward(a.xn, p.wk, dk.reshape({n, c.kv_dim()}), part, g.wk);
-  ops::add_(dxn, part);
-  ops::linear_backward(a.xn, p.wv, dv.reshape({n, c.kv_dim()}), part, g.wv);
-  ops::add_(dxn, part);
+  ops::linear_backward(a.xn, p.wk, dk.reshape({n, c.kv_dim()}), dxn, g.wk, ops::Accumulate::kYes);
+  ops::linear_backward(a.xn, p.wv, dv.reshape({n, c.kv_dim()}), dxn, g.wv, ops::Accumulate::kYes);
   ops::rmsnorm_backward(a.x, p.attn_norm, a.attn_rstd, dxn, tmp, g.attn_norm);
   ops::add_(dx, tmp);
   a = BlockActivations();

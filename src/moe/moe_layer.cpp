@@ -106,9 +106,7 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const ModelConfig& c, co
     ops::convert(dlogits, cast);
     dlogits = cast;
   }
-  Tensor dhn_router = Tensor::empty({n, c.dim}, dt, dev);
-  ops::linear_backward(hn, w.router, dlogits, dhn_router, g.router);
-  ops::add_(dhn, dhn_router);
+  ops::linear_backward(hn, w.router, dlogits, dhn, g.router, ops::Accumulate::kYes);
   return dhn;
 }
 

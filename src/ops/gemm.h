@@ -12,7 +12,9 @@ void gemm(const Tensor& a, Transpose ta, const Tensor& b, Transpose tb, Tensor& 
 
 // Linear layer without bias. x (N, in), w (in, out), y (N, out).
 void linear_forward(const Tensor& x, const Tensor& w, Tensor& y);
-// dx (N, in) is overwritten; dw (in, out) accumulates (gradient accumulation across calls).
-void linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor& dx, Tensor& dw);
+// dx = dy w^T (added to dx with dx_accumulate = kYes: several projections of one input sum their
+// input gradients inside the GEMM); dw += x^T dy.
+void linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor& dx, Tensor& dw,
+                     Accumulate dx_accumulate = Accumulate::kNo);
 
 }  // namespace mt::ops

@@ -82,8 +82,9 @@ void linear_forward(const Tensor& x, const Tensor& w, Tensor& y) {
   gemm(x, Transpose::kNo, w, Transpose::kNo, y, Accumulate::kNo);
 }
 
-void linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor& dx, Tensor& dw) {
-  gemm(dy, Transpose::kNo, w, Transpose::kYes, dx, Accumulate::kNo);
+void linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor& dx, Tensor& dw,
+                     Accumulate dx_accumulate) {
+  gemm(dy, Transpose::kNo, w, Transpose::kYes, dx, dx_accumulate);
   gemm(x, Transpose::kYes, dy, Transpose::kNo, dw, Accumulate::kYes);
 }
 
