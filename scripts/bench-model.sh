@@ -12,7 +12,7 @@ out=${OUT:-/tmp/moetrain-bench}
 mkdir -p "$out"
 extra=()
 for kv in ${BENCH_SET:-}; do extra+=(--set "$kv"); done
-tag=$(echo "${BENCH_SET:-}" | tr ' =.' '_--')
+tag=$(echo "${BENCH_SET:-}" | sed 's/[ =.]/_/g')
 for layers in "${@:-7}"; do
   metrics="$out/model_step_${layers}${tag}.jsonl"
   if ! "$bin" train --config configs/qwen3-30b-a3b-bench.toml --set "model.n_layers=$layers" "${extra[@]}" \
