@@ -76,15 +76,13 @@ int main() {
           static_cast<long long>(n), static_cast<long long>(h), static_cast<long long>(kv),
           static_cast<long long>(d), ms, flops / (ms * 1e-3) / 1e12);
     };
-    const auto forward = [&] {
-      mt::cuda::cudnn_attention_forward(q, k, v, docs, scale, out, lse);
-    };
+    const auto forward = [&] { mt::cuda::cudnn_attention_forward(q, k, v, docs, scale, out, lse); };
     report("cudnn", "fwd", mt::bench::median_ms(forward), fwd_flops);
     for (bool deterministic : {true, false}) {
       const double ms = mt::bench::median_ms([&] {
         forward();
-        mt::cuda::cudnn_attention_backward(q, k, v, out, lse, dout, docs, scale, deterministic,
-                                           dq, dk, dv);
+        mt::cuda::cudnn_attention_backward(q, k, v, out, lse, dout, docs, scale, deterministic, dq,
+                                           dk, dv);
       });
       report(deterministic ? "cudnn_deterministic" : "cudnn", "fwd+bwd", ms, 3.5 * fwd_flops);
     }

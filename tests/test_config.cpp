@@ -48,6 +48,8 @@ TEST(Config, ImpossibleShapesNameTheSizes) {
   EXPECT_NE(config_error("[model]\ntop_k = 9\nn_experts = 8\n").find("model.top_k = 9"),
             std::string::npos);
   EXPECT_NE(config_error("[model]\nhead_dim = 7\n").find("model.head_dim = 7"), std::string::npos);
+  EXPECT_NE(config_error("[model]\nloss_chunk_tokens = -1\n").find("model.loss_chunk_tokens = -1"),
+            std::string::npos);
   EXPECT_NE(config_error("[train]\nseq_len = 0\n").find("train.seq_len = 0"), std::string::npos);
   EXPECT_NE(config_error("[model]\nvocab_size = 8\n").find("model.vocab_size = 8"),
             std::string::npos);

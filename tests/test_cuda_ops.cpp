@@ -372,8 +372,8 @@ TEST(CudnnAttention, MatchesReferenceOnPackedDocuments) {
   std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
   const int64_t h = 16, kv = 2, d = 128;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
-  for (const std::vector<int32_t>& cu : {std::vector<int32_t>{0, 300, 301, 358, 1058, 1100},
-                                         std::vector<int32_t>{0, 1024, 1100}}) {
+  for (const std::vector<int32_t>& cu :
+       {std::vector<int32_t>{0, 300, 301, 358, 1058, 1100}, std::vector<int32_t>{0, 1024, 1100}}) {
     const int64_t n = cu.back(), docs = static_cast<int64_t>(cu.size()) - 1;
     Tensor cus = Tensor::empty({docs + 1}, DType::kI32);
     for (int64_t i = 0; i <= docs; ++i) cus.set_item(i, cu[i]);

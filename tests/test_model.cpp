@@ -78,6 +78,13 @@ TEST(Model, GradientsMatchFiniteDifferencesTiedNoNormTopk) {
   c.tie_word_embeddings = true;
   c.norm_topk_prob = false;
   c.n_kv_heads = 1;
+  c.loss_chunk_tokens = 5;  // the tied head in chunks of 5, 5 and 2 tokens
+  check_model_gradients(c);
+}
+
+TEST(Model, GradientsMatchFiniteDifferencesChunkedLoss) {
+  ModelConfig c = small_config();
+  c.loss_chunk_tokens = 5;
   check_model_gradients(c);
 }
 

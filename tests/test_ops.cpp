@@ -145,8 +145,11 @@ struct AttnCase {
 };
 AttnCase attn_case() {
   // 3 documents (lengths 3, 1, 4), 4 query heads over 2 kv heads, Dqk 8 != Dv 6.
-  return {randn({8, 4, 8}, 1, 0.7), randn({8, 2, 8}, 2, 0.7), randn({8, 2, 6}, 3),
-          {i32({0, 3, 4, 8}), 4}, 1.0 / std::sqrt(8.0)};
+  return {randn({8, 4, 8}, 1, 0.7),
+          randn({8, 2, 8}, 2, 0.7),
+          randn({8, 2, 6}, 3),
+          {i32({0, 3, 4, 8}), 4},
+          1.0 / std::sqrt(8.0)};
 }
 
 TEST(Attention, SingleTokenDocumentCopiesItsValue) {

@@ -33,7 +33,9 @@ bool enabled() {
   return on;
 }
 
-void set_device_sync(void (*sync)()) { totals().sync = sync; }
+void set_device_sync(void (*sync)()) {
+  totals().sync = sync;
+}
 
 Phase::Phase(const char* name) : name_(name) {
   if (!enabled()) return;

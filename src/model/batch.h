@@ -7,15 +7,17 @@
 namespace mt {
 
 struct Batch {
-  Tensor tokens;      // i32 (N) input ids
-  Tensor targets;     // i32 (N) next-token ids
-  Tensor loss_mask;   // u8  (N) 1 where the target counts
-  Tensor positions;   // i32 (N) position within the document
-  Tensor cu_seqlens;  // i32 (S + 1) document boundaries, 0 ... N
+  Tensor tokens;           // i32 (N) input ids
+  Tensor targets;          // i32 (N) next-token ids
+  Tensor loss_mask;        // u8  (N) 1 where the target counts
+  Tensor positions;        // i32 (N) position within the document
+  Tensor cu_seqlens;       // i32 (S + 1) document boundaries, 0 ... N
   int64_t max_seqlen = 0;  // the longest document (known on the host, never read back)
   int64_t size() const { return tokens.numel(); }
   int64_t masked_tokens() const;
-  ops::Documents documents() const { return {cu_seqlens, max_seqlen}; }  // reads the mask on the host
+  ops::Documents documents() const {
+    return {cu_seqlens, max_seqlen};
+  }  // reads the mask on the host
   Batch to(Device device) const;
 };
 

@@ -49,6 +49,10 @@ void ModelConfig::validate() const {
   if (head_dim % 2 != 0)
     throw ConfigError(
         fmt::format("config: model.head_dim = {} must be even (RoPE rotates pairs)", head_dim));
+  if (loss_chunk_tokens < 0)
+    throw ConfigError(
+        fmt::format("config: model.loss_chunk_tokens = {} must be >= 0 (0 = all tokens at once)",
+                    loss_chunk_tokens));
   if (top_k > n_experts)
     throw ConfigError(
         fmt::format("config: model.top_k = {} exceeds model.n_experts = {}", top_k, n_experts));

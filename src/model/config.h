@@ -37,6 +37,9 @@ struct ModelConfig {
   double init_std = 0.02;
   DType compute_dtype = DType::kF32;  // CPU: f32 to train, f64 for gradient checks
   CheckpointPolicy checkpoint = CheckpointPolicy::kNone;
+  // The LM head and loss run over this many tokens at a time (forward and backward together),
+  // so at most chunk x vocab logits and their gradient exist at once; 0 = all tokens at once.
+  int64_t loss_chunk_tokens = 8192;
   // Where the model runs (set by the trainer from hardware.device). On the GPU: fp32 master
   // weights and gradients, bf16 compute copies and activations, f32 statistics (RMSNorm rstd,
   // attention and loss LSE, routing). On the CPU everything is compute_dtype.

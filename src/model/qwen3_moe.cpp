@@ -21,8 +21,8 @@ int64_t Batch::masked_tokens() const {
 }
 
 Batch Batch::to(Device device) const {
-  return {tokens.to(device), targets.to(device), loss_mask.to(device), positions.to(device),
-          cu_seqlens.to(device), max_seqlen};
+  return {tokens.to(device),    targets.to(device),    loss_mask.to(device),
+          positions.to(device), cu_seqlens.to(device), max_seqlen};
 }
 
 namespace {
@@ -132,35 +132,20 @@ MicroBatchLosses Qwen3Moe::run(const Batch& b, const LossScale* scale) {
   const Tensor norm_w = head.groups[0].weight(0);
   Tensor xf = Tensor::empty({n, c.dim}, dt, dev), rstd = Tensor::empty({n}, st, dev);
   ops::rmsnorm_forward(x, norm_w, c.rms_norm_eps, xf, rstd);
-  Tensor logits = Tensor::empty({n, c.vocab_size}, dt, dev);
-  const Tensor w_out = head_weight();
-  ops::gemm(xf, ops::Transpose::kNo, w_out, tied ? ops::Transpose::kYes : ops::Transpose::kNo,
-            logits, ops::Accumulate::kNo);
-  Tensor lse = Tensor::empty({n}, st, dev);
-  out.ce_sum = ops::cross_entropy_forward(logits, b.targets, b.loss_mask, lse);
   if (!scale) {
+    out.ce_sum = head_and_loss(b, xf, nullptr);
     fsdp::release(head);
     fsdp::release(embed);
     return out;
   }
 
-  // Backward: head, blocks in reverse, embedding; each unit's gradients are reduce-scattered
-  // as soon as its backward is done.
-  Tensor dlogits = Tensor::empty(logits.shape(), dt, dev);
-  ops::cross_entropy_backward(logits, b.targets, b.loss_mask, lse, scale->ce_scale, dlogits);
-  logits = Tensor();
+  // Backward: the head's (inside head_and_loss, chunk by chunk), blocks in reverse, embedding;
+  // each unit's gradients are reduce-scattered as soon as its backward is done.
   fsdp::begin_backward(head);
   fsdp::begin_backward(embed);
   Tensor dxf = Tensor::empty({n, c.dim}, dt, dev);
-  if (tied) {
-    ops::gemm(dlogits, ops::Transpose::kNo, w_out, ops::Transpose::kNo, dxf, ops::Accumulate::kNo);
-    Tensor dtable = embed.groups[0].grad(0);
-    ops::gemm(dlogits, ops::Transpose::kYes, xf, ops::Transpose::kNo, dtable,
-              ops::Accumulate::kYes);
-  } else {
-    Tensor dw_out = head.groups[0].grad(1);
-    ops::linear_backward(xf, w_out, dlogits, dxf, dw_out);
-  }
+  HeadGradients hg{scale->ce_scale, &dxf, tied ? embed.groups[0].grad(0) : head.groups[0].grad(1)};
+  out.ce_sum = head_and_loss(b, xf, &hg);
   Tensor dx = Tensor::empty({n, c.dim}, dt, dev);
   Tensor dnorm = head.groups[0].grad(0);
   ops::rmsnorm_backward(x, norm_w, rstd, dxf, dx, dnorm);
@@ -190,6 +175,41 @@ MicroBatchLosses Qwen3Moe::run(const Batch& b, const LossScale* scale) {
   ops::embedding_backward(b.tokens, dx, dtable);
   fsdp::reduce_gradients(embed, kGradDivideFactor);
   return out;
+}
+
+double Qwen3Moe::head_and_loss(const Batch& b, const Tensor& xf, HeadGradients* grads) const {
+  const ModelConfig& c = cfg_;
+  const bool tied = c.tie_word_embeddings;
+  const int64_t n = xf.dim(0), v = c.vocab_size;
+  const int64_t chunk = c.loss_chunk_tokens > 0 ? std::min(c.loss_chunk_tokens, n) : n;
+  const DType dt = xf.dtype(), st = c.stat_dtype();
+  const Device dev = xf.device();
+  const Tensor w_out = head_weight();
+  const ops::Transpose w_op = tied ? ops::Transpose::kYes : ops::Transpose::kNo;
+  Tensor logits_buffer = Tensor::empty({chunk, v}, dt, dev),
+         lse_buffer = Tensor::empty({chunk}, st, dev);
+  Tensor dlogits_buffer = grads ? Tensor::empty({chunk, v}, dt, dev) : Tensor();
+  double ce_sum = 0;
+  for (int64_t r0 = 0; r0 < n; r0 += chunk) {
+    const int64_t rows = std::min(chunk, n - r0);
+    const Tensor x = xf.slice_rows(r0, r0 + rows);
+    const Tensor targets = b.targets.view(r0, {rows}), mask = b.loss_mask.view(r0, {rows});
+    Tensor logits = logits_buffer.view(0, {rows, v}), lse = lse_buffer.view(0, {rows});
+    ops::gemm(x, ops::Transpose::kNo, w_out, w_op, logits, ops::Accumulate::kNo);
+    ce_sum += ops::cross_entropy_forward(logits, targets, mask, lse);
+    if (!grads) continue;
+    Tensor dlogits = dlogits_buffer.view(0, {rows, v});
+    ops::cross_entropy_backward(logits, targets, mask, lse, grads->ce_scale, dlogits);
+    Tensor dx = grads->dxf->slice_rows(r0, r0 + rows);
+    if (tied) {  // w_out is the embedding table (V, D)
+      ops::gemm(dlogits, ops::Transpose::kNo, w_out, ops::Transpose::kNo, dx, ops::Accumulate::kNo);
+      ops::gemm(dlogits, ops::Transpose::kYes, x, ops::Transpose::kNo, grads->dw,
+                ops::Accumulate::kYes);
+    } else {
+      ops::linear_backward(x, w_out, dlogits, dx, grads->dw);
+    }
+  }
+  return ce_sum;
 }
 
 void Qwen3Moe::update_router_biases() {

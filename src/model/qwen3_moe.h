@@ -55,6 +55,17 @@ class Qwen3Moe {
  private:
   MicroBatchLosses run(const Batch& b, const LossScale* s);
   Tensor head_weight() const;  // (D, V) view, or the embedding table when tied (V, D)
+  // What the head's backward writes: dxf overwritten, dw (the head's or, tied, the table's
+  // gradient) accumulated.
+  struct HeadGradients {
+    double ce_scale;
+    Tensor* dxf;
+    Tensor dw;
+  };
+  // The LM head and cross-entropy over cfg_.loss_chunk_tokens tokens at a time: each chunk's
+  // logits, loss and (when grads) gradients, so at most chunk x vocab logits exist at once.
+  // Returns the summed loss of the counted tokens.
+  double head_and_loss(const Batch& b, const Tensor& xf, HeadGradients* grads) const;
 
   ModelConfig cfg_;
   dist::DeviceMesh* mesh_ = nullptr;

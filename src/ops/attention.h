@@ -22,7 +22,7 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
                        double scale, Tensor& out, Tensor& lse);
 // dq, dk, dv overwritten.
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                        const Tensor& lse, const Tensor& dout, const Documents& docs,
-                        double scale, Tensor& dq, Tensor& dk, Tensor& dv);
+                        const Tensor& lse, const Tensor& dout, const Documents& docs, double scale,
+                        Tensor& dq, Tensor& dk, Tensor& dv);
 
 }  // namespace mt::ops

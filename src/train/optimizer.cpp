@@ -42,8 +42,8 @@ double AdamW::clip_grad_norm(double max_norm) {
 }
 
 void AdamW::step(double lr, int64_t step) {
-  const ops::AdamWHyper h{lr, cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay, step,
-                          clip_coef_};
+  const ops::AdamWHyper h{lr,   cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay,
+                          step, clip_coef_};
   for (size_t i = 0; i < groups_.size(); ++i) {
     ParamGroup& g = *groups_[i];
     // An unsharded group's persistent cast copy is rewritten in the same pass.

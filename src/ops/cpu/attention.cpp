@@ -20,8 +20,7 @@ struct AttnDims {
   int64_t n, h, kv, dqk, dv, docs;
 };
 
-AttnDims check_attention(const Tensor& q, const Tensor& k, const Tensor& v,
-                         const Documents& docs) {
+AttnDims check_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Documents& docs) {
   const Tensor& cu_seqlens = docs.cu_seqlens;
   MT_CHECK(q.ndim() == 3 && k.ndim() == 3 && v.ndim() == 3, "attention needs (N, heads, dim)");
   AttnDims d{q.dim(0), q.dim(1), k.dim(1), q.dim(2), v.dim(2), cu_seqlens.numel() - 1};
@@ -33,8 +32,10 @@ AttnDims check_attention(const Tensor& q, const Tensor& k, const Tensor& v,
   MT_CHECK(d.docs >= 1 && cu[0] == 0 && cu[d.docs] == d.n, "cu_seqlens must run from 0 to {}", d.n);
   for (int64_t s = 0; s < d.docs; ++s) {
     MT_CHECK(cu[s] <= cu[s + 1], "cu_seqlens decreases at {}", s);
-    MT_CHECK(cu[s + 1] - cu[s] <= docs.max_length, "document {} has {} tokens, more than the "
-             "stated longest {}", s, cu[s + 1] - cu[s], docs.max_length);
+    MT_CHECK(cu[s + 1] - cu[s] <= docs.max_length,
+             "document {} has {} tokens, more than the "
+             "stated longest {}",
+             s, cu[s + 1] - cu[s], docs.max_length);
   }
   return d;
 }
@@ -98,8 +99,8 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
 }
 
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
-                        const Tensor& lse, const Tensor& dout, const Documents& docs,
-                        double scale, Tensor& dq, Tensor& dk, Tensor& dv) {
+                        const Tensor& lse, const Tensor& dout, const Documents& docs, double scale,
+                        Tensor& dq, Tensor& dk, Tensor& dv) {
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(q)) return cuda::attention_backward(q, k, v, out, lse, dout, docs, scale, dq, dk, dv);
 #endif

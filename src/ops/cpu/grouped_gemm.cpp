@@ -62,8 +62,7 @@ void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tenso
                                   Tensor& dw, Accumulate accumulate) {
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(x))
-    return cuda::grouped_gemm_backward_weight(x, dy, offsets, dw,
-                                              accumulate == Accumulate::kYes);
+    return cuda::grouped_gemm_backward_weight(x, dy, offsets, dw, accumulate == Accumulate::kYes);
 #endif
   const GroupDims g = check_group(x, dw, offsets);
   if (accumulate == Accumulate::kNo) dw.zero_();

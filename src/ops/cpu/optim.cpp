@@ -15,8 +15,7 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const A
   MT_CHECK(grad.numel() == n && m.numel() == n && v.numel() == n, "adamw buffers differ in size");
   MT_CHECK(h.step >= 1, "adamw step {} must be >= 1", h.step);
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(param))
-    return cuda::adamw_step(param, grad, m, v, h, compute);
+  if (on_gpu(param)) return cuda::adamw_step(param, grad, m, v, h, compute);
 #endif
   const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
   const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));

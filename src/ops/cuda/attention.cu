@@ -204,7 +204,7 @@ cudaError_t attention_backward(Storage s, const void* q, const void* k, const vo
 }
 
 cudaError_t attention_ragged_layout(const int32_t* cu_seqlens, int docs, int padded_docs,
-                                   RaggedStrides strides, RaggedLayout out, cudaStream_t stream) {
+                                    RaggedStrides strides, RaggedLayout out, cudaStream_t stream) {
   if (padded_docs < docs) return cudaErrorInvalidValue;
   const int threads = 256;
   ragged_layout_kernel<<<(padded_docs + threads) / threads, threads, 0, stream>>>(

@@ -12,7 +12,9 @@ int device_count() {
   return n;
 }
 
-void synchronize() { cudaDeviceSynchronize(); }
+void synchronize() {
+  cudaDeviceSynchronize();
+}
 
 std::string device_name(int index) {
   cudaDeviceProp prop{};

@@ -91,7 +91,7 @@ struct RaggedLayout {
   int32_t *q, *k, *v, *o, *stats, *seq_len;
 };
 cudaError_t attention_ragged_layout(const int32_t* cu_seqlens, int docs, int padded_docs,
-                                   RaggedStrides strides, RaggedLayout out, cudaStream_t stream);
+                                    RaggedStrides strides, RaggedLayout out, cudaStream_t stream);
 
 // --- MoE layer (moe.cu) ---
 // logits, scores f32 (n, e); index i32 / weight f32 (n, k); counts i64 (e), zeroed here.
@@ -139,7 +139,7 @@ struct AdamWScalars {
   float beta1, beta2, decay, step_size, sqrt_bc2, eps, grad_scale;
 };
 // compute_bf16 (nullable) receives the updated parameters rounded to bf16.
-cudaError_t adamw(float* p, const float* g, float* m, float* v, void* compute_bf16,
-                  AdamWScalars s, int64_t n, cudaStream_t stream);
+cudaError_t adamw(float* p, const float* g, float* m, float* v, void* compute_bf16, AdamWScalars s,
+                  int64_t n, cudaStream_t stream);
 
 }  // namespace mt::cuda::kernels

@@ -353,9 +353,9 @@ cudaError_t gather_rows(Storage s, const void* src, const int32_t* index, void* 
   dispatch_storage(s, [&](auto tag) {
     using T = decltype(tag);
     if (packable<T>(width, {src, dst}))  // rows as 16-byte units
-      gather_rows_kernel<uint4><<<rows, kBlock, 0, stream>>>(
-          static_cast<const uint4*>(src), index, static_cast<uint4*>(dst), rows,
-          width / Pack<T>::kSize);
+      gather_rows_kernel<uint4><<<rows, kBlock, 0, stream>>>(static_cast<const uint4*>(src), index,
+                                                             static_cast<uint4*>(dst), rows,
+                                                             width / Pack<T>::kSize);
     else
       gather_rows_kernel<T><<<rows, kBlock, 0, stream>>>(static_cast<const T*>(src), index,
                                                          static_cast<T*>(dst), rows, width);
@@ -375,7 +375,8 @@ cudaError_t weighted_sum_rows(Storage s, const void* rows, const int32_t* row_of
       weighted_sum_kernel<T, Pack<T>::kSize>
           <<<tokens, kBlock, 0, stream>>>(r, row_of_choice, scale, k, o, width);
     else
-      weighted_sum_kernel<T, 1><<<tokens, kBlock, 0, stream>>>(r, row_of_choice, scale, k, o, width);
+      weighted_sum_kernel<T, 1>
+          <<<tokens, kBlock, 0, stream>>>(r, row_of_choice, scale, k, o, width);
   });
   return cudaGetLastError();
 }
@@ -425,7 +426,9 @@ cudaError_t segment_sum_rows(Storage s, const void* rows, const int32_t* order,
   return cudaGetLastError();
 }
 
-size_t sum_of_squares_workspace() { return sizeof(float) * kSquareBlocks + sizeof(double); }
+size_t sum_of_squares_workspace() {
+  return sizeof(float) * kSquareBlocks + sizeof(double);
+}
 
 cudaError_t sum_of_squares(Storage s, const void* x, int64_t n, void* workspace, double* result,
                            cudaStream_t stream) {

@@ -123,23 +123,25 @@ void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
   // Token positions sorted by id (stable), then each id's rows summed in token order.
   ops::ExpertPermutation by_id;
   cuda::make_expert_permutation(ids.reshape({ids.numel(), 1}), dtable.dim(0), by_id);
-  MT_CUDA_CHECK(kernels::segment_sum_rows(
-      storage(dout), dout.raw(), by_id.source_token.data<int32_t>(),
-      by_id.expert_offsets.data<int64_t>(), dtable.dim(0), dtable.dim(1), dtable.raw(),
-      dtable.dtype() == DType::kF32, nullptr));
+  MT_CUDA_CHECK(
+      kernels::segment_sum_rows(storage(dout), dout.raw(), by_id.source_token.data<int32_t>(),
+                                by_id.expert_offsets.data<int64_t>(), dtable.dim(0), dtable.dim(1),
+                                dtable.raw(), dtable.dtype() == DType::kF32, nullptr));
 }
 
 double sum_of_squares(const Tensor& x) {
   const profile::Phase phase("gpu.sum_of_squares");
   Tensor ws = gpu_empty({static_cast<int64_t>(kernels::sum_of_squares_workspace())}, DType::kU8);
   double result = 0;
-  MT_CUDA_CHECK(kernels::sum_of_squares(storage(x), x.raw(), x.numel(), ws.raw(), &result, nullptr));
+  MT_CUDA_CHECK(
+      kernels::sum_of_squares(storage(x), x.raw(), x.numel(), ws.raw(), &result, nullptr));
   return result;
 }
 
 void scale_(Tensor& x, double factor) {
   const profile::Phase phase("gpu.scale_");
-  MT_CUDA_CHECK(kernels::scale(storage(x), x.raw(), static_cast<float>(factor), x.numel(), nullptr));
+  MT_CUDA_CHECK(
+      kernels::scale(storage(x), x.raw(), static_cast<float>(factor), x.numel(), nullptr));
 }
 
 void convert(const Tensor& src, Tensor& dst) {

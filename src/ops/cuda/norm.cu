@@ -66,7 +66,9 @@ __global__ void rmsnorm_dx_kernel(const T* x, const T* w, const float* rstd, con
   }
 }
 
-int row_blocks(int64_t n) { return static_cast<int>((n + kRowsPerBlock - 1) / kRowsPerBlock); }
+int row_blocks(int64_t n) {
+  return static_cast<int>((n + kRowsPerBlock - 1) / kRowsPerBlock);
+}
 
 // partial[chunk, c] = sum over the chunk's rows of dy * x * rstd.
 template <class T>
@@ -110,7 +112,8 @@ cudaError_t rmsnorm_forward(Storage st, const void* x, const void* w, float eps,
       rmsnorm_forward_kernel<T, Pack<T>::kSize>
           <<<row_blocks(n), kBlock, 0, stream>>>(xp, wp, eps, yp, rstd, n, d);
     else
-      rmsnorm_forward_kernel<T, 1><<<row_blocks(n), kBlock, 0, stream>>>(xp, wp, eps, yp, rstd, n, d);
+      rmsnorm_forward_kernel<T, 1>
+          <<<row_blocks(n), kBlock, 0, stream>>>(xp, wp, eps, yp, rstd, n, d);
   });
   return cudaGetLastError();
 }
@@ -136,10 +139,11 @@ cudaError_t rmsnorm_backward(Storage st, const void* x, const void* w, const flo
     rmsnorm_dw_partial_kernel<T><<<grid, columns, 0, stream>>>(xp, rstd, dyp, partial, n, d);
     const int blocks = static_cast<int>((d + kBlock - 1) / kBlock);
     if (dw_f32)  // mixed precision: bf16 activations, f32 gradient buffers
-      rmsnorm_dw_sum_kernel<float><<<blocks, kBlock, 0, stream>>>(partial, chunks,
-                                                                  static_cast<float*>(dw), d);
+      rmsnorm_dw_sum_kernel<float>
+          <<<blocks, kBlock, 0, stream>>>(partial, chunks, static_cast<float*>(dw), d);
     else
-      rmsnorm_dw_sum_kernel<T><<<blocks, kBlock, 0, stream>>>(partial, chunks, static_cast<T*>(dw), d);
+      rmsnorm_dw_sum_kernel<T>
+          <<<blocks, kBlock, 0, stream>>>(partial, chunks, static_cast<T*>(dw), d);
   });
   return cudaGetLastError();
 }

@@ -114,9 +114,8 @@ void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tenso
   expect_shape(dy, {m, n}, "grouped gemm dy");
   check_grouped({&x, &dy}, dw, offsets, e, k, n);
   if (!accumulate)  // the GEMMs write only experts with rows
-    MT_CUDA_CHECK(kernels::zero_empty_groups(offsets.data<int64_t>(), static_cast<int>(e),
-                                             dw.raw(), k * n, dw.dtype() == DType::kF32,
-                                             nullptr));
+    MT_CUDA_CHECK(kernels::zero_empty_groups(offsets.data<int64_t>(), static_cast<int>(e), dw.raw(),
+                                             k * n, dw.dtype() == DType::kF32, nullptr));
 #if MOETRAIN_HAS_CUTLASS
   if (should_use_cutlass_grouped(dw, DType::kF32)) {
     Tensor ws = workspace(kernels::cutlass_grouped_weight_gradient_workspace(static_cast<int>(e)));
@@ -151,8 +150,8 @@ void reference_attention_forward(const Tensor& q, const Tensor& k, const Tensor&
 
 void reference_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                                   const Tensor& out, const Tensor& lse, const Tensor& dout,
-                                  const ops::Documents& docs, double scale, Tensor& dq,
-                                  Tensor& dk, Tensor& dv) {
+                                  const ops::Documents& docs, double scale, Tensor& dq, Tensor& dk,
+                                  Tensor& dv) {
   const profile::Phase phase("gpu.reference_attention_backward");
   const Tensor& cu_seqlens = docs.cu_seqlens;
   const int64_t n = q.dim(0);
@@ -189,8 +188,12 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
 }
 
 #if !MOETRAIN_HAS_CUDNN
-bool cudnn_attention_available() { return false; }
-bool cudnn_attention_supports(const Tensor&, const Tensor&) { return false; }
+bool cudnn_attention_available() {
+  return false;
+}
+bool cudnn_attention_supports(const Tensor&, const Tensor&) {
+  return false;
+}
 void cudnn_attention_forward(const Tensor&, const Tensor&, const Tensor&, const ops::Documents&,
                              double, Tensor&, Tensor&) {
   const profile::Phase phase("gpu.cudnn_attention_forward");
@@ -290,8 +293,8 @@ void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const T
       logits.dim(1), nullptr));
 }
 
-void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
-                const ops::AdamWHyper& h, Tensor* compute) {
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const ops::AdamWHyper& h,
+                Tensor* compute) {
   const profile::Phase phase("gpu.adamw_step");
   const int64_t n = param.numel();
   for (const Tensor* t : std::initializer_list<const Tensor*>{&param, &grad, &m, &v}) {
@@ -309,12 +312,13 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
                                 static_cast<float>(h.grad_scale)};
   if (compute) {
     expect_dtype(*compute, DType::kBF16, "adamw compute copy (GPU)");
-    MT_CHECK(compute->numel() == n && compute->device() == Device::kCUDA, "adamw compute copy "
-             "of {} elements for {} parameters", compute->numel(), n);
+    MT_CHECK(compute->numel() == n && compute->device() == Device::kCUDA,
+             "adamw compute copy "
+             "of {} elements for {} parameters",
+             compute->numel(), n);
   }
   MT_CUDA_CHECK(kernels::adamw(param.data<float>(), grad.data<float>(), m.data<float>(),
-                               v.data<float>(), compute ? compute->raw() : nullptr, s, n,
-                               nullptr));
+                               v.data<float>(), compute ? compute->raw() : nullptr, s, n, nullptr));
 }
 
 }  // namespace mt::cuda

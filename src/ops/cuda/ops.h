@@ -33,16 +33,15 @@ void reference_attention_forward(const Tensor& q, const Tensor& k, const Tensor&
                                  Tensor& lse);
 void reference_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                                   const Tensor& out, const Tensor& lse, const Tensor& dout,
-                                  const ops::Documents& docs, double scale, Tensor& dq,
-                                  Tensor& dk, Tensor& dv);
+                                  const ops::Documents& docs, double scale, Tensor& dq, Tensor& dk,
+                                  Tensor& dv);
 bool cudnn_attention_available();  // built with the cuDNN frontend
 bool cudnn_attention_supports(const Tensor& q, const Tensor& v);
 void cudnn_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                              const ops::Documents& docs, double scale, Tensor& out, Tensor& lse);
 void cudnn_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                               const Tensor& lse, const Tensor& dout, const ops::Documents& docs,
-                              double scale, bool deterministic, Tensor& dq, Tensor& dk,
-                              Tensor& dv);
+                              double scale, bool deterministic, Tensor& dq, Tensor& dk, Tensor& dv);
 // Embedding (moe_ops.cpp): forward is a row gather; backward sums the rows of each id in token
 // order (sorted by id, deterministic) into dtable.
 void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out);
@@ -63,7 +62,7 @@ void combine_backward(const Tensor& dout, const Tensor& yp, const Tensor& row_of
                       const Tensor& weight, Tensor& dyp, Tensor& dweight);
 void add(const Tensor& a, const Tensor& b, Tensor& out);
 void convert(const Tensor& src, Tensor& dst);  // f32 <-> bf16 on the GPU
-double sum_of_squares(const Tensor& x);         // deterministic; waits for the GPU
+double sum_of_squares(const Tensor& x);        // deterministic; waits for the GPU
 void scale_(Tensor& x, double factor);
 
 void rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, Tensor& y, Tensor& rstd);
@@ -76,7 +75,7 @@ double cross_entropy_forward(const Tensor& logits, const Tensor& targets, const 
                              Tensor& lse);
 void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
                             const Tensor& lse, double grad_scale, Tensor& dlogits);
-void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
-                const ops::AdamWHyper& h, Tensor* compute);  // compute: bf16 or null
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const ops::AdamWHyper& h,
+                Tensor* compute);  // compute: bf16 or null
 
 }  // namespace mt::cuda

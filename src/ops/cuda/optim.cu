@@ -16,9 +16,8 @@ __device__ __forceinline__ float adamw_update(float p, float g, float& m, float&
 
 // Memory-bound (28-30 bytes per parameter): float4 loads and stores over the first `packs` x 4
 // elements, then the scalar tail.
-__global__ void adamw_kernel(float* p, const float* g, float* m, float* v,
-                             __nv_bfloat16* compute, kernels::AdamWScalars s, int64_t n,
-                             int64_t packs) {
+__global__ void adamw_kernel(float* p, const float* g, float* m, float* v, __nv_bfloat16* compute,
+                             kernels::AdamWScalars s, int64_t n, int64_t packs) {
   const int64_t first = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   for (int64_t i = first; i < packs; i += stride) {
@@ -50,11 +49,11 @@ __global__ void adamw_kernel(float* p, const float* g, float* m, float* v,
 
 namespace kernels {
 
-cudaError_t adamw(float* p, const float* g, float* m, float* v, void* compute_bf16,
-                  AdamWScalars s, int64_t n, cudaStream_t stream) {
+cudaError_t adamw(float* p, const float* g, float* m, float* v, void* compute_bf16, AdamWScalars s,
+                  int64_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  const bool aligned = packable<float>(4, {p, g, m, v}) &&
-                       reinterpret_cast<uintptr_t>(compute_bf16) % 8 == 0;
+  const bool aligned =
+      packable<float>(4, {p, g, m, v}) && reinterpret_cast<uintptr_t>(compute_bf16) % 8 == 0;
   const int64_t packs = aligned ? n / 4 : 0;
   adamw_kernel<<<grid_for(std::max<int64_t>(packs, 1)), kBlock, 0, stream>>>(
       p, g, m, v, static_cast<__nv_bfloat16*>(compute_bf16), s, n, packs);

@@ -28,8 +28,22 @@ namespace {
 
 // Tensor uids of the variant pack.
 enum Uid : int64_t {
-  kQ = 1, kK, kV, kO, kStats, kDO, kDQ, kDK, kDV,
-  kSeqLenQ, kSeqLenKV, kOffQ, kOffK, kOffV, kOffO, kOffStats
+  kQ = 1,
+  kK,
+  kV,
+  kO,
+  kStats,
+  kDO,
+  kDQ,
+  kDK,
+  kDV,
+  kSeqLenQ,
+  kSeqLenKV,
+  kOffQ,
+  kOffK,
+  kOffV,
+  kOffO,
+  kOffStats
 };
 
 struct SdpaShape {
@@ -210,15 +224,18 @@ Ragged ragged_layout(const ops::Documents& docs, const SdpaShape& s) {
   const int64_t b = s.docs;
   Ragged r{Tensor::empty({5 * (b + 1) + b}, DType::kI32, Device::kCUDA), {}};
   int32_t* base = r.buffer.data<int32_t>();
-  r.at = {base, base + (b + 1), base + 2 * (b + 1), base + 3 * (b + 1), base + 4 * (b + 1),
+  r.at = {base,
+          base + (b + 1),
+          base + 2 * (b + 1),
+          base + 3 * (b + 1),
+          base + 4 * (b + 1),
           base + 5 * (b + 1)};
   const auto i32 = [](int64_t x) { return static_cast<int32_t>(x); };
   const kernels::RaggedStrides strides{i32(s.heads * s.dqk), i32(s.kv_heads * s.dqk),
-                                       i32(s.kv_heads * s.dv), i32(s.heads * s.dv),
-                                       i32(s.heads)};
-  MT_CUDA_CHECK(kernels::attention_ragged_layout(
-      docs.cu_seqlens.data<int32_t>(), static_cast<int>(docs.cu_seqlens.numel() - 1),
-      static_cast<int>(b), strides, r.at, nullptr));
+                                       i32(s.kv_heads * s.dv), i32(s.heads * s.dv), i32(s.heads)};
+  MT_CUDA_CHECK(kernels::attention_ragged_layout(docs.cu_seqlens.data<int32_t>(),
+                                                 static_cast<int>(docs.cu_seqlens.numel() - 1),
+                                                 static_cast<int>(b), strides, r.at, nullptr));
   return r;
 }
 
@@ -245,11 +262,15 @@ void check_operands(std::initializer_list<const Tensor*> ts) {
 }
 
 // The variant pack holds non-const pointers; cuDNN only reads the inputs.
-void* ptr(const Tensor& t) { return const_cast<void*>(t.raw()); }
+void* ptr(const Tensor& t) {
+  return const_cast<void*>(t.raw());
+}
 
 }  // namespace
 
-bool cudnn_attention_available() { return true; }
+bool cudnn_attention_available() {
+  return true;
+}
 
 bool cudnn_attention_supports(const Tensor& q, const Tensor& v) {
   const auto dim_ok = [](int64_t d) { return d % 8 == 0 && d <= 256; };
@@ -284,9 +305,9 @@ void cudnn_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   const SdpaShape s = shape_of(q, k, v, docs, scale, true, deterministic);
   const fe::graph::Graph& g = cached_graph(s);
   const Ragged r = ragged_layout(docs, s);
-  std::unordered_map<int64_t, void*> pack{
-      {kQ, ptr(q)},        {kK, ptr(k)},       {kV, ptr(v)},    {kO, ptr(out)},  {kStats, ptr(lse)},
-      {kDO, ptr(dout)},    {kDQ, dq.raw()},    {kDK, dk.raw()}, {kDV, dv.raw()}};
+  std::unordered_map<int64_t, void*> pack{{kQ, ptr(q)},    {kK, ptr(k)},       {kV, ptr(v)},
+                                          {kO, ptr(out)},  {kStats, ptr(lse)}, {kDO, ptr(dout)},
+                                          {kDQ, dq.raw()}, {kDK, dk.raw()},    {kDV, dv.raw()}};
   run(g, pack, r);
 }
 
