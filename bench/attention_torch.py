@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from cuda_timing import median_ms
+
 docs, length, h, kv, d = 8, 2048, 32, 4, 128
 torch.manual_seed(0)
 q = torch.randn(docs, h, length, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
@@ -14,20 +16,6 @@ k = torch.randn(docs, kv, length, d, device="cuda", dtype=torch.bfloat16, requir
 v = torch.randn(docs, kv, length, d, device="cuda", dtype=torch.bfloat16, requires_grad=True)
 dout = torch.randn(docs, h, length, d, device="cuda", dtype=torch.bfloat16)
 fwd_flops = 2.0 * length * length * d * h * docs
-
-
-def median_ms(fn, warmup=3, reps=10):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        s, t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        t.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(t))
-    return sorted(times)[reps // 2]
 
 
 def attend():

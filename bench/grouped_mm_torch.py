@@ -4,6 +4,8 @@ import json
 
 import torch
 
+from cuda_timing import median_ms
+
 experts, rows, k, n = 128, 1024, 2048, 1536
 m = experts * rows
 x = (torch.rand(m, k, device="cuda") * 2 - 1).to(torch.bfloat16)
@@ -15,17 +17,7 @@ def run():
     return torch._grouped_mm(x, w, offs=offs)
 
 
-for _ in range(5):
-    run()
-times = []
-for _ in range(20):
-    s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    s.record()
-    run()
-    e.record()
-    torch.cuda.synchronize()
-    times.append(s.elapsed_time(e))
-ms = sorted(times)[len(times) // 2]
+ms = median_ms(run, warmup=5, reps=20)
 print(json.dumps({"bench": "torch_grouped_mm", "shape": f"{m}x{k} @ {experts}x{k}x{n} bf16 balanced",
                   "ms": round(ms, 4), "tflops": round(2 * m * k * n / (ms * 1e-3) / 1e12, 1),
                   "torch": torch.__version__}))

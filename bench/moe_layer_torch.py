@@ -6,6 +6,8 @@ import json
 import torch
 import torch.nn.functional as F
 
+from cuda_timing import median_ms
+
 n, d, f, e, k = 16384, 2048, 768, 128, 8
 torch.manual_seed(0)
 router = (torch.randn(d, e, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
@@ -35,20 +37,6 @@ def moe(x):
 def step(fn):
     out = fn(x)
     out.backward(dout)
-
-
-def median_ms(fn, warmup=3, reps=10):
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(reps):
-        s, t = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        fn()
-        t.record()
-        torch.cuda.synchronize()
-        times.append(s.elapsed_time(t))
-    return sorted(times)[len(times) // 2]
 
 
 for name, fn in [("eager", moe), ("compile", torch.compile(moe))]:

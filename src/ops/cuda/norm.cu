@@ -37,6 +37,17 @@ __global__ void rmsnorm_forward_kernel(const T* x, const T* w, float eps, T* y, 
   }
 }
 
+// x, dy and w at columns [c, c + P) of one row: both passes of the dx kernel read all three.
+template <class T, int P>
+struct DxOperands {
+  float x[P], dy[P], w[P];
+  __device__ DxOperands(const T* xr, const T* dyr, const T* wr, int64_t c) {
+    load_n<T, P>(xr + c, x);
+    load_n<T, P>(dyr + c, dy);
+    load_n<T, P>(wr + c, w);
+  }
+};
+
 template <class T, int P>
 __global__ void rmsnorm_dx_kernel(const T* x, const T* w, const float* rstd, const T* dy, T* dx,
                                   int64_t n, int64_t d) {
@@ -47,22 +58,17 @@ __global__ void rmsnorm_dx_kernel(const T* x, const T* w, const float* rstd, con
   const T *xr = x + row * d, *dyr = dy + row * d;
   float dot = 0.f;
   for (int64_t c = lane * P; c < d; c += 32 * P) {
-    float xv[P], gv[P], wv[P];
-    load_n<T, P>(xr + c, xv);
-    load_n<T, P>(dyr + c, gv);
-    load_n<T, P>(w + c, wv);
+    const DxOperands<T, P> o(xr, dyr, w, c);
 #pragma unroll
-    for (int i = 0; i < P; ++i) dot += gv[i] * wv[i] * xv[i] * r;
+    for (int i = 0; i < P; ++i) dot += o.dy[i] * o.w[i] * o.x[i] * r;
   }
   const float mean = warp_sum(dot) / static_cast<float>(d);
   for (int64_t c = lane * P; c < d; c += 32 * P) {
-    float xv[P], gv[P], wv[P];
-    load_n<T, P>(xr + c, xv);
-    load_n<T, P>(dyr + c, gv);
-    load_n<T, P>(w + c, wv);
+    const DxOperands<T, P> o(xr, dyr, w, c);
+    float out[P];
 #pragma unroll
-    for (int i = 0; i < P; ++i) gv[i] = r * (gv[i] * wv[i] - xv[i] * r * mean);
-    store_n<T, P>(dx + row * d + c, gv);
+    for (int i = 0; i < P; ++i) out[i] = r * (o.dy[i] * o.w[i] - o.x[i] * r * mean);
+    store_n<T, P>(dx + row * d + c, out);
   }
 }
 
