@@ -17,6 +17,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 status=$?
 # The training tests read configs/ from the source tree they were built in: run from here.
 MOETRAIN_SOURCE_DIR="$PWD" "$bundle/test_cuda_train" >>"$out/test_cuda_ops.log" 2>&1 || status=1
+# NCCL: one GPU, and two when present (collectives, then 2-GPU training against 1 GPU).
+MOETRAIN_SOURCE_DIR="$PWD" MOETRAIN_BIN="$bundle/moetrain" "$bundle/test_cuda_dist" \
+  >>"$out/test_cuda_ops.log" 2>&1 || status=1
 grep -E "^\[ *(OK|FAILED) *\]|Failure|error|seed" "$out/test_cuda_ops.log" | grep -v "listed below" | tail -40
 # The README's main job, on the GPU (hardware.device = auto picks it).
 "$bundle/moetrain" train --config configs/tiny.toml --set train.log_every=100 \

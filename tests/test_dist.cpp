@@ -14,6 +14,7 @@
 #include <nlohmann/json.hpp>
 
 #include "dist/communicator.h"
+#include "processes.h"
 #include "dist/mesh.h"
 #include "moe/expert_exchange.h"
 #include "train/checkpoint.h"
@@ -335,25 +336,10 @@ TEST(DistCheckpoint, ShardedResumeIsBitIdenticalAndWorldMismatchIsNamed) {
 namespace mt {
 namespace {
 
-struct Proc {
-  int code;
-  std::string output;
-};
-Proc run_cmd(const std::string& cmd) {
-  const std::string out = (std::filesystem::temp_directory_path() / "mt_launch_out.txt").string();
-  const int status = std::system((cmd + " >" + out + " 2>&1").c_str());
-  std::ifstream in(out);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1,
-          std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>())};
-}
+using testing::Proc;
+using testing::run_cmd;
 
-std::vector<double> losses(const std::string& metrics) {
-  std::ifstream in(metrics);
-  std::vector<double> l;
-  std::string line;
-  while (std::getline(in, line)) l.push_back(nlohmann::json::parse(line).at("loss").get<double>());
-  return l;
-}
+std::vector<double> losses(const std::string& metrics) { return testing::metric(metrics, "loss"); }
 
 const std::string kLaunchArgs = std::string(" train --config ") + MOETRAIN_SOURCE_DIR +
                                 "/configs/tiny.toml --set parallel.ep=2 --set train.batch_rows=2"

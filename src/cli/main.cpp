@@ -19,6 +19,9 @@
 #if MOETRAIN_HAS_CUDA
 #include "ops/cuda/device.h"
 #endif
+#if MOETRAIN_HAS_NCCL
+#include "dist/nccl_backend.h"
+#endif
 
 namespace {
 
@@ -33,8 +36,10 @@ void add_config_options(CLI::App* cmd, ConfigArgs& a) {
 }
 
 // Resolves hardware.device: "auto" takes the GPU when one is visible and the run is one rank
-// in f32 (several GPU ranks need NCCL, not built yet; f64 is a CPU-only check mode).
-void choose_device(mt::Config& c) {
+// in f32 (f64 is a CPU-only check mode). Several GPU ranks (NCCL, one process per GPU) are
+// asked for explicitly with hardware.device = "cuda" under `moetrain launch` or torchrun: that
+// path has not yet been proven on two GPUs, so "auto" does not pick it.
+void choose_device(mt::Config& c, bool launched) {
   int gpus = 0;
 #if MOETRAIN_HAS_CUDA
   gpus = mt::cuda::device_count();
@@ -42,11 +47,20 @@ void choose_device(mt::Config& c) {
   if (c.hardware.device == "cuda" && gpus == 0)
     throw mt::ConfigError(
         "config: hardware.device = \"cuda\" but no GPU is visible (valid here: auto, cpu)");
-  if (c.hardware.device == "cuda" && c.parallel.world > 1)
+  if (c.hardware.device == "cuda" && c.parallel.world > 1) {
+#if MOETRAIN_HAS_NCCL
+    if (!launched)
+      throw mt::ConfigError(fmt::format(
+          "config: hardware.device = \"cuda\" with parallel.world = {} needs one process per "
+          "GPU: moetrain launch -n {} -- train ... (or torchrun)",
+          c.parallel.world, c.parallel.world));
+#else
     throw mt::ConfigError(fmt::format(
-        "config: hardware.device = \"cuda\" with parallel.world = {} needs the NCCL backend, "
-        "which is not built yet (valid: parallel.world = 1, or hardware.device = \"cpu\")",
+        "config: hardware.device = \"cuda\" with parallel.world = {} needs NCCL, which this "
+        "build lacks (valid: parallel.world = 1, or hardware.device = \"cpu\")",
         c.parallel.world));
+#endif
+  }
   if (c.hardware.device != "auto") return;
   const bool gpu_ok = gpus > 0 && c.parallel.world == 1 && c.model.compute_dtype == mt::DType::kF32;
   c.hardware.device = gpu_ok ? "cuda" : "cpu";
@@ -72,7 +86,7 @@ int run_train(const ConfigArgs& a, int64_t steps, const std::string& metrics,
   if (rdv && c.parallel.world != rdv->world)
     throw mt::ConfigError(fmt::format("config: parallel.world = {} but WORLD_SIZE = {}",
                                       c.parallel.world, rdv->world));
-  choose_device(c);
+  choose_device(c, rdv.has_value());
   mt::RunOptions opt;
   if (steps > 0) opt.steps = steps;
   opt.metrics_path = metrics;
@@ -90,6 +104,13 @@ int run_train(const ConfigArgs& a, int64_t steps, const std::string& metrics,
     train(nullptr);
   } else if (rdv) {
     const auto world = mt::dist::connect_socket_world(*rdv);
+#if MOETRAIN_HAS_NCCL
+    if (c.hardware.device == "cuda") {  // NCCL on the GPUs; TCP carried its id
+      const auto gpus = mt::dist::connect_nccl_world(*rdv, *world);
+      train(gpus.get());
+      return 0;
+    }
+#endif
     train(world.get());
   } else {
     // CPU ranks as threads of this process (the in-process backend).

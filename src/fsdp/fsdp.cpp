@@ -9,18 +9,31 @@ void shard_group(ParamGroup& g, dist::Communicator& comm) {
   const int64_t n = comm.size();
   const int64_t chunk = (g.numel + n - 1) / n;
   g.comm = &comm;
-  g.shard = Tensor::zeros({chunk}, g.params.dtype());
+  const Device device = g.params.device();
+  g.shard = Tensor::zeros({chunk}, g.params.dtype(), device);
   const int64_t begin = comm.rank() * chunk;
   const int64_t end = std::min(begin + chunk, g.numel);
   if (end > begin) g.shard.view(0, {end - begin}).copy_from(g.params.view(begin, {end - begin}));
-  g.grad_shard = Tensor::zeros({chunk}, g.params.dtype());
+  g.grad_shard = Tensor::zeros({chunk}, g.params.dtype(), device);
   g.params = Tensor();
   g.grads = Tensor();
 }
 
 void gather(ParamGroup& g) {
   if (g.sharded()) {
-    g.params = Tensor::empty({g.shard.numel() * g.comm->size()}, g.shard.dtype());
+    const Shape full{g.shard.numel() * g.comm->size()};
+    const Device device = g.shard.device();
+    if (g.compute_dtype != g.shard.dtype()) {
+      // Mixed precision: only the compute copy is gathered, in its own dtype (bf16: half the
+      // bytes of the fp32 master); the ops read nothing else.
+      Tensor mine = Tensor::empty(g.shard.shape(), g.compute_dtype, device);
+      ops::convert(g.shard, mine);
+      g.compute = Tensor::empty(full, g.compute_dtype, device);
+      g.comm->all_gather(mine, g.compute);
+      g.compute_current = true;
+      return;
+    }
+    g.params = Tensor::empty(full, g.shard.dtype(), device);
     g.comm->all_gather(g.shard, g.params);
   }
   if (g.compute_dtype != g.params.dtype() && !g.compute_current) {  // the ops read a cast copy
@@ -48,7 +61,7 @@ void begin_backward(ParamGroup& g) {
 
 void reduce_gradients(ParamGroup& g, double divide_factor) {
   if (!g.sharded()) return;
-  Tensor mine = Tensor::empty(g.grad_shard.shape(), g.grad_shard.dtype());
+  Tensor mine = Tensor::empty(g.grad_shard.shape(), g.grad_shard.dtype(), g.grad_shard.device());
   g.comm->reduce_scatter(g.grads, mine);
   if (divide_factor != 1.0) ops::scale_(mine, 1.0 / divide_factor);
   ops::add_(g.grad_shard, mine);

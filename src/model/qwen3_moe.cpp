@@ -42,8 +42,6 @@ Qwen3Moe::Qwen3Moe(const ModelConfig& c, uint64_t seed, dist::DeviceMesh* mesh)
     if (mesh->world().size() > 1) comms_.batch = &mesh->world();
   }
   const DType dt = cfg_.master_dtype();
-  MT_CHECK(!(mesh && cfg_.on_gpu() && mesh->world().size() > 1),
-           "several ranks on the GPU need the NCCL backend, which is not built yet");
   ParamUnit embed{"embed", {}};
   embed.groups.push_back(
       make_param_group(ParamKind::kDense, {{"embed.table", {c.vocab_size, c.dim}}}, dt));

@@ -16,10 +16,11 @@ namespace mt::moe {
 
 class ExpertExchange {
  public:
-  // expert_offsets: i64 (E + 1) of the local permutation. Collective over `ep`.
+  // expert_offsets: i64 (E + 1) of the local permutation, on the rows' device (read back to the
+  // host for the counts). Collective over `ep`.
   ExpertExchange(dist::Communicator& ep, const Tensor& expert_offsets);
 
-  int64_t received_rows() const { return static_cast<int64_t>(expert_major_source_.size()); }
+  int64_t received_rows() const { return received_rows_; }
   // i64 (E/ep + 1): rows of local expert e are [off[e], off[e+1]) of dispatch's output.
   const Tensor& local_offsets() const { return local_offsets_; }
 
@@ -32,9 +33,12 @@ class ExpertExchange {
   dist::Communicator* ep_;
   std::vector<int64_t> send_rows_;  // per peer
   std::vector<int64_t> recv_rows_;  // per peer
-  // Byte layout of the receive buffer: peer 0's rows (its rows for local expert 0, then 1, ...),
-  // then peer 1's, ... Expert-major row i is receive-buffer row expert_major_source_[i].
-  std::vector<int64_t> expert_major_source_;
+  // Layout of the receive buffer: peer 0's rows (its rows for local expert 0, then 1, ...), then
+  // peer 1's, ... Expert-major row i is receive-buffer row expert_major_source_[i], and
+  // receive-buffer row j is expert-major row source_major_source_[j] (i32, on the rows' device).
+  int64_t received_rows_ = 0;
+  Tensor expert_major_source_;
+  Tensor source_major_source_;
   Tensor local_offsets_;
 };
 

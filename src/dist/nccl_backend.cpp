@@ -1,0 +1,277 @@
+#include "dist/nccl_backend.h"
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <mutex>
+#include <numeric>
+#include <string>
+#include <thread>
+
+#include "core/cuda_check.h"
+
+namespace mt::dist {
+
+namespace {
+
+#define MT_NCCL_CHECK(expr)                                                                 \
+  do {                                                                                      \
+    const ncclResult_t mt_nccl_ = (expr);                                                   \
+    if (mt_nccl_ != ncclSuccess)                                                            \
+      throw ::mt::Error(::mt::ExitCode::kInternal,                                          \
+                        fmt::format("NCCL error {} in {} at {}:{}: {}",                     \
+                                    ncclGetErrorString(mt_nccl_), #expr, __FILE__, __LINE__, \
+                                    ncclGetLastError(nullptr)));                            \
+  } while (0)
+
+ncclDataType_t nccl_type(DType t) {
+  switch (t) {
+    case DType::kF32:
+      return ncclFloat32;
+    case DType::kF64:
+      return ncclFloat64;
+    case DType::kBF16:
+      return ncclBfloat16;
+    case DType::kI32:
+      return ncclInt32;
+    case DType::kI64:
+      return ncclInt64;
+    case DType::kU8:
+      return ncclUint8;
+    default:
+      MT_CHECK(false, "NCCL collectives take f32, f64, bf16, i32, i64 or u8, not {}",
+               dtype_name(t));
+  }
+}
+
+// The GPU tensor a collective reads or writes: t itself when it is on the GPU, else a device
+// copy (inputs) or device scratch (outputs) that finish_on_host copies back.
+Tensor device_operand(const Tensor& t, bool copy_in) {
+  if (t.device() == Device::kCUDA) return t;
+  return copy_in ? t.to(Device::kCUDA) : Tensor::empty(t.shape(), t.dtype(), Device::kCUDA);
+}
+
+void finish_on_host(const Tensor& device_result, Tensor& out) {
+  if (out.device() == Device::kCPU) out.copy_from(device_result.to(Device::kCPU));
+}
+
+constexpr cudaStream_t kStream = nullptr;  // in order with the compute kernels
+
+class NcclCommunicator final : public Communicator {
+ public:
+  NcclCommunicator(ncclComm_t comm, int device, double timeout_s)
+      : comm_(comm), device_(device), timeout_s_(timeout_s) {
+    MT_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
+    MT_NCCL_CHECK(ncclCommCount(comm_, &size_));
+    watchdog_ = std::thread([this] { watch(); });
+  }
+
+  ~NcclCommunicator() override {
+    {
+      const std::lock_guard lock(mutex_);
+      stop_ = true;
+    }
+    wake_.notify_all();
+    watchdog_.join();
+    if (aborted_) return;  // the watchdog released the communicator already
+    cudaDeviceSynchronize();
+    ncclCommDestroy(comm_);
+    for (const Pending& p : pending_) cudaEventDestroy(p.done);
+    for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
+  }
+
+  int rank() const override { return rank_; }
+  int size() const override { return size_; }
+
+  void all_gather(const Tensor& send, Tensor& recv) override {
+    MT_CHECK(recv.numel() == send.numel() * size_ && recv.dtype() == send.dtype(),
+             "all_gather of {} {} into {} {}", dtype_name(send.dtype()), shape_str(send.shape()),
+             dtype_name(recv.dtype()), shape_str(recv.shape()));
+    begin("all_gather");
+    const Tensor s = device_operand(send, true);
+    Tensor r = device_operand(recv, false);
+    MT_NCCL_CHECK(ncclAllGather(s.raw(), r.raw(), static_cast<size_t>(send.numel()),
+                                nccl_type(send.dtype()), comm_, kStream));
+    end("all_gather");
+    finish_on_host(r, recv);
+  }
+
+  void reduce_scatter(const Tensor& send, Tensor& recv) override {
+    MT_CHECK(send.numel() == recv.numel() * size_ && recv.dtype() == send.dtype(),
+             "reduce_scatter of {} {} into {} {}", dtype_name(send.dtype()),
+             shape_str(send.shape()), dtype_name(recv.dtype()), shape_str(recv.shape()));
+    begin("reduce_scatter");
+    const Tensor s = device_operand(send, true);
+    Tensor r = device_operand(recv, false);
+    MT_NCCL_CHECK(ncclReduceScatter(s.raw(), r.raw(), static_cast<size_t>(recv.numel()),
+                                    nccl_type(send.dtype()), ncclSum, comm_, kStream));
+    end("reduce_scatter");
+    finish_on_host(r, recv);
+  }
+
+  void all_reduce(Tensor& t) override {
+    begin("all_reduce");
+    Tensor d = device_operand(t, true);
+    MT_NCCL_CHECK(ncclAllReduce(d.raw(), d.raw(), static_cast<size_t>(t.numel()),
+                                nccl_type(t.dtype()), ncclSum, comm_, kStream));
+    end("all_reduce");
+    finish_on_host(d, t);
+  }
+
+  void all_to_all(const Tensor& send, const std::vector<int64_t>& send_rows, Tensor& recv,
+                  const std::vector<int64_t>& recv_rows) override {
+    MT_CHECK(static_cast<int>(send_rows.size()) == size_ &&
+                 static_cast<int>(recv_rows.size()) == size_ && send.dtype() == recv.dtype(),
+             "all_to_all needs one row count per peer ({} peers)", size_);
+    const int64_t sent = std::accumulate(send_rows.begin(), send_rows.end(), int64_t{0});
+    const int64_t received = std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0});
+    const int64_t width = sent > 0 ? send.numel() / sent : received > 0 ? recv.numel() / received : 0;
+    MT_CHECK(send.numel() == sent * width && recv.numel() == received * width,
+             "all_to_all of {} rows ({} elements) into {} rows ({} elements)", sent, send.numel(),
+             received, recv.numel());
+    begin("all_to_all");
+    const Tensor s = device_operand(send, true);
+    Tensor r = device_operand(recv, false);
+    const size_t row_bytes = static_cast<size_t>(width) * dtype_size(send.dtype());
+    const ncclDataType_t type = nccl_type(send.dtype());
+    const char* s_at = static_cast<const char*>(s.raw());
+    char* r_at = static_cast<char*>(r.raw());
+    MT_NCCL_CHECK(ncclGroupStart());
+    for (int p = 0; p < size_; ++p) {
+      if (send_rows[p] > 0)
+        MT_NCCL_CHECK(ncclSend(s_at, static_cast<size_t>(send_rows[p] * width), type, p, comm_,
+                               kStream));
+      if (recv_rows[p] > 0)
+        MT_NCCL_CHECK(ncclRecv(r_at, static_cast<size_t>(recv_rows[p] * width), type, p, comm_,
+                               kStream));
+      s_at += send_rows[p] * row_bytes;
+      r_at += recv_rows[p] * row_bytes;
+    }
+    MT_NCCL_CHECK(ncclGroupEnd());
+    end("all_to_all");
+    finish_on_host(r, recv);
+  }
+
+  void barrier() override {
+    Tensor token = Tensor::zeros({1}, DType::kF32, Device::kCUDA);
+    all_reduce(token);
+    MT_CUDA_CHECK(cudaStreamSynchronize(kStream));
+    begin("barrier");  // surfaces a failure the watchdog found meanwhile
+  }
+
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    begin("split");
+    ncclComm_t sub = nullptr;
+    MT_NCCL_CHECK(ncclCommSplit(comm_, color, key, &sub, nullptr));
+    MT_CHECK(sub != nullptr, "ncclCommSplit gave no communicator for color {}", color);
+    return std::make_unique<NcclCommunicator>(sub, device_, timeout_s_);
+  }
+
+ private:
+  struct Pending {
+    cudaEvent_t done;
+    const char* what;
+    std::chrono::steady_clock::time_point issued;
+  };
+
+  // Throws when the watchdog has aborted the communicator.
+  void begin(const char* what) {
+    const std::lock_guard lock(mutex_);
+    if (!failure_.empty())
+      throw Error(ExitCode::kInternal,
+                  fmt::format("NCCL {} on rank {} of {}: the communicator was aborted: {}", what,
+                              rank_, size_, failure_));
+  }
+
+  // Hands the collective's completion event to the watchdog.
+  void end(const char* what) {
+    const std::lock_guard lock(mutex_);
+    cudaEvent_t e = nullptr;
+    if (free_events_.empty()) {
+      MT_CUDA_CHECK(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
+    } else {
+      e = free_events_.back();
+      free_events_.pop_back();
+    }
+    MT_CUDA_CHECK(cudaEventRecord(e, kStream));
+    pending_.push_back({e, what, std::chrono::steady_clock::now()});
+  }
+
+  void watch() {
+    cudaSetDevice(device_);
+    std::unique_lock lock(mutex_);
+    while (!stop_) {
+      wake_.wait_for(lock, std::chrono::milliseconds(100));
+      while (!pending_.empty() && cudaEventQuery(pending_.front().done) == cudaSuccess) {
+        free_events_.push_back(pending_.front().done);
+        pending_.pop_front();
+      }
+      std::string cause;
+      ncclResult_t async = ncclSuccess;
+      if (ncclCommGetAsyncError(comm_, &async) == ncclSuccess && async != ncclSuccess &&
+          async != ncclInProgress) {
+        cause = fmt::format("NCCL reported {} ({})", ncclGetErrorString(async),
+                            ncclGetLastError(comm_));
+      } else if (!pending_.empty()) {
+        const double waited = std::chrono::duration<double>(std::chrono::steady_clock::now() -
+                                                            pending_.front().issued)
+                                  .count();
+        if (waited > timeout_s_)
+          cause = fmt::format(
+              "{} did not finish within {:.0f} s (a peer died, hangs, or is in another "
+              "collective; MOETRAIN_TIMEOUT_S sets the limit)",
+              pending_.front().what, timeout_s_);
+      }
+      if (cause.empty()) continue;
+      failure_ = cause;
+      ncclCommAbort(comm_);  // the stuck kernels return; the next collective throws
+      aborted_ = true;
+      return;
+    }
+  }
+
+  ncclComm_t comm_;
+  int device_;
+  int rank_ = 0, size_ = 1;
+  double timeout_s_;
+  std::mutex mutex_;
+  std::condition_variable wake_;
+  std::deque<Pending> pending_;
+  std::vector<cudaEvent_t> free_events_;
+  std::string failure_;
+  bool stop_ = false;
+  bool aborted_ = false;
+  std::thread watchdog_;
+};
+
+}  // namespace
+
+std::unique_ptr<Communicator> connect_nccl_world(const Rendezvous& r, Communicator& bootstrap) {
+  MT_CHECK(bootstrap.size() == r.world && bootstrap.rank() == r.rank,
+           "bootstrap communicator is rank {} of {}, the rendezvous says {} of {}",
+           bootstrap.rank(), bootstrap.size(), r.rank, r.world);
+  int gpus = 0;
+  if (cudaGetDeviceCount(&gpus) != cudaSuccess) gpus = 0;
+  if (r.local_rank >= gpus)
+    throw ConfigError(fmt::format(
+        "LOCAL_RANK = {} but this host shows {} GPU(s): one process per GPU (valid: 0 to {})",
+        r.local_rank, gpus, gpus - 1));
+  MT_CUDA_CHECK(cudaSetDevice(r.local_rank));
+  ncclUniqueId id{};
+  if (r.rank == 0) MT_NCCL_CHECK(ncclGetUniqueId(&id));
+  const int64_t id_bytes = sizeof(id);
+  Tensor mine = Tensor::zeros({id_bytes}, DType::kU8);
+  std::memcpy(mine.raw(), &id, sizeof(id));
+  Tensor all = Tensor::empty({id_bytes * r.world}, DType::kU8);
+  bootstrap.all_gather(mine, all);
+  std::memcpy(&id, all.raw(), sizeof(id));  // rank 0's
+  ncclComm_t comm = nullptr;
+  MT_NCCL_CHECK(ncclCommInitRank(&comm, r.world, id, r.rank));
+  return std::make_unique<NcclCommunicator>(comm, r.local_rank, r.timeout_s);
+}
+
+}  // namespace mt::dist

@@ -1,0 +1,37 @@
+// Test helpers for whole runs of the moetrain binary: run a command, read a metrics file.
+#pragma once
+#include <sys/wait.h>
+
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <string>
+#include <vector>
+
+namespace mt::testing {
+
+struct Proc {
+  int code;
+  std::string output;  // stdout and stderr together
+};
+
+inline Proc run_cmd(const std::string& cmd) {
+  const std::string out = (std::filesystem::temp_directory_path() / "mt_launch_out.txt").string();
+  const int status = std::system((cmd + " >" + out + " 2>&1").c_str());
+  std::ifstream in(out);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1,
+          std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>())};
+}
+
+// One value per step from a --metrics file (JSON lines).
+inline std::vector<double> metric(const std::string& metrics_path, const char* key) {
+  std::ifstream in(metrics_path);
+  std::vector<double> values;
+  std::string line;
+  while (std::getline(in, line))
+    values.push_back(nlohmann::json::parse(line).at(key).get<double>());
+  return values;
+}
+
+}  // namespace mt::testing
