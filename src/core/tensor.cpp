@@ -7,6 +7,7 @@
 #include <limits>
 #include <map>
 #include <mutex>
+#include <unordered_map>
 #include <vector>
 
 #include "core/cuda_check.h"
@@ -15,16 +16,19 @@ namespace mt {
 
 namespace {
 
-// One allocator per device (DESIGN.md §3), counting the bytes of live tensors. The CPU one is
-// aligned malloc. The CUDA one caches freed blocks by rounded size and reuses them, so a
-// training step's allocations stop reaching cudaMalloc (and its implicit syncs) after step 1.
+// One allocator per device kind (DESIGN.md §3), counting the bytes of live tensors. The CPU one
+// is aligned malloc. The CUDA one caches freed blocks by (GPU, rounded size) and reuses them, so
+// a training step's allocations stop reaching cudaMalloc (and its implicit syncs) after step 1;
+// the GPU is the calling thread's current one (a process drives one GPU, or one per thread in the
+// NCCL tests).
 struct DeviceAllocator {
   explicit DeviceAllocator(Device d) : device(d) {}
   const Device device;
   std::atomic<int64_t> current{0};
   std::atomic<int64_t> peak{0};
   std::mutex mu;
-  std::map<size_t, std::vector<void*>> cached;  // CUDA: free blocks by rounded size
+  std::map<std::pair<int, size_t>, std::vector<void*>> cached;  // CUDA: free blocks by (GPU, size)
+  std::unordered_map<void*, int> gpu_of;                         // CUDA: live blocks' GPU
 
   static size_t rounded(size_t bytes) {
     const size_t unit = bytes < (1u << 20) ? 512 : (2u << 20);  // small: 512 B, large: 2 MiB
@@ -53,14 +57,16 @@ struct DeviceAllocator {
       return;
     }
     std::lock_guard<std::mutex> lock(mu);
-    cached[rounded(bytes)].push_back(p);
+    cached[{gpu_of.at(p), rounded(bytes)}].push_back(p);
   }
 
   void* allocate_cuda(size_t size) {
 #if MOETRAIN_HAS_CUDA
+    int gpu = 0;
+    MT_CUDA_CHECK(cudaGetDevice(&gpu));
     {
       std::lock_guard<std::mutex> lock(mu);
-      auto it = cached.find(size);
+      auto it = cached.find({gpu, size});
       if (it != cached.end() && !it->second.empty()) {
         void* p = it->second.back();
         it->second.pop_back();
@@ -69,14 +75,21 @@ struct DeviceAllocator {
     }
     void* p = nullptr;
     if (cudaMalloc(&p, size) != cudaSuccess) {
-      // Out of memory: give the cache back to the driver and try once more.
+      // Out of memory: give this GPU's cache back to the driver and try once more.
       (void)cudaGetLastError();
       std::lock_guard<std::mutex> lock(mu);
-      for (auto& [_, blocks] : cached)
-        for (void* b : blocks) cudaFree(b);
-      cached.clear();
+      for (auto& [key, blocks] : cached)
+        if (key.first == gpu) {
+          for (void* b : blocks) {
+            cudaFree(b);
+            gpu_of.erase(b);
+          }
+          blocks.clear();
+        }
       MT_CUDA_CHECK(cudaMalloc(&p, size));
     }
+    std::lock_guard<std::mutex> lock(mu);
+    gpu_of[p] = gpu;
     return p;
 #else
     (void)size;
