@@ -27,7 +27,7 @@ grep -E "^\[ *(OK|FAILED) *\]|Failure|error|seed" "$out/test_cuda_ops.log" | gre
 tail -2 "$out/tiny_gpu.log"
 # Benchmarks: GPU_CHECK_BENCH lists which (default all; 0 for none), GPU_CHECK_LAYERS the layer
 # counts of the full-model step.
-benches=",${GPU_CHECK_BENCH:-gemm,attention,moe,model},"
+benches=",${GPU_CHECK_BENCH:-gemm,attention,exchange,moe,model},"
 run_bench() {  # name, command...: JSON lines to bench.jsonl, failures named on stdout
   local name=$1
   shift
@@ -42,6 +42,9 @@ fi
 if [[ $benches == *,attention,* ]]; then
   run_bench bench_attention "$bundle/bench_attention"
   run_bench attention_torch python3 bench/attention_torch.py
+fi
+if [[ $benches == *,exchange,* ]]; then  # two or more GPUs
+  run_bench bench_expert_exchange "$bundle/bench_expert_exchange"
 fi
 if [[ $benches == *,moe,* ]]; then
   run_bench bench_moe_layer "$bundle/bench_moe_layer"

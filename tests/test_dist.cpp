@@ -14,9 +14,9 @@
 #include <nlohmann/json.hpp>
 
 #include "dist/communicator.h"
-#include "processes.h"
 #include "dist/mesh.h"
 #include "moe/expert_exchange.h"
+#include "processes.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
 
@@ -339,7 +339,9 @@ namespace {
 using testing::Proc;
 using testing::run_cmd;
 
-std::vector<double> losses(const std::string& metrics) { return testing::metric(metrics, "loss"); }
+std::vector<double> losses(const std::string& metrics) {
+  return testing::metric(metrics, "loss");
+}
 
 const std::string kLaunchArgs = std::string(" train --config ") + MOETRAIN_SOURCE_DIR +
                                 "/configs/tiny.toml --set parallel.ep=2 --set train.batch_rows=2"

@@ -28,7 +28,7 @@ struct DeviceAllocator {
   std::atomic<int64_t> peak{0};
   std::mutex mu;
   std::map<std::pair<int, size_t>, std::vector<void*>> cached;  // CUDA: free blocks by (GPU, size)
-  std::unordered_map<void*, int> gpu_of;                         // CUDA: live blocks' GPU
+  std::unordered_map<void*, int> gpu_of;                        // CUDA: live blocks' GPU
 
   static size_t rounded(size_t bytes) {
     const size_t unit = bytes < (1u << 20) ? 512 : (2u << 20);  // small: 512 B, large: 2 MiB

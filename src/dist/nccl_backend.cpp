@@ -18,14 +18,14 @@ namespace mt::dist {
 
 namespace {
 
-#define MT_NCCL_CHECK(expr)                                                                 \
-  do {                                                                                      \
-    const ncclResult_t mt_nccl_ = (expr);                                                   \
-    if (mt_nccl_ != ncclSuccess)                                                            \
-      throw ::mt::Error(::mt::ExitCode::kInternal,                                          \
-                        fmt::format("NCCL error {} in {} at {}:{}: {}",                     \
-                                    ncclGetErrorString(mt_nccl_), #expr, __FILE__, __LINE__, \
-                                    ncclGetLastError(nullptr)));                            \
+#define MT_NCCL_CHECK(expr)                                                                    \
+  do {                                                                                         \
+    const ncclResult_t mt_nccl_ = (expr);                                                      \
+    if (mt_nccl_ != ncclSuccess)                                                               \
+      throw ::mt::Error(                                                                       \
+          ::mt::ExitCode::kInternal,                                                           \
+          fmt::format("NCCL error {} in {} at {}:{}: {}", ncclGetErrorString(mt_nccl_), #expr, \
+                      __FILE__, __LINE__, ncclGetLastError(nullptr)));                         \
   } while (0)
 
 ncclDataType_t nccl_type(DType t) {
@@ -129,7 +129,9 @@ class NcclCommunicator final : public Communicator {
              "all_to_all needs one row count per peer ({} peers)", size_);
     const int64_t sent = std::accumulate(send_rows.begin(), send_rows.end(), int64_t{0});
     const int64_t received = std::accumulate(recv_rows.begin(), recv_rows.end(), int64_t{0});
-    const int64_t width = sent > 0 ? send.numel() / sent : received > 0 ? recv.numel() / received : 0;
+    const int64_t width = sent > 0       ? send.numel() / sent
+                          : received > 0 ? recv.numel() / received
+                                         : 0;
     MT_CHECK(send.numel() == sent * width && recv.numel() == received * width,
              "all_to_all of {} rows ({} elements) into {} rows ({} elements)", sent, send.numel(),
              received, recv.numel());
@@ -143,11 +145,11 @@ class NcclCommunicator final : public Communicator {
     MT_NCCL_CHECK(ncclGroupStart());
     for (int p = 0; p < size_; ++p) {
       if (send_rows[p] > 0)
-        MT_NCCL_CHECK(ncclSend(s_at, static_cast<size_t>(send_rows[p] * width), type, p, comm_,
-                               kStream));
+        MT_NCCL_CHECK(
+            ncclSend(s_at, static_cast<size_t>(send_rows[p] * width), type, p, comm_, kStream));
       if (recv_rows[p] > 0)
-        MT_NCCL_CHECK(ncclRecv(r_at, static_cast<size_t>(recv_rows[p] * width), type, p, comm_,
-                               kStream));
+        MT_NCCL_CHECK(
+            ncclRecv(r_at, static_cast<size_t>(recv_rows[p] * width), type, p, comm_, kStream));
       s_at += send_rows[p] * row_bytes;
       r_at += recv_rows[p] * row_bytes;
     }
