@@ -3,11 +3,13 @@
 // log-sum-exp laid out (N, H) like the reference's.
 //
 // A graph is built once per shape and cached: the document count is padded to a power of two
-// (empty documents past the real ones) and the longest document to a power of two, so a run
-// with varying packing builds a handful of graphs, not one per step. The ragged offsets and
-// lengths come from the device boundaries through one small kernel: no host sync.
+// (empty documents past the real ones) and the longest document to a power of two (at most the
+// token count), so a run with varying packing builds a handful of graphs, not one per step. The
+// ragged offsets and lengths come from the device boundaries through one small kernel: no host
+// sync.
 #include <cudnn_frontend.h>
 
+#include <algorithm>
 #include <bit>
 #include <map>
 #include <memory>
@@ -203,7 +205,7 @@ SdpaShape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, const ops:
            "cuDNN attention: {} tokens x {} heads overflow its 32-bit ragged offsets", q.dim(0),
            q.dim(1));
   return {padded_pow2(docs.cu_seqlens.numel() - 1, 1),
-          padded_pow2(docs.max_length, 64),
+          std::min(padded_pow2(docs.max_length, 64), q.dim(0)),  // never past the tokens
           q.dim(0),
           q.dim(1),
           k.dim(1),
