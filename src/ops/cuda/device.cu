@@ -1,5 +1,5 @@
-// GPU discovery. The CUDA kernels of every op arrive with the CUDA backend; until then this is
-// what lets the trainer tell "no GPU" from "GPU present, kernels not built".
+// GPU discovery and the whole-device wait: what the CLI and the profiler need without pulling in
+// the kernels' headers.
 #include <cuda_runtime.h>
 
 #include "ops/cuda/device.h"
