@@ -69,6 +69,11 @@ int main() {
   report("grouped_gemm_dw", shape, flops,
          mt::bench::median_ms([&] { mt::ops::grouped_gemm_backward_weight(x, dy, off, dw); }),
          ceiling);
+  // The trainer's first write of a step: beta 0, no read of the f32 gradient.
+  report("grouped_gemm_dw_overwrite", shape, flops, mt::bench::median_ms([&] {
+           mt::ops::grouped_gemm_backward_weight(x, dy, off, dw, mt::ops::Accumulate::kNo);
+         }),
+         ceiling);
   const int64_t* o = off.data<int64_t>();
   const int ne = static_cast<int>(experts);
   report("grouped_gemm_forward_v1", shape, flops, mt::bench::median_ms([&] {
