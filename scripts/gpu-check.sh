@@ -17,9 +17,10 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 status=$?
 # The training tests read configs/ from the source tree they were built in: run from here.
 MOETRAIN_SOURCE_DIR="$PWD" "$bundle/test_cuda_train" >>"$out/test_cuda_ops.log" 2>&1 || status=1
-# NCCL: one GPU, and two when present (collectives, then 2-GPU training against 1 GPU).
-MOETRAIN_SOURCE_DIR="$PWD" MOETRAIN_BIN="$bundle/moetrain" "$bundle/test_cuda_dist" \
-  >>"$out/test_cuda_ops.log" 2>&1 || status=1
+# NCCL: one GPU, and two when present (collectives, then 2-GPU training against 1 GPU); a hang
+# is cut off rather than eating the machine's time.
+MOETRAIN_SOURCE_DIR="$PWD" MOETRAIN_BIN="$bundle/moetrain" timeout 300 "$bundle/test_cuda_dist" \
+  >>"$out/test_cuda_ops.log" 2>&1 || { status=1; echo "test_cuda_dist failed or timed out"; }
 grep -E "^\[ *(OK|FAILED) *\]|Failure|error|seed" "$out/test_cuda_ops.log" | grep -v "listed below" | tail -40
 # The README's main job, on the GPU (hardware.device = auto picks it).
 "$bundle/moetrain" train --config configs/tiny.toml --set train.log_every=100 \
@@ -44,7 +45,7 @@ if [[ $benches == *,attention,* ]]; then
   run_bench attention_torch python3 bench/attention_torch.py
 fi
 if [[ $benches == *,exchange,* ]]; then  # two or more GPUs
-  run_bench bench_expert_exchange "$bundle/bench_expert_exchange"
+  run_bench bench_expert_exchange timeout 300 "$bundle/bench_expert_exchange"
 fi
 if [[ $benches == *,moe,* ]]; then
   run_bench bench_moe_layer "$bundle/bench_moe_layer"
