@@ -15,6 +15,7 @@
 
 #include "dist/communicator.h"
 #include "dist/mesh.h"
+#include "fsdp/fsdp.h"
 #include "moe/expert_exchange.h"
 #include "processes.h"
 #include "train/checkpoint.h"
@@ -128,6 +129,33 @@ TEST(Mesh, GroupsAndValidation) {
   });
   EXPECT_THROW((dist::MeshShape{4, 3}.validate(12)), ConfigError);
   EXPECT_THROW((dist::MeshShape{4, 4}.validate(6)), ConfigError);
+}
+
+// Mixed precision: a sharded group gathers only its compute copy, in the compute dtype (bf16),
+// equal to the cast of the full fp32 parameters; an expert group's gradient buffer starts
+// unwritten (the first GEMM overwrites it), a dense one zeroed.
+TEST(Fsdp, MixedPrecisionGathersTheBf16CopyOnly) {
+  std::mutex mu;
+  run_in_process(2, [&](Communicator& c) {
+    ParamGroup g = make_param_group(ParamKind::kExpert, {{"w", {5, 3}}, {"v", {4}}}, DType::kF32);
+    for (int64_t i = 0; i < g.numel; ++i) g.params.set_item(i, 0.1 * i + 1.0 / 3.0);
+    const Tensor full = g.params.clone();
+    place_group(g, Device::kCPU, DType::kBF16);
+    fsdp::shard_group(g, c);
+    fsdp::gather(g);
+    std::lock_guard<std::mutex> lock(mu);
+    EXPECT_FALSE(g.params.defined());  // no fp32 gather
+    ASSERT_TRUE(g.compute.defined());
+    EXPECT_EQ(g.compute.dtype(), DType::kBF16);
+    const Tensor cast = full.to(DType::kBF16);
+    for (int64_t i = 0; i < g.numel; ++i) EXPECT_EQ(g.compute.item(i), cast.item(i)) << i;
+    EXPECT_EQ(g.weight(1).item(3), cast.item(g.specs[1].offset + 3));
+    fsdp::begin_backward(g);
+    EXPECT_TRUE(g.grads_unwritten);
+    fsdp::release(g);
+    EXPECT_FALSE(g.compute.defined());
+    EXPECT_FALSE(g.compute_current);
+  });
 }
 
 TEST(ExpertExchange, DispatchDeliversRowsToOwnersAndCombineInverts) {
