@@ -10,7 +10,7 @@ namespace mt::ops {
 // so the GPU kernels size their grids without reading the boundaries back from the device.
 struct Documents {
   Tensor cu_seqlens;       // i32 (S + 1), on the activations' device
-  int64_t max_length = 0;  // >= every document's length
+  int64_t max_length = 0;  // >= every document's length (the CPU checks; the GPU trusts it)
 };
 // The longest document of host boundaries.
 int64_t max_document_length(const Tensor& cu_seqlens);
