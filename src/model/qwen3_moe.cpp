@@ -77,6 +77,7 @@ void Qwen3Moe::zero_grad() {
         g.grad_shard.zero_();
     }
   for (auto& l : expert_load_) l.zero_();
+  unread_loads_.clear();
 }
 
 Tensor Qwen3Moe::head_weight() const {
@@ -120,10 +121,7 @@ MicroBatchLosses Qwen3Moe::run(const Batch& b, const LossScale* scale) {
     x = block_forward(bind_block_params(unit.groups), c, inputs[l], x, acts[l]);
     fsdp::release(unit);
     out.aux_sum += acts[l].aux_loss;
-    const profile::Phase phase("expert_load");
-    const Tensor counts = acts[l].tokens_per_expert.to(Device::kCPU);
-    const int64_t* routed = counts.data<int64_t>();
-    for (int64_t e = 0; e < c.n_experts; ++e) expert_load_[l].data<int64_t>()[e] += routed[e];
+    unread_loads_.push_back({l, acts[l].tokens_per_expert});  // read once the pass is done
   }
   std::optional<profile::Phase> head_phase(std::in_place, "head");
   fsdp::gather(head);
@@ -134,6 +132,7 @@ MicroBatchLosses Qwen3Moe::run(const Batch& b, const LossScale* scale) {
     out.ce_sum = head_and_loss(b, xf, nullptr);
     fsdp::release(head);
     fsdp::release(embed);
+    fold_expert_loads();
     return out;
   }
 
@@ -172,7 +171,19 @@ MicroBatchLosses Qwen3Moe::run(const Batch& b, const LossScale* scale) {
   Tensor dtable = embed.groups[0].grad(0);
   ops::embedding_backward(b.tokens, dx, dtable);
   fsdp::reduce_gradients(embed, kGradDivideFactor);
+  fold_expert_loads();
   return out;
+}
+
+void Qwen3Moe::fold_expert_loads() {
+  // On the GPU the first copy waits for the whole pass; the step's gradient norm waits there
+  // anyway, so no layer pays a sync of its own.
+  for (const auto& [layer, counts] : unread_loads_) {
+    const Tensor routed = counts.to(Device::kCPU);
+    for (int64_t e = 0; e < cfg_.n_experts; ++e)
+      expert_load_[layer].data<int64_t>()[e] += routed.data<int64_t>()[e];
+  }
+  unread_loads_.clear();
 }
 
 double Qwen3Moe::head_and_loss(const Batch& b, const Tensor& xf, HeadGradients* grads) const {

@@ -6,6 +6,7 @@
 // world, expert groups hold this EP rank's experts sharded over dp_shard_mod_ep, and a unit is
 // gathered just before it runs and released right after (forward and backward alike).
 #pragma once
+#include <utility>
 #include <vector>
 
 #include "dist/mesh.h"
@@ -73,6 +74,10 @@ class Qwen3Moe {
   std::vector<ParamUnit> units_;  // [0] embed, [1..L] layers, [L+1] head
   std::vector<Tensor> router_bias_;
   std::vector<Tensor> expert_load_;
+  // This pass's per-layer routed counts, still on the device: folded into expert_load_ once the
+  // pass is done (one device-to-host wait per pass instead of one per layer).
+  std::vector<std::pair<int64_t, Tensor>> unread_loads_;
+  void fold_expert_loads();
 };
 
 }  // namespace mt
