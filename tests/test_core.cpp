@@ -1,7 +1,11 @@
 #include <bit>
+#include <chrono>
 #include <cmath>
+#include <cstdlib>
+#include <thread>
 
 #include "core/dtype.h"
+#include "core/profile.h"
 #include "core/rng.h"
 #include "core/tensor.h"
 #include "testing.h"
@@ -98,6 +102,29 @@ TEST(Tensor, MemoryStatsTrackPeak) {
   }
   EXPECT_EQ(memory_stats(Device::kCPU).current_bytes, before);
   EXPECT_GE(memory_stats(Device::kCPU).peak_bytes, before + 8192);
+}
+
+// The profiler (MOETRAIN_PROFILE=1): phases add up per name, in order of first use, and take()
+// clears them. The variable is read once per process, so it is set before the first phase.
+TEST(Profile, PhasesSumPerNameAndTakeClears) {
+  setenv("MOETRAIN_PROFILE", "1", 1);
+  ASSERT_TRUE(profile::enabled());
+  int device_waits = 0;
+  static int* waits = &device_waits;
+  profile::set_device_sync([] { ++*waits; });
+  for (int i = 0; i < 2; ++i) {
+    const profile::Phase a("first");
+    std::this_thread::sleep_for(std::chrono::milliseconds(3));
+  }
+  { const profile::Phase b("second"); }
+  const auto phases = profile::take();
+  ASSERT_EQ(phases.size(), 2u);
+  EXPECT_EQ(phases[0].first, "first");
+  EXPECT_GE(phases[0].second, 6.0);
+  EXPECT_EQ(phases[1].first, "second");
+  EXPECT_EQ(device_waits, 6);  // both ends of every phase
+  EXPECT_TRUE(profile::take().empty());
+  profile::set_device_sync(nullptr);
 }
 
 }  // namespace mt
