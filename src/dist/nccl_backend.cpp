@@ -77,7 +77,7 @@ class NcclCommunicator final : public Communicator {
     }
     wake_.notify_all();
     watchdog_.join();
-    if (aborted_) return;  // the watchdog released the communicator already
+    if (!failure_.empty()) return;  // the watchdog aborted the communicator already
     cudaDeviceSynchronize();
     ncclCommDestroy(comm_);
     for (const Pending& p : pending_) cudaEventDestroy(p.done);
@@ -231,7 +231,6 @@ class NcclCommunicator final : public Communicator {
       if (cause.empty()) continue;
       failure_ = cause;
       ncclCommAbort(comm_);  // the stuck kernels return; the next collective throws
-      aborted_ = true;
       return;
     }
   }
@@ -244,9 +243,8 @@ class NcclCommunicator final : public Communicator {
   std::condition_variable wake_;
   std::deque<Pending> pending_;
   std::vector<cudaEvent_t> free_events_;
-  std::string failure_;
+  std::string failure_;  // set, with the communicator aborted, by the watchdog
   bool stop_ = false;
-  bool aborted_ = false;
   std::thread watchdog_;
 };
 

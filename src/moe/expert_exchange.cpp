@@ -78,7 +78,6 @@ ExpertExchange::ExpertExchange(dist::Communicator& ep, const Tensor& device_offs
   std::vector<int32_t> source_major_source(expert_major_source.size());
   for (size_t i = 0; i < expert_major_source.size(); ++i)
     source_major_source[expert_major_source[i]] = static_cast<int32_t>(i);
-  received_rows_ = static_cast<int64_t>(expert_major_source.size());
   expert_major_source_ = index_tensor(expert_major_source, device);
   source_major_source_ = index_tensor(source_major_source, device);
   local_offsets_ = local_offsets.to(device);

@@ -20,7 +20,7 @@ class ExpertExchange {
   // host for the counts). Collective over `ep`.
   ExpertExchange(dist::Communicator& ep, const Tensor& expert_offsets);
 
-  int64_t received_rows() const { return received_rows_; }
+  int64_t received_rows() const { return expert_major_source_.numel(); }
   // i64 (E/ep + 1): rows of local expert e are [off[e], off[e+1]) of dispatch's output.
   const Tensor& local_offsets() const { return local_offsets_; }
 
@@ -36,7 +36,6 @@ class ExpertExchange {
   // Layout of the receive buffer: peer 0's rows (its rows for local expert 0, then 1, ...), then
   // peer 1's, ... Expert-major row i is receive-buffer row expert_major_source_[i], and
   // receive-buffer row j is expert-major row source_major_source_[j] (i32, on the rows' device).
-  int64_t received_rows_ = 0;
   Tensor expert_major_source_;
   Tensor source_major_source_;
   Tensor local_offsets_;

@@ -3,20 +3,10 @@
 #include "core/cuda_check.h"
 #include "core/profile.h"
 #include "ops/cuda/kernels.h"
+#include "ops/cuda/operands.h"
 #include "ops/cuda/ops.h"
 
 namespace mt::cuda {
-
-namespace {
-kernels::Storage storage(const Tensor& t) {
-  MT_CHECK(t.device() == Device::kCUDA, "MoE operand must be on the GPU");
-  MT_CHECK(t.dtype() == DType::kF32 || t.dtype() == DType::kBF16, "MoE rows must be f32 or bf16");
-  return t.dtype() == DType::kF32 ? kernels::Storage::kF32 : kernels::Storage::kBF16;
-}
-Tensor gpu_empty(const Shape& s, DType d) {
-  return Tensor::empty(s, d, Device::kCUDA);
-}
-}  // namespace
 
 void router_forward(const Tensor& logits, const Tensor& bias, int top_k, bool norm_topk,
                     bool balanced, ops::Routing& out) {
@@ -80,7 +70,7 @@ void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst) {
   const profile::Phase phase("gpu.gather_rows");
   MT_CHECK(src.dtype() == dst.dtype(), "gather of {} rows into {}", dtype_name(src.dtype()),
            dtype_name(dst.dtype()));
-  MT_CUDA_CHECK(kernels::gather_rows(storage(src), src.raw(), index.data<int32_t>(), dst.raw(),
+  MT_CUDA_CHECK(kernels::gather_rows(storage_of(src), src.raw(), index.data<int32_t>(), dst.raw(),
                                      dst.dim(0), dst.dim(1), nullptr));
 }
 
@@ -90,7 +80,8 @@ void weighted_sum_rows(const Tensor& rows, const Tensor& row_of_choice, const Te
   MT_CHECK(rows.dtype() == out.dtype(), "weighted sum of {} rows into {}", dtype_name(rows.dtype()),
            dtype_name(out.dtype()));
   if (scale) expect_dtype(*scale, DType::kF32, "combine weights (GPU: f32)");
-  MT_CUDA_CHECK(kernels::weighted_sum_rows(storage(rows), rows.raw(), row_of_choice.data<int32_t>(),
+  MT_CUDA_CHECK(kernels::weighted_sum_rows(storage_of(rows), rows.raw(),
+                                           row_of_choice.data<int32_t>(),
                                            scale ? scale->data<float>() : nullptr, out.dim(0),
                                            static_cast<int>(k), out.raw(), out.dim(1), nullptr));
 }
@@ -100,7 +91,7 @@ void combine_backward(const Tensor& dout, const Tensor& yp, const Tensor& row_of
   const profile::Phase phase("gpu.combine_backward");
   expect_dtype(weight, DType::kF32, "combine weights (GPU: f32)");
   expect_dtype(dweight, DType::kF32, "combine dweight (GPU: f32)");
-  MT_CUDA_CHECK(kernels::combine_backward(storage(yp), dout.raw(), yp.raw(),
+  MT_CUDA_CHECK(kernels::combine_backward(storage_of(yp), dout.raw(), yp.raw(),
                                           row_of_choice.data<int32_t>(), weight.data<float>(),
                                           weight.dim(0), static_cast<int>(weight.dim(1)), dyp.raw(),
                                           dweight.data<float>(), yp.dim(1), nullptr));
@@ -124,7 +115,7 @@ void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
   ops::ExpertPermutation by_id;
   cuda::make_expert_permutation(ids.reshape({ids.numel(), 1}), dtable.dim(0), by_id);
   MT_CUDA_CHECK(
-      kernels::segment_sum_rows(storage(dout), dout.raw(), by_id.source_token.data<int32_t>(),
+      kernels::segment_sum_rows(storage_of(dout), dout.raw(), by_id.source_token.data<int32_t>(),
                                 by_id.expert_offsets.data<int64_t>(), dtable.dim(0), dtable.dim(1),
                                 dtable.raw(), dtable.dtype() == DType::kF32, nullptr));
 }
@@ -134,14 +125,14 @@ double sum_of_squares(const Tensor& x) {
   Tensor ws = gpu_empty({static_cast<int64_t>(kernels::sum_of_squares_workspace())}, DType::kU8);
   double result = 0;
   MT_CUDA_CHECK(
-      kernels::sum_of_squares(storage(x), x.raw(), x.numel(), ws.raw(), &result, nullptr));
+      kernels::sum_of_squares(storage_of(x), x.raw(), x.numel(), ws.raw(), &result, nullptr));
   return result;
 }
 
 void scale_(Tensor& x, double factor) {
   const profile::Phase phase("gpu.scale_");
   MT_CUDA_CHECK(
-      kernels::scale(storage(x), x.raw(), static_cast<float>(factor), x.numel(), nullptr));
+      kernels::scale(storage_of(x), x.raw(), static_cast<float>(factor), x.numel(), nullptr));
 }
 
 void convert(const Tensor& src, Tensor& dst) {
@@ -149,13 +140,13 @@ void convert(const Tensor& src, Tensor& dst) {
   MT_CHECK(src.numel() == dst.numel() && src.dtype() != dst.dtype(), "convert of {} {} into {} {}",
            dtype_name(src.dtype()), shape_str(src.shape()), dtype_name(dst.dtype()),
            shape_str(dst.shape()));
-  storage(dst);
-  MT_CUDA_CHECK(kernels::convert(storage(src), src.raw(), dst.raw(), src.numel(), nullptr));
+  storage_of(dst);
+  MT_CUDA_CHECK(kernels::convert(storage_of(src), src.raw(), dst.raw(), src.numel(), nullptr));
 }
 
 void add(const Tensor& a, const Tensor& b, Tensor& out) {
   const profile::Phase phase("gpu.add");
-  MT_CUDA_CHECK(kernels::add(storage(a), a.raw(), b.raw(), out.raw(), a.numel(), nullptr));
+  MT_CUDA_CHECK(kernels::add(storage_of(a), a.raw(), b.raw(), out.raw(), a.numel(), nullptr));
 }
 
 }  // namespace mt::cuda

@@ -7,22 +7,11 @@
 #include "core/cuda_check.h"
 #include "core/profile.h"
 #include "ops/cuda/kernels.h"
+#include "ops/cuda/operands.h"
 
 namespace mt::cuda {
 
 namespace {
-
-kernels::Storage storage_of(const Tensor& t, const char* name) {
-  MT_CHECK(t.device() == Device::kCUDA, "{} must be on the GPU", name);
-  switch (t.dtype()) {
-    case DType::kF32:
-      return kernels::Storage::kF32;
-    case DType::kBF16:
-      return kernels::Storage::kBF16;
-    default:
-      MT_CHECK(false, "{} must be f32 or bf16 on the GPU, got {}", name, dtype_name(t.dtype()));
-  }
-}
 
 void same_storage_type(const Tensor& a, const Tensor& b, const char* name) {
   MT_CHECK(a.dtype() == b.dtype() && b.device() == Device::kCUDA,
@@ -57,9 +46,8 @@ bool should_use_cutlass_grouped(const Tensor& out, DType instantiated_out) {
   return out.dtype() == instantiated_out;
 }
 
-// Scratch from the caching allocator: after the first step this never reaches cudaMalloc.
 Tensor workspace(size_t bytes) {
-  return Tensor::empty({static_cast<int64_t>(bytes)}, DType::kU8, Device::kCUDA);
+  return gpu_empty({static_cast<int64_t>(bytes)}, DType::kU8);
 }
 #endif
 }  // namespace

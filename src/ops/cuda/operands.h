@@ -1,0 +1,21 @@
+// What every Tensor-level CUDA wrapper (ops.cpp, moe_ops.cpp, gemm.cpp, cudnn/) needs of its
+// operands: the kernels' storage type of a GPU tensor, and device scratch from the caching
+// allocator (after the first step it never reaches cudaMalloc).
+#pragma once
+#include "core/tensor.h"
+#include "ops/cuda/kernels.h"
+
+namespace mt::cuda {
+
+inline kernels::Storage storage_of(const Tensor& t, const char* name = "operand") {
+  MT_CHECK(t.device() == Device::kCUDA, "{} must be on the GPU", name);
+  MT_CHECK(t.dtype() == DType::kF32 || t.dtype() == DType::kBF16,
+           "{} must be f32 or bf16 on the GPU, got {}", name, dtype_name(t.dtype()));
+  return t.dtype() == DType::kF32 ? kernels::Storage::kF32 : kernels::Storage::kBF16;
+}
+
+inline Tensor gpu_empty(const Shape& s, DType d) {
+  return Tensor::empty(s, d, Device::kCUDA);
+}
+
+}  // namespace mt::cuda
