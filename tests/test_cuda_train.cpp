@@ -9,6 +9,7 @@
 
 #include "ops/cuda/device.h"
 #include "train/trainer.h"
+#include "training.h"
 
 namespace mt {
 namespace {
@@ -66,20 +67,12 @@ TEST(GpuTrain, ResumeIsBitIdentical) {
   std::filesystem::remove_all(dir);
   const Config c = load_config(kTiny, {"hardware.device=cuda", "train.steps=8",
                                        "checkpoint.every=4", "checkpoint.dir=\"" + dir + "\""});
-  Trainer straight(c);
-  const auto a = straight.run({});
-  Trainer first(c);
-  RunOptions four;
-  four.steps = 4;
-  first.run(four);
-  Trainer resumed(c);
-  RunOptions resume;
-  resume.resume = dir + "/step_00000004.safetensors";
-  const auto b = resumed.run(resume);
+  const testing::ResumeRuns runs = testing::straight_and_resumed(c, dir, 4);
+  const auto &a = runs.straight_steps, &b = runs.resumed_steps;
   ASSERT_EQ(b.size(), 4u);
   for (size_t i = 0; i < 4; ++i) EXPECT_EQ(b[i].loss, a[4 + i].loss) << "step " << b[i].step;
-  auto& ua = straight.model().units();
-  auto& ub = resumed.model().units();
+  auto& ua = runs.straight->model().units();
+  auto& ub = runs.resumed->model().units();
   for (size_t u = 0; u < ua.size(); ++u)
     for (size_t g = 0; g < ua[u].groups.size(); ++g) {
       const Tensor x = ua[u].groups[g].params.to(Device::kCPU);

@@ -14,6 +14,7 @@
 #include "train/checkpoint.h"
 #include "train/token_file.h"
 #include "train/trainer.h"
+#include "training.h"
 
 namespace mt {
 namespace {
@@ -79,18 +80,8 @@ TEST(Train, ResumeIsBitIdentical) {
   for (const char* policy : {"none", "full"}) {
     sets.push_back(std::string("model.checkpoint=") + policy);
     const Config c = parse_config_string(std::string(), sets);
-
-    Trainer straight(c);
-    const auto m_straight = straight.run({});
-
-    Trainer first(c);
-    RunOptions stop_early;
-    stop_early.steps = 4;
-    first.run(stop_early);
-    Trainer resumed(c);
-    RunOptions resume;
-    resume.resume = dir + "/step_00000004.safetensors";
-    const auto m_resumed = resumed.run(resume);
+    const testing::ResumeRuns runs = testing::straight_and_resumed(c, dir, 4);
+    const auto &m_straight = runs.straight_steps, &m_resumed = runs.resumed_steps;
 
     ASSERT_EQ(m_resumed.size(), 4u);
     for (size_t i = 0; i < 4; ++i) {
@@ -98,7 +89,7 @@ TEST(Train, ResumeIsBitIdentical) {
       EXPECT_EQ(m_resumed[i].loss, m_straight[4 + i].loss) << "step " << m_resumed[i].step;
       EXPECT_EQ(m_resumed[i].grad_norm, m_straight[4 + i].grad_norm);
     }
-    const auto a = all_state(straight), b = all_state(resumed);
+    const auto a = all_state(*runs.straight), b = all_state(*runs.resumed);
     ASSERT_EQ(a.size(), b.size());
     for (size_t i = 0; i < a.size(); ++i)
       EXPECT_EQ(std::memcmp(a[i].raw(), b[i].raw(), a[i].nbytes()), 0) << "state tensor " << i;
