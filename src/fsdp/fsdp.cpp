@@ -30,23 +30,20 @@ void gather(ParamGroup& g) {
       ops::convert(g.shard, mine);
       g.compute = Tensor::empty(full, g.compute_dtype, device);
       g.comm->all_gather(mine, g.compute);
-      g.compute_current = true;
       return;
     }
     g.params = Tensor::empty(full, g.shard.dtype(), device);
     g.comm->all_gather(g.shard, g.params);
   }
-  if (g.compute_dtype != g.params.dtype() && !g.compute_current) {  // the ops read a cast copy
+  if (g.compute_dtype != g.params.dtype() && !g.compute.defined()) {  // the ops read a cast copy
     g.compute = Tensor::empty(g.params.shape(), g.compute_dtype, g.params.device());
     ops::convert(g.params, g.compute);
-    g.compute_current = true;
   }
 }
 
 void release(ParamGroup& g) {
   if (!g.sharded()) return;  // the unsharded cast copy stays: AdamW keeps it current
   g.compute = Tensor();
-  g.compute_current = false;
   g.params = Tensor();
 }
 

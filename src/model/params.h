@@ -41,11 +41,10 @@ struct ParamGroup {
   // Mixed precision: the dtype the ops read the weights in, and the gathered params cast to it
   // (undefined when it is the params' own dtype). Sharded, the copy lives while the unit is
   // gathered. Unsharded, it persists across steps: AdamW rewrites it in its own pass, so one
-  // GPU never re-casts its weights; compute_current says it still matches the params (anything
-  // else that writes params, like a checkpoint load, clears it).
+  // GPU never re-casts its weights; anything else that writes params (a checkpoint load) drops
+  // the copy, and the next gather casts again.
   DType compute_dtype = DType::kF32;
   Tensor compute;
-  bool compute_current = false;
   // True when `grads` holds nothing of this step yet, so its first writer overwrites instead of
   // adding: the expert gradients (96% of a Qwen3-MoE's parameters) are then never zero-filled,
   // and their GEMMs never read them back.

@@ -221,7 +221,7 @@ TrainState load_checkpoint(const std::string& path_in, Qwen3Moe& model, AdamW& o
   for_each_state(model, opt,
                  [&](const std::string& name, Tensor t) { t.copy_from(f.tensors.at(name)); });
   for (auto& u : model.units())
-    for (auto& g : u.groups) g.compute_current = false;  // the cast copies are stale now
+    for (auto& g : u.groups) g.compute = Tensor();  // stale: the next gather casts again
   TrainState st;
   try {
     st.step = std::stoll(f.metadata.at("step"));

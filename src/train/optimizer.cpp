@@ -47,7 +47,7 @@ void AdamW::step(double lr, int64_t step) {
   for (size_t i = 0; i < groups_.size(); ++i) {
     ParamGroup& g = *groups_[i];
     // An unsharded group's persistent cast copy is rewritten in the same pass.
-    Tensor* compute = !g.sharded() && g.compute_current ? &g.compute : nullptr;
+    Tensor* compute = !g.sharded() && g.compute.defined() ? &g.compute : nullptr;
     ops::adamw_step(g.shard, g.grad_shard, state_[2 * i], state_[2 * i + 1], h, compute);
   }
   clip_coef_ = 1.0;
