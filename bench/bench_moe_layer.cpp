@@ -11,7 +11,9 @@
 
 #include "bench/bench_util.h"
 #include "core/cuda_check.h"
+#include "core/profile.h"
 #include "moe/moe_layer.h"
+#include "ops/cuda/device.h"
 #include "ops/gemm.h"
 
 int main() {
@@ -61,8 +63,11 @@ int main() {
     });
     Tensor out = Tensor::empty({n, d}, DType::kBF16, Device::kCUDA);
     const double combine_ms = mt::bench::median_ms([&] { mt::moe::moe_combine(full, out); });
-    const double backward_ms =
-        mt::bench::median_ms([&] { (void)mt::moe::moe_backward(w, g, c, hn, full, dout, 0.001); });
+    // Expert weight gradients as the trainer writes them: overwritten by the step's first
+    // backward (beta 0, no read of the f32 gradient), see moe_backward.
+    const auto first_write = mt::ops::Accumulate::kNo;
+    const double backward_ms = mt::bench::median_ms(
+        [&] { (void)mt::moe::moe_backward(w, g, c, hn, full, dout, 0.001, first_write); });
     std::printf(
         "{\"bench\": \"moe_layer_stages\", \"routing\": \"%s\", \"router_topk_permutation_ms\": "
         "%.3f, \"forward_fill_ms\": %.3f, \"combine_ms\": %.3f, \"backward_ms\": %.3f}\n",
@@ -72,7 +77,7 @@ int main() {
       mt::moe::moe_fill(w, c, {}, Tensor(), hn, act);
       Tensor layer_out = Tensor::empty({n, d}, DType::kBF16, Device::kCUDA);
       mt::moe::moe_combine(act, layer_out);
-      (void)mt::moe::moe_backward(w, g, c, hn, act, dout, 0.001);
+      (void)mt::moe::moe_backward(w, g, c, hn, act, dout, 0.001, first_write);
     });
     std::printf(
         "{\"bench\": \"moe_layer_fwd_bwd\", \"shape\": \"16384 tok, dim 2048, F 768, 128 "
@@ -80,6 +85,24 @@ int main() {
         "\"expert_gemm_floor_ms\": %.3f, \"ratio_to_floor\": %.2f}\n",
         balanced ? "balanced" : "real", ms, floor_ms, ms / floor_ms);
     std::fflush(stdout);
+  }
+  // MOETRAIN_PROFILE=1: one more real-routing layer, every op timed on its own (device waits at
+  // both ends of each), as one JSON line of milliseconds per op.
+  if (mt::profile::enabled()) {
+    mt::profile::set_device_sync(&mt::cuda::synchronize);
+    c.force_balanced_routing = false;
+    for (int pass = 0; pass < 2; ++pass) {  // the first pass warms the caches, the second counts
+      (void)mt::profile::take();
+      mt::moe::MoeActivations act;
+      mt::moe::moe_fill(w, c, {}, Tensor(), hn, act);
+      Tensor layer_out = Tensor::empty({n, d}, DType::kBF16, Device::kCUDA);
+      mt::moe::moe_combine(act, layer_out);
+      (void)mt::moe::moe_backward(w, g, c, hn, act, dout, 0.001, mt::ops::Accumulate::kNo);
+    }
+    std::printf("{\"bench\": \"moe_layer_ops\", \"routing\": \"real\"");
+    for (const auto& [name, op_ms] : mt::profile::take())
+      std::printf(", \"%s\": %.3f", name.c_str(), op_ms);
+    std::printf("}\n");
   }
   return 0;
 }

@@ -1,10 +1,14 @@
 // Workbench for the CUTLASS grouped GEMM configuration: times tile shapes, clusters and
-// schedules of the forward product at the balanced Qwen3-30B-A3B shape (JSON lines). The
-// winner goes into src/ops/cuda/cutlass/grouped_gemm_sm90.cuh through the GPU tests.
+// schedules of each expert product (forward, dx, dw) at both Qwen3-30B-A3B expert shapes
+// (gate|up: k 2048, n 1536; down: k 768, n 2048), on balanced experts and on ragged ones
+// (rows drawn between 0.5x and 1.5x the mean, not multiples of the tile). JSON lines; the winner
+// goes into src/ops/cuda/cutlass/grouped_gemm_sm90.cuh through the GPU tests.
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
+#include <string_view>
 #include <vector>
 
 #include "ops/cuda/cutlass/grouped_gemm_sm90.cuh"
@@ -17,18 +21,22 @@ using cute::_2;
 using cute::_256;
 using cute::_64;
 using cute::Shape;
+using cutlass::layout::ColumnMajor;
 using cutlass::layout::RowMajor;
 using mt::cuda::grouped_sm90::Config;
+using mt::cuda::grouped_sm90::Cooperative;
 using mt::cuda::grouped_sm90::Pingpong;
+using mt::cuda::grouped_sm90::Product;
+using bf = cutlass::bfloat16_t;
 
-__global__ void fill_random(cutlass::bfloat16_t* p, int64_t n, uint32_t seed, float scale) {
+__global__ void fill_random(bf* p, int64_t n, uint32_t seed, float scale) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
        i += int64_t{gridDim.x} * blockDim.x) {
     uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
     h ^= h >> 16;
     h *= 0x7feb352du;
     h ^= h >> 15;
-    p[i] = cutlass::bfloat16_t(scale * ((h & 0xFFFF) / 32768.0f - 1.0f));
+    p[i] = bf(scale * ((h & 0xFFFF) / 32768.0f - 1.0f));
   }
 }
 
@@ -41,17 +49,34 @@ __global__ void fill_random(cutlass::bfloat16_t* p, int64_t n, uint32_t seed, fl
     }                                                                                   \
   } while (0)
 
-template <class C>
-void time_variant(const char* name, const int64_t* offsets, int experts, const void* x,
-                  const void* w, void* out, int64_t m, int64_t k, int64_t n) {
-  const size_t bytes =
-      mt::cuda::grouped_sm90::workspace_bytes<mt::cuda::grouped_sm90::Product::kForward, C>(
-          experts);
+// One problem: offsets on the device and the buffers every product reads or writes.
+struct Problem {
+  const char* routing;
+  int experts;
+  int64_t m, k, n;
+  const int64_t* offsets;
+  const bf* x;   // (m, k)
+  const bf* w;   // (experts, k, n)
+  const bf* dy;  // (m, n)
+  bf* out;       // (m, max(k, n)) bf16
+  float* dw;     // (experts, k, n) f32
+};
+
+const char* product_name(Product p) {
+  return p == Product::kForward ? "forward" : p == Product::kInputGradient ? "dx" : "dw";
+}
+
+template <Product P, class C>
+void time_variant(const char* name, const Problem& pr) {
+  const size_t bytes = mt::cuda::grouped_sm90::workspace_bytes<P, C>(pr.experts);
   void* ws = nullptr;
   CHECK(cudaMalloc(&ws, bytes));
+  const void* lhs = P == Product::kInputGradient ? static_cast<const void*>(pr.dy) : pr.x;
+  const void* rhs = P == Product::kWeightGradient ? static_cast<const void*>(pr.dy) : pr.w;
+  void* out = P == Product::kWeightGradient ? static_cast<void*>(pr.dw) : pr.out;
   auto call = [&] {
-    CHECK((mt::cuda::grouped_sm90::run<mt::cuda::grouped_sm90::Product::kForward, C>(
-        offsets, experts, x, w, out, m, k, n, ws, bytes, nullptr)));
+    CHECK((mt::cuda::grouped_sm90::run<P, C>(pr.offsets, pr.experts, lhs, rhs, out, pr.m, pr.k,
+                                             pr.n, ws, bytes, nullptr)));
   };
   for (int i = 0; i < 5; ++i) call();
   cudaEvent_t a, b;
@@ -67,12 +92,60 @@ void time_variant(const char* name, const int64_t* offsets, int experts, const v
   }
   std::sort(ms.begin(), ms.end());
   const double med = ms[ms.size() / 2];
+  // The same calls queued back to back: what the GPU takes when the host is never waited for
+  // (the difference to `ms` is launch and argument set-up latency).
+  constexpr int kQueued = 20;
+  cudaEventRecord(a);
+  for (int i = 0; i < kQueued; ++i) call();
+  cudaEventRecord(b);
+  cudaEventSynchronize(b);
+  float queued = 0;
+  cudaEventElapsedTime(&queued, a, b);
+  queued /= kQueued;
   std::printf(
-      "{\"bench\": \"grouped_forward_variant\", \"variant\": \"%s\", \"ms\": %.4f, "
-      "\"tflops\": %.1f}\n",
-      name, med, 2.0 * m * k * n / (med * 1e-3) / 1e12);
+      "{\"bench\": \"grouped_variant\", \"product\": \"%s\", \"shape\": \"k%ld n%ld\", "
+      "\"routing\": \"%s\", \"variant\": \"%s\", \"ms\": %.4f, \"tflops\": %.1f, "
+      "\"ms_queued\": %.4f}\n",
+      product_name(P), static_cast<long>(pr.k), static_cast<long>(pr.n), pr.routing, name, med,
+      2.0 * pr.m * pr.k * pr.n / (med * 1e-3) / 1e12, queued);
   std::fflush(stdout);
+  cudaEventDestroy(a);
+  cudaEventDestroy(b);
   cudaFree(ws);
+}
+
+template <class A, class B, class Out, Product P>
+void time_product(const Problem& pr) {
+  // The shipped ones (cooperative wide, pingpong square), PyTorch's (wide on 2x1 clusters), and
+  // the next candidates.
+  time_variant<P, Config<A, B, Out, Shape<_128, _256, _64>, Shape<_1, _1, _1>, Cooperative>>(
+      "coop 128x256x64 1x1", pr);
+  time_variant<P, Config<A, B, Out, Shape<_128, _256, _64>, Shape<_2, _1, _1>, Cooperative>>(
+      "coop 128x256x64 2x1", pr);
+  time_variant<P, Config<A, B, Out, Shape<_128, _128, _64>, Shape<_1, _1, _1>, Pingpong>>(
+      "pingpong 128x128x64 1x1", pr);
+  time_variant<P, Config<A, B, Out, Shape<_128, _128, _128>, Shape<_1, _1, _1>, Pingpong>>(
+      "pingpong 128x128x128 1x1", pr);
+  time_variant<P, Config<A, B, Out, Shape<_64, _256, _64>, Shape<_1, _1, _1>, Pingpong>>(
+      "pingpong 64x256x64 1x1", pr);
+}
+
+std::vector<int64_t> offsets_for(int experts, int64_t mean, bool ragged) {
+  std::vector<int64_t> rows(experts, mean);
+  if (ragged) {  // deterministic spread in [0.5, 1.5) x mean, then the sum put back to experts x
+                 // mean
+    int64_t sum = 0;
+    for (int e = 0; e < experts; ++e) {
+      uint32_t h = static_cast<uint32_t>(e + 1) * 2654435761u;
+      h ^= h >> 15;
+      rows[e] = mean / 2 + static_cast<int64_t>((h % 1000) * mean / 1000);
+      sum += rows[e];
+    }
+    rows[0] += experts * mean - sum;
+  }
+  std::vector<int64_t> off(experts + 1, 0);
+  for (int e = 0; e < experts; ++e) off[e + 1] = off[e] + rows[e];
+  return off;
 }
 
 }  // namespace variants
@@ -80,29 +153,33 @@ void time_variant(const char* name, const int64_t* offsets, int experts, const v
 int main() {
   using namespace variants;
   const int experts = 128;
-  const int64_t rows = 1024, m = experts * rows, k = 2048, n = 1536;
-  std::vector<int64_t> off(experts + 1);
-  for (int e = 0; e <= experts; ++e) off[e] = e * rows;
+  const int64_t mean_rows = 1024, m = experts * mean_rows, big = 2048;
   int64_t* d_off;
-  cutlass::bfloat16_t *x, *w, *out;
-  CHECK(cudaMalloc(&d_off, sizeof(int64_t) * off.size()));
-  CHECK(cudaMemcpy(d_off, off.data(), sizeof(int64_t) * off.size(), cudaMemcpyHostToDevice));
-  CHECK(cudaMalloc(&x, sizeof(cutlass::bfloat16_t) * m * k));
-  CHECK(cudaMalloc(&w, sizeof(cutlass::bfloat16_t) * experts * k * n));
-  CHECK(cudaMalloc(&out, sizeof(cutlass::bfloat16_t) * m * n));
-  fill_random<<<1024, 256>>>(x, m * k, 1, 1.0f);
-  fill_random<<<1024, 256>>>(w, experts * k * n, 2, 0.05f);
+  bf *x, *w, *dy, *out;
+  float* dw;
+  CHECK(cudaMalloc(&d_off, sizeof(int64_t) * (experts + 1)));
+  CHECK(cudaMalloc(&x, sizeof(bf) * m * big));
+  CHECK(cudaMalloc(&w, sizeof(bf) * experts * big * big));
+  CHECK(cudaMalloc(&dy, sizeof(bf) * m * big));
+  CHECK(cudaMalloc(&out, sizeof(bf) * m * big));
+  CHECK(cudaMalloc(&dw, sizeof(float) * experts * big * big));
+  fill_random<<<1024, 256>>>(x, m * big, 1, 1.0f);
+  fill_random<<<1024, 256>>>(w, experts * big * big, 2, 0.05f);
+  fill_random<<<1024, 256>>>(dy, m * big, 3, 1.0f);
   CHECK(cudaDeviceSynchronize());
-  using bf = cutlass::bfloat16_t;
-  time_variant<Config<RowMajor, RowMajor, bf, Shape<_128, _128, _64>, Shape<_1, _1, _1>>>(
-      "coop 128x128x64 1x1", d_off, experts, x, w, out, m, k, n);
-  time_variant<Config<RowMajor, RowMajor, bf, Shape<_256, _128, _64>, Shape<_2, _1, _1>>>(
-      "coop 256x128x64 2x1", d_off, experts, x, w, out, m, k, n);
-  time_variant<Config<RowMajor, RowMajor, bf, Shape<_128, _256, _64>, Shape<_1, _2, _1>>>(
-      "coop 128x256x64 1x2", d_off, experts, x, w, out, m, k, n);
-  time_variant<Config<RowMajor, RowMajor, bf, Shape<_128, _128, _64>, Shape<_2, _1, _1>, Pingpong>>(
-      "pingpong 128x128x64 2x1", d_off, experts, x, w, out, m, k, n);
-  time_variant<Config<RowMajor, RowMajor, bf, Shape<_64, _128, _64>, Shape<_1, _1, _1>, Pingpong>>(
-      "pingpong 64x128x64 1x1", d_off, experts, x, w, out, m, k, n);
+  const char* only = std::getenv("VARIANTS_PRODUCT");  // forward, dx or dw; unset: all three
+  auto wanted = [&](Product p) { return !only || std::string_view(only) == product_name(p); };
+  for (bool ragged : {false, true}) {
+    const auto off = offsets_for(experts, mean_rows, ragged);
+    CHECK(cudaMemcpy(d_off, off.data(), sizeof(int64_t) * off.size(), cudaMemcpyHostToDevice));
+    for (auto [k, n] : {std::pair<int64_t, int64_t>{2048, 1536}, {768, 2048}}) {
+      const Problem pr{ragged ? "ragged" : "balanced", experts, m, k, n, d_off, x, w, dy, out, dw};
+      if (wanted(Product::kForward)) time_product<RowMajor, RowMajor, bf, Product::kForward>(pr);
+      if (wanted(Product::kInputGradient))
+        time_product<RowMajor, ColumnMajor, bf, Product::kInputGradient>(pr);
+      if (wanted(Product::kWeightGradient))
+        time_product<ColumnMajor, RowMajor, float, Product::kWeightGradient>(pr);
+    }
+  }
   return 0;
 }

@@ -1,8 +1,10 @@
 // Every CUDA op against the CPU reference (ctest label `gpu`): fresh random inputs each run (the
 // seed is printed), outputs poisoned with NaN first, ||gpu - cpu|| / ||cpu|| under 1e-5 for f32
 // storage and 1e-2 for bf16 (inputs rounded to bf16 for both sides).
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstring>
 #include <random>
 
@@ -243,29 +245,62 @@ TEST_P(GpuCase, GroupedGemmWithDeviceOffsets) {
   expect_close(vdw, dw, "grouped dw v1");
 }
 
+// One routing configuration, GPU against CPU: choices and counts exactly, scores, weights, score
+// sums and the router backward to f32 rounding.
+struct RoutingCase {
+  int64_t n, e, k;
+  bool norm_topk, bias, balanced;
+  bool ties;  // logits (and bias) on a coarse grid: equal scores, so the tie order is checked
+};
+
+void check_routing(const RoutingCase& rc, uint64_t seed, ops::Routing& cr, ops::Routing& gr) {
+  const std::string what = fmt::format("routing n {} e {} top-{}{}{}{}{}", rc.n, rc.e, rc.k,
+                                       rc.norm_topk ? " renormalised" : "", rc.bias ? " bias" : "",
+                                       rc.balanced ? " balanced" : "", rc.ties ? " ties" : "");
+  const ops::RouterOptions opt{static_cast<int>(rc.k), rc.norm_topk, rc.balanced};
+  Tensor logits = testing::randn({rc.n, rc.e}, seed + 11, 2.0, DType::kF32);
+  Tensor bias = rc.bias ? testing::randn({rc.e}, seed + 13, 0.01, DType::kF32) : Tensor();
+  if (rc.ties) {
+    for (int64_t i = 0; i < logits.numel(); ++i)
+      logits.data<float>()[i] = std::round(logits.data<float>()[i] * 2) / 2;
+    if (bias.defined()) bias = Tensor::zeros({rc.e}, DType::kF32);
+  }
+  ops::router_forward(logits, bias, opt, cr);
+  ops::router_forward(logits.to(Device::kCUDA), bias.defined() ? bias.to(Device::kCUDA) : bias,
+                      opt, gr);
+  const Tensor gidx = gr.expert_index.to(Device::kCPU);
+  ASSERT_EQ(std::memcmp(gidx.raw(), cr.expert_index.raw(), cr.expert_index.nbytes()), 0)
+      << what << ": top-k choices differ";
+  const Tensor gcount = gr.tokens_per_expert.to(Device::kCPU);
+  ASSERT_EQ(std::memcmp(gcount.raw(), cr.tokens_per_expert.raw(), gcount.nbytes()), 0) << what;
+  EXPECT_LT(relative_error(gr.expert_weight, cr.expert_weight), 1e-5) << what;
+  EXPECT_LT(relative_error(gr.scores, cr.scores), 1e-5) << what;
+  const ops::AuxStats cs = ops::router_aux_stats(cr), gs = ops::router_aux_stats(gr);
+  EXPECT_LT(relative_error(gs.score_sum, cs.score_sum), 1e-5) << what;
+  const Tensor dweight = testing::randn({rc.n, rc.k}, seed + 12, 1.0, DType::kF32);
+  Tensor cdl = Tensor::empty({rc.n, rc.e}, DType::kF32),
+         gdl = Tensor::poisoned({rc.n, rc.e}, DType::kF32, Device::kCUDA);
+  ops::router_backward(cr, opt, cs, dweight, 0.01, cdl);
+  ops::router_backward(gr, opt, gs, dweight.to(Device::kCUDA), 0.01, gdl);
+  EXPECT_LT(relative_error(gdl, cdl), 1e-5) << what << ": router backward";
+}
+
 TEST_P(GpuCase, RouterPermutationAndCombine) {
   if (GetParam() != DType::kBF16) GTEST_SKIP() << "rows are bf16 in the GPU layer; routing is f32";
   const int64_t n = 4096, e = 128, k = 8, d = 256;
-  const ops::RouterOptions opt{static_cast<int>(k), true, false};
-  const Tensor logits = testing::randn({n, e}, seed + 11, 2.0, DType::kF32);
+  // Both register layouts of the kernels (up to 128 experts, up to 1024), widths that are not
+  // multiples of the warp, bias, no renormalisation, forced balance and exact ties.
+  for (const RoutingCase& rc : {RoutingCase{333, 160, 6, false, true, false, false},
+                                RoutingCase{257, 1000, 16, true, true, false, false},
+                                RoutingCase{300, 40, 4, true, false, false, true},
+                                RoutingCase{200, 128, 8, true, false, true, false},
+                                RoutingCase{5, 8, 2, true, false, false, false}}) {
+    ops::Routing cr, gr;
+    check_routing(rc, seed, cr, gr);
+  }
   ops::Routing cr, gr;
-  ops::router_forward(logits, Tensor(), opt, cr);
-  ops::router_forward(logits.to(Device::kCUDA), Tensor(), opt, gr);
-  const Tensor gidx = gr.expert_index.to(Device::kCPU);
-  ASSERT_EQ(std::memcmp(gidx.raw(), cr.expert_index.raw(), cr.expert_index.nbytes()), 0)
-      << "top-k choices differ";
-  const Tensor gcount = gr.tokens_per_expert.to(Device::kCPU);
-  ASSERT_EQ(std::memcmp(gcount.raw(), cr.tokens_per_expert.raw(), gcount.nbytes()), 0);
-  EXPECT_LT(relative_error(gr.expert_weight, cr.expert_weight), 1e-5);
-  EXPECT_LT(relative_error(gr.scores, cr.scores), 1e-5);
-  const ops::AuxStats cs = ops::router_aux_stats(cr), gs = ops::router_aux_stats(gr);
-  EXPECT_LT(relative_error(gs.score_sum, cs.score_sum), 1e-5);
-  const Tensor dweight = testing::randn({n, k}, seed + 12, 1.0, DType::kF32);
-  Tensor cdl = Tensor::empty({n, e}, DType::kF32),
-         gdl = Tensor::poisoned({n, e}, DType::kF32, Device::kCUDA);
-  ops::router_backward(cr, opt, cs, dweight, 0.01, cdl);
-  ops::router_backward(gr, opt, gs, dweight.to(Device::kCUDA), 0.01, gdl);
-  EXPECT_LT(relative_error(gdl, cdl), 1e-5) << "router backward";
+  check_routing({n, e, k, true, false, false, false}, seed, cr, gr);
+  if (HasFatalFailure()) return;
 
   ops::ExpertPermutation cp, gp;
   ops::make_expert_permutation(cr.expert_index, e, cp);

@@ -96,6 +96,11 @@ __device__ __forceinline__ float warp_sum(float v) {
   return v;
 }
 
+__device__ __forceinline__ float warp_max(float v) {
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  return v;
+}
+
 // Sum over the block (blockDim.x a multiple of 32, at most 1024); every thread gets the result.
 __device__ __forceinline__ float block_sum(float v) {
   __shared__ float partial[32];
@@ -128,6 +133,17 @@ void dispatch_storage(kernels::Storage s, F&& f) {
     f(float{});
   else
     f(__nv_bfloat16{});
+}
+
+// Multiprocessors of the current GPU (read once: every GPU of a run is the same kind).
+inline int sm_count() {
+  static const int count = [] {
+    int device = 0, sms = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device);
+    return sms > 0 ? sms : 132;
+  }();
+  return count;
 }
 
 inline int grid_for(int64_t n, int block = kBlock) {

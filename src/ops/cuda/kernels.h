@@ -94,6 +94,9 @@ cudaError_t attention_ragged_layout(const int32_t* cu_seqlens, int docs, int pad
                                     RaggedStrides strides, RaggedLayout out, cudaStream_t stream);
 
 // --- MoE layer (moe.cu) ---
+// The routing kernels keep one token's experts in a warp's registers and its choices in lanes.
+constexpr int kMaxRoutedExperts = 1024;
+constexpr int kMaxRoutedTopK = 16;
 // logits, scores f32 (n, e); index i32 / weight f32 (n, k); counts i64 (e), zeroed here.
 cudaError_t router_forward(const float* logits, const float* bias, int64_t n, int e, int k,
                            bool norm_topk, bool balanced, float* scores, int32_t* index,

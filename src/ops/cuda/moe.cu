@@ -11,49 +11,106 @@ namespace mt::cuda {
 
 namespace {
 
-constexpr int kMaxTopK = 16;
+constexpr int kMaxTopK = kernels::kMaxRoutedTopK;
+constexpr int kRouterWarps = 16;  // warps per block of the routing kernels
 
-// One thread per token: E is small (<= 512) and k <= 16, so a register insertion sort wins.
+// Experts per lane of a warp-per-token routing kernel: lane L holds experts L, L + 32, ...
+// (coalesced loads); two instantiations, up to 128 and up to 1024 experts.
+constexpr int kMaxExperts = kernels::kMaxRoutedExperts;
+constexpr int per_lane_for(int e) {
+  return e <= 128 ? 4 : kMaxExperts / 32;
+}
+
+// Element i of a register array with a runtime index, without spilling it to local memory.
+template <int N>
+__device__ __forceinline__ float select(const float (&v)[N], int i) {
+  float out = 0.f;
+#pragma unroll
+  for (int j = 0; j < N; ++j)
+    if (j == i) out = v[j];
+  return out;
+}
+
+// One warp per token: softmax over the lanes' experts, then k rounds of a warp arg-max over the
+// biased scores not yet taken (ties: the lower expert, as the CPU's stable order), lane j keeping
+// choice j. Counts go to a per-block shared histogram first: one global atomic per expert and
+// block instead of one per choice (128k choices on 128 addresses serialise).
+template <int kPerLane>
 __global__ void router_kernel(const float* logits, const float* bias, int64_t n, int e, int k,
                               bool norm_topk, bool balanced, float* scores, int32_t* index,
                               float* weight, int64_t* counts) {
-  const int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (t >= n) return;
-  const float* l = logits + t * e;
-  float* s = scores + t * e;
-  float m = -INFINITY;
-  for (int c = 0; c < e; ++c) m = fmaxf(m, l[c]);
-  float sum = 0.f;
-  for (int c = 0; c < e; ++c) sum += expf(l[c] - m);
-  for (int c = 0; c < e; ++c) s[c] = expf(l[c] - m) / sum;
-  int idx[kMaxTopK];
-  float key[kMaxTopK];
-  if (balanced) {
-    for (int j = 0; j < k; ++j) idx[j] = static_cast<int>((t * k + j) % e);
-  } else {
-    int filled = 0;
-    for (int c = 0; c < e; ++c) {
-      const float v = s[c] + (bias ? bias[c] : 0.f);
-      // Ties keep the lower expert index first (strictly greater moves up), as the CPU.
-      int pos = filled < k ? filled : k;
-      while (pos > 0 && v > key[pos - 1]) --pos;
-      if (pos >= k) continue;
-      for (int q = (filled < k ? filled : k - 1); q > pos; --q) {
-        key[q] = key[q - 1];
-        idx[q] = idx[q - 1];
+  extern __shared__ int hist[];
+  for (int c = threadIdx.x; c < e; c += blockDim.x) hist[c] = 0;
+  __syncthreads();
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t{gridDim.x} * (blockDim.x / 32);
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x / 32} + threadIdx.x / 32; t < n; t += warps) {
+    const float* l = logits + t * e;
+    float s[kPerLane];
+    float m = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int c = lane + 32 * i;
+      s[i] = c < e ? l[c] : -INFINITY;
+      m = fmaxf(m, s[i]);
+    }
+    m = warp_max(m);
+    float sum = 0.f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      s[i] = lane + 32 * i < e ? expf(s[i] - m) : 0.f;
+      sum += s[i];
+    }
+    sum = warp_sum(sum);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int c = lane + 32 * i;
+      s[i] /= sum;
+      if (c < e) scores[t * e + c] = s[i];
+    }
+    uint32_t taken = 0;  // bit i: expert lane + 32 i already chosen
+    float wsum = 0.f, my_score = 0.f;
+    int my_expert = 0;
+    for (int j = 0; j < k; ++j) {
+      int best = -1;
+      float best_key = 0.f, best_score = 0.f;
+      if (balanced) {
+        best = static_cast<int>((t * k + j) % e);
+        best_score = __shfl_sync(0xffffffffu, select(s, best / 32), best % 32);
+      } else {
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i) {
+          const int c = lane + 32 * i;
+          if (c >= e || (taken >> i & 1u)) continue;
+          const float key = s[i] + (bias ? bias[c] : 0.f);
+          if (best < 0 || key > best_key) best = c, best_key = key, best_score = s[i];
+        }
+        for (int o = 16; o > 0; o >>= 1) {
+          const int oc = __shfl_xor_sync(0xffffffffu, best, o);
+          const float ok = __shfl_xor_sync(0xffffffffu, best_key, o);
+          const float os = __shfl_xor_sync(0xffffffffu, best_score, o);
+          if (oc >= 0 && (best < 0 || ok > best_key || (ok == best_key && oc < best)))
+            best = oc, best_key = ok, best_score = os;
+        }
+        // NaN keys break the order's symmetry: lane 0's answer is everyone's.
+        best = __shfl_sync(0xffffffffu, best, 0);
+        best_score = __shfl_sync(0xffffffffu, best_score, 0);
+        if (best % 32 == lane) taken |= 1u << (best / 32);
       }
-      key[pos] = v;
-      idx[pos] = c;
-      if (filled < k) ++filled;
+      if (lane == j) my_expert = best, my_score = best_score;
+      wsum += best_score;
+    }
+    if (lane < k) {
+      index[t * k + lane] = my_expert;
+      weight[t * k + lane] = norm_topk ? my_score / wsum : my_score;
+      atomicAdd(&hist[my_expert], 1);
     }
   }
-  float wsum = 0.f;
-  for (int j = 0; j < k; ++j) wsum += s[idx[j]];
-  for (int j = 0; j < k; ++j) {
-    index[t * k + j] = idx[j];
-    weight[t * k + j] = norm_topk ? s[idx[j]] / wsum : s[idx[j]];
-    atomicAdd(reinterpret_cast<unsigned long long*>(counts + idx[j]), 1ull);
-  }
+  __syncthreads();
+  for (int c = threadIdx.x; c < e; c += blockDim.x)
+    if (hist[c] != 0)
+      atomicAdd(reinterpret_cast<unsigned long long*>(counts + c),
+                static_cast<unsigned long long>(hist[c]));
 }
 
 // score_sum[c] = sum over tokens of scores[t, c]: partial sums over kSumChunks row chunks
@@ -78,29 +135,57 @@ __global__ void column_sum_final_kernel(const float* partial, int chunks, int e,
   out[c] = s;
 }
 
+// One warp per token, lanes over experts as the forward: d(score) = the aux term plus the
+// combine weights' gradient through the renormalisation, then the softmax backward.
+template <int kPerLane>
 __global__ void router_backward_kernel(const float* scores, const int32_t* index,
                                        const float* dweight, const int64_t* counts,
                                        double aux_scale, int64_t n, int e, int k, bool norm_topk,
                                        float* dlogits) {
-  const int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (t >= n) return;
-  const float* s = scores + t * e;
-  const int32_t* idx = index + t * k;
-  const float* dw = dweight + t * k;
-  float* dl = dlogits + t * e;
-  // dl temporarily holds d(score); then the softmax backward in place.
-  for (int c = 0; c < e; ++c) dl[c] = static_cast<float>(aux_scale * counts[c]);
-  if (norm_topk) {
-    float sum = 0.f, dot = 0.f;
-    for (int j = 0; j < k; ++j) sum += s[idx[j]];
-    for (int j = 0; j < k; ++j) dot += dw[j] * s[idx[j]] / sum;
-    for (int j = 0; j < k; ++j) dl[idx[j]] += (dw[j] - dot) / sum;
-  } else {
-    for (int j = 0; j < k; ++j) dl[idx[j]] += dw[j];
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t{gridDim.x} * (blockDim.x / 32);
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x / 32} + threadIdx.x / 32; t < n; t += warps) {
+    const float* s_row = scores + t * e;
+    float s[kPerLane], ds[kPerLane];
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int c = lane + 32 * i;
+      s[i] = c < e ? s_row[c] : 0.f;
+      ds[i] = c < e ? static_cast<float>(aux_scale * counts[c]) : 0.f;
+    }
+    // Lane j < k holds choice j.
+    int chosen = 0;
+    float dw = 0.f, sc = 0.f;
+    if (lane < k) {
+      chosen = index[t * k + lane];
+      dw = dweight[t * k + lane];
+      sc = s_row[chosen];
+    }
+    float add = dw;
+    if (norm_topk) {
+      const float sum = warp_sum(sc);
+      const float dot = warp_sum(dw * sc / sum);
+      add = (dw - dot) / sum;
+    }
+    for (int j = 0; j < k; ++j) {
+      const int c = __shfl_sync(0xffffffffu, chosen, j);
+      const float a = __shfl_sync(0xffffffffu, add, j);
+      if (c % 32 == lane) {
+#pragma unroll
+        for (int i = 0; i < kPerLane; ++i)
+          if (i == c / 32) ds[i] += a;
+      }
+    }
+    float inner = 0.f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) inner += ds[i] * s[i];
+    inner = warp_sum(inner);
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i) {
+      const int c = lane + 32 * i;
+      if (c < e) dlogits[t * e + c] = s[i] * (ds[i] - inner);
+    }
   }
-  float inner = 0.f;
-  for (int c = 0; c < e; ++c) inner += dl[c] * s[c];
-  for (int c = 0; c < e; ++c) dl[c] = s[c] * (dl[c] - inner);
 }
 
 __global__ void iota_kernel(int32_t* v, int64_t n) {
@@ -120,6 +205,23 @@ __global__ void permutation_kernel(const int32_t* sorted_choice, int64_t m, int 
 __global__ void histogram_kernel(const int32_t* expert_index, int64_t m, int64_t* counts) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (i < m) atomicAdd(reinterpret_cast<unsigned long long*>(counts + expert_index[i]), 1ull);
+}
+
+// The same for few bins (experts, not the vocabulary): a shared histogram per block, then one
+// global atomic per bin and block.
+__global__ void histogram_shared_kernel(const int32_t* expert_index, int64_t m, int e,
+                                        int64_t* counts) {
+  extern __shared__ int hist[];
+  for (int c = threadIdx.x; c < e; c += blockDim.x) hist[c] = 0;
+  __syncthreads();
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < m;
+       i += int64_t{gridDim.x} * blockDim.x)
+    atomicAdd(&hist[expert_index[i]], 1);
+  __syncthreads();
+  for (int c = threadIdx.x; c < e; c += blockDim.x)
+    if (hist[c] != 0)
+      atomicAdd(reinterpret_cast<unsigned long long*>(counts + c),
+                static_cast<unsigned long long>(hist[c]));
 }
 
 __global__ void convert_kernel_f32_bf16(const float* src, __nv_bfloat16* dst, int64_t n) {
@@ -260,12 +362,20 @@ namespace kernels {
 cudaError_t router_forward(const float* logits, const float* bias, int64_t n, int e, int k,
                            bool norm_topk, bool balanced, float* scores, int32_t* index,
                            float* weight, int64_t* counts, cudaStream_t stream) {
-  if (k > kMaxTopK) return cudaErrorInvalidValue;
+  if (k > kMaxTopK || e > kMaxExperts) return cudaErrorInvalidValue;
   if (cudaError_t err = cudaMemsetAsync(counts, 0, sizeof(int64_t) * e, stream); err != cudaSuccess)
     return err;
   if (n == 0) return cudaSuccess;
-  router_kernel<<<(n + 127) / 128, 128, 0, stream>>>(logits, bias, n, e, k, norm_topk, balanced,
-                                                     scores, index, weight, counts);
+  // Few blocks, many tokens each: every block flushes its histogram once.
+  const int grid = static_cast<int>(std::min<int64_t>((n + kRouterWarps - 1) / kRouterWarps,
+                                                      2 * sm_count()));
+  const size_t smem = sizeof(int) * e;
+  if (per_lane_for(e) == 4)
+    router_kernel<4><<<grid, 32 * kRouterWarps, smem, stream>>>(
+        logits, bias, n, e, k, norm_topk, balanced, scores, index, weight, counts);
+  else
+    router_kernel<kMaxExperts / 32><<<grid, 32 * kRouterWarps, smem, stream>>>(
+        logits, bias, n, e, k, norm_topk, balanced, scores, index, weight, counts);
   return cudaGetLastError();
 }
 
@@ -284,9 +394,15 @@ cudaError_t column_sum(const float* scores, int64_t n, int e, float* partial, fl
 cudaError_t router_backward(const float* scores, const int32_t* index, const float* dweight,
                             const int64_t* counts, double aux_scale, int64_t n, int e, int k,
                             bool norm_topk, float* dlogits, cudaStream_t stream) {
+  if (k > kMaxTopK || e > kMaxExperts) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
-  router_backward_kernel<<<(n + 127) / 128, 128, 0, stream>>>(
-      scores, index, dweight, counts, aux_scale, n, e, k, norm_topk, dlogits);
+  const int grid = grid_for(n, kRouterWarps);  // one warp per token
+  if (per_lane_for(e) == 4)
+    router_backward_kernel<4><<<grid, 32 * kRouterWarps, 0, stream>>>(
+        scores, index, dweight, counts, aux_scale, n, e, k, norm_topk, dlogits);
+  else
+    router_backward_kernel<kMaxExperts / 32><<<grid, 32 * kRouterWarps, 0, stream>>>(
+        scores, index, dweight, counts, aux_scale, n, e, k, norm_topk, dlogits);
   return cudaGetLastError();
 }
 
@@ -326,7 +442,11 @@ cudaError_t expert_permutation(const int32_t* expert_index, int64_t m, int k, in
   if (cudaError_t err = cudaMemsetAsync(counts, 0, sizeof(int64_t) * (e + 1), stream);
       err != cudaSuccess)
     return err;
-  if (m > 0) histogram_kernel<<<(m + 255) / 256, 256, 0, stream>>>(expert_index, m, counts);
+  if (m > 0 && e <= kMaxExperts)
+    histogram_shared_kernel<<<static_cast<int>(std::min<int64_t>((m + 255) / 256, 2 * sm_count())),
+                              256, sizeof(int) * e, stream>>>(expert_index, m, e, counts);
+  else if (m > 0)
+    histogram_kernel<<<(m + 255) / 256, 256, 0, stream>>>(expert_index, m, counts);
   // Parallel scan: the embedding backward sorts by token id, so e is the vocabulary (~150k).
   if (cudaError_t err =
           cub::DeviceScan::ExclusiveSum(sort_ws, sort_bytes, counts, offsets, e + 1, stream);

@@ -13,6 +13,9 @@ void router_forward(const Tensor& logits, const Tensor& bias, int top_k, bool no
   const profile::Phase phase("gpu.router_forward");
   expect_dtype(logits, DType::kF32, "router logits (GPU: f32)");
   const int64_t n = logits.dim(0), e = logits.dim(1);
+  MT_CHECK(e <= kernels::kMaxRoutedExperts && top_k <= kernels::kMaxRoutedTopK,
+           "GPU routing: {} experts, top-{}; the kernels take up to {} experts and top-{}", e,
+           top_k, kernels::kMaxRoutedExperts, kernels::kMaxRoutedTopK);
   out.scores = gpu_empty({n, e}, DType::kF32);
   out.expert_index = gpu_empty({n, top_k}, DType::kI32);
   out.expert_weight = gpu_empty({n, top_k}, DType::kF32);

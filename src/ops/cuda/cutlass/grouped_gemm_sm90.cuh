@@ -1,4 +1,4 @@
-// CUTLASS Hopper grouped GEMM (TMA + wgmma, warp-specialized cooperative, pointer-array) for the
+// CUTLASS Hopper grouped GEMM (TMA + wgmma, warp-specialized, pointer-array) for the
 // expert GEMMs, with every per-group argument built on the device from the expert row offsets:
 // no count reaches the host. One template, instantiated in three .cu files (forward, dx, dw) so
 // that they compile in parallel.
@@ -29,11 +29,10 @@ enum class Product {
   kWeightGradient,  // dw_e (k, n) += x_e^T (k, rows) @ dy_e (rows, n), fp32 accumulation buffer
 };
 
-// Tile 128x128x64, one CTA per cluster, cooperative schedule: the shipped configuration. 256x128
-// tiles on 2x1 clusters are 7-10% faster on balanced experts but slower on real (ragged)
-// routing, where more rows fall in partial tiles (docs/benchmarks.md has both runs).
-using DefaultTile = Shape<_128, _128, _64>;
-using DefaultCluster = Shape<_1, _1, _1>;
+// The two schedules of CUTLASS's Hopper kernels. Cooperative: both consumer warpgroups share one
+// tile (the wide 128x256 one). Pingpong: each consumer warpgroup owns a tile, so one's epilogue
+// overlaps the other's mainloop; it wins where the epilogue is a large share of a tile's time
+// (short K: the down projection's 768, the weight gradient's f32 output).
 struct Cooperative {
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedCooperative;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedCooperative;
@@ -42,9 +41,14 @@ struct Pingpong {
   using Kernel = cutlass::gemm::KernelPtrArrayTmaWarpSpecializedPingpong;
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
+// The shipped tiles, chosen per product on the workbench (bench/grouped_gemm_variants.cu, both
+// expert shapes, balanced and ragged rows; figures in docs/benchmarks.md). One CTA per cluster:
+// 2x1 clusters (weight tiles multicast) measured slower on every product.
+using WideTile = Shape<_128, _256, _64>;
+using SquareTile = Shape<_128, _128, _64>;
+using NoCluster = Shape<_1, _1, _1>;
 
-template <class LayoutA, class LayoutB, class ElementOut, class Tile = DefaultTile,
-          class Cluster = DefaultCluster, class Schedule = Cooperative>
+template <class LayoutA, class LayoutB, class ElementOut, class Tile, class Cluster, class Schedule>
 struct Config {
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
   using ElementIn = cutlass::bfloat16_t;

@@ -6,7 +6,8 @@ namespace mt::cuda::kernels {
 
 namespace {
 using C = grouped_sm90::Config<cutlass::layout::RowMajor, cutlass::layout::ColumnMajor,
-                               cutlass::bfloat16_t>;
+                               cutlass::bfloat16_t, grouped_sm90::WideTile, grouped_sm90::NoCluster,
+                               grouped_sm90::Cooperative>;
 using P = std::integral_constant<grouped_sm90::Product, grouped_sm90::Product::kInputGradient>;
 }  // namespace
 

@@ -5,7 +5,9 @@
 namespace mt::cuda::kernels {
 
 namespace {
-using C = grouped_sm90::Config<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, float>;
+using C =
+    grouped_sm90::Config<cutlass::layout::ColumnMajor, cutlass::layout::RowMajor, float,
+                         grouped_sm90::SquareTile, grouped_sm90::NoCluster, grouped_sm90::Pingpong>;
 using P = std::integral_constant<grouped_sm90::Product, grouped_sm90::Product::kWeightGradient>;
 }  // namespace
 
