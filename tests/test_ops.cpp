@@ -239,7 +239,7 @@ TEST(Router, HandCheckedChoiceAndWeights) {
   EXPECT_EQ(r.expert_index.item(1), 1);
   EXPECT_NEAR(r.expert_weight.item(0), 0.1, 1e-14);
   // Aux loss: E * sum_e count_e / N * mean score = 4 * (0.1 + 0.4) for choices {0, 1}.
-  EXPECT_NEAR(ops::router_aux_loss(ops::router_aux_stats(r)), 4 * (0.1 + 0.4), 1e-14);
+  EXPECT_NEAR(ops::router_aux_loss(ops::router_aux_stats(r)).item(0), 4 * (0.1 + 0.4), 1e-14);
 }
 
 TEST(Router, ForcedBalancedRoutingSpreadsEvenly) {
@@ -259,7 +259,7 @@ TEST(Router, Gradients) {
       ops::Routing r;
       auto loss = [&] {
         ops::router_forward(logits, Tensor(), opt, r);
-        return dot(r.expert_weight, g) + aux_grad * ops::router_aux_loss(ops::router_aux_stats(r));
+        return dot(r.expert_weight, g) + aux_grad * ops::router_aux_loss(ops::router_aux_stats(r)).item(0);
       };
       loss();
       Tensor dl = like(logits);

@@ -18,4 +18,13 @@
 
 // After a kernel launch: launch-configuration errors now, not at the next sync.
 #define MT_CUDA_CHECK_LAUNCH() MT_CUDA_CHECK(cudaGetLastError())
+
+namespace mt::cuda {
+// The stream every op, copy and collective of the calling thread runs on: the per-thread default
+// stream. Each thread of the NCCL tests (one GPU each) has its own, and a CUDA graph can capture
+// it (the legacy default stream cannot be captured).
+inline cudaStream_t stream() {
+  return cudaStreamPerThread;
+}
+}  // namespace mt::cuda
 #endif

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cmath>
+#include <compare>
 #include <cstdlib>
 #include <cstring>
 #include <limits>
@@ -16,19 +17,33 @@ namespace mt {
 
 namespace {
 
+// This thread's GPU allocations go to the graph pool (see GraphPoolScope).
+thread_local bool in_graph_pool = false;
+
 // One allocator per device kind (DESIGN.md §3), counting the bytes of live tensors. The CPU one
-// is aligned malloc. The CUDA one caches freed blocks by (GPU, rounded size) and reuses them, so
-// a training step's allocations stop reaching cudaMalloc (and its implicit syncs) after step 1;
-// the GPU is the calling thread's current one (a process drives one GPU, or one per thread in the
-// NCCL tests).
+// is aligned malloc. The CUDA one caches freed blocks by (pool, GPU, rounded size) and reuses
+// them, so a training step's allocations stop reaching cudaMalloc (and its implicit syncs) after
+// step 1; the GPU is the calling thread's current one (a process drives one GPU, or one per
+// thread in the NCCL tests). Reuse is safe because all of a GPU's work runs on one stream.
 struct DeviceAllocator {
   explicit DeviceAllocator(Device d) : device(d) {}
   const Device device;
   std::atomic<int64_t> current{0};
   std::atomic<int64_t> peak{0};
+  std::atomic<int64_t> graph_live{0};  // bytes of live graph-pool tensors
   std::mutex mu;
-  std::map<std::pair<int, size_t>, std::vector<void*>> cached;  // CUDA: free blocks by (GPU, size)
-  std::unordered_map<void*, int> gpu_of;                        // CUDA: live blocks' GPU
+  struct Key {
+    bool graph;
+    int gpu;
+    size_t size;
+    auto operator<=>(const Key&) const = default;
+  };
+  struct Block {
+    int gpu;
+    bool graph;
+  };
+  std::map<Key, std::vector<void*>> cached;     // CUDA: free blocks
+  std::unordered_map<void*, Block> block_of;    // CUDA: every block from cudaMalloc, live or free
 
   static size_t rounded(size_t bytes) {
     const size_t unit = bytes < (1u << 20) ? 512 : (2u << 20);  // small: 512 B, large: 2 MiB
@@ -42,12 +57,16 @@ struct DeviceAllocator {
       MT_CHECK(p != nullptr, "out of host memory allocating {} bytes", bytes);
     } else {
       p = allocate_cuda(rounded(bytes));
+      if (in_graph_pool) graph_live += static_cast<int64_t>(bytes);
     }
-    const int64_t now = current += static_cast<int64_t>(bytes);
-    int64_t prev = peak.load();
-    while (now > prev && !peak.compare_exchange_weak(prev, now)) {
-    }
+    raise_peak(current += static_cast<int64_t>(bytes));
     return p;
+  }
+
+  void raise_peak(int64_t bytes) {
+    int64_t prev = peak.load();
+    while (bytes > prev && !peak.compare_exchange_weak(prev, bytes)) {
+    }
   }
 
   void release(void* p, size_t bytes) {
@@ -57,16 +76,19 @@ struct DeviceAllocator {
       return;
     }
     std::lock_guard<std::mutex> lock(mu);
-    cached[{gpu_of.at(p), rounded(bytes)}].push_back(p);
+    const Block b = block_of.at(p);
+    if (b.graph) graph_live -= static_cast<int64_t>(bytes);
+    cached[{b.graph, b.gpu, rounded(bytes)}].push_back(p);
   }
 
   void* allocate_cuda(size_t size) {
 #if MOETRAIN_HAS_CUDA
     int gpu = 0;
     MT_CUDA_CHECK(cudaGetDevice(&gpu));
+    const bool graph = in_graph_pool;
     {
       std::lock_guard<std::mutex> lock(mu);
-      auto it = cached.find({gpu, size});
+      auto it = cached.find({graph, gpu, size});
       if (it != cached.end() && !it->second.empty()) {
         void* p = it->second.back();
         it->second.pop_back();
@@ -75,21 +97,22 @@ struct DeviceAllocator {
     }
     void* p = nullptr;
     if (cudaMalloc(&p, size) != cudaSuccess) {
-      // Out of memory: give this GPU's cache back to the driver and try once more.
+      // Out of memory: give this GPU's free ordinary blocks back to the driver and try once more
+      // (graph-pool blocks stay: a captured graph may use them).
       (void)cudaGetLastError();
       std::lock_guard<std::mutex> lock(mu);
       for (auto& [key, blocks] : cached)
-        if (key.first == gpu) {
+        if (key.gpu == gpu && !key.graph) {
           for (void* b : blocks) {
             cudaFree(b);
-            gpu_of.erase(b);
+            block_of.erase(b);
           }
           blocks.clear();
         }
       MT_CUDA_CHECK(cudaMalloc(&p, size));
     }
     std::lock_guard<std::mutex> lock(mu);
-    gpu_of[p] = gpu;
+    block_of[p] = {gpu, graph};
     return p;
 #else
     (void)size;
@@ -112,7 +135,9 @@ cudaMemcpyKind copy_kind(Device dst, Device src) {
 }
 #endif
 
-// memcpy that understands devices (synchronous with respect to the host).
+// memcpy that understands devices, in order on the thread's stream; a copy that touches host
+// memory is finished when it returns, a device-to-device one is only queued (what reads it next
+// runs on the same stream), so that a CUDA graph can capture it.
 void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size_t bytes) {
   if (bytes == 0) return;
   if (dst_dev == Device::kCPU && src_dev == Device::kCPU) {
@@ -120,7 +145,10 @@ void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size
     return;
   }
 #if MOETRAIN_HAS_CUDA
-  MT_CUDA_CHECK(cudaMemcpy(dst, src, bytes, copy_kind(dst_dev, src_dev)));
+  MT_CUDA_CHECK(
+      cudaMemcpyAsync(dst, src, bytes, copy_kind(dst_dev, src_dev), cuda::stream()));
+  if (dst_dev == Device::kCPU || src_dev == Device::kCPU)
+    MT_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
 #else
   MT_CHECK(false, "a GPU tensor in a build without CUDA");
 #endif
@@ -149,9 +177,23 @@ MemoryStats memory_stats(Device d) {
   auto& a = allocator_for(d);
   return {a.current.load(), a.peak.load()};
 }
+GraphPoolScope::GraphPoolScope() : outer_(in_graph_pool) {
+  in_graph_pool = true;
+}
+GraphPoolScope::~GraphPoolScope() {
+  in_graph_pool = outer_;
+}
+int64_t graph_pool_live_bytes() {
+  return allocator_for(Device::kCUDA).graph_live.load();
+}
+
 void reset_peak_memory(Device d) {
   auto& a = allocator_for(d);
   a.peak = a.current.load();
+}
+
+void note_peak_memory(Device d, int64_t bytes) {
+  allocator_for(d).raise_peak(bytes);
 }
 
 std::string shape_str(const Shape& s) {
@@ -264,7 +306,7 @@ void Tensor::zero_() {
     return;
   }
 #if MOETRAIN_HAS_CUDA
-  MT_CUDA_CHECK(cudaMemset(raw(), 0, nbytes()));
+  MT_CUDA_CHECK(cudaMemsetAsync(raw(), 0, nbytes(), cuda::stream()));
 #endif
 }
 

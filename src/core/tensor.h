@@ -26,6 +26,25 @@ struct MemoryStats {
 };
 MemoryStats memory_stats(Device d);
 void reset_peak_memory(Device d);
+// Raises the high-water mark to `bytes` if it is lower: what a CUDA graph replay uses (its
+// tensors were allocated once, at capture) still counts.
+void note_peak_memory(Device d, int64_t bytes);
+
+// While one is alive on a thread, that thread's GPU tensors come from (and go back to) the graph
+// pool: blocks that a captured CUDA graph reuses on every replay. They are never handed to a
+// tensor outside such a scope, nor returned to the driver, so a replay cannot overwrite anything
+// else. A scope's tensors must die with it: graph_pool_live_bytes() says whether they did.
+class GraphPoolScope {
+ public:
+  GraphPoolScope();
+  ~GraphPoolScope();
+  GraphPoolScope(const GraphPoolScope&) = delete;
+  GraphPoolScope& operator=(const GraphPoolScope&) = delete;
+
+ private:
+  bool outer_;
+};
+int64_t graph_pool_live_bytes();
 
 class Storage;
 

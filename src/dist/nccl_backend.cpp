@@ -59,7 +59,10 @@ void finish_on_host(const Tensor& device_result, Tensor& out) {
   if (out.device() == Device::kCPU) out.copy_from(device_result.to(Device::kCPU));
 }
 
-constexpr cudaStream_t kStream = nullptr;  // in order with the compute kernels
+// The compute stream: collectives stay in order with the kernels around them.
+cudaStream_t collective_stream() {
+  return cuda::stream();
+}
 
 class NcclCommunicator final : public Communicator {
  public:
@@ -95,7 +98,7 @@ class NcclCommunicator final : public Communicator {
     const Tensor s = device_operand(send, true);
     Tensor r = device_operand(recv, false);
     MT_NCCL_CHECK(ncclAllGather(s.raw(), r.raw(), static_cast<size_t>(send.numel()),
-                                nccl_type(send.dtype()), comm_, kStream));
+                                nccl_type(send.dtype()), comm_, collective_stream()));
     end("all_gather");
     finish_on_host(r, recv);
   }
@@ -108,7 +111,7 @@ class NcclCommunicator final : public Communicator {
     const Tensor s = device_operand(send, true);
     Tensor r = device_operand(recv, false);
     MT_NCCL_CHECK(ncclReduceScatter(s.raw(), r.raw(), static_cast<size_t>(recv.numel()),
-                                    nccl_type(send.dtype()), ncclSum, comm_, kStream));
+                                    nccl_type(send.dtype()), ncclSum, comm_, collective_stream()));
     end("reduce_scatter");
     finish_on_host(r, recv);
   }
@@ -117,7 +120,7 @@ class NcclCommunicator final : public Communicator {
     begin("all_reduce");
     Tensor d = device_operand(t, true);
     MT_NCCL_CHECK(ncclAllReduce(d.raw(), d.raw(), static_cast<size_t>(t.numel()),
-                                nccl_type(t.dtype()), ncclSum, comm_, kStream));
+                                nccl_type(t.dtype()), ncclSum, comm_, collective_stream()));
     end("all_reduce");
     finish_on_host(d, t);
   }
@@ -146,10 +149,10 @@ class NcclCommunicator final : public Communicator {
     for (int p = 0; p < size_; ++p) {
       if (send_rows[p] > 0)
         MT_NCCL_CHECK(
-            ncclSend(s_at, static_cast<size_t>(send_rows[p] * width), type, p, comm_, kStream));
+            ncclSend(s_at, static_cast<size_t>(send_rows[p] * width), type, p, comm_, collective_stream()));
       if (recv_rows[p] > 0)
         MT_NCCL_CHECK(
-            ncclRecv(r_at, static_cast<size_t>(recv_rows[p] * width), type, p, comm_, kStream));
+            ncclRecv(r_at, static_cast<size_t>(recv_rows[p] * width), type, p, comm_, collective_stream()));
       s_at += send_rows[p] * row_bytes;
       r_at += recv_rows[p] * row_bytes;
     }
@@ -161,7 +164,7 @@ class NcclCommunicator final : public Communicator {
   void barrier() override {
     Tensor token = Tensor::zeros({1}, DType::kF32, Device::kCUDA);
     all_reduce(token);
-    MT_CUDA_CHECK(cudaStreamSynchronize(kStream));
+    MT_CUDA_CHECK(cudaStreamSynchronize(collective_stream()));
     begin("barrier");  // surfaces a failure the watchdog found meanwhile
   }
 
@@ -199,7 +202,7 @@ class NcclCommunicator final : public Communicator {
       e = free_events_.back();
       free_events_.pop_back();
     }
-    MT_CUDA_CHECK(cudaEventRecord(e, kStream));
+    MT_CUDA_CHECK(cudaEventRecord(e, collective_stream()));
     pending_.push_back({e, what, std::chrono::steady_clock::now()});
   }
 

@@ -42,9 +42,10 @@ struct BlockActivations {
   Tensor qr, kr;                  // after RoPE (N, H, hd), (N, KV, hd)  [none]
   Tensor h, hn, mlp_rstd;         // (N, D), (N, D), (N)                 [none]
   moe::MoeActivations moe;        // routing, logits, xe, gate_up, ye, y [selective]; xp, act [none]
-  // Step statistics, always kept: i64 (E) rows routed to each expert, and the aux loss.
+  // Step statistics, always kept, on the activations' device: i64 (E) rows routed to each
+  // expert, and the aux loss (one f64).
   Tensor tokens_per_expert;
-  double aux_loss = 0;
+  Tensor aux_loss;
 };
 
 struct BlockInputs {

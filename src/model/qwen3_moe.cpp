@@ -1,8 +1,11 @@
 #include "model/qwen3_moe.h"
 
+#include <bit>
 #include <cmath>
+#include <map>
 #include <optional>
 
+#include "core/log.h"
 #include "core/profile.h"
 #include "fsdp/fsdp.h"
 #include "ops/elementwise.h"
@@ -10,6 +13,9 @@
 #include "ops/gemm.h"
 #include "ops/loss.h"
 #include "ops/norm.h"
+#if MOETRAIN_HAS_CUDA
+#include "ops/cuda/graph.h"
+#endif
 
 namespace mt {
 
@@ -29,7 +35,52 @@ namespace {
 // The loss is normalised by the global count of counted tokens (the trainer all-reduces it), so
 // summing the ranks' gradients gives the gradient of the global batch: no further division.
 constexpr double kGradDivideFactor = 1.0;
+
+#if MOETRAIN_HAS_CUDA
+// The batch as a captured pass replays it: documents padded to a power-of-two count (the extra
+// ones empty: cu_seqlens repeats N) and the longest length to a power of two (at most N). The
+// attention pads both the same way inside, so the results do not change, and batches of any
+// document count share a few graphs. On the host.
+Batch padded_documents(const Batch& b) {
+  const Tensor cu = b.cu_seqlens.to(Device::kCPU);
+  const int64_t docs = cu.numel() - 1, n = b.size();
+  const int64_t padded = static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(docs)));
+  Batch out = b;
+  out.cu_seqlens = Tensor::empty({padded + 1}, DType::kI32);
+  for (int64_t i = 0; i <= padded; ++i)
+    out.cu_seqlens.data<int32_t>()[i] = cu.data<int32_t>()[std::min(i, docs)];
+  out.max_seqlen = std::min<int64_t>(
+      static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(std::max<int64_t>(b.max_seqlen, 1)))),
+      n);
+  return out;
+}
+#endif
+
 }  // namespace
+
+struct Qwen3Moe::GraphCache {
+#if MOETRAIN_HAS_CUDA
+  // What a captured pass depends on besides the values in its buffers.
+  struct PassKey {
+    int64_t tokens = 0, docs = 0, longest = 0;
+    std::vector<bool> expert_grads_unwritten;  // per layer: overwrite or accumulate
+    auto operator<=>(const PassKey&) const = default;
+  };
+
+  // One shape's captured pass: the inputs it reads (ordinary device memory, rewritten before each
+  // replay) and the graph.
+  struct CapturedPass {
+    Batch inputs;
+    std::unique_ptr<cuda::Graph> graph;
+    int64_t peak_bytes = 0;  // what a replay adds to the device memory in use at its start
+    bool warmed = false;  // ran once eagerly (cuDNN plans, cuBLASLt, the graph pool are ready)
+    bool failed = false;  // capture failed: this shape runs eagerly
+  };
+
+  std::map<PassKey, CapturedPass> passes;
+#endif
+  int64_t replays = 0;
+};
 
 Qwen3Moe::Qwen3Moe(const ModelConfig& c, uint64_t seed, dist::DeviceMesh* mesh)
     : cfg_(c), mesh_(mesh) {
@@ -66,6 +117,10 @@ Qwen3Moe::Qwen3Moe(const ModelConfig& c, uint64_t seed, dist::DeviceMesh* mesh)
     router_bias_.push_back(Tensor::zeros({c.n_experts}, cfg_.stat_dtype(), cfg_.device));
     expert_load_.push_back(Tensor::zeros({c.n_experts}, DType::kI64));
   }
+  losses_ = Tensor::zeros({1 + c.n_layers}, DType::kF64, cfg_.device);
+  routed_ = Tensor::zeros({c.n_layers, c.n_experts}, DType::kI64, cfg_.device);
+  ce_scale_ = Tensor::zeros({1}, DType::kF64, cfg_.device);
+  graphs_ = std::make_shared<GraphCache>();
 }
 
 void Qwen3Moe::zero_grad() {
@@ -77,7 +132,6 @@ void Qwen3Moe::zero_grad() {
         g.grad_shard.zero_();
     }
   for (auto& l : expert_load_) l.zero_();
-  unread_loads_.clear();
 }
 
 Tensor Qwen3Moe::head_weight() const {
@@ -93,6 +147,99 @@ MicroBatchLosses Qwen3Moe::forward_backward(const Batch& b, const LossScale& s) 
 }
 
 MicroBatchLosses Qwen3Moe::run(const Batch& b, const LossScale* scale) {
+  if (scale) {
+    Tensor host = Tensor::empty({1}, DType::kF64);
+    host.data<double>()[0] = scale->ce_scale;
+    ce_scale_.copy_from(host);
+  }
+  if (use_graphs(scale))
+    run_graphed(b, *scale);
+  else
+    pass(b, scale);
+  return collect();
+}
+
+int64_t Qwen3Moe::graph_replays() const {
+  return graphs_->replays;
+}
+
+bool Qwen3Moe::use_graphs(const LossScale* scale) const {
+#if MOETRAIN_HAS_CUDA
+  // One GPU only (collectives and the expert exchange read counts on the host), training passes
+  // only, and never under the profiler (its phases wait for the device).
+  return scale && cfg_.on_gpu() && cfg_.cuda_graphs && !comms_.batch && !comms_.ep &&
+         !profile::enabled();
+#else
+  (void)scale;
+  return false;
+#endif
+}
+
+void Qwen3Moe::run_graphed(const Batch& b, const LossScale& scale) {
+#if MOETRAIN_HAS_CUDA
+  // Persistent state the pass would otherwise create lazily (the bf16 compute copies) must not
+  // come from the graph pool: make it now.
+  for (auto& u : units_) fsdp::gather(u);
+  const Batch padded = padded_documents(b);
+  GraphCache::PassKey key{padded.size(), padded.cu_seqlens.numel() - 1, padded.max_seqlen, {}};
+  std::vector<ParamGroup*> experts;
+  for (size_t u = 1; u + 1 < units_.size(); ++u) experts.push_back(&units_[u].groups[1]);
+  for (ParamGroup* g : experts) key.expert_grads_unwritten.push_back(g->grads_unwritten);
+  GraphCache::CapturedPass& cp = graphs_->passes[key];
+  if (!cp.inputs.tokens.defined()) {
+    auto device_like = [](const Tensor& t) {
+      return Tensor::empty(t.shape(), t.dtype(), Device::kCUDA);
+    };
+    cp.inputs = {device_like(padded.tokens),    device_like(padded.targets),
+                 device_like(padded.loss_mask), device_like(padded.positions),
+                 device_like(padded.cu_seqlens), padded.max_seqlen};
+  }
+  cp.inputs.tokens.copy_from(padded.tokens);
+  cp.inputs.targets.copy_from(padded.targets);
+  cp.inputs.loss_mask.copy_from(padded.loss_mask);
+  cp.inputs.positions.copy_from(padded.positions);
+  cp.inputs.cu_seqlens.copy_from(padded.cu_seqlens);
+  auto body = [&] { pass(cp.inputs, &scale); };
+  if (!cp.graph && cp.warmed && !cp.failed) {
+    const MemoryStats before = memory_stats(Device::kCUDA);
+    try {
+      const GraphPoolScope pool;
+      reset_peak_memory(Device::kCUDA);
+      cp.graph = cuda::Graph::capture(body);
+      cp.peak_bytes = memory_stats(Device::kCUDA).peak_bytes - before.current_bytes;
+      log::info("captured the training pass of {} tokens, {} documents (padded), longest {} as a "
+                "CUDA graph",
+                key.tokens, key.docs, key.longest);
+    } catch (const Error& e) {
+      cp.failed = true;
+      log::warn("CUDA graph capture of a {}-token pass failed, running it eagerly: {}",
+                key.tokens, e.what());
+    }
+    note_peak_memory(Device::kCUDA, before.peak_bytes);
+    // Capturing ran the pass's host code, not its work: its flags are as before.
+    for (size_t l = 0; l < experts.size(); ++l)
+      experts[l]->grads_unwritten = key.expert_grads_unwritten[l];
+  }
+  if (cp.graph) {
+    cp.graph->launch();
+    note_peak_memory(Device::kCUDA, memory_stats(Device::kCUDA).current_bytes + cp.peak_bytes);
+    ++graphs_->replays;
+    for (ParamGroup* g : experts) g->grads_unwritten = false;  // what pass() would have set
+  } else {
+    const GraphPoolScope pool;
+    body();
+    cp.warmed = true;
+  }
+  MT_CHECK(graph_pool_live_bytes() == 0,
+           "{} bytes allocated inside a captured pass outlive it (a replay would overwrite them)",
+           graph_pool_live_bytes());
+#else
+  (void)b;
+  (void)scale;
+#endif
+}
+
+void Qwen3Moe::pass(const Batch& b, const LossScale* scale) {
   const ModelConfig& c = cfg_;
   const int64_t n = b.size(), L = c.n_layers;
   const DType dt = c.activation_dtype(), st = c.stat_dtype();
@@ -100,6 +247,8 @@ MicroBatchLosses Qwen3Moe::run(const Batch& b, const LossScale* scale) {
   const bool tied = c.tie_word_embeddings;
   ParamUnit& embed = units_.front();
   ParamUnit& head = units_.back();
+  losses_.zero_();
+  Tensor loss_sum = losses_.view(0, {1});
 
   // Forward. Each unit is gathered just before it runs and released right after.
   fsdp::gather(embed);
@@ -108,7 +257,6 @@ MicroBatchLosses Qwen3Moe::run(const Batch& b, const LossScale* scale) {
   if (!tied) fsdp::release(embed);  // tied: the head reads the table too
   std::vector<BlockActivations> acts(L);
   std::vector<BlockInputs> inputs(L);
-  MicroBatchLosses out;
   for (int64_t l = 0; l < L; ++l) {
     ParamUnit& unit = units_[l + 1];
     inputs[l].batch = &b;
@@ -120,8 +268,8 @@ MicroBatchLosses Qwen3Moe::run(const Batch& b, const LossScale* scale) {
     }
     x = block_forward(bind_block_params(unit.groups), c, inputs[l], x, acts[l]);
     fsdp::release(unit);
-    out.aux_sum += acts[l].aux_loss;
-    unread_loads_.push_back({l, acts[l].tokens_per_expert});  // read once the pass is done
+    losses_.view(1 + l, {1}).copy_from(acts[l].aux_loss);
+    routed_.view(l * c.n_experts, {c.n_experts}).copy_from(acts[l].tokens_per_expert);
   }
   std::optional<profile::Phase> head_phase(std::in_place, "head");
   fsdp::gather(head);
@@ -129,11 +277,10 @@ MicroBatchLosses Qwen3Moe::run(const Batch& b, const LossScale* scale) {
   Tensor xf = Tensor::empty({n, c.dim}, dt, dev), rstd = Tensor::empty({n}, st, dev);
   ops::rmsnorm_forward(x, norm_w, c.rms_norm_eps, xf, rstd);
   if (!scale) {
-    out.ce_sum = head_and_loss(b, xf, nullptr);
+    head_and_loss(b, xf, nullptr, loss_sum);
     fsdp::release(head);
     fsdp::release(embed);
-    fold_expert_loads();
-    return out;
+    return;
   }
 
   // Backward: the head's (inside head_and_loss, chunk by chunk), blocks in reverse, embedding;
@@ -141,8 +288,8 @@ MicroBatchLosses Qwen3Moe::run(const Batch& b, const LossScale* scale) {
   fsdp::begin_backward(head);
   fsdp::begin_backward(embed);
   Tensor dxf = Tensor::empty({n, c.dim}, dt, dev);
-  HeadGradients hg{scale->ce_scale, &dxf, tied ? embed.groups[0].grad(0) : head.groups[0].grad(1)};
-  out.ce_sum = head_and_loss(b, xf, &hg);
+  HeadGradients hg{&ce_scale_, &dxf, tied ? embed.groups[0].grad(0) : head.groups[0].grad(1)};
+  head_and_loss(b, xf, &hg, loss_sum);
   Tensor dx = Tensor::empty({n, c.dim}, dt, dev);
   Tensor dnorm = head.groups[0].grad(0);
   ops::rmsnorm_backward(x, norm_w, rstd, dxf, dx, dnorm);
@@ -171,22 +318,22 @@ MicroBatchLosses Qwen3Moe::run(const Batch& b, const LossScale* scale) {
   Tensor dtable = embed.groups[0].grad(0);
   ops::embedding_backward(b.tokens, dx, dtable);
   fsdp::reduce_gradients(embed, kGradDivideFactor);
-  fold_expert_loads();
+}
+
+MicroBatchLosses Qwen3Moe::collect() {
+  const Tensor losses = losses_.to(Device::kCPU);
+  MicroBatchLosses out;
+  out.ce_sum = losses.data<double>()[0];
+  for (int64_t l = 0; l < cfg_.n_layers; ++l) out.aux_sum += losses.data<double>()[1 + l];
+  const Tensor routed = routed_.to(Device::kCPU);
+  for (int64_t l = 0; l < cfg_.n_layers; ++l)
+    for (int64_t e = 0; e < cfg_.n_experts; ++e)
+      expert_load_[l].data<int64_t>()[e] += routed.data<int64_t>()[l * cfg_.n_experts + e];
   return out;
 }
 
-void Qwen3Moe::fold_expert_loads() {
-  // On the GPU the first copy waits for the whole pass; the step's gradient norm waits there
-  // anyway, so no layer pays a sync of its own.
-  for (const auto& [layer, counts] : unread_loads_) {
-    const Tensor routed = counts.to(Device::kCPU);
-    for (int64_t e = 0; e < cfg_.n_experts; ++e)
-      expert_load_[layer].data<int64_t>()[e] += routed.data<int64_t>()[e];
-  }
-  unread_loads_.clear();
-}
-
-double Qwen3Moe::head_and_loss(const Batch& b, const Tensor& xf, HeadGradients* grads) const {
+void Qwen3Moe::head_and_loss(const Batch& b, const Tensor& xf, HeadGradients* grads,
+                             Tensor& loss_sum) {
   const ModelConfig& c = cfg_;
   const bool tied = c.tie_word_embeddings;
   const int64_t n = xf.dim(0), v = c.vocab_size;
@@ -198,17 +345,16 @@ double Qwen3Moe::head_and_loss(const Batch& b, const Tensor& xf, HeadGradients* 
   Tensor logits_buffer = Tensor::empty({chunk, v}, dt, dev),
          lse_buffer = Tensor::empty({chunk}, st, dev);
   Tensor dlogits_buffer = grads ? Tensor::empty({chunk, v}, dt, dev) : Tensor();
-  double ce_sum = 0;
   for (int64_t r0 = 0; r0 < n; r0 += chunk) {
     const int64_t rows = std::min(chunk, n - r0);
     const Tensor x = xf.slice_rows(r0, r0 + rows);
     const Tensor targets = b.targets.view(r0, {rows}), mask = b.loss_mask.view(r0, {rows});
     Tensor logits = logits_buffer.view(0, {rows, v}), lse = lse_buffer.view(0, {rows});
     ops::gemm(x, ops::Transpose::kNo, w_out, w_op, logits, ops::Accumulate::kNo);
-    ce_sum += ops::cross_entropy_forward(logits, targets, mask, lse);
+    ops::cross_entropy_forward(logits, targets, mask, lse, loss_sum);
     if (!grads) continue;
     Tensor dlogits = dlogits_buffer.view(0, {rows, v});
-    ops::cross_entropy_backward(logits, targets, mask, lse, grads->ce_scale, dlogits);
+    ops::cross_entropy_backward(logits, targets, mask, lse, *grads->ce_scale, dlogits);
     Tensor dx = grads->dxf->slice_rows(r0, r0 + rows);
     if (tied) {  // w_out is the embedding table (V, D)
       ops::gemm(dlogits, ops::Transpose::kNo, w_out, ops::Transpose::kNo, dx, ops::Accumulate::kNo);
@@ -218,7 +364,6 @@ double Qwen3Moe::head_and_loss(const Batch& b, const Tensor& xf, HeadGradients* 
       ops::linear_backward(x, w_out, dlogits, dx, grads->dw);
     }
   }
-  return ce_sum;
 }
 
 void Qwen3Moe::update_router_biases() {

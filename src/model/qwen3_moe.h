@@ -6,6 +6,7 @@
 // world, expert groups hold this EP rank's experts sharded over dp_shard_mod_ep, and a unit is
 // gathered just before it runs and released right after (forward and backward alike).
 #pragma once
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -39,9 +40,11 @@ class Qwen3Moe {
   const std::vector<ParamUnit>& units() const { return units_; }
   // Aux-loss-free balancing state: one (E) bias per layer (zero when the option is off).
   std::vector<Tensor>& router_biases() { return router_bias_; }
-  // Tokens this rank routed to each expert in this step, per layer (i64 (E)); reset by
-  // zero_grad.
+  // Tokens this rank routed to each expert in this step, per layer (i64 (E), on the host); reset
+  // by zero_grad.
   const std::vector<Tensor>& step_expert_load() const { return expert_load_; }
+  // Micro-batches run as replays of captured CUDA graphs (single GPU, model.cuda_graphs) so far.
+  int64_t graph_replays() const;
 
   void zero_grad();
   // Forward and backward of one micro-batch; gradients accumulate.
@@ -55,18 +58,28 @@ class Qwen3Moe {
 
  private:
   MicroBatchLosses run(const Batch& b, const LossScale* s);
+  // The device work of one micro-batch: forward (and backward when s), losses into losses_,
+  // routed counts into routed_. On the GPU it never waits for the host, so it can be captured.
+  void pass(const Batch& b, const LossScale* s);
+  // pass() as a CUDA graph: the first batch of a shape runs eagerly (warming cuDNN, cuBLASLt
+  // and the graph pool), the second is captured, later ones replay it (see the .cpp).
+  void run_graphed(const Batch& b, const LossScale& s);
+  bool use_graphs(const LossScale* s) const;
+  // Reads losses_ and routed_ back (the pass's one wait for the device) and folds the counts
+  // into expert_load_.
+  MicroBatchLosses collect();
   Tensor head_weight() const;  // (D, V) view, or the embedding table when tied (V, D)
   // What the head's backward writes: dxf overwritten, dw (the head's or, tied, the table's
-  // gradient) accumulated.
+  // gradient) accumulated; ce_scale is the one-f64 device scale of the loss gradient.
   struct HeadGradients {
-    double ce_scale;
+    const Tensor* ce_scale;
     Tensor* dxf;
     Tensor dw;
   };
   // The LM head and cross-entropy over cfg_.loss_chunk_tokens tokens at a time: each chunk's
   // logits, loss and (when grads) gradients, so at most chunk x vocab logits exist at once.
-  // Returns the summed loss of the counted tokens.
-  double head_and_loss(const Batch& b, const Tensor& xf, HeadGradients* grads) const;
+  // Adds the summed loss of the counted tokens to loss_sum (one f64 on the device).
+  void head_and_loss(const Batch& b, const Tensor& xf, HeadGradients* grads, Tensor& loss_sum);
 
   ModelConfig cfg_;
   dist::DeviceMesh* mesh_ = nullptr;
@@ -74,10 +87,11 @@ class Qwen3Moe {
   std::vector<ParamUnit> units_;  // [0] embed, [1..L] layers, [L+1] head
   std::vector<Tensor> router_bias_;
   std::vector<Tensor> expert_load_;
-  // This pass's per-layer routed counts, still on the device: folded into expert_load_ once the
-  // pass is done (one device-to-host wait per pass instead of one per layer).
-  std::vector<std::pair<int64_t, Tensor>> unread_loads_;
-  void fold_expert_loads();
+  // On the model's device, written by pass(): [0] the loss sum, [1 + l] layer l's aux loss (f64);
+  // routed_ (L, E) i64 the pass's counts; ce_scale_ the loss-gradient scale (one f64).
+  Tensor losses_, routed_, ce_scale_;
+  struct GraphCache;  // captured passes by shape (qwen3_moe.cpp); shared: the model stays copyable
+  std::shared_ptr<GraphCache> graphs_;
 };
 
 }  // namespace mt

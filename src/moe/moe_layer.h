@@ -41,7 +41,7 @@ struct MoeActivations {
   Tensor act;           // (R, F)       SwiGLU (elementwise)
   Tensor ye;            // (R, D)       GEMM output
   Tensor y;             // (M, D)       expert outputs back in local order (comm output)
-  double aux_loss = 0;  // per-layer load-balancing loss (without coefficient)
+  Tensor aux_loss;  // per-layer load-balancing loss (no coefficient): one f64 on the device
 };
 
 ops::RouterOptions router_options(const ModelConfig& c);

@@ -5,11 +5,18 @@
 
 namespace mt::ops {
 
-// logits (N, V), targets i32 (N), mask u8 (N); lse (N) saved. Returns the sum of
-// lse - logit[target] over masked tokens, in double.
+// logits (N, V), targets i32 (N), mask u8 (N); lse (N) saved. Adds the sum of
+// lse - logit[target] over masked tokens to loss_sum (one f64 element on the logits' device: on
+// the GPU the sum never visits the host, so a step can be captured in a CUDA graph).
+void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
+                           Tensor& lse, Tensor& loss_sum);
+// The same sum, returned (waits for the device).
 double cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
                              Tensor& lse);
-// dlogits (N, V) overwritten: grad_scale * mask * (softmax - onehot(target)).
+// dlogits (N, V) overwritten: grad_scale * mask * (softmax - onehot(target)); grad_scale is one
+// f64 element on the logits' device (read there, so a captured step replays with each step's).
+void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
+                            const Tensor& lse, const Tensor& grad_scale, Tensor& dlogits);
 void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
                             const Tensor& lse, double grad_scale, Tensor& dlogits);
 

@@ -29,15 +29,16 @@ void router_forward(const Tensor& logits, const Tensor& bias, const RouterOption
 // What the load-balancing loss needs from a batch. When the batch is split over ranks these are
 // summed over ranks (all-reduce) so that every rank sees the loss of the whole batch.
 struct AuxStats {
-  Tensor tokens_per_expert;  // i64 (E) rows routed to each expert
-  Tensor score_sum;          // (E) sum over tokens of the scores
-  Tensor tokens;             // i64 (1) N
+  Tensor tokens_per_expert;  // i64 (E) rows routed to each expert (on the routing's device)
+  Tensor score_sum;          // (E) sum over tokens of the scores (on the routing's device)
+  Tensor tokens;             // i64 (1) N, on the host: known there without a round trip
 };
 AuxStats router_aux_stats(const Routing& r);
 
 // Switch-Transformer load-balancing loss as in HF Qwen3-MoE, per layer:
-//   aux = E * sum_e (tokens_per_expert[e] / N) * (score_sum[e] / N).
-double router_aux_loss(const AuxStats& s);
+//   aux = E * sum_e (tokens_per_expert[e] / N) * (score_sum[e] / N),
+// as one f64 element on the statistics' device (on the GPU it never visits the host).
+Tensor router_aux_loss(const AuxStats& s);
 
 // dweight (N, k): gradient of the combine weights. aux_grad: d(total loss) / d(aux), with the
 // statistics the forward used. dlogits (N, E) overwritten. The counts are a step function: no

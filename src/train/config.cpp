@@ -147,6 +147,7 @@ const std::vector<Field>& fields() {
       member("hardware", "device", &Config::hardware, &HardwareConfig::device),
       member("hardware", "peak_tflops", &Config::hardware, &HardwareConfig::peak_tflops),
       member("hardware", "threads", &Config::hardware, &HardwareConfig::threads),
+      member("hardware", "cuda_graphs", &Config::hardware, &HardwareConfig::cuda_graphs),
   };
   return f;
 }

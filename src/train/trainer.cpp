@@ -56,6 +56,7 @@ double peak_flops(const HardwareConfig& h) {
 Trainer::Trainer(const Config& c, dist::Communicator* world) : cfg_(c), world_(world) {
   if (c.hardware.threads > 0) omp_set_num_threads(static_cast<int>(c.hardware.threads));
   cfg_.model.device = c.hardware.device == "cuda" ? Device::kCUDA : Device::kCPU;
+  cfg_.model.cuda_graphs = c.hardware.cuda_graphs;
 #if MOETRAIN_HAS_CUDA
   if (cfg_.model.on_gpu()) profile::set_device_sync(&cuda::synchronize);
 #endif

@@ -24,13 +24,22 @@ void check_loss_inputs(const Tensor& logits, const Tensor& targets, const Tensor
     MT_CHECK(!mk[i] || (tg[i] >= 0 && tg[i] < logits.dim(1)), "target {} at {} outside [0, {})",
              tg[i], i, logits.dim(1));
 }
+
+// One f64 element on `device`: the loss sum and the gradient scale.
+void check_scalar(const Tensor& t, Device device, const char* what) {
+  MT_CHECK(t.numel() == 1 && t.dtype() == DType::kF64 && t.device() == device,
+           "{}: one f64 element on the logits' device ({}), got {} {} on {}", what,
+           device == Device::kCPU ? "cpu" : "cuda", dtype_name(t.dtype()), shape_str(t.shape()),
+           t.device() == Device::kCPU ? "cpu" : "cuda");
+}
 }  // namespace
 
-double cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
-                             Tensor& lse) {
+void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
+                           Tensor& lse, Tensor& loss_sum) {
   check_loss_inputs(logits, targets, mask);
+  check_scalar(loss_sum, logits.device(), "loss sum");
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(logits)) return cuda::cross_entropy_forward(logits, targets, mask, lse);
+  if (on_gpu(logits)) return cuda::cross_entropy_forward(logits, targets, mask, lse, loss_sum);
 #endif
   const int64_t n = logits.dim(0), v = logits.dim(1);
   expect_shape(lse, {n}, "loss lse");
@@ -48,16 +57,32 @@ double cross_entropy_forward(const Tensor& logits, const Tensor& targets, const 
       if (mask.data<uint8_t>()[i]) total += lse_i - l[targets.data<int32_t>()[i]];
     }
   });
-  return total;
+  loss_sum.data<double>()[0] += total;
+}
+
+double cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
+                             Tensor& lse) {
+  Tensor sum = Tensor::zeros({1}, DType::kF64, logits.device());
+  cross_entropy_forward(logits, targets, mask, lse, sum);
+  return sum.item(0);
 }
 
 void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
                             const Tensor& lse, double grad_scale, Tensor& dlogits) {
+  Tensor scale = Tensor::empty({1}, DType::kF64);
+  scale.data<double>()[0] = grad_scale;
+  cross_entropy_backward(logits, targets, mask, lse, scale.to(logits.device()), dlogits);
+}
+
+void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
+                            const Tensor& lse, const Tensor& grad_scale_t, Tensor& dlogits) {
   check_loss_inputs(logits, targets, mask);
+  check_scalar(grad_scale_t, logits.device(), "loss grad scale");
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(logits))
-    return cuda::cross_entropy_backward(logits, targets, mask, lse, grad_scale, dlogits);
+    return cuda::cross_entropy_backward(logits, targets, mask, lse, grad_scale_t, dlogits);
 #endif
+  const double grad_scale = grad_scale_t.data<double>()[0];
   const int64_t n = logits.dim(0), v = logits.dim(1);
   expect_shape(dlogits, logits.shape(), "dlogits");
   dispatch_float(logits.dtype(), [&](auto tag) {

@@ -81,15 +81,19 @@ AuxStats router_aux_stats(const Routing& r) {
   return s;
 }
 
-double router_aux_loss(const AuxStats& s) {
+Tensor router_aux_loss(const AuxStats& s) {
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(s.score_sum)) return cuda::router_aux_loss(s);
+#endif
   const int64_t e = s.score_sum.numel();
   const double n = static_cast<double>(s.tokens.data<int64_t>()[0]);
-  if (n == 0) return 0.0;
   double aux = 0;
-  for (int64_t c = 0; c < e; ++c)
+  for (int64_t c = 0; c < e && n > 0; ++c)
     aux +=
         static_cast<double>(s.tokens_per_expert.data<int64_t>()[c]) / n * (s.score_sum.item(c) / n);
-  return aux * e;
+  Tensor out = Tensor::empty({1}, DType::kF64);
+  out.data<double>()[0] = aux * static_cast<double>(e);
+  return out;
 }
 
 void router_backward(const Routing& r, const RouterOptions& opt, const AuxStats& stats,

@@ -100,7 +100,7 @@ void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, bool ac
   const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
   MT_CUBLAS_CHECK(cublasLtMatmul(lt().handle, op, &alpha, b.raw(), la.desc, a.raw(), lb.desc, &beta,
                                  c.raw(), lc.desc, c.raw(), lc.desc, &heur.algo, lt().workspace, ws,
-                                 nullptr));
+                                 stream()));
   cublasLtMatmulPreferenceDestroy(pref);
   cublasLtMatmulDescDestroy(op);
 }

@@ -23,12 +23,13 @@ cudaError_t swiglu_forward(Storage s, const void* h, void* a, int64_t m, int64_t
                            cudaStream_t stream);
 cudaError_t swiglu_backward(Storage s, const void* h, const void* da, void* dh, int64_t m,
                             int64_t f, cudaStream_t stream);
-// loss (n floats) receives each row's loss (0 where masked).
+// loss (n floats, scratch) receives each row's loss (0 where masked); *loss_sum (device) += their
+// sum. The backward's scale is a device double.
 cudaError_t cross_entropy_forward(Storage s, const void* logits, const int32_t* targets,
-                                  const uint8_t* mask, float* lse, float* loss, int64_t n,
-                                  int64_t v, cudaStream_t stream);
+                                  const uint8_t* mask, float* lse, float* loss, double* loss_sum,
+                                  int64_t n, int64_t v, cudaStream_t stream);
 cudaError_t cross_entropy_backward(Storage s, const void* logits, const int32_t* targets,
-                                   const uint8_t* mask, const float* lse, float scale,
+                                   const uint8_t* mask, const float* lse, const double* scale,
                                    void* dlogits, int64_t n, int64_t v, cudaStream_t stream);
 // Grouped GEMM over experts, bf16 operands, offsets i64 (experts + 1) on the device.
 // out (m, n) rows of expert e = a rows (k wide) @ w[e]; w[e] is (k, n) row-major, or with
@@ -98,6 +99,9 @@ cudaError_t attention_ragged_layout(const int32_t* cu_seqlens, int docs, int pad
 constexpr int kMaxRoutedExperts = 1024;
 constexpr int kMaxRoutedTopK = 16;
 // logits, scores f32 (n, e); index i32 / weight f32 (n, k); counts i64 (e), zeroed here.
+// *out = scale * sum_e counts[e] * score_sum[e] (the load-balancing loss; scale = E / N^2).
+cudaError_t router_aux_loss(const int64_t* counts, const float* score_sum, int e, double scale,
+                            double* out, cudaStream_t stream);
 cudaError_t router_forward(const float* logits, const float* bias, int64_t n, int e, int k,
                            bool norm_topk, bool balanced, float* scores, int32_t* index,
                            float* weight, int64_t* counts, cudaStream_t stream);

@@ -1,5 +1,6 @@
 // Cross-entropy on the GPU: one block per token row, one pass over the logits (online softmax,
-// 16-byte packs); the wrapper sums the per-row losses on the host in row order (deterministic).
+// 16-byte packs); the per-row losses are summed on the device in a fixed order (deterministic)
+// into a double accumulator, so that no step waits for the host.
 #include "ops/cuda/common.cuh"
 
 namespace mt::cuda {
@@ -37,12 +38,27 @@ __global__ void cross_entropy_forward_kernel(const T* logits, const int32_t* tar
   }
 }
 
+// sum += the n row losses, by one block: strided partial sums in double, then a fixed tree.
+__global__ void sum_rows_kernel(const float* loss, int64_t n, double* sum) {
+  __shared__ double partial[kBlock];
+  double s = 0;
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += loss[i];
+  partial[threadIdx.x] = s;
+  __syncthreads();
+  for (int half = blockDim.x / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *sum += partial[0];
+}
+
+// The scale is read from device memory: a captured CUDA graph replays with each step's value.
 template <class T, int P>
 __global__ void cross_entropy_backward_kernel(const T* logits, const int32_t* targets,
-                                              const uint8_t* mask, const float* lse, float scale,
-                                              T* dlogits, int64_t v) {
+                                              const uint8_t* mask, const float* lse,
+                                              const double* scale, T* dlogits, int64_t v) {
   const int64_t row = blockIdx.x;
-  const float g = mask[row] ? scale : 0.f;
+  const float g = mask[row] ? static_cast<float>(*scale) : 0.f;
   const float lse_row = lse[row];
   const int32_t target = targets[row];
   for (int64_t c = threadIdx.x * P; c < v; c += blockDim.x * P) {
@@ -62,8 +78,8 @@ __global__ void cross_entropy_backward_kernel(const T* logits, const int32_t* ta
 namespace kernels {
 
 cudaError_t cross_entropy_forward(Storage st, const void* logits, const int32_t* targets,
-                                  const uint8_t* mask, float* lse, float* loss, int64_t n,
-                                  int64_t v, cudaStream_t stream) {
+                                  const uint8_t* mask, float* lse, float* loss, double* loss_sum,
+                                  int64_t n, int64_t v, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   dispatch_storage(st, [&](auto tag) {
     using T = decltype(tag);
@@ -74,11 +90,12 @@ cudaError_t cross_entropy_forward(Storage st, const void* logits, const int32_t*
     else
       cross_entropy_forward_kernel<T, 1><<<n, kBlock, 0, stream>>>(l, targets, mask, lse, loss, v);
   });
+  sum_rows_kernel<<<1, kBlock, 0, stream>>>(loss, n, loss_sum);
   return cudaGetLastError();
 }
 
 cudaError_t cross_entropy_backward(Storage st, const void* logits, const int32_t* targets,
-                                   const uint8_t* mask, const float* lse, float scale,
+                                   const uint8_t* mask, const float* lse, const double* scale,
                                    void* dlogits, int64_t n, int64_t v, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   dispatch_storage(st, [&](auto tag) {

@@ -188,6 +188,22 @@ __global__ void router_backward_kernel(const float* scores, const int32_t* index
   }
 }
 
+// One block: per-thread partial sums in double, then a fixed tree (deterministic).
+__global__ void aux_loss_kernel(const int64_t* counts, const float* score_sum, int e,
+                                double scale, double* out) {
+  __shared__ double partial[kBlock];
+  double s = 0;
+  for (int c = threadIdx.x; c < e; c += blockDim.x)
+    s += static_cast<double>(counts[c]) * static_cast<double>(score_sum[c]);
+  partial[threadIdx.x] = s;
+  __syncthreads();
+  for (int half = blockDim.x / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) *out = scale * partial[0];
+}
+
 __global__ void iota_kernel(int32_t* v, int64_t n) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (i < n) v[i] = static_cast<int32_t>(i);
@@ -376,6 +392,12 @@ cudaError_t router_forward(const float* logits, const float* bias, int64_t n, in
   else
     router_kernel<kMaxExperts / 32><<<grid, 32 * kRouterWarps, smem, stream>>>(
         logits, bias, n, e, k, norm_topk, balanced, scores, index, weight, counts);
+  return cudaGetLastError();
+}
+
+cudaError_t router_aux_loss(const int64_t* counts, const float* score_sum, int e, double scale,
+                            double* out, cudaStream_t stream) {
+  aux_loss_kernel<<<1, kBlock, 0, stream>>>(counts, score_sum, e, scale, out);
   return cudaGetLastError();
 }
 

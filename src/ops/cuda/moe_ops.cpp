@@ -23,23 +23,32 @@ void router_forward(const Tensor& logits, const Tensor& bias, int top_k, bool no
   MT_CUDA_CHECK(kernels::router_forward(
       logits.data<float>(), bias.defined() ? bias.data<float>() : nullptr, n, static_cast<int>(e),
       top_k, norm_topk, balanced, out.scores.data<float>(), out.expert_index.data<int32_t>(),
-      out.expert_weight.data<float>(), out.tokens_per_expert.data<int64_t>(), nullptr));
+      out.expert_weight.data<float>(), out.tokens_per_expert.data<int64_t>(), stream()));
 }
 
 ops::AuxStats router_aux_stats(const ops::Routing& r) {
   const profile::Phase phase("gpu.router_aux_stats");
   const int64_t n = r.scores.dim(0), e = r.scores.dim(1);
-  ops::AuxStats s{r.tokens_per_expert.to(Device::kCPU), Tensor::empty({e}, DType::kF32),
+  ops::AuxStats s{r.tokens_per_expert.clone(), gpu_empty({e}, DType::kF32),
                   Tensor::empty({1}, DType::kI64)};
-  Tensor sums = gpu_empty({e}, DType::kF32);
   Tensor partial = gpu_empty(
       {static_cast<int64_t>(kernels::column_sum_workspace(static_cast<int>(e)) / sizeof(float))},
       DType::kF32);
   MT_CUDA_CHECK(kernels::column_sum(r.scores.data<float>(), n, static_cast<int>(e),
-                                    partial.data<float>(), sums.data<float>(), nullptr));
-  s.score_sum.copy_from(sums);
+                                    partial.data<float>(), s.score_sum.data<float>(), stream()));
   s.tokens.data<int64_t>()[0] = n;
   return s;
+}
+
+Tensor router_aux_loss(const ops::AuxStats& s) {
+  const int64_t e = s.score_sum.numel();
+  const double n = static_cast<double>(s.tokens.item(0));
+  Tensor out = gpu_empty({1}, DType::kF64);
+  MT_CUDA_CHECK(kernels::router_aux_loss(
+      on_device(s.tokens_per_expert).data<int64_t>(), s.score_sum.data<float>(),
+      static_cast<int>(e), n > 0 ? static_cast<double>(e) / (n * n) : 0.0, out.data<double>(),
+      stream()));
+  return out;
 }
 
 void router_backward(const ops::Routing& r, int top_k, bool norm_topk, const ops::AuxStats& stats,
@@ -47,11 +56,11 @@ void router_backward(const ops::Routing& r, int top_k, bool norm_topk, const ops
   const profile::Phase phase("gpu.router_backward");
   const int64_t n = r.scores.dim(0), e = r.scores.dim(1);
   const double total = static_cast<double>(stats.tokens.item(0));
-  const Tensor counts = stats.tokens_per_expert.to(Device::kCUDA);
+  const Tensor counts = on_device(stats.tokens_per_expert);
   MT_CUDA_CHECK(kernels::router_backward(
       r.scores.data<float>(), r.expert_index.data<int32_t>(), dweight.data<float>(),
       counts.data<int64_t>(), aux_grad * static_cast<double>(e) / (total * total), n,
-      static_cast<int>(e), top_k, norm_topk, dlogits.data<float>(), nullptr));
+      static_cast<int>(e), top_k, norm_topk, dlogits.data<float>(), stream()));
 }
 
 void make_expert_permutation(const Tensor& expert_index, int64_t experts,
@@ -66,7 +75,7 @@ void make_expert_permutation(const Tensor& expert_index, int64_t experts,
   MT_CUDA_CHECK(kernels::expert_permutation(
       expert_index.data<int32_t>(), m, static_cast<int>(k), static_cast<int>(experts), ws.raw(),
       bytes, out.source_token.data<int32_t>(), out.row_of_choice.data<int32_t>(),
-      out.expert_offsets.data<int64_t>(), nullptr));
+      out.expert_offsets.data<int64_t>(), stream()));
 }
 
 void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst) {
@@ -74,7 +83,7 @@ void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst) {
   MT_CHECK(src.dtype() == dst.dtype(), "gather of {} rows into {}", dtype_name(src.dtype()),
            dtype_name(dst.dtype()));
   MT_CUDA_CHECK(kernels::gather_rows(storage_of(src), src.raw(), index.data<int32_t>(), dst.raw(),
-                                     dst.dim(0), dst.dim(1), nullptr));
+                                     dst.dim(0), dst.dim(1), stream()));
 }
 
 void weighted_sum_rows(const Tensor& rows, const Tensor& row_of_choice, const Tensor* scale,
@@ -86,7 +95,7 @@ void weighted_sum_rows(const Tensor& rows, const Tensor& row_of_choice, const Te
   MT_CUDA_CHECK(kernels::weighted_sum_rows(storage_of(rows), rows.raw(),
                                            row_of_choice.data<int32_t>(),
                                            scale ? scale->data<float>() : nullptr, out.dim(0),
-                                           static_cast<int>(k), out.raw(), out.dim(1), nullptr));
+                                           static_cast<int>(k), out.raw(), out.dim(1), stream()));
 }
 
 void combine_backward(const Tensor& dout, const Tensor& yp, const Tensor& row_of_choice,
@@ -97,7 +106,7 @@ void combine_backward(const Tensor& dout, const Tensor& yp, const Tensor& row_of
   MT_CUDA_CHECK(kernels::combine_backward(storage_of(yp), dout.raw(), yp.raw(),
                                           row_of_choice.data<int32_t>(), weight.data<float>(),
                                           weight.dim(0), static_cast<int>(weight.dim(1)), dyp.raw(),
-                                          dweight.data<float>(), yp.dim(1), nullptr));
+                                          dweight.data<float>(), yp.dim(1), stream()));
 }
 
 void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) {
@@ -120,7 +129,7 @@ void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
   MT_CUDA_CHECK(
       kernels::segment_sum_rows(storage_of(dout), dout.raw(), by_id.source_token.data<int32_t>(),
                                 by_id.expert_offsets.data<int64_t>(), dtable.dim(0), dtable.dim(1),
-                                dtable.raw(), dtable.dtype() == DType::kF32, nullptr));
+                                dtable.raw(), dtable.dtype() == DType::kF32, stream()));
 }
 
 double sum_of_squares(const Tensor& x) {
@@ -128,14 +137,14 @@ double sum_of_squares(const Tensor& x) {
   Tensor ws = gpu_empty({static_cast<int64_t>(kernels::sum_of_squares_workspace())}, DType::kU8);
   double result = 0;
   MT_CUDA_CHECK(
-      kernels::sum_of_squares(storage_of(x), x.raw(), x.numel(), ws.raw(), &result, nullptr));
+      kernels::sum_of_squares(storage_of(x), x.raw(), x.numel(), ws.raw(), &result, stream()));
   return result;
 }
 
 void scale_(Tensor& x, double factor) {
   const profile::Phase phase("gpu.scale_");
   MT_CUDA_CHECK(
-      kernels::scale(storage_of(x), x.raw(), static_cast<float>(factor), x.numel(), nullptr));
+      kernels::scale(storage_of(x), x.raw(), static_cast<float>(factor), x.numel(), stream()));
 }
 
 void convert(const Tensor& src, Tensor& dst) {
@@ -144,12 +153,12 @@ void convert(const Tensor& src, Tensor& dst) {
            dtype_name(src.dtype()), shape_str(src.shape()), dtype_name(dst.dtype()),
            shape_str(dst.shape()));
   storage_of(dst);
-  MT_CUDA_CHECK(kernels::convert(storage_of(src), src.raw(), dst.raw(), src.numel(), nullptr));
+  MT_CUDA_CHECK(kernels::convert(storage_of(src), src.raw(), dst.raw(), src.numel(), stream()));
 }
 
 void add(const Tensor& a, const Tensor& b, Tensor& out) {
   const profile::Phase phase("gpu.add");
-  MT_CUDA_CHECK(kernels::add(storage_of(a), a.raw(), b.raw(), out.raw(), a.numel(), nullptr));
+  MT_CUDA_CHECK(kernels::add(storage_of(a), a.raw(), b.raw(), out.raw(), a.numel(), stream()));
 }
 
 }  // namespace mt::cuda

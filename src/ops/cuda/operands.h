@@ -18,4 +18,9 @@ inline Tensor gpu_empty(const Shape& s, DType d) {
   return Tensor::empty(s, d, Device::kCUDA);
 }
 
+// t itself when it is on the GPU, else a device copy (statistics a caller may hold on the host).
+inline Tensor on_device(const Tensor& t) {
+  return t.device() == Device::kCUDA ? t : t.to(Device::kCUDA);
+}
+
 }  // namespace mt::cuda

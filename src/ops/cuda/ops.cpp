@@ -63,13 +63,13 @@ void grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor& offset
     Tensor ws = workspace(kernels::cutlass_grouped_forward_workspace(static_cast<int>(e)));
     MT_CUDA_CHECK(kernels::cutlass_grouped_forward(offsets.data<int64_t>(), static_cast<int>(e),
                                                    x.raw(), w.raw(), out.raw(), m, k, n, ws.raw(),
-                                                   ws.nbytes(), nullptr));
+                                                   ws.nbytes(), stream()));
     return;
   }
 #endif
   MT_CUDA_CHECK(kernels::grouped_gemm_rows(x.raw(), w.raw(), offsets.data<int64_t>(),
                                            static_cast<int>(e), m, k, n, false, out.raw(),
-                                           out.dtype() == DType::kF32, nullptr));
+                                           out.dtype() == DType::kF32, stream()));
 }
 
 void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor& offsets,
@@ -84,14 +84,14 @@ void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor
     Tensor ws = workspace(kernels::cutlass_grouped_input_gradient_workspace(static_cast<int>(e)));
     MT_CUDA_CHECK(kernels::cutlass_grouped_input_gradient(
         offsets.data<int64_t>(), static_cast<int>(e), dy.raw(), w.raw(), dx.raw(), m, k, n,
-        ws.raw(), ws.nbytes(), nullptr));
+        ws.raw(), ws.nbytes(), stream()));
     return;
   }
 #endif
   // dx (m, k) = dy (m, n) @ w[e]^T: inner n, output width k.
   MT_CUDA_CHECK(kernels::grouped_gemm_rows(dy.raw(), w.raw(), offsets.data<int64_t>(),
                                            static_cast<int>(e), m, n, k, true, dx.raw(),
-                                           dx.dtype() == DType::kF32, nullptr));
+                                           dx.dtype() == DType::kF32, stream()));
 }
 
 void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets,
@@ -103,19 +103,19 @@ void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tenso
   check_grouped({&x, &dy}, dw, offsets, e, k, n);
   if (!accumulate)  // the GEMMs write only experts with rows
     MT_CUDA_CHECK(kernels::zero_empty_groups(offsets.data<int64_t>(), static_cast<int>(e), dw.raw(),
-                                             k * n, dw.dtype() == DType::kF32, nullptr));
+                                             k * n, dw.dtype() == DType::kF32, stream()));
 #if MOETRAIN_HAS_CUTLASS
   if (should_use_cutlass_grouped(dw, DType::kF32)) {
     Tensor ws = workspace(kernels::cutlass_grouped_weight_gradient_workspace(static_cast<int>(e)));
     MT_CUDA_CHECK(kernels::cutlass_grouped_weight_gradient(
         offsets.data<int64_t>(), static_cast<int>(e), x.raw(), dy.raw(), dw.raw(), m, k, n,
-        ws.raw(), ws.nbytes(), accumulate, nullptr));
+        ws.raw(), ws.nbytes(), accumulate, stream()));
     return;
   }
 #endif
   MT_CUDA_CHECK(kernels::grouped_gemm_weight(x.raw(), dy.raw(), offsets.data<int64_t>(),
                                              static_cast<int>(e), k, n, dw.raw(),
-                                             dw.dtype() == DType::kF32, accumulate, nullptr));
+                                             dw.dtype() == DType::kF32, accumulate, stream()));
 }
 
 void reference_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -133,7 +133,7 @@ void reference_attention_forward(const Tensor& q, const Tensor& k, const Tensor&
       storage_of(q, "attention q"), q.raw(), k.raw(), v.raw(), cu_seqlens.data<int32_t>(),
       static_cast<int>(cu_seqlens.numel() - 1), n, static_cast<int>(q.dim(1)),
       static_cast<int>(k.dim(1)), static_cast<int>(q.dim(2)), static_cast<int>(v.dim(2)),
-      static_cast<float>(scale), out.raw(), lse.data<float>(), nullptr));
+      static_cast<float>(scale), out.raw(), lse.data<float>(), stream()));
 }
 
 void reference_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
@@ -151,7 +151,7 @@ void reference_attention_backward(const Tensor& q, const Tensor& k, const Tensor
       dout.raw(), cu_seqlens.data<int32_t>(), static_cast<int>(cu_seqlens.numel() - 1), n,
       static_cast<int>(q.dim(1)), static_cast<int>(k.dim(1)), static_cast<int>(q.dim(2)),
       static_cast<int>(v.dim(2)), static_cast<float>(scale), delta.data<float>(), dq.raw(),
-      dk.raw(), dv.raw(), nullptr));
+      dk.raw(), dv.raw(), stream()));
 }
 
 namespace {
@@ -206,7 +206,7 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, Tensor& y, Te
   same_storage_type(x, y, "rmsnorm y");
   MT_CUDA_CHECK(kernels::rmsnorm_forward(storage_of(x, "rmsnorm x"), x.raw(), w.raw(),
                                          static_cast<float>(eps), y.raw(), rstd.data<float>(), n, d,
-                                         nullptr));
+                                         stream()));
 }
 
 void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy,
@@ -223,7 +223,7 @@ void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, cons
   Tensor partial = Tensor::empty({kernels::rmsnorm_chunks(n), d}, DType::kF32, Device::kCUDA);
   MT_CUDA_CHECK(kernels::rmsnorm_backward(
       storage_of(x, "rmsnorm x"), x.raw(), w.raw(), rstd.data<float>(), dy.raw(), dx.raw(),
-      dw.raw(), dw.dtype() == DType::kF32, partial.data<float>(), n, d, nullptr));
+      dw.raw(), dw.dtype() == DType::kF32, partial.data<float>(), n, d, stream()));
 }
 
 void rope_apply(const Tensor& x, const Tensor& positions, double theta, int direction, Tensor& y) {
@@ -231,7 +231,7 @@ void rope_apply(const Tensor& x, const Tensor& positions, double theta, int dire
   same_storage_type(x, y, "rope output");
   MT_CHECK(positions.device() == Device::kCUDA, "rope positions must be on the GPU");
   MT_CUDA_CHECK(kernels::rope(storage_of(x, "rope x"), x.raw(), positions.data<int32_t>(), theta,
-                              direction, y.raw(), x.dim(0), x.dim(1), x.dim(2), nullptr));
+                              direction, y.raw(), x.dim(0), x.dim(1), x.dim(2), stream()));
 }
 
 void swiglu_forward(const Tensor& h, Tensor& a) {
@@ -240,7 +240,7 @@ void swiglu_forward(const Tensor& h, Tensor& a) {
   expect_shape(a, {m, f}, "swiglu out");
   same_storage_type(h, a, "swiglu out");
   MT_CUDA_CHECK(
-      kernels::swiglu_forward(storage_of(h, "swiglu h"), h.raw(), a.raw(), m, f, nullptr));
+      kernels::swiglu_forward(storage_of(h, "swiglu h"), h.raw(), a.raw(), m, f, stream()));
 }
 
 void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh) {
@@ -251,34 +251,32 @@ void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh) {
   same_storage_type(h, da, "swiglu da");
   same_storage_type(h, dh, "swiglu dh");
   MT_CUDA_CHECK(kernels::swiglu_backward(storage_of(h, "swiglu h"), h.raw(), da.raw(), dh.raw(), m,
-                                         f, nullptr));
+                                         f, stream()));
 }
 
-double cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
-                             Tensor& lse) {
+void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
+                           Tensor& lse, Tensor& loss_sum) {
   const profile::Phase phase("gpu.cross_entropy_forward");
   const int64_t n = logits.dim(0), v = logits.dim(1);
   expect_shape(lse, {n}, "loss lse");
   expect_dtype(lse, DType::kF32, "loss lse (GPU)");
-  Tensor loss = Tensor::empty({n}, DType::kF32, Device::kCUDA);
+  expect_dtype(loss_sum, DType::kF64, "loss sum (GPU)");
+  Tensor loss = gpu_empty({n}, DType::kF32);
   MT_CUDA_CHECK(kernels::cross_entropy_forward(
       storage_of(logits, "logits"), logits.raw(), targets.data<int32_t>(), mask.data<uint8_t>(),
-      lse.data<float>(), loss.data<float>(), n, v, nullptr));
-  const Tensor host = loss.to(Device::kCPU);
-  double total = 0;  // in row order: deterministic
-  for (int64_t i = 0; i < n; ++i) total += host.data<float>()[i];
-  return total;
+      lse.data<float>(), loss.data<float>(), loss_sum.data<double>(), n, v, stream()));
 }
 
 void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
-                            const Tensor& lse, double grad_scale, Tensor& dlogits) {
+                            const Tensor& lse, const Tensor& grad_scale, Tensor& dlogits) {
   const profile::Phase phase("gpu.cross_entropy_backward");
   expect_shape(dlogits, logits.shape(), "dlogits");
   same_storage_type(logits, dlogits, "dlogits");
+  expect_dtype(grad_scale, DType::kF64, "loss grad scale (GPU)");
   MT_CUDA_CHECK(kernels::cross_entropy_backward(
       storage_of(logits, "logits"), logits.raw(), targets.data<int32_t>(), mask.data<uint8_t>(),
-      lse.data<float>(), static_cast<float>(grad_scale), dlogits.raw(), logits.dim(0),
-      logits.dim(1), nullptr));
+      lse.data<float>(), grad_scale.data<double>(), dlogits.raw(), logits.dim(0), logits.dim(1),
+      stream()));
 }
 
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const ops::AdamWHyper& h,
@@ -306,7 +304,7 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const o
              compute->numel(), n);
   }
   MT_CUDA_CHECK(kernels::adamw(param.data<float>(), grad.data<float>(), m.data<float>(),
-                               v.data<float>(), compute ? compute->raw() : nullptr, s, n, nullptr));
+                               v.data<float>(), compute ? compute->raw() : nullptr, s, n, stream()));
 }
 
 }  // namespace mt::cuda

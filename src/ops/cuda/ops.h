@@ -50,7 +50,8 @@ void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable);
 // MoE layer (moe_ops.cpp): logits, scores, weights f32; rows f32 or bf16.
 void router_forward(const Tensor& logits, const Tensor& bias, int top_k, bool norm_topk,
                     bool balanced, ops::Routing& out);
-ops::AuxStats router_aux_stats(const ops::Routing& r);  // stats on the host (small)
+ops::AuxStats router_aux_stats(const ops::Routing& r);  // counts and sums stay on the GPU
+Tensor router_aux_loss(const ops::AuxStats& s);         // one f64 on the GPU
 void router_backward(const ops::Routing& r, int top_k, bool norm_topk, const ops::AuxStats& stats,
                      const Tensor& dweight, double aux_grad, Tensor& dlogits);
 void make_expert_permutation(const Tensor& expert_index, int64_t experts,
@@ -71,10 +72,10 @@ void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, cons
 void rope_apply(const Tensor& x, const Tensor& positions, double theta, int direction, Tensor& y);
 void swiglu_forward(const Tensor& h, Tensor& a);
 void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh);
-double cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
-                             Tensor& lse);
+void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
+                           Tensor& lse, Tensor& loss_sum);
 void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
-                            const Tensor& lse, double grad_scale, Tensor& dlogits);
+                            const Tensor& lse, const Tensor& grad_scale, Tensor& dlogits);
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const ops::AdamWHyper& h,
                 Tensor* compute);  // compute: bf16 or null
 

@@ -237,7 +237,7 @@ Ragged ragged_layout(const ops::Documents& docs, const SdpaShape& s) {
                                        i32(s.kv_heads * s.dv), i32(s.heads * s.dv), i32(s.heads)};
   MT_CUDA_CHECK(kernels::attention_ragged_layout(docs.cu_seqlens.data<int32_t>(),
                                                  static_cast<int>(docs.cu_seqlens.numel() - 1),
-                                                 static_cast<int>(b), strides, r.at, nullptr));
+                                                 static_cast<int>(b), strides, r.at, stream()));
   return r;
 }
 
@@ -253,6 +253,9 @@ void run(const fe::graph::Graph& g, std::unordered_map<int64_t, void*>& pack, co
   MT_CHECK(g.get_workspace_size(workspace_bytes).is_good(), "cuDNN SDPA workspace query failed");
   Tensor workspace =
       Tensor::empty({std::max<int64_t>(workspace_bytes, 1)}, DType::kU8, Device::kCUDA);
+  // The handle is shared; the stream is the calling thread's (set on every call).
+  const cudnnStatus_t st = cudnnSetStream(handle(), stream());
+  MT_CHECK(st == CUDNN_STATUS_SUCCESS, "cudnnSetStream failed: {}", cudnnGetErrorString(st));
   fe::error_t status = g.execute(handle(), pack, workspace.raw());
   MT_CHECK(status.is_good(), "cuDNN SDPA execute failed: {}", status.get_message());
 }
