@@ -193,6 +193,12 @@ TEST_P(GpuCase, GemmEveryTransposeAndAccumulate) {
       ops::gemm(gpu(a), ta, gpu(b), tb, gc, ops::Accumulate::kNo);
       expect_close(gc, ref, "gemm");
     }
+  // The residual read by the epilogue (C) into another buffer (D).
+  const Tensor x = input({m, k}), w = input({k, n}), r = input({m, n});
+  Tensor ref = Tensor::empty({m, n}, DType::kF32), out = gpu_out({m, n});
+  ops::linear_forward_residual(x, w, r, ref);
+  ops::linear_forward_residual(gpu(x), gpu(w), gpu(r), out);
+  expect_close(out, ref, "linear + residual epilogue");
 }
 
 TEST_P(GpuCase, GroupedGemmWithDeviceOffsets) {
@@ -326,6 +332,12 @@ TEST_P(GpuCase, RouterPermutationAndCombine) {
   ops::combine_forward(y, cp, cr.expert_weight, cout_);
   ops::combine_forward(gpu(y), gp, gr.expert_weight, gout);
   expect_close(gout, cout_, "combine");
+  const Tensor residual = input({n, d});
+  Tensor cres = Tensor::empty({n, d}, DType::kF32), gres = gpu_out({n, d});
+  const Tensor gresidual = gpu(residual);
+  ops::combine_forward(y, cp, cr.expert_weight, cres, &residual);
+  ops::combine_forward(gpu(y), gp, gr.expert_weight, gres, &gresidual);
+  expect_close(gres, cres, "combine + residual");
   Tensor cdy = Tensor::empty({n * k, d}, DType::kF32), gdy = gpu_out({n * k, d});
   Tensor cdw = Tensor::empty({n, k}, DType::kF32), gdw = gpu_out({n, k}, DType::kF32);
   ops::combine_backward(dout, y, cp, cr.expert_weight, cdy, cdw);

@@ -98,10 +98,12 @@ TEST(GpuTrain, CudaGraphReplayIsBitIdentical) {
     EXPECT_EQ(a[i].loss, b[i].loss) << "step " << a[i].step;
     EXPECT_EQ(a[i].aux_loss, b[i].aux_loss) << "step " << a[i].step;
     EXPECT_EQ(a[i].grad_norm, b[i].grad_norm) << "step " << a[i].step;
-    // A replay allocates nothing, yet its memory counts: the same high-water mark.
-    EXPECT_NEAR(static_cast<double>(a[i].peak_bytes), static_cast<double>(b[i].peak_bytes),
-                0.01 * static_cast<double>(b[i].peak_bytes))
-        << "step " << a[i].step;
+    // A replay allocates nothing, yet its memory counts: every step reports the high-water mark
+    // of the run's first (eager) pass, and the eager run's within a few percent (its passes
+    // allocate in another order).
+    const auto peak = [](const StepMetrics& m) { return static_cast<double>(m.peak_bytes); };
+    EXPECT_NEAR(peak(a[i]), peak(a[0]), 0.01 * peak(a[0])) << "step " << a[i].step;
+    EXPECT_NEAR(peak(a[i]), peak(b[i]), 0.05 * peak(b[i])) << "step " << a[i].step;
   }
   EXPECT_GT(graphed.model().graph_replays(), 0) << "no pass was replayed from a graph";
   EXPECT_EQ(eager.model().graph_replays(), 0);

@@ -67,6 +67,16 @@ TEST(Linear, Gradients) {
   EXPECT_LT(gradcheck(loss, w, dw), kGradTol);
 }
 
+TEST(Linear, ResidualInTheEpilogueEqualsTheSum) {
+  const Tensor x = randn({4, 6}, 1), w = randn({6, 5}, 2), r = randn({4, 5}, 3);
+  Tensor plain = Tensor::empty({4, 5}, DType::kF64), fused = Tensor::poisoned({4, 5}, DType::kF64);
+  ops::linear_forward(x, w, plain);
+  ops::linear_forward_residual(x, w, r, fused);
+  for (int64_t i = 0; i < plain.numel(); ++i)
+    EXPECT_NEAR(fused.item(i), plain.item(i) + r.item(i), 1e-13) << i;
+  EXPECT_THROW(ops::linear_forward_residual(x, w, fused, fused), Error);  // in place: refused
+}
+
 TEST(Embedding, ForwardGathersAndBackwardAccumulates) {
   Tensor table = randn({5, 3}, 1), ids = i32({4, 0, 4});
   Tensor out = Tensor::poisoned({3, 3}, DType::kF64);
@@ -336,6 +346,13 @@ TEST(Combine, WeightsAppliedOnceAndGradients) {
   ops::combine_backward(g, yp, c.p, w, dyp, dw);
   EXPECT_LT(gradcheck(loss, yp, dyp), kGradTol);
   EXPECT_LT(gradcheck(loss, w, dw), kGradTol);
+  // The residual folded into the same pass: out + residual.
+  const Tensor r = randn({5, 3}, 4);
+  Tensor with = Tensor::poisoned({5, 3}, DType::kF64);
+  ops::combine_forward(yp, c.p, w, out);
+  ops::combine_forward(yp, c.p, w, with, &r);
+  for (int64_t i = 0; i < with.numel(); ++i)
+    EXPECT_NEAR(with.item(i), out.item(i) + r.item(i), 1e-14) << i;
 }
 
 TEST(GroupedGemm, PerExpertProductsAndGradients) {

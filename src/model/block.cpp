@@ -44,7 +44,7 @@ void drop_for_policy(BlockActivations& a, CheckpointPolicy policy) {
   a.h = a.hn = a.mlp_rstd = Tensor();
   a.moe.xp = a.moe.act = Tensor();  // the exchange's outputs xe and y stay: no re-communication
   if (policy == CheckpointPolicy::kSelective) return;
-  a.q = a.k = a.v = a.o = Tensor();
+  a.q = a.k = a.v = Tensor();
   a.moe = moe::MoeActivations();
 }
 
@@ -94,13 +94,9 @@ void block_fill(const BlockParams& p, const ModelConfig& c, const BlockInputs& i
                            in.batch->documents(), 1.0 / std::sqrt(static_cast<double>(c.head_dim)),
                            a.attn, a.lse);
   }
-  if (!a.o.defined()) {
-    a.o = new_like(a.x);
-    ops::linear_forward(a.attn.reshape({n, c.q_dim()}), p.wo, a.o);
-  }
-  if (!a.h.defined()) {
+  if (!a.h.defined()) {  // h = x + attn wo: the residual added in the GEMM's epilogue
     a.h = new_like(a.x);
-    ops::add(a.x, a.o, a.h);
+    ops::linear_forward_residual(a.attn.reshape({n, c.q_dim()}), p.wo, a.x, a.h);
   }
   if (!a.hn.defined()) {
     a.hn = new_like(a.x);
@@ -152,8 +148,7 @@ Tensor block_forward(const BlockParams& p, const ModelConfig& c, const BlockInpu
   block_fill(p, c, in, a);
   Tensor out = new_like(x);
   const profile::Phase phase("moe.combine");
-  moe::moe_combine(a.moe, out);
-  ops::add_(out, a.h);
+  moe::moe_combine(a.moe, out, &a.h);  // the block's residual add in the combine's pass
   a.tokens_per_expert = a.moe.routing.tokens_per_expert;
   a.aux_loss = a.moe.aux_loss;
   drop_for_policy(a, c.checkpoint);

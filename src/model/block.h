@@ -36,7 +36,7 @@ BlockParams bind_block_grads(const std::vector<ParamGroup>& groups);
 struct BlockActivations {
   Tensor x;              // (N, D)      block input             [all policies]
   Tensor attn, lse;      // (N, H, hd), (N, H)                  [all policies]
-  Tensor q, k, v, o;     // GEMM outputs (N, H*hd), (N, KV*hd) x2, (N, D)  [none, selective]
+  Tensor q, k, v;        // GEMM outputs (N, H*hd), (N, KV*hd) x2          [none, selective]
   Tensor xn, attn_rstd;  // (N, D), (N)                         [none]
   Tensor qn, q_rstd, kn, k_rstd;  // (N*H, hd), (N*H), (N*KV, hd), (N*KV)  [none]
   Tensor qr, kr;                  // after RoPE (N, H, hd), (N, KV, hd)  [none]

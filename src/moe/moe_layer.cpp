@@ -69,8 +69,8 @@ void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, 
   }
 }
 
-void moe_combine(const MoeActivations& a, Tensor& out) {
-  ops::combine_forward(a.y, a.perm, a.routing.expert_weight, out);
+void moe_combine(const MoeActivations& a, Tensor& out, const Tensor* residual) {
+  ops::combine_forward(a.y, a.perm, a.routing.expert_weight, out, residual);
 }
 
 Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const ModelConfig& c, const Tensor& hn,

@@ -49,8 +49,9 @@ ops::RouterOptions router_options(const ModelConfig& c);
 // Computes every undefined field of `a` from hn (N, D). bias: (E) or undefined.
 void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, const Tensor& bias,
               const Tensor& hn, MoeActivations& a);
-// out (N, D) = combine of the expert outputs; requires a filled `a`.
-void moe_combine(const MoeActivations& a, Tensor& out);
+// out (N, D) = combine of the expert outputs (+ residual, in the same pass); requires a filled
+// `a`.
+void moe_combine(const MoeActivations& a, Tensor& out, const Tensor* residual = nullptr);
 // Returns d hn (N, D); weight gradients accumulate into g. aux_grad = d(total) / d(aux_loss).
 // expert_grads: kYes adds to g's expert gradients, kNo overwrites them (their first write of a
 // step); the router gradient always accumulates.

@@ -12,6 +12,9 @@ void gemm(const Tensor& a, Transpose ta, const Tensor& b, Transpose tb, Tensor& 
 
 // Linear layer without bias. x (N, in), w (in, out), y (N, out).
 void linear_forward(const Tensor& x, const Tensor& w, Tensor& y);
+// y = residual + x w, the residual added in the GEMM's epilogue (on the GPU cuBLASLt reads it
+// as C and writes D = y): no separate pass over the sum. residual and y (N, out), distinct.
+void linear_forward_residual(const Tensor& x, const Tensor& w, const Tensor& residual, Tensor& y);
 // dx = dy w^T (added to dx with dx_accumulate = kYes: several projections of one input sum their
 // input gradients inside the GEMM); dw += x^T dy.
 void linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor& dx, Tensor& dw,

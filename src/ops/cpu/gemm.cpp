@@ -82,6 +82,19 @@ void linear_forward(const Tensor& x, const Tensor& w, Tensor& y) {
   gemm(x, Transpose::kNo, w, Transpose::kNo, y, Accumulate::kNo);
 }
 
+void linear_forward_residual(const Tensor& x, const Tensor& w, const Tensor& residual, Tensor& y) {
+  MT_CHECK(residual.shape() == y.shape() && residual.dtype() == y.dtype() &&
+               residual.raw() != y.raw(),
+           "linear residual {} {} for output {} {} (same shape and dtype, another buffer)",
+           dtype_name(residual.dtype()), shape_str(residual.shape()), dtype_name(y.dtype()),
+           shape_str(y.shape()));
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(x)) return cuda::gemm_residual(x, w, residual, y);
+#endif
+  y.copy_from(residual);
+  gemm(x, Transpose::kNo, w, Transpose::kNo, y, Accumulate::kYes);
+}
+
 void linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor& dx, Tensor& dw,
                      Accumulate dx_accumulate) {
   gemm(dy, Transpose::kNo, w, Transpose::kYes, dx, dx_accumulate);

@@ -59,7 +59,7 @@ void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp) {
 void permute_rows_backward(const Tensor& dxp, const ExpertPermutation& p, Tensor& dx) {
   const int64_t n = dx.dim(0), d = dx.dim(1), k = choices_per_token(p, n);
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(dx)) return cuda::weighted_sum_rows(dxp, p.row_of_choice, nullptr, k, dx);
+  if (on_gpu(dx)) return cuda::weighted_sum_rows(dxp, p.row_of_choice, nullptr, nullptr, k, dx);
 #endif
   dispatch_float(dx.dtype(), [&](auto tag) {
     using T = decltype(tag);
@@ -108,17 +108,25 @@ void unpermute_rows_backward(const Tensor& dy, const ExpertPermutation& p, Tenso
 }
 
 void combine_forward(const Tensor& yp, const ExpertPermutation& p, const Tensor& weight,
-                     Tensor& out) {
+                     Tensor& out, const Tensor* residual) {
   const int64_t n = weight.dim(0), k = weight.dim(1), d = yp.dim(1);
   expect_shape(out, {n, d}, "combine out");
+  if (residual) {
+    expect_shape(*residual, {n, d}, "combine residual");
+    MT_CHECK(residual->dtype() == out.dtype(), "combine residual {} for output {}",
+             dtype_name(residual->dtype()), dtype_name(out.dtype()));
+  }
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(yp)) return cuda::weighted_sum_rows(yp, p.row_of_choice, &weight, k, out);
+  if (on_gpu(yp)) return cuda::weighted_sum_rows(yp, p.row_of_choice, &weight, residual, k, out);
 #endif
   dispatch_float(yp.dtype(), [&](auto tag) {
     using T = decltype(tag);
     for (int64_t t = 0; t < n; ++t) {
       T* o = out.data<T>() + t * d;
-      std::fill(o, o + d, T(0));
+      if (residual)
+        std::copy(residual->data<T>() + t * d, residual->data<T>() + (t + 1) * d, o);
+      else
+        std::fill(o, o + d, T(0));
       for (int64_t j = 0; j < k; ++j) {
         const T w = weight.data<T>()[t * k + j];
         const T* y =

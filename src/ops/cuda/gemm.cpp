@@ -59,18 +59,23 @@ struct Layout {
 
 }  // namespace
 
-void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, bool accumulate) {
-  const profile::Phase phase("gpu.gemm");
+namespace {
+
+// D = op(a) op(b) + beta C through cuBLASLt; C and D may be one buffer (accumulation) or two (a
+// residual read by the epilogue).
+void lt_matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor* c, Tensor& d,
+               float beta) {
   const int64_t m = ta ? a.dim(1) : a.dim(0), k = ta ? a.dim(0) : a.dim(1);
   const int64_t n = tb ? b.dim(0) : b.dim(1);
   MT_CHECK(a.dtype() == b.dtype(), "GPU gemm operands differ: {} vs {}", dtype_name(a.dtype()),
            dtype_name(b.dtype()));
-  MT_CHECK(c.dtype() == a.dtype() || c.dtype() == DType::kF32,
+  MT_CHECK(d.dtype() == a.dtype() || d.dtype() == DType::kF32,
            "GPU gemm output {} for {} operands (valid: the operands' dtype or f32)",
-           dtype_name(c.dtype()), dtype_name(a.dtype()));
+           dtype_name(d.dtype()), dtype_name(a.dtype()));
   if (m == 0 || n == 0) return;
   if (k == 0) {
-    if (!accumulate) c.zero_();
+    if (c == nullptr && beta == 0.0f) d.zero_();
+    if (c != nullptr) d.copy_from(*c);
     return;
   }
   cublasLtMatmulDesc_t op = nullptr;
@@ -82,10 +87,10 @@ void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, bool ac
       cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
   MT_CUBLAS_CHECK(
       cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
-  const cudaDataType_t in = cuda_type(a.dtype()), out = cuda_type(c.dtype());
+  const cudaDataType_t in = cuda_type(a.dtype()), out = cuda_type(d.dtype());
   const Layout la(in, tb ? k : n, tb ? n : k, tb ? k : n);
   const Layout lb(in, ta ? m : k, ta ? k : m, ta ? m : k);
-  const Layout lc(out, n, m, n);
+  const Layout ld(out, n, m, n);
   cublasLtMatmulPreference_t pref = nullptr;
   MT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const size_t ws = kWorkspaceBytes;
@@ -93,16 +98,32 @@ void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, bool ac
       pref, CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &ws, sizeof(ws)));
   cublasLtMatmulHeuristicResult_t heur{};
   int found = 0;
-  MT_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt().handle, op, la.desc, lb.desc, lc.desc,
-                                                 lc.desc, pref, 1, &heur, &found));
+  MT_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt().handle, op, la.desc, lb.desc, ld.desc,
+                                                 ld.desc, pref, 1, &heur, &found));
   MT_CHECK(found > 0, "cuBLASLt has no algorithm for {}x{}x{} ({})", m, n, k,
            dtype_name(a.dtype()));
-  const float alpha = 1.0f, beta = accumulate ? 1.0f : 0.0f;
+  const float alpha = 1.0f;
+  const void* c_ptr = c ? c->raw() : d.raw();
   MT_CUBLAS_CHECK(cublasLtMatmul(lt().handle, op, &alpha, b.raw(), la.desc, a.raw(), lb.desc, &beta,
-                                 c.raw(), lc.desc, c.raw(), lc.desc, &heur.algo, lt().workspace, ws,
+                                 c_ptr, ld.desc, d.raw(), ld.desc, &heur.algo, lt().workspace, ws,
                                  stream()));
   cublasLtMatmulPreferenceDestroy(pref);
   cublasLtMatmulDescDestroy(op);
+}
+
+}  // namespace
+
+void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, bool accumulate) {
+  const profile::Phase phase("gpu.gemm");
+  lt_matmul(a, ta, b, tb, nullptr, c, accumulate ? 1.0f : 0.0f);
+}
+
+void gemm_residual(const Tensor& a, const Tensor& b, const Tensor& c, Tensor& d) {
+  const profile::Phase phase("gpu.gemm");
+  MT_CHECK(c.dtype() == d.dtype() && c.shape() == d.shape(), "GEMM residual {} {} for {} {}",
+           dtype_name(c.dtype()), shape_str(c.shape()), dtype_name(d.dtype()),
+           shape_str(d.shape()));
+  lt_matmul(a, false, b, false, &c, d, 1.0f);
 }
 
 }  // namespace mt::cuda

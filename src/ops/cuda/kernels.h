@@ -124,9 +124,10 @@ cudaError_t convert(Storage from, const void* src, void* dst, int64_t n, cudaStr
 cudaError_t gather_rows(Storage s, const void* src, const int32_t* index, void* dst, int64_t rows,
                         int64_t width, cudaStream_t stream);
 // out[t] = sum_j scale[t, j] * rows[row_of_choice[t*k + j]]; scale null means 1.
+// out[t] = residual[t] (when not null) + sum_j scale[t, j] * rows[row_of_choice[t, j]].
 cudaError_t weighted_sum_rows(Storage s, const void* rows, const int32_t* row_of_choice,
-                              const float* scale, int64_t tokens, int k, void* out, int64_t width,
-                              cudaStream_t stream);
+                              const float* scale, const void* residual, int64_t tokens, int k,
+                              void* out, int64_t width, cudaStream_t stream);
 cudaError_t combine_backward(Storage s, const void* dout, const void* y,
                              const int32_t* row_of_choice, const float* weight, int64_t tokens,
                              int k, void* dy, float* dweight, int64_t width, cudaStream_t stream);

@@ -263,14 +263,16 @@ __global__ void gather_rows_kernel(const T* src, const int32_t* index, T* dst, i
   for (int64_t c = threadIdx.x; c < width; c += blockDim.x) d[c] = s[c];
 }
 
-// out[t] = sum_j scale[t, j] * rows[row_of_choice[t, j]] (scale null: 1), fp32 math; one block
-// per token, P columns per step (16-byte packs when aligned).
+// out[t] = residual[t] + sum_j scale[t, j] * rows[row_of_choice[t, j]] (scale null: 1; residual
+// null: 0), fp32 math, one rounding; one block per token, P columns per step (16-byte packs when
+// aligned).
 template <class T, int P>
 __global__ void weighted_sum_kernel(const T* rows, const int32_t* row_of_choice, const float* scale,
-                                    int k, T* out, int64_t width) {
+                                    const T* residual, int k, T* out, int64_t width) {
   const int64_t t = blockIdx.x;
   for (int64_t c = threadIdx.x * P; c < width; c += blockDim.x * P) {
     float acc[P] = {};
+    if (residual) load_n<T, P>(residual + t * width + c, acc);
     for (int j = 0; j < k; ++j) {
       const float w = scale ? scale[t * k + j] : 1.f;
       float x[P];
@@ -506,19 +508,20 @@ cudaError_t gather_rows(Storage s, const void* src, const int32_t* index, void* 
 }
 
 cudaError_t weighted_sum_rows(Storage s, const void* rows, const int32_t* row_of_choice,
-                              const float* scale, int64_t tokens, int k, void* out, int64_t width,
-                              cudaStream_t stream) {
+                              const float* scale, const void* residual, int64_t tokens, int k,
+                              void* out, int64_t width, cudaStream_t stream) {
   if (tokens == 0) return cudaSuccess;
   dispatch_storage(s, [&](auto tag) {
     using T = decltype(tag);
     const T* r = static_cast<const T*>(rows);
+    const T* res = static_cast<const T*>(residual);
     T* o = static_cast<T*>(out);
-    if (packable<T>(width, {rows, out}))
+    if (packable<T>(width, {rows, out, residual ? residual : out}))
       weighted_sum_kernel<T, Pack<T>::kSize>
-          <<<tokens, kBlock, 0, stream>>>(r, row_of_choice, scale, k, o, width);
+          <<<tokens, kBlock, 0, stream>>>(r, row_of_choice, scale, res, k, o, width);
     else
       weighted_sum_kernel<T, 1>
-          <<<tokens, kBlock, 0, stream>>>(r, row_of_choice, scale, k, o, width);
+          <<<tokens, kBlock, 0, stream>>>(r, row_of_choice, scale, res, k, o, width);
   });
   return cudaGetLastError();
 }

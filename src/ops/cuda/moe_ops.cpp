@@ -87,15 +87,15 @@ void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst) {
 }
 
 void weighted_sum_rows(const Tensor& rows, const Tensor& row_of_choice, const Tensor* scale,
-                       int64_t k, Tensor& out) {
+                       const Tensor* residual, int64_t k, Tensor& out) {
   const profile::Phase phase("gpu.weighted_sum_rows");
   MT_CHECK(rows.dtype() == out.dtype(), "weighted sum of {} rows into {}", dtype_name(rows.dtype()),
            dtype_name(out.dtype()));
   if (scale) expect_dtype(*scale, DType::kF32, "combine weights (GPU: f32)");
-  MT_CUDA_CHECK(kernels::weighted_sum_rows(storage_of(rows), rows.raw(),
-                                           row_of_choice.data<int32_t>(),
-                                           scale ? scale->data<float>() : nullptr, out.dim(0),
-                                           static_cast<int>(k), out.raw(), out.dim(1), stream()));
+  MT_CUDA_CHECK(kernels::weighted_sum_rows(
+      storage_of(rows), rows.raw(), row_of_choice.data<int32_t>(),
+      scale ? scale->data<float>() : nullptr, residual ? residual->raw() : nullptr, out.dim(0),
+      static_cast<int>(k), out.raw(), out.dim(1), stream()));
 }
 
 void combine_backward(const Tensor& dout, const Tensor& yp, const Tensor& row_of_choice,

@@ -13,6 +13,8 @@ namespace mt::cuda {
 // c (M, N) = op(a) op(b) (+ c): a, b f32 or bf16; c the same or f32 (weight gradients).
 void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, Tensor& c,
           bool accumulate);
+// d (M, N) = a b + c, c read by the epilogue (bf16 a, b, c, d; c and d distinct).
+void gemm_residual(const Tensor& a, const Tensor& b, const Tensor& c, Tensor& d);
 // Grouped GEMMs over experts with the row offsets (i64 (E + 1)) on the device: no host sync.
 void grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& out);
 void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor& offsets,
@@ -57,8 +59,9 @@ void router_backward(const ops::Routing& r, int top_k, bool norm_topk, const ops
 void make_expert_permutation(const Tensor& expert_index, int64_t experts,
                              ops::ExpertPermutation& out);
 void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst);
+// out[t] = residual[t] + sum_j scale[t, j] rows[row_of_choice[t, j]] (scale, residual optional).
 void weighted_sum_rows(const Tensor& rows, const Tensor& row_of_choice, const Tensor* scale,
-                       int64_t k, Tensor& out);
+                       const Tensor* residual, int64_t k, Tensor& out);
 void combine_backward(const Tensor& dout, const Tensor& yp, const Tensor& row_of_choice,
                       const Tensor& weight, Tensor& dyp, Tensor& dweight);
 void add(const Tensor& a, const Tensor& b, Tensor& out);
