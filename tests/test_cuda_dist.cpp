@@ -47,6 +47,21 @@ void check_collectives(dist::Communicator& c) {
       for (int64_t i = 0; i < n; i += 97)
         ASSERT_EQ(got.item(p * n + i), 10 * p + i % 7) << dtype_name(t) << " from " << p;
   }
+  // The background all-gather (FSDP's prefetch): it sends what the compute stream wrote just
+  // before (a device copy still queued), and what runs after wait() reads the result.
+  {
+    const int64_t big = int64_t{1} << 22;
+    const Tensor source = filled(big, DType::kBF16, [&](int64_t i) { return r + i % 5; });
+    Tensor send = Tensor::zeros({big}, DType::kBF16, Device::kCUDA);
+    send.copy_from(source);  // queued on the compute stream, not waited for
+    Tensor recv = Tensor::poisoned({big * w}, DType::kBF16, Device::kCUDA);
+    auto pending = c.all_gather_async(send, recv);
+    pending->wait();
+    const Tensor got = recv.to(Device::kCPU).to(DType::kF64);
+    for (int p = 0; p < w; ++p)
+      for (int64_t i = 0; i < big; i += 4099)
+        ASSERT_EQ(got.item(p * big + i), p + i % 5) << "background all_gather from " << p;
+  }
   // reduce_scatter: rank r keeps chunk r of the sum.
   const Tensor send = filled(n * w, DType::kF32, [&](int64_t i) { return r + 0.5 * i; });
   Tensor mine = Tensor::poisoned({n}, DType::kF32, Device::kCUDA);

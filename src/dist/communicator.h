@@ -10,6 +10,15 @@
 
 namespace mt::dist {
 
+// A collective started in the background: wait() orders its completion before whatever the
+// caller queues next (on the GPU, the compute stream waits for it; the host does not). The
+// handle keeps the collective's input alive until then.
+class PendingCollective {
+ public:
+  virtual ~PendingCollective() = default;
+  virtual void wait() = 0;
+};
+
 class Communicator {
  public:
   virtual ~Communicator() = default;
@@ -18,6 +27,10 @@ class Communicator {
 
   // recv (size * n) = the ranks' send (n) laid end to end in rank order.
   virtual void all_gather(const Tensor& send, Tensor& recv) = 0;
+  // The same, overlapping what the caller queues until wait() (NCCL: on the communicator's own
+  // stream). recv must not be read, nor send written, before wait(). Backends that cannot
+  // overlap gather now.
+  virtual std::unique_ptr<PendingCollective> all_gather_async(const Tensor& send, Tensor& recv);
   // recv (n / size) = this rank's chunk of the element-wise sum of every rank's send (n).
   virtual void reduce_scatter(const Tensor& send, Tensor& recv) = 0;
   // Element-wise sum in place (floating and integer dtypes).
@@ -35,6 +48,15 @@ class Communicator {
 // exception on any rank fails the collectives of the others (they throw instead of hanging) and
 // is rethrown here. A rank waiting longer than timeout_s in a collective throws, naming the
 // rank and the collective.
+inline std::unique_ptr<PendingCollective> Communicator::all_gather_async(const Tensor& send,
+                                                                       Tensor& recv) {
+  struct Done final : PendingCollective {
+    void wait() override {}
+  };
+  all_gather(send, recv);
+  return std::make_unique<Done>();
+}
+
 void run_in_process(int world_size, const std::function<void(Communicator&)>& fn,
                     double timeout_s = 300.0);
 

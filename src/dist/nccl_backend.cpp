@@ -7,6 +7,7 @@
 #include <condition_variable>
 #include <cstring>
 #include <deque>
+#include <functional>
 #include <mutex>
 #include <numeric>
 #include <string>
@@ -59,17 +60,13 @@ void finish_on_host(const Tensor& device_result, Tensor& out) {
   if (out.device() == Device::kCPU) out.copy_from(device_result.to(Device::kCPU));
 }
 
-// The compute stream: collectives stay in order with the kernels around them.
-cudaStream_t collective_stream() {
-  return cuda::stream();
-}
-
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(ncclComm_t comm, int device, double timeout_s)
       : comm_(comm), device_(device), timeout_s_(timeout_s) {
     MT_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
     MT_NCCL_CHECK(ncclCommCount(comm_, &size_));
+    MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     watchdog_ = std::thread([this] { watch(); });
   }
 
@@ -83,6 +80,7 @@ class NcclCommunicator final : public Communicator {
     if (!failure_.empty()) return;  // the watchdog aborted the communicator already
     cudaDeviceSynchronize();
     ncclCommDestroy(comm_);
+    cudaStreamDestroy(stream_);
     for (const Pending& p : pending_) cudaEventDestroy(p.done);
     for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
   }
@@ -94,34 +92,47 @@ class NcclCommunicator final : public Communicator {
     MT_CHECK(recv.numel() == send.numel() * size_ && recv.dtype() == send.dtype(),
              "all_gather of {} {} into {} {}", dtype_name(send.dtype()), shape_str(send.shape()),
              dtype_name(recv.dtype()), shape_str(recv.shape()));
-    begin("all_gather");
     const Tensor s = device_operand(send, true);
     Tensor r = device_operand(recv, false);
-    MT_NCCL_CHECK(ncclAllGather(s.raw(), r.raw(), static_cast<size_t>(send.numel()),
-                                nccl_type(send.dtype()), comm_, collective_stream()));
-    end("all_gather");
+    wait_for(launch("all_gather", [&](cudaStream_t stream) {
+      MT_NCCL_CHECK(ncclAllGather(s.raw(), r.raw(), static_cast<size_t>(send.numel()),
+                                  nccl_type(send.dtype()), comm_, stream));
+    }));
     finish_on_host(r, recv);
+  }
+
+  std::unique_ptr<PendingCollective> all_gather_async(const Tensor& send, Tensor& recv) override {
+    if (send.device() != Device::kCUDA || recv.device() != Device::kCUDA)
+      return Communicator::all_gather_async(send, recv);  // host tensors: staged, at once
+    MT_CHECK(recv.numel() == send.numel() * size_ && recv.dtype() == send.dtype(),
+             "all_gather of {} {} into {} {}", dtype_name(send.dtype()), shape_str(send.shape()),
+             dtype_name(recv.dtype()), shape_str(recv.shape()));
+    const cudaEvent_t done = launch("all_gather", [&](cudaStream_t stream) {
+      MT_NCCL_CHECK(ncclAllGather(send.raw(), recv.raw(), static_cast<size_t>(send.numel()),
+                                  nccl_type(send.dtype()), comm_, stream));
+    });
+    return std::make_unique<BackgroundCollective>(done, send);
   }
 
   void reduce_scatter(const Tensor& send, Tensor& recv) override {
     MT_CHECK(send.numel() == recv.numel() * size_ && recv.dtype() == send.dtype(),
              "reduce_scatter of {} {} into {} {}", dtype_name(send.dtype()),
              shape_str(send.shape()), dtype_name(recv.dtype()), shape_str(recv.shape()));
-    begin("reduce_scatter");
     const Tensor s = device_operand(send, true);
     Tensor r = device_operand(recv, false);
-    MT_NCCL_CHECK(ncclReduceScatter(s.raw(), r.raw(), static_cast<size_t>(recv.numel()),
-                                    nccl_type(send.dtype()), ncclSum, comm_, collective_stream()));
-    end("reduce_scatter");
+    wait_for(launch("reduce_scatter", [&](cudaStream_t stream) {
+      MT_NCCL_CHECK(ncclReduceScatter(s.raw(), r.raw(), static_cast<size_t>(recv.numel()),
+                                      nccl_type(send.dtype()), ncclSum, comm_, stream));
+    }));
     finish_on_host(r, recv);
   }
 
   void all_reduce(Tensor& t) override {
-    begin("all_reduce");
     Tensor d = device_operand(t, true);
-    MT_NCCL_CHECK(ncclAllReduce(d.raw(), d.raw(), static_cast<size_t>(t.numel()),
-                                nccl_type(t.dtype()), ncclSum, comm_, collective_stream()));
-    end("all_reduce");
+    wait_for(launch("all_reduce", [&](cudaStream_t stream) {
+      MT_NCCL_CHECK(ncclAllReduce(d.raw(), d.raw(), static_cast<size_t>(t.numel()),
+                                  nccl_type(t.dtype()), ncclSum, comm_, stream));
+    }));
     finish_on_host(d, t);
   }
 
@@ -138,33 +149,33 @@ class NcclCommunicator final : public Communicator {
     MT_CHECK(send.numel() == sent * width && recv.numel() == received * width,
              "all_to_all of {} rows ({} elements) into {} rows ({} elements)", sent, send.numel(),
              received, recv.numel());
-    begin("all_to_all");
     const Tensor s = device_operand(send, true);
     Tensor r = device_operand(recv, false);
     const size_t row_bytes = static_cast<size_t>(width) * dtype_size(send.dtype());
     const ncclDataType_t type = nccl_type(send.dtype());
-    const char* s_at = static_cast<const char*>(s.raw());
-    char* r_at = static_cast<char*>(r.raw());
-    MT_NCCL_CHECK(ncclGroupStart());
-    for (int p = 0; p < size_; ++p) {
-      if (send_rows[p] > 0)
-        MT_NCCL_CHECK(
-            ncclSend(s_at, static_cast<size_t>(send_rows[p] * width), type, p, comm_, collective_stream()));
-      if (recv_rows[p] > 0)
-        MT_NCCL_CHECK(
-            ncclRecv(r_at, static_cast<size_t>(recv_rows[p] * width), type, p, comm_, collective_stream()));
-      s_at += send_rows[p] * row_bytes;
-      r_at += recv_rows[p] * row_bytes;
-    }
-    MT_NCCL_CHECK(ncclGroupEnd());
-    end("all_to_all");
+    wait_for(launch("all_to_all", [&](cudaStream_t stream) {
+      const char* s_at = static_cast<const char*>(s.raw());
+      char* r_at = static_cast<char*>(r.raw());
+      MT_NCCL_CHECK(ncclGroupStart());
+      for (int p = 0; p < size_; ++p) {
+        if (send_rows[p] > 0)
+          MT_NCCL_CHECK(
+              ncclSend(s_at, static_cast<size_t>(send_rows[p] * width), type, p, comm_, stream));
+        if (recv_rows[p] > 0)
+          MT_NCCL_CHECK(
+              ncclRecv(r_at, static_cast<size_t>(recv_rows[p] * width), type, p, comm_, stream));
+        s_at += send_rows[p] * row_bytes;
+        r_at += recv_rows[p] * row_bytes;
+      }
+      MT_NCCL_CHECK(ncclGroupEnd());
+    }));
     finish_on_host(r, recv);
   }
 
   void barrier() override {
     Tensor token = Tensor::zeros({1}, DType::kF32, Device::kCUDA);
     all_reduce(token);
-    MT_CUDA_CHECK(cudaStreamSynchronize(collective_stream()));
+    MT_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
     begin("barrier");  // surfaces a failure the watchdog found meanwhile
   }
 
@@ -177,6 +188,51 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
+  // The background all-gather's handle: the compute stream waits for `done` (once), and the
+  // input stays alive until then.
+  class BackgroundCollective final : public PendingCollective {
+   public:
+    BackgroundCollective(cudaEvent_t done, Tensor input) : done_(done), input_(std::move(input)) {}
+    ~BackgroundCollective() override {
+      if (!waited_) cudaStreamWaitEvent(cuda::stream(), done_);  // never leave it unordered
+      cudaEventDestroy(done_);
+    }
+    void wait() override {
+      if (waited_) return;
+      MT_CUDA_CHECK(cudaStreamWaitEvent(cuda::stream(), done_));
+      waited_ = true;
+    }
+
+   private:
+    cudaEvent_t done_;
+    Tensor input_;
+    bool waited_ = false;
+  };
+
+  // Every collective of this communicator runs on its stream, in issue order (NCCL orders a
+  // communicator's work on one stream): it first waits for what the compute stream has queued
+  // (which wrote its inputs). Returns the event of its end.
+  cudaEvent_t launch(const char* what, const std::function<void(cudaStream_t)>& issue) {
+    begin(what);
+    cudaEvent_t ready = nullptr, done = nullptr;
+    MT_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
+    MT_CUDA_CHECK(cudaEventRecord(ready, cuda::stream()));
+    MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready));
+    cudaEventDestroy(ready);
+    issue(stream_);
+    end(what);
+    MT_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
+    MT_CUDA_CHECK(cudaEventRecord(done, stream_));
+    return done;
+  }
+
+  // The compute stream continues after the collective (the host does not wait).
+  static void wait_for(cudaEvent_t done) {
+    const cudaError_t err = cudaStreamWaitEvent(cuda::stream(), done);
+    cudaEventDestroy(done);
+    MT_CUDA_CHECK(err);
+  }
+
   struct Pending {
     cudaEvent_t done;
     const char* what;
@@ -192,7 +248,7 @@ class NcclCommunicator final : public Communicator {
                               rank_, size_, failure_));
   }
 
-  // Hands the collective's completion event to the watchdog.
+  // Hands the collective's completion event (on the communicator's stream) to the watchdog.
   void end(const char* what) {
     const std::lock_guard lock(mutex_);
     cudaEvent_t e = nullptr;
@@ -202,7 +258,7 @@ class NcclCommunicator final : public Communicator {
       e = free_events_.back();
       free_events_.pop_back();
     }
-    MT_CUDA_CHECK(cudaEventRecord(e, collective_stream()));
+    MT_CUDA_CHECK(cudaEventRecord(e, stream_));
     pending_.push_back({e, what, std::chrono::steady_clock::now()});
   }
 
@@ -239,6 +295,7 @@ class NcclCommunicator final : public Communicator {
   }
 
   ncclComm_t comm_;
+  cudaStream_t stream_ = nullptr;  // this communicator's collectives
   int device_;
   int rank_ = 0, size_ = 1;
   double timeout_s_;

@@ -19,21 +19,34 @@ void shard_group(ParamGroup& g, dist::Communicator& comm) {
   g.grads = Tensor();
 }
 
+namespace {
+// The sharded gather, started: mixed precision gathers only the compute copy, in its own dtype
+// (bf16: half the bytes of the fp32 master); the ops read nothing else.
+std::shared_ptr<dist::PendingCollective> start_gather(ParamGroup& g) {
+  const Shape full{g.shard.numel() * g.comm->size()};
+  const Device device = g.shard.device();
+  if (g.compute_dtype != g.shard.dtype()) {
+    Tensor mine = Tensor::empty(g.shard.shape(), g.compute_dtype, device);
+    ops::convert(g.shard, mine);
+    g.compute = Tensor::empty(full, g.compute_dtype, device);
+    return g.comm->all_gather_async(mine, g.compute);
+  }
+  g.params = Tensor::empty(full, g.shard.dtype(), device);
+  return g.comm->all_gather_async(g.shard, g.params);
+}
+}  // namespace
+
+void prefetch(ParamGroup& g) {
+  if (!g.sharded() || g.gathering) return;
+  g.gathering = start_gather(g);
+}
+
 void gather(ParamGroup& g) {
   if (g.sharded()) {
-    const Shape full{g.shard.numel() * g.comm->size()};
-    const Device device = g.shard.device();
-    if (g.compute_dtype != g.shard.dtype()) {
-      // Mixed precision: only the compute copy is gathered, in its own dtype (bf16: half the
-      // bytes of the fp32 master); the ops read nothing else.
-      Tensor mine = Tensor::empty(g.shard.shape(), g.compute_dtype, device);
-      ops::convert(g.shard, mine);
-      g.compute = Tensor::empty(full, g.compute_dtype, device);
-      g.comm->all_gather(mine, g.compute);
-      return;
-    }
-    g.params = Tensor::empty(full, g.shard.dtype(), device);
-    g.comm->all_gather(g.shard, g.params);
+    if (!g.gathering) g.gathering = start_gather(g);
+    g.gathering->wait();
+    g.gathering.reset();
+    if (g.compute_dtype != g.shard.dtype()) return;
   }
   if (g.compute_dtype != g.params.dtype() && !g.compute.defined()) {  // the ops read a cast copy
     g.compute = Tensor::empty(g.params.shape(), g.compute_dtype, g.params.device());
@@ -43,6 +56,8 @@ void gather(ParamGroup& g) {
 
 void release(ParamGroup& g) {
   if (!g.sharded()) return;  // the unsharded cast copy stays: AdamW keeps it current
+  if (g.gathering) g.gathering->wait();  // never free what a collective may still write
+  g.gathering.reset();
   g.compute = Tensor();
   g.params = Tensor();
 }
@@ -67,6 +82,9 @@ void reduce_gradients(ParamGroup& g, double divide_factor) {
 
 void gather(ParamUnit& u) {
   for (auto& g : u.groups) gather(g);
+}
+void prefetch(ParamUnit& u) {
+  for (auto& g : u.groups) prefetch(g);
 }
 void release(ParamUnit& u) {
   for (auto& g : u.groups) release(g);

@@ -14,6 +14,10 @@ void shard_group(ParamGroup& g, dist::Communicator& comm);
 // params (padded) = all-gather of the shards (collective over the group's comm); then, in mixed
 // precision, the compute copy. Call before the unit runs, sharded or not.
 void gather(ParamGroup& g);
+// Starts gather(g)'s all-gather in the background (NCCL: on the communicator's stream, so it
+// overlaps the compute queued until gather(g), which then waits for it instead of gathering).
+// Sharded groups only; a no-op otherwise or when one is already under way.
+void prefetch(ParamGroup& g);
 // Drops the gathered params and the compute copy (reshard after forward, and after backward).
 void release(ParamGroup& g);
 // Allocates zeroed full gradients for the unit's backward.
@@ -22,6 +26,7 @@ void begin_backward(ParamGroup& g);
 void reduce_gradients(ParamGroup& g, double divide_factor);
 
 void gather(ParamUnit& u);
+void prefetch(ParamUnit& u);
 void release(ParamUnit& u);
 void begin_backward(ParamUnit& u);
 void reduce_gradients(ParamUnit& u, double divide_factor);

@@ -49,6 +49,8 @@ struct ParamGroup {
   // adding: the expert gradients (96% of a Qwen3-MoE's parameters) are then never zero-filled,
   // and their GEMMs never read them back.
   bool grads_unwritten = false;
+  // A gather started by fsdp::prefetch and not yet waited for (gather waits).
+  std::shared_ptr<dist::PendingCollective> gathering;
 
   bool sharded() const { return comm != nullptr; }
   int64_t shard_begin() const { return sharded() ? comm->rank() * shard.numel() : 0; }

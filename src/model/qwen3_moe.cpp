@@ -250,7 +250,8 @@ void Qwen3Moe::pass(const Batch& b, const LossScale* scale) {
   losses_.zero_();
   Tensor loss_sum = losses_.view(0, {1});
 
-  // Forward. Each unit is gathered just before it runs and released right after.
+  // Forward. Each unit is gathered just before it runs and released right after; the next one's
+  // gather starts before this one's compute is queued, so that (NCCL) they overlap.
   fsdp::gather(embed);
   Tensor x = Tensor::empty({n, c.dim}, dt, dev);
   ops::embedding_forward(b.tokens, embed.groups[0].weight(0), x);
@@ -265,6 +266,7 @@ void Qwen3Moe::pass(const Batch& b, const LossScale* scale) {
     {
       const profile::Phase phase("fsdp.gather");
       fsdp::gather(unit);
+      fsdp::prefetch(units_[l + 2]);  // the next layer, or the head after the last
     }
     x = block_forward(bind_block_params(unit.groups), c, inputs[l], x, acts[l]);
     fsdp::release(unit);
@@ -303,6 +305,7 @@ void Qwen3Moe::pass(const Batch& b, const LossScale* scale) {
       const profile::Phase phase("fsdp.gather");
       fsdp::gather(unit);
       fsdp::begin_backward(unit);
+      if (l > 0) fsdp::prefetch(units_[l]);  // the layer below
     }
     BlockParams g = bind_block_grads(unit.groups);
     ParamGroup& experts = unit.groups[1];

@@ -45,7 +45,10 @@ void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp) {
   const int64_t d = x.dim(1), m = p.source_token.numel();
   expect_shape(xp, {m, d}, "permuted rows");
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(x)) return cuda::gather_rows(x, p.source_token, xp);
+  if (on_gpu(x)) {
+    if (x.dim(0) == 0) return;
+    return cuda::scatter_token_rows(x, p.row_of_choice, m / x.dim(0), xp);
+  }
 #endif
   dispatch_float(x.dtype(), [&](auto tag) {
     using T = decltype(tag);

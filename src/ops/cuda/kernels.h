@@ -128,6 +128,10 @@ cudaError_t gather_rows(Storage s, const void* src, const int32_t* index, void* 
 cudaError_t weighted_sum_rows(Storage s, const void* rows, const int32_t* row_of_choice,
                               const float* scale, const void* residual, int64_t tokens, int k,
                               void* out, int64_t width, cudaStream_t stream);
+// dst[row_of_choice[t, j]] = src[t] for t < tokens, j < k (each source row read once).
+cudaError_t scatter_token_rows(Storage s, const void* src, const int32_t* row_of_choice,
+                               int64_t tokens, int k, void* dst, int64_t width,
+                               cudaStream_t stream);
 cudaError_t combine_backward(Storage s, const void* dout, const void* y,
                              const int32_t* row_of_choice, const float* weight, int64_t tokens,
                              int k, void* dy, float* dweight, int64_t width, cudaStream_t stream);

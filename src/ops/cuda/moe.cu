@@ -263,6 +263,20 @@ __global__ void gather_rows_kernel(const T* src, const int32_t* index, T* dst, i
   for (int64_t c = threadIdx.x; c < width; c += blockDim.x) d[c] = s[c];
 }
 
+// dst[row_of_choice[t, j]] = src[t] for j < k: one block per token, each source row read once
+// and written k times (the expert-major permutation; a gather by destination row would read
+// every token k times).
+template <class T>
+__global__ void scatter_token_rows_kernel(const T* src, const int32_t* row_of_choice, int k,
+                                          T* dst, int64_t width) {
+  const int64_t t = blockIdx.x;
+  const int32_t* rows = row_of_choice + t * k;
+  for (int64_t c = threadIdx.x; c < width; c += blockDim.x) {
+    const T v = src[t * width + c];
+    for (int j = 0; j < k; ++j) dst[static_cast<int64_t>(rows[j]) * width + c] = v;
+  }
+}
+
 // out[t] = residual[t] + sum_j scale[t, j] * rows[row_of_choice[t, j]] (scale null: 1; residual
 // null: 0), fp32 math, one rounding; one block per token, P columns per step (16-byte packs when
 // aligned).
@@ -284,28 +298,48 @@ __global__ void weighted_sum_kernel(const T* rows, const int32_t* row_of_choice,
   }
 }
 
-// One block per (token, choice): dy row = w * dout[t]; dweight = dout[t] . y row.
+// One block per token, dout[t] read once: for each choice j, dy row = w_j * dout[t] and
+// dweight[t, j] = dout[t] . y row (partial dots per thread, then warps, then the block, in a
+// fixed order).
 template <class T, int P>
 __global__ void combine_backward_kernel(const T* dout, const T* y, const int32_t* row_of_choice,
                                         const float* weight, int k, T* dy, float* dweight,
                                         int64_t width) {
-  const int64_t tj = blockIdx.x, t = tj / k;
-  const int64_t row = row_of_choice[tj];
-  const float w = weight[tj];
-  float dot = 0.f;
+  constexpr int kMaxK = kernels::kMaxRoutedTopK;
+  __shared__ float partial[kBlock / 32][kMaxK];
+  const int64_t t = blockIdx.x;
+  float dot[kMaxK] = {};
   for (int64_t c = threadIdx.x * P; c < width; c += blockDim.x * P) {
-    float g[P], yv[P];
+    float g[P];
     load_n<T, P>(dout + t * width + c, g);
-    load_n<T, P>(y + row * width + c, yv);
 #pragma unroll
-    for (int i = 0; i < P; ++i) {
-      dot += g[i] * yv[i];
-      g[i] *= w;
+    for (int j = 0; j < kMaxK; ++j) {
+      if (j >= k) break;
+      const int64_t row = row_of_choice[t * k + j];
+      const float w = weight[t * k + j];
+      float v[P];
+      load_n<T, P>(y + row * width + c, v);
+#pragma unroll
+      for (int i = 0; i < P; ++i) {
+        dot[j] += g[i] * v[i];
+        v[i] = w * g[i];
+      }
+      store_n<T, P>(dy + row * width + c, v);
     }
-    store_n<T, P>(dy + row * width + c, g);
   }
-  dot = block_sum(dot);
-  if (threadIdx.x == 0) dweight[tj] = dot;
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int j = 0; j < kMaxK; ++j) {
+    if (j >= k) break;
+    const float s = warp_sum(dot[j]);
+    if (lane == 0) partial[warp][j] = s;
+  }
+  __syncthreads();
+  if (threadIdx.x < k) {
+    float s = 0.f;
+    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) s += partial[w][threadIdx.x];
+    dweight[t * k + threadIdx.x] = s;
+  }
 }
 
 // out[s] += sum of rows[order[r]] for r in [offsets[s], offsets[s+1]), in order; one block per
@@ -507,6 +541,23 @@ cudaError_t gather_rows(Storage s, const void* src, const int32_t* index, void* 
   return cudaGetLastError();
 }
 
+cudaError_t scatter_token_rows(Storage s, const void* src, const int32_t* row_of_choice,
+                               int64_t tokens, int k, void* dst, int64_t width,
+                               cudaStream_t stream) {
+  if (tokens == 0) return cudaSuccess;
+  dispatch_storage(s, [&](auto tag) {
+    using T = decltype(tag);
+    if (packable<T>(width, {src, dst}))  // rows as 16-byte units
+      scatter_token_rows_kernel<uint4><<<tokens, kBlock, 0, stream>>>(
+          static_cast<const uint4*>(src), row_of_choice, k, static_cast<uint4*>(dst),
+          width / Pack<T>::kSize);
+    else
+      scatter_token_rows_kernel<T><<<tokens, kBlock, 0, stream>>>(
+          static_cast<const T*>(src), row_of_choice, k, static_cast<T*>(dst), width);
+  });
+  return cudaGetLastError();
+}
+
 cudaError_t weighted_sum_rows(Storage s, const void* rows, const int32_t* row_of_choice,
                               const float* scale, const void* residual, int64_t tokens, int k,
                               void* out, int64_t width, cudaStream_t stream) {
@@ -536,10 +587,10 @@ cudaError_t combine_backward(Storage s, const void* dout, const void* y,
     T* d = static_cast<T*>(dy);
     if (packable<T>(width, {dout, y, dy}))
       combine_backward_kernel<T, Pack<T>::kSize>
-          <<<tokens * k, kBlock, 0, stream>>>(g, yr, row_of_choice, weight, k, d, dweight, width);
+          <<<tokens, kBlock, 0, stream>>>(g, yr, row_of_choice, weight, k, d, dweight, width);
     else
       combine_backward_kernel<T, 1>
-          <<<tokens * k, kBlock, 0, stream>>>(g, yr, row_of_choice, weight, k, d, dweight, width);
+          <<<tokens, kBlock, 0, stream>>>(g, yr, row_of_choice, weight, k, d, dweight, width);
   });
   return cudaGetLastError();
 }

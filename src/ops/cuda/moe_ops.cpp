@@ -86,6 +86,17 @@ void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst) {
                                      dst.dim(0), dst.dim(1), stream()));
 }
 
+void scatter_token_rows(const Tensor& src, const Tensor& row_of_choice, int64_t k, Tensor& dst) {
+  const profile::Phase phase("gpu.scatter_token_rows");
+  MT_CHECK(src.dtype() == dst.dtype() && row_of_choice.numel() == src.dim(0) * k &&
+               dst.dim(0) == src.dim(0) * k,
+           "scatter of {} {} rows (top-{}) into {} {}", dtype_name(src.dtype()),
+           shape_str(src.shape()), k, dtype_name(dst.dtype()), shape_str(dst.shape()));
+  MT_CUDA_CHECK(kernels::scatter_token_rows(storage_of(src), src.raw(),
+                                            row_of_choice.data<int32_t>(), src.dim(0),
+                                            static_cast<int>(k), dst.raw(), dst.dim(1), stream()));
+}
+
 void weighted_sum_rows(const Tensor& rows, const Tensor& row_of_choice, const Tensor* scale,
                        const Tensor* residual, int64_t k, Tensor& out) {
   const profile::Phase phase("gpu.weighted_sum_rows");
@@ -103,6 +114,8 @@ void combine_backward(const Tensor& dout, const Tensor& yp, const Tensor& row_of
   const profile::Phase phase("gpu.combine_backward");
   expect_dtype(weight, DType::kF32, "combine weights (GPU: f32)");
   expect_dtype(dweight, DType::kF32, "combine dweight (GPU: f32)");
+  MT_CHECK(weight.dim(1) <= kernels::kMaxRoutedTopK, "GPU combine backward: top-{} (at most {})",
+           weight.dim(1), kernels::kMaxRoutedTopK);
   MT_CUDA_CHECK(kernels::combine_backward(storage_of(yp), dout.raw(), yp.raw(),
                                           row_of_choice.data<int32_t>(), weight.data<float>(),
                                           weight.dim(0), static_cast<int>(weight.dim(1)), dyp.raw(),

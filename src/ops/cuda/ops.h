@@ -59,6 +59,8 @@ void router_backward(const ops::Routing& r, int top_k, bool norm_topk, const ops
 void make_expert_permutation(const Tensor& expert_index, int64_t experts,
                              ops::ExpertPermutation& out);
 void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst);
+// dst[row_of_choice[t * k + j]] = src[t]: the expert-major permutation, each token read once.
+void scatter_token_rows(const Tensor& src, const Tensor& row_of_choice, int64_t k, Tensor& dst);
 // out[t] = residual[t] + sum_j scale[t, j] rows[row_of_choice[t, j]] (scale, residual optional).
 void weighted_sum_rows(const Tensor& rows, const Tensor& row_of_choice, const Tensor* scale,
                        const Tensor* residual, int64_t k, Tensor& out);
