@@ -116,18 +116,19 @@ void time_variant(const char* name, const Problem& pr) {
 
 template <class A, class B, class Out, Product P>
 void time_product(const Problem& pr) {
-  // The shipped ones (cooperative wide, pingpong square), PyTorch's (wide on 2x1 clusters), and
-  // the next candidates.
+  // The shipped ones (cooperative wide, pingpong square) and the next candidates.
   time_variant<P, Config<A, B, Out, Shape<_128, _256, _64>, Shape<_1, _1, _1>, Cooperative>>(
       "coop 128x256x64 1x1", pr);
-  time_variant<P, Config<A, B, Out, Shape<_128, _256, _64>, Shape<_2, _1, _1>, Cooperative>>(
-      "coop 128x256x64 2x1", pr);
   time_variant<P, Config<A, B, Out, Shape<_128, _128, _64>, Shape<_1, _1, _1>, Pingpong>>(
       "pingpong 128x128x64 1x1", pr);
-  time_variant<P, Config<A, B, Out, Shape<_128, _128, _128>, Shape<_1, _1, _1>, Pingpong>>(
-      "pingpong 128x128x128 1x1", pr);
-  time_variant<P, Config<A, B, Out, Shape<_64, _256, _64>, Shape<_1, _1, _1>, Pingpong>>(
-      "pingpong 64x256x64 1x1", pr);
+  time_variant<P, Config<A, B, Out, Shape<_128, _128, _64>, Shape<_1, _2, _1>, Pingpong>>(
+      "pingpong 128x128x64 1x2", pr);
+  time_variant<P, Config<A, B, Out, Shape<_128, _64, _64>, Shape<_1, _1, _1>, Pingpong>>(
+      "pingpong 128x64x64 1x1", pr);
+  time_variant<P, Config<A, B, Out, Shape<_256, _128, _64>, Shape<_1, _1, _1>, Cooperative>>(
+      "coop 256x128x64 1x1", pr);
+  time_variant<P, Config<A, B, Out, Shape<_128, _128, _128>, Shape<_1, _1, _1>, Cooperative>>(
+      "coop 128x128x128 1x1", pr);
 }
 
 std::vector<int64_t> offsets_for(int experts, int64_t mean, bool ragged) {

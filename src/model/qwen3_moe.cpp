@@ -2,6 +2,7 @@
 
 #include <bit>
 #include <cmath>
+#include <functional>
 #include <map>
 #include <optional>
 
@@ -58,26 +59,71 @@ Batch padded_documents(const Batch& b) {
 
 }  // namespace
 
+#if MOETRAIN_HAS_CUDA
+// Captured training passes (CUDA graphs). A named namespace: Qwen3Moe::GraphCache holds them.
+namespace captured {
+
+// What a captured pass depends on besides the values in its buffers.
+struct PassKey {
+  int64_t tokens = 0, docs = 0, longest = 0;
+  std::vector<bool> expert_grads_unwritten;  // per layer: overwrite or accumulate
+  auto operator<=>(const PassKey&) const = default;
+};
+
+// One shape's captured pass: the inputs it reads (ordinary device memory, rewritten before each
+// replay) and the graph.
+struct Pass {
+  Batch inputs;
+  std::unique_ptr<cuda::Graph> graph;
+  int64_t peak_bytes = 0;  // what a replay adds to the device memory in use at its start
+  bool warmed = false;     // ran once eagerly (cuDNN plans, cuBLASLt, the graph pool are ready)
+  bool failed = false;     // capture failed: this shape runs eagerly
+};
+
+// The batch copied into the pass's own input buffers (allocated on first use).
+void stage_inputs(const Batch& padded, Batch& inputs) {
+  if (!inputs.tokens.defined()) {
+    auto device_like = [](const Tensor& t) {
+      return Tensor::empty(t.shape(), t.dtype(), Device::kCUDA);
+    };
+    inputs = {device_like(padded.tokens),    device_like(padded.targets),
+              device_like(padded.loss_mask), device_like(padded.positions),
+              device_like(padded.cu_seqlens), padded.max_seqlen};
+  }
+  inputs.tokens.copy_from(padded.tokens);
+  inputs.targets.copy_from(padded.targets);
+  inputs.loss_mask.copy_from(padded.loss_mask);
+  inputs.positions.copy_from(padded.positions);
+  inputs.cu_seqlens.copy_from(padded.cu_seqlens);
+}
+
+// Captures body into p.graph from the graph pool, noting what a replay adds to the peak; a
+// failure is warned about once and leaves the shape eager.
+void capture(Pass& p, const std::function<void()>& body) {
+  const MemoryStats before = memory_stats(Device::kCUDA);
+  try {
+    const GraphPoolScope pool;
+    reset_peak_memory(Device::kCUDA);
+    p.graph = cuda::Graph::capture(body);
+    p.peak_bytes = memory_stats(Device::kCUDA).peak_bytes - before.current_bytes;
+    log::info("captured the training pass of {} tokens ({} documents, longest {}, padded) as a "
+              "CUDA graph",
+              p.inputs.size(), p.inputs.cu_seqlens.numel() - 1, p.inputs.max_seqlen);
+  } catch (const Error& e) {
+    p.failed = true;
+    log::warn("CUDA graph capture of a {}-token pass failed, running it eagerly: {}",
+              p.inputs.size(), e.what());
+  }
+  note_peak_memory(Device::kCUDA, before.peak_bytes);
+}
+
+}  // namespace captured
+#endif
+
 struct Qwen3Moe::GraphCache {
 #if MOETRAIN_HAS_CUDA
-  // What a captured pass depends on besides the values in its buffers.
-  struct PassKey {
-    int64_t tokens = 0, docs = 0, longest = 0;
-    std::vector<bool> expert_grads_unwritten;  // per layer: overwrite or accumulate
-    auto operator<=>(const PassKey&) const = default;
-  };
-
-  // One shape's captured pass: the inputs it reads (ordinary device memory, rewritten before each
-  // replay) and the graph.
-  struct CapturedPass {
-    Batch inputs;
-    std::unique_ptr<cuda::Graph> graph;
-    int64_t peak_bytes = 0;  // what a replay adds to the device memory in use at its start
-    bool warmed = false;  // ran once eagerly (cuDNN plans, cuBLASLt, the graph pool are ready)
-    bool failed = false;  // capture failed: this shape runs eagerly
-  };
-
-  std::map<PassKey, CapturedPass> passes;
+  std::map<captured::PassKey, captured::Pass> passes;
+  std::vector<const void*> buffers;  // what the captures read and write (pass_buffers())
 #endif
   int64_t replays = 0;
 };
@@ -120,8 +166,10 @@ Qwen3Moe::Qwen3Moe(const ModelConfig& c, uint64_t seed, dist::DeviceMesh* mesh)
   losses_ = Tensor::zeros({1 + c.n_layers}, DType::kF64, cfg_.device);
   routed_ = Tensor::zeros({c.n_layers, c.n_experts}, DType::kI64, cfg_.device);
   ce_scale_ = Tensor::zeros({1}, DType::kF64, cfg_.device);
-  graphs_ = std::make_shared<GraphCache>();
+  graphs_ = std::make_unique<GraphCache>();
 }
+
+Qwen3Moe::~Qwen3Moe() = default;
 
 void Qwen3Moe::zero_grad() {
   for (auto& u : units_)
@@ -175,47 +223,40 @@ bool Qwen3Moe::use_graphs(const LossScale* scale) const {
 #endif
 }
 
+#if MOETRAIN_HAS_CUDA
+std::vector<const void*> Qwen3Moe::pass_buffers() const {
+  std::vector<const void*> out = {losses_.raw(), routed_.raw(), ce_scale_.raw()};
+  for (const auto& u : units_)
+    for (const auto& g : u.groups)
+      for (const Tensor* t : {&g.params, &g.compute, &g.grads})
+        out.push_back(t->defined() ? t->raw() : nullptr);
+  for (const Tensor& bias : router_bias_) out.push_back(bias.raw());
+  return out;
+}
+
+#endif
+
 void Qwen3Moe::run_graphed(const Batch& b, const LossScale& scale) {
 #if MOETRAIN_HAS_CUDA
   // Persistent state the pass would otherwise create lazily (the bf16 compute copies) must not
-  // come from the graph pool: make it now.
+  // come from the graph pool: make it now. A graph holds the addresses of everything it reads
+  // and writes: when one of those buffers was replaced (a checkpoint load drops the compute
+  // copies), every capture is stale.
   for (auto& u : units_) fsdp::gather(u);
+  if (std::vector<const void*> now = pass_buffers(); now != graphs_->buffers) {
+    graphs_->passes.clear();
+    graphs_->buffers = std::move(now);
+  }
   const Batch padded = padded_documents(b);
-  GraphCache::PassKey key{padded.size(), padded.cu_seqlens.numel() - 1, padded.max_seqlen, {}};
+  captured::PassKey key{padded.size(), padded.cu_seqlens.numel() - 1, padded.max_seqlen, {}};
   std::vector<ParamGroup*> experts;
   for (size_t u = 1; u + 1 < units_.size(); ++u) experts.push_back(&units_[u].groups[1]);
   for (ParamGroup* g : experts) key.expert_grads_unwritten.push_back(g->grads_unwritten);
-  GraphCache::CapturedPass& cp = graphs_->passes[key];
-  if (!cp.inputs.tokens.defined()) {
-    auto device_like = [](const Tensor& t) {
-      return Tensor::empty(t.shape(), t.dtype(), Device::kCUDA);
-    };
-    cp.inputs = {device_like(padded.tokens),    device_like(padded.targets),
-                 device_like(padded.loss_mask), device_like(padded.positions),
-                 device_like(padded.cu_seqlens), padded.max_seqlen};
-  }
-  cp.inputs.tokens.copy_from(padded.tokens);
-  cp.inputs.targets.copy_from(padded.targets);
-  cp.inputs.loss_mask.copy_from(padded.loss_mask);
-  cp.inputs.positions.copy_from(padded.positions);
-  cp.inputs.cu_seqlens.copy_from(padded.cu_seqlens);
+  captured::Pass& cp = graphs_->passes[key];
+  captured::stage_inputs(padded, cp.inputs);
   auto body = [&] { pass(cp.inputs, &scale); };
   if (!cp.graph && cp.warmed && !cp.failed) {
-    const MemoryStats before = memory_stats(Device::kCUDA);
-    try {
-      const GraphPoolScope pool;
-      reset_peak_memory(Device::kCUDA);
-      cp.graph = cuda::Graph::capture(body);
-      cp.peak_bytes = memory_stats(Device::kCUDA).peak_bytes - before.current_bytes;
-      log::info("captured the training pass of {} tokens, {} documents (padded), longest {} as a "
-                "CUDA graph",
-                key.tokens, key.docs, key.longest);
-    } catch (const Error& e) {
-      cp.failed = true;
-      log::warn("CUDA graph capture of a {}-token pass failed, running it eagerly: {}",
-                key.tokens, e.what());
-    }
-    note_peak_memory(Device::kCUDA, before.peak_bytes);
+    captured::capture(cp, body);
     // Capturing ran the pass's host code, not its work: its flags are as before.
     for (size_t l = 0; l < experts.size(); ++l)
       experts[l]->grads_unwritten = key.expert_grads_unwritten[l];

@@ -34,6 +34,10 @@ class Qwen3Moe {
  public:
   // mesh: null for one rank; otherwise it must outlive the model.
   Qwen3Moe(const ModelConfig& c, uint64_t seed, dist::DeviceMesh* mesh = nullptr);
+  ~Qwen3Moe();
+  // Captured CUDA graphs hold this model's addresses: it is never copied.
+  Qwen3Moe(const Qwen3Moe&) = delete;
+  Qwen3Moe& operator=(const Qwen3Moe&) = delete;
 
   const ModelConfig& config() const { return cfg_; }
   std::vector<ParamUnit>& units() { return units_; }
@@ -65,6 +69,9 @@ class Qwen3Moe {
   // and the graph pool), the second is captured, later ones replay it (see the .cpp).
   void run_graphed(const Batch& b, const LossScale& s);
   bool use_graphs(const LossScale* s) const;
+  struct GraphCache;  // captured passes by shape (qwen3_moe.cpp)
+  // The device buffers a captured pass reads and writes by address, besides its inputs.
+  std::vector<const void*> pass_buffers() const;
   // Reads losses_ and routed_ back (the pass's one wait for the device) and folds the counts
   // into expert_load_.
   MicroBatchLosses collect();
@@ -90,8 +97,7 @@ class Qwen3Moe {
   // On the model's device, written by pass(): [0] the loss sum, [1 + l] layer l's aux loss (f64);
   // routed_ (L, E) i64 the pass's counts; ce_scale_ the loss-gradient scale (one f64).
   Tensor losses_, routed_, ce_scale_;
-  struct GraphCache;  // captured passes by shape (qwen3_moe.cpp); shared: the model stays copyable
-  std::shared_ptr<GraphCache> graphs_;
+  std::unique_ptr<GraphCache> graphs_;
 };
 
 }  // namespace mt
