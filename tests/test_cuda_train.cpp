@@ -1,6 +1,7 @@
 // The model and trainer on the GPU (ctest label `gpu`): one mixed-precision step against the
 // CPU engine in f32, the tiny preset reaching its entropy floor, bit-identical resume, and CUDA
 // graph replay bit-identical to eager passes.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -83,44 +84,43 @@ TEST(GpuTrain, ResumeIsBitIdentical) {
     }
 }
 
-// Replaying captured passes changes nothing: the same losses, gradient norms and parameters,
-// to the bit, as running every pass eagerly (every kernel of the step is deterministic), also
-// after the weights' compute copies moved; and the graphs did replay.
-TEST(GpuTrain, CudaGraphReplayIsBitIdentical) {
-  require_gpu();
-  const std::vector<std::string> sets = {"hardware.device=cuda", "train.steps=12"};
+// Trains the tiny preset with `sets` twice, with CUDA graphs and without, and expects the same
+// losses, aux losses, gradient norms and parameters to the bit (every kernel of the step is
+// deterministic), and that passes were replayed. With recast, the weights' compute copies are
+// dropped halfway (what a checkpoint load does: the next pass casts them again at new
+// addresses, so the captured graphs must be captured again).
+void expect_graphs_match_eager(std::vector<std::string> sets, int64_t steps, bool recast) {
+  sets.push_back("hardware.device=cuda");
+  sets.push_back(fmt::format("train.steps={}", steps));
   std::vector<std::string> eager_sets = sets;
   eager_sets.push_back("hardware.cuda_graphs=false");
   Trainer graphed(load_config(kTiny, sets)), eager(load_config(kTiny, eager_sets));
   RunOptions half;
-  half.steps = 6;
+  half.steps = steps / 2;
   auto a = graphed.run(half), b = eager.run(half);
   const int64_t replays_before = graphed.model().graph_replays();
-  // What a checkpoint load does: drop the bf16 compute copies, which the next pass casts again
-  // at new addresses. The captured graphs hold the old ones: they must be captured again.
-  for (Trainer* t : {&graphed, &eager})
-    for (auto& u : t->model().units())
-      for (auto& g : u.groups) g.compute = Tensor();
+  if (recast)
+    for (Trainer* t : {&graphed, &eager})
+      for (auto& u : t->model().units())
+        for (auto& g : u.groups) g.compute = Tensor();
   for (const auto& m : graphed.run({})) a.push_back(m);
   for (const auto& m : eager.run({})) b.push_back(m);
-  ASSERT_EQ(a.size(), 12u);
+  ASSERT_EQ(a.size(), static_cast<size_t>(steps));
   ASSERT_EQ(a.size(), b.size());
-  EXPECT_GT(graphed.model().graph_replays(), replays_before) << "no replay after the re-cast";
+  EXPECT_GT(replays_before, 0) << "no pass was replayed from a graph";
+  EXPECT_GT(graphed.model().graph_replays(), replays_before) << "no replay in the second half";
+  EXPECT_EQ(eager.model().graph_replays(), 0);
+  std::printf("graph replays: %lld\n", static_cast<long long>(graphed.model().graph_replays()));
   for (size_t i = 0; i < a.size(); ++i) {
     EXPECT_EQ(a[i].loss, b[i].loss) << "step " << a[i].step;
     EXPECT_EQ(a[i].aux_loss, b[i].aux_loss) << "step " << a[i].step;
     EXPECT_EQ(a[i].grad_norm, b[i].grad_norm) << "step " << a[i].step;
-    // A replay allocates nothing, yet its memory counts: every step reports the high-water mark
-    // of the run's first (eager) pass, and the eager run's within a few percent (its passes
-    // allocate in another order).
+    // A replay allocates nothing, yet its memory counts: each step reports the eager run's high-
+    // water mark within a few percent (the passes of the two modes allocate in another order;
+    // a replay that counted nothing would report a quarter of it).
     const auto peak = [](const StepMetrics& m) { return static_cast<double>(m.peak_bytes); };
-    EXPECT_NEAR(peak(a[i]), peak(a[0]), 0.01 * peak(a[0])) << "step " << a[i].step;
     EXPECT_NEAR(peak(a[i]), peak(b[i]), 0.05 * peak(b[i])) << "step " << a[i].step;
   }
-  EXPECT_GT(graphed.model().graph_replays(), 0) << "no pass was replayed from a graph";
-  EXPECT_EQ(eager.model().graph_replays(), 0);
-  std::printf("graph replays: %lld of %zu passes\n",
-              static_cast<long long>(graphed.model().graph_replays()), a.size());
   auto& ua = graphed.model().units();
   auto& ub = eager.model().units();
   for (size_t u = 0; u < ua.size(); ++u)
@@ -129,6 +129,21 @@ TEST(GpuTrain, CudaGraphReplayIsBitIdentical) {
       const Tensor y = ub[u].groups[g].params.to(Device::kCPU);
       EXPECT_EQ(std::memcmp(x.raw(), y.raw(), x.nbytes()), 0) << ua[u].name << " group " << g;
     }
+}
+
+TEST(GpuTrain, CudaGraphReplayIsBitIdentical) {
+  require_gpu();
+  expect_graphs_match_eager({}, 12, /*recast=*/true);
+}
+
+// Two micro-batches per step (the first overwrites the expert gradients, the second adds: two
+// graphs), selective recompute inside the captured pass, and aux-loss-free balancing (router
+// biases rewritten between steps in place).
+TEST(GpuTrain, CudaGraphReplayWithAccumulationRecomputeAndBiases) {
+  require_gpu();
+  expect_graphs_match_eager({"train.grad_accum=2", "model.checkpoint=\"selective\"",
+                             "model.bias_update_rate=0.001"},
+                            12, /*recast=*/false);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
 #include "moe/moe_layer.h"
 
+#include "core/profile.h"
 #include "ops/activation.h"
 #include "ops/elementwise.h"
 #include "ops/gemm.h"
@@ -31,6 +32,7 @@ void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, 
   if (!a.routing.expert_index.defined()) {
     if (!a.logits.defined()) {
       a.logits = Tensor::empty({n, c.n_experts}, router_dtype(hn), dev);
+      const profile::Phase phase("moe.router_logits");
       ops::linear_forward(hn, w.router, a.logits);
     }
     ops::router_forward(a.logits, bias, router_options(c), a.routing);

@@ -4,6 +4,7 @@
 
 #include <vector>
 
+#include "core/profile.h"
 #include "ops/dispatch.h"
 #if MOETRAIN_HAS_CUDA
 #include "ops/cuda/ops.h"
@@ -97,7 +98,11 @@ void linear_forward_residual(const Tensor& x, const Tensor& w, const Tensor& res
 
 void linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor& dx, Tensor& dw,
                      Accumulate dx_accumulate) {
-  gemm(dy, Transpose::kNo, w, Transpose::kYes, dx, dx_accumulate);
+  {
+    const profile::Phase phase("linear_backward.dx");
+    gemm(dy, Transpose::kNo, w, Transpose::kYes, dx, dx_accumulate);
+  }
+  const profile::Phase phase("linear_backward.dw");
   gemm(x, Transpose::kYes, dy, Transpose::kNo, dw, Accumulate::kYes);
 }
 
