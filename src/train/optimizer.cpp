@@ -1,10 +1,17 @@
 #include "train/optimizer.h"
 
 #include <cmath>
+#include <initializer_list>
 #include <numbers>
 
+#include "core/log.h"
+#include "core/profile.h"
 #include "ops/elementwise.h"
 #include "ops/optim.h"
+#if MOETRAIN_HAS_CUDA
+#include "ops/cuda/graph.h"
+#include "ops/cuda/ops.h"
+#endif
 
 namespace mt {
 
@@ -16,8 +23,20 @@ double learning_rate(const TrainConfig& t, int64_t step) {
   return t.lr * (t.min_lr_ratio + (1.0 - t.min_lr_ratio) * cosine);
 }
 
+// The captured GPU step: its scalars' device buffer, the graph, and the buffers it addresses.
+struct AdamW::Captured {
+#if MOETRAIN_HAS_CUDA
+  Tensor scalars;
+  std::unique_ptr<cuda::Graph> graph;
+  std::vector<const void*> buffers;
+  bool warmed = false, failed = false;
+#endif
+};
+
+AdamW::~AdamW() = default;
+
 AdamW::AdamW(std::vector<ParamUnit>& units, const TrainConfig& t, dist::Communicator* norm_group)
-    : cfg_(t), norm_group_(norm_group) {
+    : cfg_(t), norm_group_(norm_group), captured_(std::make_unique<Captured>()) {
   for (auto& u : units)
     for (auto& g : u.groups) {
       groups_.push_back(&g);
@@ -44,13 +63,65 @@ double AdamW::clip_grad_norm(double max_norm) {
 void AdamW::step(double lr, int64_t step) {
   const ops::AdamWHyper h{lr,   cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay,
                           step, clip_coef_};
+  clip_coef_ = 1.0;
+  if (graphs_on_ && !profile::enabled() && !groups_.empty() &&
+      groups_.front()->shard.device() == Device::kCUDA)
+    return step_graphed(h);
   for (size_t i = 0; i < groups_.size(); ++i) {
     ParamGroup& g = *groups_[i];
     // An unsharded group's persistent cast copy is rewritten in the same pass.
     Tensor* compute = !g.sharded() && g.compute.defined() ? &g.compute : nullptr;
     ops::adamw_step(g.shard, g.grad_shard, state_[2 * i], state_[2 * i + 1], h, compute);
   }
-  clip_coef_ = 1.0;
+}
+
+void AdamW::step_graphed(const ops::AdamWHyper& h) {
+#if MOETRAIN_HAS_CUDA
+  Captured& c = *captured_;
+  if (!c.scalars.defined()) c.scalars = cuda::adamw_scalars(h);
+  c.scalars.copy_from(cuda::adamw_scalars(h));
+  auto compute_of = [](ParamGroup& g) {
+    return !g.sharded() && g.compute.defined() ? &g.compute : nullptr;
+  };
+  std::vector<const void*> buffers = {c.scalars.raw()};
+  for (size_t i = 0; i < groups_.size(); ++i) {
+    ParamGroup& g = *groups_[i];
+    const Tensor* compute = compute_of(g);
+    for (const Tensor* t : std::initializer_list<const Tensor*>{
+             &g.shard, &g.grad_shard, &state_[2 * i], &state_[2 * i + 1], compute})
+      buffers.push_back(t ? t->raw() : nullptr);
+  }
+  if (buffers != c.buffers) {  // a buffer moved (a checkpoint load drops the compute copies)
+    c.graph.reset();
+    c.warmed = false;
+    c.buffers = std::move(buffers);
+  }
+  auto body = [&] {
+    for (size_t i = 0; i < groups_.size(); ++i) {
+      ParamGroup& g = *groups_[i];
+      cuda::adamw_step(g.shard, g.grad_shard, state_[2 * i], state_[2 * i + 1], c.scalars,
+                       compute_of(g));
+    }
+  };
+  if (!c.graph && c.warmed && !c.failed) {
+    try {
+      const GraphPoolScope pool;
+      c.graph = cuda::Graph::capture(body);
+    } catch (const Error& e) {
+      c.failed = true;
+      log::warn("CUDA graph capture of the optimizer step failed, running it eagerly: {}",
+                e.what());
+    }
+  }
+  if (c.graph) {
+    c.graph->launch();
+  } else {
+    body();
+    c.warmed = true;
+  }
+#else
+  (void)h;
+#endif
 }
 
 }  // namespace mt

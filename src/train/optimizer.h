@@ -1,9 +1,11 @@
 // AdamW over a model's parameter groups (fp32 master weights and moments, one flat buffer per
 // group), the warmup + cosine learning-rate schedule, and global gradient-norm clipping.
 #pragma once
+#include <memory>
 #include <vector>
 
 #include "model/params.h"
+#include "ops/optim.h"
 #include "train/config.h"
 
 namespace mt {
@@ -19,6 +21,12 @@ class AdamW {
   // null on one rank.
   AdamW(std::vector<ParamUnit>& units, const TrainConfig& t,
         dist::Communicator* norm_group = nullptr);
+  ~AdamW();
+  AdamW(const AdamW&) = delete;
+  AdamW& operator=(const AdamW&) = delete;
+  // One GPU: step() replays its launches as a CUDA graph, the learning rate and clipping factor
+  // read from device memory (captured at the second step, captured again when a buffer moved).
+  void use_cuda_graphs(bool on) { graphs_on_ = on; }
   // sqrt of the sum of squares of every gradient element of the model, each counted once.
   double grad_norm() const;
   // Returns the norm; when it exceeds max_norm, the next step() scales the gradients so that the
@@ -35,6 +43,10 @@ class AdamW {
   TrainConfig cfg_;
   dist::Communicator* norm_group_;
   double clip_coef_ = 1.0;  // set by clip_grad_norm, used once by step
+  bool graphs_on_ = false;
+  struct Captured;  // optimizer.cpp
+  std::unique_ptr<Captured> captured_;
+  void step_graphed(const ops::AdamWHyper& h);
 };
 
 }  // namespace mt

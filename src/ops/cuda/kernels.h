@@ -150,8 +150,9 @@ cudaError_t add(Storage s, const void* a, const void* b, void* out, int64_t n, c
 struct AdamWScalars {
   float beta1, beta2, decay, step_size, sqrt_bc2, eps, grad_scale;
 };
-// compute_bf16 (nullable) receives the updated parameters rounded to bf16.
-cudaError_t adamw(float* p, const float* g, float* m, float* v, void* compute_bf16, AdamWScalars s,
-                  int64_t n, cudaStream_t stream);
+// compute_bf16 (nullable) receives the updated parameters rounded to bf16; s points to device
+// memory.
+cudaError_t adamw(float* p, const float* g, float* m, float* v, void* compute_bf16,
+                  const AdamWScalars* s, int64_t n, cudaStream_t stream);
 
 }  // namespace mt::cuda::kernels

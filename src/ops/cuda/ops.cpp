@@ -1,8 +1,9 @@
 // Tensor-level wrappers of the CUDA kernels: shape and dtype checks with named messages, then
-// the raw-pointer launch on the default stream, its error turned into mt::Error.
+// the raw-pointer launch on the thread's stream (cuda::stream()), its error turned into mt::Error.
 #include "ops/cuda/ops.h"
 
 #include <cmath>
+#include <cstring>
 
 #include "core/cuda_check.h"
 #include "core/profile.h"
@@ -279,14 +280,7 @@ void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const T
       stream()));
 }
 
-void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const ops::AdamWHyper& h,
-                Tensor* compute) {
-  const profile::Phase phase("gpu.adamw_step");
-  const int64_t n = param.numel();
-  for (const Tensor* t : std::initializer_list<const Tensor*>{&param, &grad, &m, &v}) {
-    expect_dtype(*t, DType::kF32, "adamw buffer (GPU master state is f32)");
-    MT_CHECK(t->numel() == n && t->device() == Device::kCUDA, "adamw buffers differ");
-  }
+Tensor adamw_scalars(const ops::AdamWHyper& h) {
   const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
   const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
   const kernels::AdamWScalars s{static_cast<float>(h.beta1),
@@ -296,15 +290,37 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const o
                                 static_cast<float>(std::sqrt(bc2)),
                                 static_cast<float>(h.eps),
                                 static_cast<float>(h.grad_scale)};
+  Tensor host = Tensor::empty({static_cast<int64_t>(sizeof(s))}, DType::kU8);
+  std::memcpy(host.raw(), &s, sizeof(s));
+  return host.to(Device::kCUDA);
+}
+
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const ops::AdamWHyper& h,
+                Tensor* compute) {
+  adamw_step(param, grad, m, v, adamw_scalars(h), compute);
+}
+
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const Tensor& scalars,
+                Tensor* compute) {
+  const profile::Phase phase("gpu.adamw_step");
+  const int64_t n = param.numel();
+  for (const Tensor* t : std::initializer_list<const Tensor*>{&param, &grad, &m, &v}) {
+    expect_dtype(*t, DType::kF32, "adamw buffer (GPU master state is f32)");
+    MT_CHECK(t->numel() == n && t->device() == Device::kCUDA, "adamw buffers differ");
+  }
+  MT_CHECK(scalars.device() == Device::kCUDA &&
+               scalars.nbytes() == sizeof(kernels::AdamWScalars),
+           "adamw scalars: {} bytes on the GPU expected (cuda::adamw_scalars)",
+           sizeof(kernels::AdamWScalars));
   if (compute) {
     expect_dtype(*compute, DType::kBF16, "adamw compute copy (GPU)");
     MT_CHECK(compute->numel() == n && compute->device() == Device::kCUDA,
-             "adamw compute copy "
-             "of {} elements for {} parameters",
-             compute->numel(), n);
+             "adamw compute copy of {} elements for {} parameters", compute->numel(), n);
   }
   MT_CUDA_CHECK(kernels::adamw(param.data<float>(), grad.data<float>(), m.data<float>(),
-                               v.data<float>(), compute ? compute->raw() : nullptr, s, n, stream()));
+                               v.data<float>(), compute ? compute->raw() : nullptr,
+                               static_cast<const kernels::AdamWScalars*>(scalars.raw()), n,
+                               stream()));
 }
 
 }  // namespace mt::cuda

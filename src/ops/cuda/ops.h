@@ -83,5 +83,10 @@ void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const T
                             const Tensor& lse, const Tensor& grad_scale, Tensor& dlogits);
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const ops::AdamWHyper& h,
                 Tensor* compute);  // compute: bf16 or null
+// The hyper-parameters as the kernel reads them (u8 bytes on the GPU), and the step reading them
+// from there: a captured optimizer step replays with each step's values.
+Tensor adamw_scalars(const ops::AdamWHyper& h);
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const Tensor& scalars,
+                Tensor* compute);
 
 }  // namespace mt::cuda

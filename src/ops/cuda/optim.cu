@@ -15,9 +15,11 @@ __device__ __forceinline__ float adamw_update(float p, float g, float& m, float&
 }
 
 // Memory-bound (28-30 bytes per parameter): float4 loads and stores over the first `packs` x 4
-// elements, then the scalar tail.
+// elements, then the scalar tail. The scalars are read from device memory, so that a captured
+// optimizer step replays with each step's learning rate and clipping factor.
 __global__ void adamw_kernel(float* p, const float* g, float* m, float* v, __nv_bfloat16* compute,
-                             kernels::AdamWScalars s, int64_t n, int64_t packs) {
+                             const kernels::AdamWScalars* scalars, int64_t n, int64_t packs) {
+  const kernels::AdamWScalars s = *scalars;
   const int64_t first = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   const int64_t stride = int64_t{gridDim.x} * blockDim.x;
   for (int64_t i = first; i < packs; i += stride) {
@@ -49,8 +51,8 @@ __global__ void adamw_kernel(float* p, const float* g, float* m, float* v, __nv_
 
 namespace kernels {
 
-cudaError_t adamw(float* p, const float* g, float* m, float* v, void* compute_bf16, AdamWScalars s,
-                  int64_t n, cudaStream_t stream) {
+cudaError_t adamw(float* p, const float* g, float* m, float* v, void* compute_bf16,
+                  const AdamWScalars* s, int64_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   const bool aligned =
       packable<float>(4, {p, g, m, v}) && reinterpret_cast<uintptr_t>(compute_bf16) % 8 == 0;
