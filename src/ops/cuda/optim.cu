@@ -6,12 +6,16 @@ namespace mt::cuda {
 
 namespace {
 
+// Every operation rounded on its own, in the CPU reference's order (no contraction into FMAs):
+// the update is bit-identical to the CPU's f32 AdamW and does not depend on how the compiler
+// schedules it (a one-ulp change here moves a whole training run).
 __device__ __forceinline__ float adamw_update(float p, float g, float& m, float& v,
                                               const kernels::AdamWScalars& s) {
-  const float gi = g * s.grad_scale;
-  m = s.beta1 * m + (1.f - s.beta1) * gi;
-  v = s.beta2 * v + (1.f - s.beta2) * gi * gi;
-  return p * s.decay - s.step_size * m / (sqrtf(v) / s.sqrt_bc2 + s.eps);
+  const float gi = __fmul_rn(g, s.grad_scale);
+  m = __fadd_rn(__fmul_rn(s.beta1, m), __fmul_rn(__fsub_rn(1.f, s.beta1), gi));
+  v = __fadd_rn(__fmul_rn(s.beta2, v), __fmul_rn(__fmul_rn(__fsub_rn(1.f, s.beta2), gi), gi));
+  const float denom = __fadd_rn(__fdiv_rn(__fsqrt_rn(v), s.sqrt_bc2), s.eps);
+  return __fsub_rn(__fmul_rn(p, s.decay), __fdiv_rn(__fmul_rn(s.step_size, m), denom));
 }
 
 // Memory-bound (28-30 bytes per parameter): float4 loads and stores over the first `packs` x 4
