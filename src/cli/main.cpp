@@ -36,10 +36,11 @@ void add_config_options(CLI::App* cmd, ConfigArgs& a) {
 }
 
 // Resolves hardware.device: "auto" takes the GPU when one is visible and the run is one rank
-// in f32 (f64 is a CPU-only check mode). Several GPU ranks (NCCL, one process per GPU) are
-// asked for explicitly with hardware.device = "cuda" under `moetrain launch` or torchrun: that
-// path has not yet been proven on two GPUs, so "auto" does not pick it.
-void choose_device(mt::Config& c, bool launched) {
+// in f32 (f64 is a CPU-only check mode), and NCCL with one GPU per process when launched
+// (`moetrain launch` or torchrun) with at least as many visible GPUs as ranks: every rank of a
+// one-host job sees the same counts, so all decide alike. Several hosts: say "cuda" explicitly.
+void choose_device(mt::Config& c, const std::optional<mt::dist::Rendezvous>& rdv) {
+  const bool launched = rdv.has_value();
   int gpus = 0;
 #if MOETRAIN_HAS_CUDA
   gpus = mt::cuda::device_count();
@@ -62,13 +63,21 @@ void choose_device(mt::Config& c, bool launched) {
 #endif
   }
   if (c.hardware.device != "auto") return;
-  const bool gpu_ok = gpus > 0 && c.parallel.world == 1 && c.model.compute_dtype == mt::DType::kF32;
+  const bool f32 = c.model.compute_dtype == mt::DType::kF32;
+  bool gpu_ok = gpus > 0 && c.parallel.world == 1 && f32;
+#if MOETRAIN_HAS_NCCL
+  if (launched && f32 && rdv->world <= gpus) gpu_ok = true;  // one GPU per rank, over NCCL
+#endif
   c.hardware.device = gpu_ok ? "cuda" : "cpu";
 #if MOETRAIN_HAS_CUDA
-  if (gpu_ok)
-    mt::log::info("running on {} (bf16 compute, fp32 master weights)", mt::cuda::device_name(0));
-  else if (gpus > 0)
-    mt::log::info("GPU present; running on the CPU (parallel.world > 1 or f64)");
+  if (gpu_ok && (!launched || rdv->rank == 0))
+    mt::log::info("running on {} (bf16 compute, fp32 master weights){}",
+                  mt::cuda::device_name(0),
+                  c.parallel.world > 1 ? fmt::format(", {} ranks over NCCL", c.parallel.world)
+                                       : std::string());
+  else if (gpus > 0 && !gpu_ok)
+    mt::log::info(
+        "GPU present; running on the CPU (in-process ranks, more ranks than GPUs, or f64)");
 #endif
 }
 
@@ -86,7 +95,7 @@ int run_train(const ConfigArgs& a, int64_t steps, const std::string& metrics,
   if (rdv && c.parallel.world != rdv->world)
     throw mt::ConfigError(fmt::format("config: parallel.world = {} but WORLD_SIZE = {}",
                                       c.parallel.world, rdv->world));
-  choose_device(c, rdv.has_value());
+  choose_device(c, rdv);
   mt::RunOptions opt;
   if (steps > 0) opt.steps = steps;
   opt.metrics_path = metrics;
