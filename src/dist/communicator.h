@@ -44,12 +44,9 @@ class Communicator {
   virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
 };
 
-// Runs fn(comm) on `world_size` threads, each with its own in-process communicator. An
-// exception on any rank fails the collectives of the others (they throw instead of hanging) and
-// is rethrown here. A rank waiting longer than timeout_s in a collective throws, naming the
-// rank and the collective.
+// Backends that cannot overlap gather at once.
 inline std::unique_ptr<PendingCollective> Communicator::all_gather_async(const Tensor& send,
-                                                                       Tensor& recv) {
+                                                                         Tensor& recv) {
   struct Done final : PendingCollective {
     void wait() override {}
   };
@@ -57,6 +54,10 @@ inline std::unique_ptr<PendingCollective> Communicator::all_gather_async(const T
   return std::make_unique<Done>();
 }
 
+// Runs fn(comm) on `world_size` threads, each with its own in-process communicator. An
+// exception on any rank fails the collectives of the others (they throw instead of hanging) and
+// is rethrown here. A rank waiting longer than timeout_s in a collective throws, naming the
+// rank and the collective.
 void run_in_process(int world_size, const std::function<void(Communicator&)>& fn,
                     double timeout_s = 300.0);
 

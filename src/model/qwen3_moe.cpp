@@ -44,15 +44,15 @@ constexpr double kGradDivideFactor = 1.0;
 // document count share a few graphs. On the host.
 Batch padded_documents(const Batch& b) {
   const Tensor cu = b.cu_seqlens.to(Device::kCPU);
-  const int64_t docs = cu.numel() - 1, n = b.size();
-  const int64_t padded = static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(docs)));
+  const auto pow2 = [](int64_t x) {
+    return static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(std::max<int64_t>(x, 1))));
+  };
+  const int64_t docs = cu.numel() - 1, n = b.size(), padded = pow2(docs);
   Batch out = b;
   out.cu_seqlens = Tensor::empty({padded + 1}, DType::kI32);
   for (int64_t i = 0; i <= padded; ++i)
     out.cu_seqlens.data<int32_t>()[i] = cu.data<int32_t>()[std::min(i, docs)];
-  out.max_seqlen = std::min<int64_t>(
-      static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(std::max<int64_t>(b.max_seqlen, 1)))),
-      n);
+  out.max_seqlen = std::min(pow2(b.max_seqlen), n);
   return out;
 }
 #endif
@@ -83,12 +83,8 @@ struct Pass {
 // The batch copied into the pass's own input buffers (allocated on first use).
 void stage_inputs(const Batch& padded, Batch& inputs) {
   if (!inputs.tokens.defined()) {
-    auto device_like = [](const Tensor& t) {
-      return Tensor::empty(t.shape(), t.dtype(), Device::kCUDA);
-    };
-    inputs = {device_like(padded.tokens),    device_like(padded.targets),
-              device_like(padded.loss_mask), device_like(padded.positions),
-              device_like(padded.cu_seqlens), padded.max_seqlen};
+    inputs = padded.to(Device::kCUDA);  // always a copy: the graph owns these buffers
+    return;
   }
   inputs.tokens.copy_from(padded.tokens);
   inputs.targets.copy_from(padded.targets);
@@ -106,9 +102,10 @@ void capture(Pass& p, const std::function<void()>& body) {
     reset_peak_memory(Device::kCUDA);
     p.graph = cuda::Graph::capture(body);
     p.peak_bytes = memory_stats(Device::kCUDA).peak_bytes - before.current_bytes;
-    log::info("captured the training pass of {} tokens ({} documents, longest {}, padded) as a "
-              "CUDA graph",
-              p.inputs.size(), p.inputs.cu_seqlens.numel() - 1, p.inputs.max_seqlen);
+    log::info(
+        "captured the training pass of {} tokens ({} documents, longest {}, padded) as a "
+        "CUDA graph",
+        p.inputs.size(), p.inputs.cu_seqlens.numel() - 1, p.inputs.max_seqlen);
   } catch (const Error& e) {
     p.failed = true;
     log::warn("CUDA graph capture of a {}-token pass failed, running it eagerly: {}",
@@ -195,11 +192,7 @@ MicroBatchLosses Qwen3Moe::forward_backward(const Batch& b, const LossScale& s) 
 }
 
 MicroBatchLosses Qwen3Moe::run(const Batch& b, const LossScale* scale) {
-  if (scale) {
-    Tensor host = Tensor::empty({1}, DType::kF64);
-    host.data<double>()[0] = scale->ce_scale;
-    ce_scale_.copy_from(host);
-  }
+  if (scale) ce_scale_.set_item(0, scale->ce_scale);
   if (use_graphs(scale))
     run_graphed(b, *scale);
   else

@@ -17,6 +17,13 @@ struct AdamWHyper {
   double grad_scale = 1.0;  // multiplies the gradient first: clipping without its own pass
 };
 
+// The step's constants, in double; each backend rounds them to its own type. decay = 1 - lr*wd,
+// step_size = lr / (1 - beta1^step), sqrt_bc2 = sqrt(1 - beta2^step).
+struct AdamWStepTerms {
+  double decay, step_size, sqrt_bc2;
+};
+AdamWStepTerms adamw_step_terms(const AdamWHyper& h);
+
 // param, grad, m, v: same shape and dtype (f32 master state, or f64 in checks). compute, when
 // given, receives the updated params in its own dtype (the bf16 copy the ops read) in the
 // same pass.

@@ -35,6 +35,13 @@ struct AdamW::Captured {
 
 AdamW::~AdamW() = default;
 
+namespace {
+// An unsharded group's persistent cast copy, rewritten by the update in the same pass.
+Tensor* persistent_compute(ParamGroup& g) {
+  return !g.sharded() && g.compute.defined() ? &g.compute : nullptr;
+}
+}  // namespace
+
 AdamW::AdamW(std::vector<ParamUnit>& units, const TrainConfig& t, dist::Communicator* norm_group)
     : cfg_(t), norm_group_(norm_group), captured_(std::make_unique<Captured>()) {
   for (auto& u : units)
@@ -69,24 +76,22 @@ void AdamW::step(double lr, int64_t step) {
     return step_graphed(h);
   for (size_t i = 0; i < groups_.size(); ++i) {
     ParamGroup& g = *groups_[i];
-    // An unsharded group's persistent cast copy is rewritten in the same pass.
-    Tensor* compute = !g.sharded() && g.compute.defined() ? &g.compute : nullptr;
-    ops::adamw_step(g.shard, g.grad_shard, state_[2 * i], state_[2 * i + 1], h, compute);
+    ops::adamw_step(g.shard, g.grad_shard, state_[2 * i], state_[2 * i + 1], h,
+                    persistent_compute(g));
   }
 }
 
 void AdamW::step_graphed(const ops::AdamWHyper& h) {
 #if MOETRAIN_HAS_CUDA
   Captured& c = *captured_;
-  if (!c.scalars.defined()) c.scalars = cuda::adamw_scalars(h);
-  c.scalars.copy_from(cuda::adamw_scalars(h));
-  auto compute_of = [](ParamGroup& g) {
-    return !g.sharded() && g.compute.defined() ? &g.compute : nullptr;
-  };
+  if (c.scalars.defined())
+    c.scalars.copy_from(cuda::adamw_scalars(h));  // where the captured launches read them
+  else
+    c.scalars = cuda::adamw_scalars(h);
   std::vector<const void*> buffers = {c.scalars.raw()};
   for (size_t i = 0; i < groups_.size(); ++i) {
     ParamGroup& g = *groups_[i];
-    const Tensor* compute = compute_of(g);
+    const Tensor* compute = persistent_compute(g);
     for (const Tensor* t : std::initializer_list<const Tensor*>{
              &g.shard, &g.grad_shard, &state_[2 * i], &state_[2 * i + 1], compute})
       buffers.push_back(t ? t->raw() : nullptr);
@@ -100,7 +105,7 @@ void AdamW::step_graphed(const ops::AdamWHyper& h) {
     for (size_t i = 0; i < groups_.size(); ++i) {
       ParamGroup& g = *groups_[i];
       cuda::adamw_step(g.shard, g.grad_shard, state_[2 * i], state_[2 * i + 1], c.scalars,
-                       compute_of(g));
+                       persistent_compute(g));
     }
   };
   if (!c.graph && c.warmed && !c.failed) {

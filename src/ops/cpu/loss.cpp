@@ -69,9 +69,9 @@ double cross_entropy_forward(const Tensor& logits, const Tensor& targets, const 
 
 void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
                             const Tensor& lse, double grad_scale, Tensor& dlogits) {
-  Tensor scale = Tensor::empty({1}, DType::kF64);
-  scale.data<double>()[0] = grad_scale;
-  cross_entropy_backward(logits, targets, mask, lse, scale.to(logits.device()), dlogits);
+  Tensor scale = Tensor::empty({1}, DType::kF64, logits.device());
+  scale.set_item(0, grad_scale);
+  cross_entropy_backward(logits, targets, mask, lse, scale, dlogits);
 }
 
 void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& mask,

@@ -9,6 +9,12 @@
 
 namespace mt::ops {
 
+AdamWStepTerms adamw_step_terms(const AdamWHyper& h) {
+  const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
+  const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
+  return {1.0 - h.lr * h.weight_decay, h.lr / bc1, std::sqrt(bc2)};
+}
+
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWHyper& h,
                 Tensor* compute) {
   const int64_t n = param.numel();
@@ -17,8 +23,7 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const A
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(param)) return cuda::adamw_step(param, grad, m, v, h, compute);
 #endif
-  const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
-  const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
+  const AdamWStepTerms terms = adamw_step_terms(h);
   dispatch_float(param.dtype(), [&](auto tag) {
     using T = decltype(tag);
     T* p = param.data<T>();
@@ -26,9 +31,9 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const A
     T* pm = m.data<T>();
     T* pv = v.data<T>();
     const T b1 = static_cast<T>(h.beta1), b2 = static_cast<T>(h.beta2);
-    const T decay = static_cast<T>(1.0 - h.lr * h.weight_decay);
-    const T step_size = static_cast<T>(h.lr / bc1);
-    const T sqrt_bc2 = static_cast<T>(std::sqrt(bc2));
+    const T decay = static_cast<T>(terms.decay);
+    const T step_size = static_cast<T>(terms.step_size);
+    const T sqrt_bc2 = static_cast<T>(terms.sqrt_bc2);
     const T eps = static_cast<T>(h.eps), gs = static_cast<T>(h.grad_scale);
 #pragma omp parallel for schedule(static)
     for (int64_t i = 0; i < n; ++i) {

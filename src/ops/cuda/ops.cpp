@@ -2,7 +2,6 @@
 // the raw-pointer launch on the thread's stream (cuda::stream()), its error turned into mt::Error.
 #include "ops/cuda/ops.h"
 
-#include <cmath>
 #include <cstring>
 
 #include "core/cuda_check.h"
@@ -185,13 +184,11 @@ bool cudnn_attention_supports(const Tensor&, const Tensor&) {
 }
 void cudnn_attention_forward(const Tensor&, const Tensor&, const Tensor&, const ops::Documents&,
                              double, Tensor&, Tensor&) {
-  const profile::Phase phase("gpu.cudnn_attention_forward");
   MT_CHECK(false, "built without the cuDNN frontend (scripts/setup.sh installs it)");
 }
 void cudnn_attention_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                               const Tensor&, const Tensor&, const ops::Documents&, double, bool,
                               Tensor&, Tensor&, Tensor&) {
-  const profile::Phase phase("gpu.cudnn_attention_backward");
   MT_CHECK(false, "built without the cuDNN frontend (scripts/setup.sh installs it)");
 }
 #endif
@@ -281,15 +278,12 @@ void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const T
 }
 
 Tensor adamw_scalars(const ops::AdamWHyper& h) {
-  const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
-  const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
-  const kernels::AdamWScalars s{static_cast<float>(h.beta1),
-                                static_cast<float>(h.beta2),
-                                static_cast<float>(1.0 - h.lr * h.weight_decay),
-                                static_cast<float>(h.lr / bc1),
-                                static_cast<float>(std::sqrt(bc2)),
-                                static_cast<float>(h.eps),
-                                static_cast<float>(h.grad_scale)};
+  const ops::AdamWStepTerms terms = ops::adamw_step_terms(h);
+  const kernels::AdamWScalars s{
+      static_cast<float>(h.beta1),        static_cast<float>(h.beta2),
+      static_cast<float>(terms.decay),    static_cast<float>(terms.step_size),
+      static_cast<float>(terms.sqrt_bc2), static_cast<float>(h.eps),
+      static_cast<float>(h.grad_scale)};
   Tensor host = Tensor::empty({static_cast<int64_t>(sizeof(s))}, DType::kU8);
   std::memcpy(host.raw(), &s, sizeof(s));
   return host.to(Device::kCUDA);
@@ -308,8 +302,7 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const T
     expect_dtype(*t, DType::kF32, "adamw buffer (GPU master state is f32)");
     MT_CHECK(t->numel() == n && t->device() == Device::kCUDA, "adamw buffers differ");
   }
-  MT_CHECK(scalars.device() == Device::kCUDA &&
-               scalars.nbytes() == sizeof(kernels::AdamWScalars),
+  MT_CHECK(scalars.device() == Device::kCUDA && scalars.nbytes() == sizeof(kernels::AdamWScalars),
            "adamw scalars: {} bytes on the GPU expected (cuda::adamw_scalars)",
            sizeof(kernels::AdamWScalars));
   if (compute) {
