@@ -26,8 +26,8 @@ grep -E "^\[ *(OK|FAILED) *\]|Failure|error|seed" "$out/test_cuda_ops.log" | gre
 "$bundle/moetrain" train --config configs/tiny.toml --set train.log_every=100 \
   --metrics "$out/tiny_gpu.jsonl" >"$out/tiny_gpu.log" 2>&1 || status=1
 tail -2 "$out/tiny_gpu.log"
-# Benchmarks: GPU_CHECK_BENCH lists which (default all; 0 for none), GPU_CHECK_LAYERS the layer
-# counts of the full-model step.
+# Benchmarks: GPU_CHECK_BENCH lists which (default all but scaling; 0 for none),
+# GPU_CHECK_LAYERS the layer counts of the full-model step.
 benches=",${GPU_CHECK_BENCH:-gemm,attention,exchange,moe,model},"
 run_bench() {  # name, command...: JSON lines to bench.jsonl, failures named on stdout
   local name=$1
@@ -53,6 +53,9 @@ if [[ $benches == *,moe,* ]]; then
 fi
 if [[ $benches == *,model,* ]]; then
   run_bench bench-model env OUT="$out" scripts/bench-model.sh "$bundle/moetrain" ${GPU_CHECK_LAYERS:-7}
+fi
+if [[ $benches == *,scaling,* ]]; then  # two or more GPUs: every ep of W = all GPUs
+  run_bench bench-scaling env OUT="$out" scripts/bench-scaling.sh "$bundle/moetrain" "" ${GPU_CHECK_LAYERS:-7}
 fi
 if [ -s "$out/bench.jsonl" ]; then
   echo "== benchmarks (JSON lines, also in bench.jsonl)"

@@ -70,6 +70,24 @@ void check_collectives(dist::Communicator& c) {
   const double rank_sum = w * (w - 1) / 2.0;
   for (int64_t i = 0; i < n; i += 31)
     ASSERT_DOUBLE_EQ(got.item(i), rank_sum + w * 0.5 * (r * n + i));
+  // The background reduce-scatter (FSDP's gradient reduction): its input is written by a queued
+  // copy and dropped by the caller right after the start (the handle keeps it alive); the
+  // result is read after wait().
+  {
+    const int64_t big = int64_t{1} << 22;
+    const Tensor source = filled(big * w, DType::kF32, [&](int64_t i) { return r + i % 9; });
+    Tensor send = Tensor::zeros({big * w}, DType::kF32, Device::kCUDA);
+    send.copy_from(source);
+    Tensor chunk = Tensor::poisoned({big}, DType::kF32, Device::kCUDA);
+    auto pending = c.reduce_scatter_async(send, chunk);
+    send = Tensor();
+    pending->wait();
+    pending.reset();
+    const Tensor sum = chunk.to(Device::kCPU);
+    for (int64_t i = 0; i < big; i += 4099)
+      ASSERT_DOUBLE_EQ(sum.item(i), rank_sum + w * static_cast<double>((r * big + i) % 9))
+          << "background reduce_scatter at " << i;
+  }
   // all_reduce on a host tensor (the trainer's counts) and on a device one.
   Tensor count = Tensor::empty({1}, DType::kI64);
   count.set_item(0, r + 1);

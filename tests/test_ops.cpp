@@ -220,6 +220,18 @@ TEST(Attention, Gradients) {
   EXPECT_LT(gradcheck(loss, c.v, dv), kGradTol);
 }
 
+TEST(Attention, PlannedDocumentsRoundUpToPowersOfTwoWithinTheTokens) {
+  const ops::PlannedDocuments a = ops::planned_documents(5, 300, 4096);
+  EXPECT_EQ(a.count, 8);
+  EXPECT_EQ(a.longest, 512);
+  const ops::PlannedDocuments b = ops::planned_documents(1, 3, 40);  // floor 64, cut at 40
+  EXPECT_EQ(b.count, 1);
+  EXPECT_EQ(b.longest, 40);
+  const ops::PlannedDocuments c = ops::planned_documents(16, 4096, 16384);  // already powers
+  EXPECT_EQ(c.count, 16);
+  EXPECT_EQ(c.longest, 4096);
+}
+
 TEST(Attention, LongestDocumentIsCheckedAndComputed) {
   AttnCase c = attn_case();
   EXPECT_EQ(ops::max_document_length(c.docs.cu_seqlens), 4);

@@ -3,6 +3,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <utility>
 
 namespace mt::profile {
 
@@ -17,6 +18,37 @@ struct Totals {
 Totals& totals() {
   static Totals t;
   return t;
+}
+
+// Adds ms to the entry named `name` (appended in order of first use).
+void add_ms(std::vector<std::pair<std::string, double>>& totals, const char* name, double ms) {
+  for (auto& [n, total] : totals)
+    if (n == name) {
+      total += ms;
+      return;
+    }
+  totals.emplace_back(name, ms);
+}
+
+struct PendingSpan {
+  const char* name;
+  void* start;
+  void* end;
+};
+
+struct SpanTotals {
+  std::vector<PendingSpan> pending;  // device marks not yet read
+  std::vector<std::pair<std::string, double>> ms;
+};
+
+SpanTotals& span_totals() {
+  thread_local SpanTotals t;
+  return t;
+}
+
+DeviceClock& device_clock() {
+  static DeviceClock c{};
+  return c;
 }
 
 void wait_for_device() {
@@ -50,12 +82,47 @@ Phase::~Phase() {
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_).count();
   Totals& t = totals();
   const std::lock_guard lock(t.mutex);
-  for (auto& [name, total] : t.ms)
-    if (name == name_) {
-      total += ms;
-      return;
-    }
-  t.ms.emplace_back(name_, ms);
+  add_ms(t.ms, name_, ms);
+}
+
+void set_device_clock(DeviceClock clock) {
+  device_clock() = clock;
+}
+
+Span::Span(const char* name, bool on_device)
+    : name_(name), on_device_(on_device && device_clock().mark) {
+  if (on_device_)
+    device_start_ = device_clock().mark();
+  else
+    host_start_ = std::chrono::steady_clock::now();
+}
+
+Span::~Span() {
+  SpanTotals& t = span_totals();
+  if (!on_device_) {
+    add_ms(t.ms, name_,
+           std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - host_start_)
+               .count());
+    return;
+  }
+  if (!device_start_) return;  // capturing
+  void* end = device_clock().mark();
+  if (end)
+    t.pending.push_back({name_, device_start_, end});
+  else
+    device_clock().release(device_start_);
+}
+
+std::vector<std::pair<std::string, double>> take_spans() {
+  SpanTotals& t = span_totals();
+  const DeviceClock& clock = device_clock();
+  for (const PendingSpan& p : t.pending) {
+    add_ms(t.ms, p.name, clock.ms_between(p.start, p.end));
+    clock.release(p.start);
+    clock.release(p.end);
+  }
+  t.pending.clear();
+  return std::exchange(t.ms, {});
 }
 
 std::vector<std::pair<std::string, double>> take() {

@@ -29,4 +29,33 @@ class Phase {
 // Milliseconds per phase name since the last call, in order of first use; clears them.
 std::vector<std::pair<std::string, double>> take();
 
+// Device time of one kind of work, measured without waiting for it (always on, unlike Phase): a
+// Span marks the thread's stream at both ends (CUDA events on the GPU, the host clock on the CPU)
+// and take_spans() reads the marks once the device has passed them. Per thread, so in-process
+// ranks keep their own. Inside a CUDA graph capture a span records nothing (a captured mark could
+// not be timed).
+struct DeviceClock {
+  void* (*mark)();  // a mark recorded on the thread's stream; null while it is capturing
+  double (*ms_between)(void* from, void* to);  // waits for `to`
+  void (*release)(void* mark);
+};
+void set_device_clock(DeviceClock clock);
+
+class Span {
+ public:
+  Span(const char* name, bool on_device);
+  ~Span();
+  Span(const Span&) = delete;
+  Span& operator=(const Span&) = delete;
+
+ private:
+  const char* name_;
+  void* device_start_ = nullptr;
+  bool on_device_;
+  std::chrono::steady_clock::time_point host_start_;
+};
+
+// Milliseconds per span name recorded by this thread since its last call; clears them.
+std::vector<std::pair<std::string, double>> take_spans();
+
 }  // namespace mt::profile

@@ -33,6 +33,10 @@ class Communicator {
   virtual std::unique_ptr<PendingCollective> all_gather_async(const Tensor& send, Tensor& recv);
   // recv (n / size) = this rank's chunk of the element-wise sum of every rank's send (n).
   virtual void reduce_scatter(const Tensor& send, Tensor& recv) = 0;
+  // The same in the background, as all_gather_async (FSDP's gradient reduction overlaps the
+  // next layer's backward).
+  virtual std::unique_ptr<PendingCollective> reduce_scatter_async(const Tensor& send,
+                                                                  Tensor& recv);
   // Element-wise sum in place (floating and integer dtypes).
   virtual void all_reduce(Tensor& t) = 0;
   // Rows of equal width (send.numel() / rows): send_rows[p] rows go to peer p, in peer order;
@@ -44,14 +48,21 @@ class Communicator {
   virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
 };
 
-// Backends that cannot overlap gather at once.
+// Backends that cannot overlap run the collective at once.
+struct FinishedCollective final : PendingCollective {
+  void wait() override {}
+};
+
 inline std::unique_ptr<PendingCollective> Communicator::all_gather_async(const Tensor& send,
                                                                          Tensor& recv) {
-  struct Done final : PendingCollective {
-    void wait() override {}
-  };
   all_gather(send, recv);
-  return std::make_unique<Done>();
+  return std::make_unique<FinishedCollective>();
+}
+
+inline std::unique_ptr<PendingCollective> Communicator::reduce_scatter_async(const Tensor& send,
+                                                                             Tensor& recv) {
+  reduce_scatter(send, recv);
+  return std::make_unique<FinishedCollective>();
 }
 
 // Runs fn(comm) on `world_size` threads, each with its own in-process communicator. An

@@ -67,6 +67,7 @@ class NcclCommunicator final : public Communicator {
     MT_NCCL_CHECK(ncclCommUserRank(comm_, &rank_));
     MT_NCCL_CHECK(ncclCommCount(comm_, &size_));
     MT_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    MT_CUDA_CHECK(cudaEventCreateWithFlags(&ready_, cudaEventDisableTiming));
     watchdog_ = std::thread([this] { watch(); });
   }
 
@@ -81,6 +82,7 @@ class NcclCommunicator final : public Communicator {
     cudaDeviceSynchronize();
     ncclCommDestroy(comm_);
     cudaStreamDestroy(stream_);
+    cudaEventDestroy(ready_);
     for (const Pending& p : pending_) cudaEventDestroy(p.done);
     for (cudaEvent_t e : free_events_) cudaEventDestroy(e);
   }
@@ -89,42 +91,30 @@ class NcclCommunicator final : public Communicator {
   int size() const override { return size_; }
 
   void all_gather(const Tensor& send, Tensor& recv) override {
-    MT_CHECK(recv.numel() == send.numel() * size_ && recv.dtype() == send.dtype(),
-             "all_gather of {} {} into {} {}", dtype_name(send.dtype()), shape_str(send.shape()),
-             dtype_name(recv.dtype()), shape_str(recv.shape()));
     const Tensor s = device_operand(send, true);
     Tensor r = device_operand(recv, false);
-    wait_for(launch("all_gather", [&](cudaStream_t stream) {
-      MT_NCCL_CHECK(ncclAllGather(s.raw(), r.raw(), static_cast<size_t>(send.numel()),
-                                  nccl_type(send.dtype()), comm_, stream));
-    }));
+    wait_for(start_all_gather(s, r));
     finish_on_host(r, recv);
   }
 
   std::unique_ptr<PendingCollective> all_gather_async(const Tensor& send, Tensor& recv) override {
     if (send.device() != Device::kCUDA || recv.device() != Device::kCUDA)
       return Communicator::all_gather_async(send, recv);  // host tensors: staged, at once
-    MT_CHECK(recv.numel() == send.numel() * size_ && recv.dtype() == send.dtype(),
-             "all_gather of {} {} into {} {}", dtype_name(send.dtype()), shape_str(send.shape()),
-             dtype_name(recv.dtype()), shape_str(recv.shape()));
-    const cudaEvent_t done = launch("all_gather", [&](cudaStream_t stream) {
-      MT_NCCL_CHECK(ncclAllGather(send.raw(), recv.raw(), static_cast<size_t>(send.numel()),
-                                  nccl_type(send.dtype()), comm_, stream));
-    });
-    return std::make_unique<BackgroundCollective>(done, send);
+    return std::make_unique<BackgroundCollective>(start_all_gather(send, recv), send);
   }
 
   void reduce_scatter(const Tensor& send, Tensor& recv) override {
-    MT_CHECK(send.numel() == recv.numel() * size_ && recv.dtype() == send.dtype(),
-             "reduce_scatter of {} {} into {} {}", dtype_name(send.dtype()),
-             shape_str(send.shape()), dtype_name(recv.dtype()), shape_str(recv.shape()));
     const Tensor s = device_operand(send, true);
     Tensor r = device_operand(recv, false);
-    wait_for(launch("reduce_scatter", [&](cudaStream_t stream) {
-      MT_NCCL_CHECK(ncclReduceScatter(s.raw(), r.raw(), static_cast<size_t>(recv.numel()),
-                                      nccl_type(send.dtype()), ncclSum, comm_, stream));
-    }));
+    wait_for(start_reduce_scatter(s, r));
     finish_on_host(r, recv);
+  }
+
+  std::unique_ptr<PendingCollective> reduce_scatter_async(const Tensor& send,
+                                                          Tensor& recv) override {
+    if (send.device() != Device::kCUDA || recv.device() != Device::kCUDA)
+      return Communicator::reduce_scatter_async(send, recv);  // host tensors: staged, at once
+    return std::make_unique<BackgroundCollective>(start_reduce_scatter(send, recv), send);
   }
 
   void all_reduce(Tensor& t) override {
@@ -188,8 +178,8 @@ class NcclCommunicator final : public Communicator {
   }
 
  private:
-  // The background all-gather's handle: the compute stream waits for `done` (once), and the
-  // input stays alive until then.
+  // A background collective's handle: the compute stream waits for `done` (once), and the input
+  // stays alive until then.
   class BackgroundCollective final : public PendingCollective {
    public:
     BackgroundCollective(cudaEvent_t done, Tensor input) : done_(done), input_(std::move(input)) {}
@@ -209,17 +199,37 @@ class NcclCommunicator final : public Communicator {
     bool waited_ = false;
   };
 
+  // Device tensors; returns the event of the gather's end.
+  cudaEvent_t start_all_gather(const Tensor& send, Tensor& recv) {
+    MT_CHECK(recv.numel() == send.numel() * size_ && recv.dtype() == send.dtype(),
+             "all_gather of {} {} into {} {}", dtype_name(send.dtype()), shape_str(send.shape()),
+             dtype_name(recv.dtype()), shape_str(recv.shape()));
+    return launch("all_gather", [&](cudaStream_t stream) {
+      MT_NCCL_CHECK(ncclAllGather(send.raw(), recv.raw(), static_cast<size_t>(send.numel()),
+                                  nccl_type(send.dtype()), comm_, stream));
+    });
+  }
+
+  cudaEvent_t start_reduce_scatter(const Tensor& send, Tensor& recv) {
+    MT_CHECK(send.numel() == recv.numel() * size_ && recv.dtype() == send.dtype(),
+             "reduce_scatter of {} {} into {} {}", dtype_name(send.dtype()),
+             shape_str(send.shape()), dtype_name(recv.dtype()), shape_str(recv.shape()));
+    return launch("reduce_scatter", [&](cudaStream_t stream) {
+      MT_NCCL_CHECK(ncclReduceScatter(send.raw(), recv.raw(), static_cast<size_t>(recv.numel()),
+                                      nccl_type(send.dtype()), ncclSum, comm_, stream));
+    });
+  }
+
   // Every collective of this communicator runs on its stream, in issue order (NCCL orders a
   // communicator's work on one stream): it first waits for what the compute stream has queued
   // (which wrote its inputs). Returns the event of its end.
   cudaEvent_t launch(const char* what, const std::function<void(cudaStream_t)>& issue) {
     begin(what);
-    cudaEvent_t ready = nullptr, done = nullptr;
-    MT_CUDA_CHECK(cudaEventCreateWithFlags(&ready, cudaEventDisableTiming));
-    MT_CUDA_CHECK(cudaEventRecord(ready, cuda::stream()));
-    MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready));
-    cudaEventDestroy(ready);
+    // One event serves every collective: a wait takes the event's state when it is queued.
+    MT_CUDA_CHECK(cudaEventRecord(ready_, cuda::stream()));
+    MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_));
     issue(stream_);
+    cudaEvent_t done = nullptr;
     end(what);
     MT_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
     MT_CUDA_CHECK(cudaEventRecord(done, stream_));
@@ -296,6 +306,7 @@ class NcclCommunicator final : public Communicator {
 
   ncclComm_t comm_;
   cudaStream_t stream_ = nullptr;  // this communicator's collectives
+  cudaEvent_t ready_ = nullptr;    // the compute stream's point a collective starts after
   int device_;
   int rank_ = 0, size_ = 1;
   double timeout_s_;

@@ -1,8 +1,10 @@
 // The GPU backend: NCCL, one process per GPU (the device is the rank's LOCAL_RANK).
 //
-// Collectives run on the device's legacy default stream, in order with the compute kernels, on
-// GPU tensors; host tensors (the trainer's scalars: token counts, loss sums) are staged through
-// the device. all_to_all is grouped ncclSend/ncclRecv with per-peer row counts; split is
+// Each communicator's collectives run on its own stream, in issue order, ordered against the
+// compute stream (the thread's, cuda::stream()) by events: a collective starts after the work
+// queued before it, and compute queued after it waits for it (all_gather_async lets compute run
+// on meanwhile: FSDP's prefetch). Host tensors (the trainer's scalars: token counts, loss sums)
+// are staged through the device. all_to_all is grouped ncclSend/ncclRecv with per-peer row counts; split is
 // ncclCommSplit.
 //
 // Failure: every collective records a CUDA event; a watchdog thread per communicator aborts it

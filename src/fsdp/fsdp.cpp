@@ -73,11 +73,20 @@ void begin_backward(ParamGroup& g) {
 
 void reduce_gradients(ParamGroup& g, double divide_factor) {
   if (!g.sharded()) return;
-  Tensor mine = Tensor::empty(g.grad_shard.shape(), g.grad_shard.dtype(), g.grad_shard.device());
-  g.comm->reduce_scatter(g.grads, mine);
-  if (divide_factor != 1.0) ops::scale_(mine, 1.0 / divide_factor);
-  ops::add_(g.grad_shard, mine);
+  finish_reduction(g);  // the previous micro-batch's, if still under way
+  g.reduced = Tensor::empty(g.grad_shard.shape(), g.grad_shard.dtype(), g.grad_shard.device());
+  g.reducing = g.comm->reduce_scatter_async(g.grads, g.reduced);  // keeps g.grads alive
+  g.reduced_divide_factor = divide_factor;
   g.grads = Tensor();
+}
+
+void finish_reduction(ParamGroup& g) {
+  if (!g.reducing) return;
+  g.reducing->wait();
+  g.reducing.reset();  // the full gradients go back to the allocator, after the collective
+  if (g.reduced_divide_factor != 1.0) ops::scale_(g.reduced, 1.0 / g.reduced_divide_factor);
+  ops::add_(g.grad_shard, g.reduced);
+  g.reduced = Tensor();
 }
 
 void gather(ParamUnit& u) {
@@ -94,6 +103,9 @@ void begin_backward(ParamUnit& u) {
 }
 void reduce_gradients(ParamUnit& u, double divide_factor) {
   for (auto& g : u.groups) reduce_gradients(g, divide_factor);
+}
+void finish_reduction(ParamUnit& u) {
+  for (auto& g : u.groups) finish_reduction(g);
 }
 
 }  // namespace mt::fsdp

@@ -22,13 +22,19 @@ void prefetch(ParamGroup& g);
 void release(ParamGroup& g);
 // Allocates zeroed full gradients for the unit's backward.
 void begin_backward(ParamGroup& g);
-// grad_shard += reduce-scatter(grads) / divide_factor; drops the full gradients.
+// Starts grad_shard += reduce-scatter(grads) / divide_factor in the background (NCCL: on the
+// communicator's stream, overlapping the backward queued after it) and hands the full gradients
+// to the collective. finish_reduction completes it; grad_shard must not be read before.
 void reduce_gradients(ParamGroup& g, double divide_factor);
+// Orders the reduction's end before what is queued next and adds its chunk to grad_shard;
+// a no-op when none is under way.
+void finish_reduction(ParamGroup& g);
 
 void gather(ParamUnit& u);
 void prefetch(ParamUnit& u);
 void release(ParamUnit& u);
 void begin_backward(ParamUnit& u);
 void reduce_gradients(ParamUnit& u, double divide_factor);
+void finish_reduction(ParamUnit& u);
 
 }  // namespace mt::fsdp

@@ -51,6 +51,11 @@ struct ParamGroup {
   bool grads_unwritten = false;
   // A gather started by fsdp::prefetch and not yet waited for (gather waits).
   std::shared_ptr<dist::PendingCollective> gathering;
+  // A gradient reduce-scatter started by fsdp::reduce_gradients, and the chunk it writes, not
+  // yet added to grad_shard (fsdp::finish_reduction adds it).
+  std::shared_ptr<dist::PendingCollective> reducing;
+  Tensor reduced;
+  double reduced_divide_factor = 1.0;
 
   bool sharded() const { return comm != nullptr; }
   int64_t shard_begin() const { return sharded() ? comm->rank() * shard.numel() : 0; }

@@ -1,6 +1,5 @@
 #include "model/qwen3_moe.h"
 
-#include <bit>
 #include <cmath>
 #include <functional>
 #include <map>
@@ -9,6 +8,7 @@
 #include "core/log.h"
 #include "core/profile.h"
 #include "fsdp/fsdp.h"
+#include "ops/attention.h"
 #include "ops/elementwise.h"
 #include "ops/embedding.h"
 #include "ops/gemm.h"
@@ -38,21 +38,18 @@ namespace {
 constexpr double kGradDivideFactor = 1.0;
 
 #if MOETRAIN_HAS_CUDA
-// The batch as a captured pass replays it: documents padded to a power-of-two count (the extra
-// ones empty: cu_seqlens repeats N) and the longest length to a power of two (at most N). The
-// attention pads both the same way inside, so the results do not change, and batches of any
-// document count share a few graphs. On the host.
+// The batch as a captured pass replays it: padded to the document shape the attention plans for
+// (ops::planned_documents; the extra documents empty: cu_seqlens repeats N), so the results do
+// not change and batches of any document count share a few graphs. On the host.
 Batch padded_documents(const Batch& b) {
   const Tensor cu = b.cu_seqlens.to(Device::kCPU);
-  const auto pow2 = [](int64_t x) {
-    return static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(std::max<int64_t>(x, 1))));
-  };
-  const int64_t docs = cu.numel() - 1, n = b.size(), padded = pow2(docs);
+  const int64_t docs = cu.numel() - 1;
+  const ops::PlannedDocuments planned = ops::planned_documents(docs, b.max_seqlen, b.size());
   Batch out = b;
-  out.cu_seqlens = Tensor::empty({padded + 1}, DType::kI32);
-  for (int64_t i = 0; i <= padded; ++i)
+  out.cu_seqlens = Tensor::empty({planned.count + 1}, DType::kI32);
+  for (int64_t i = 0; i <= planned.count; ++i)
     out.cu_seqlens.data<int32_t>()[i] = cu.data<int32_t>()[std::min(i, docs)];
-  out.max_seqlen = std::min(pow2(b.max_seqlen), n);
+  out.max_seqlen = planned.longest;
   return out;
 }
 #endif
@@ -74,10 +71,7 @@ struct PassKey {
 // replay) and the graph.
 struct Pass {
   Batch inputs;
-  std::unique_ptr<cuda::Graph> graph;
-  int64_t peak_bytes = 0;  // what a replay adds to the device memory in use at its start
-  bool warmed = false;     // ran once eagerly (cuDNN plans, cuBLASLt, the graph pool are ready)
-  bool failed = false;     // capture failed: this shape runs eagerly
+  cuda::CapturedWork work;
 };
 
 // The batch copied into the pass's own input buffers (allocated on first use).
@@ -91,27 +85,6 @@ void stage_inputs(const Batch& padded, Batch& inputs) {
   inputs.loss_mask.copy_from(padded.loss_mask);
   inputs.positions.copy_from(padded.positions);
   inputs.cu_seqlens.copy_from(padded.cu_seqlens);
-}
-
-// Captures body into p.graph from the graph pool, noting what a replay adds to the peak; a
-// failure is warned about once and leaves the shape eager.
-void capture(Pass& p, const std::function<void()>& body) {
-  const MemoryStats before = memory_stats(Device::kCUDA);
-  try {
-    const GraphPoolScope pool;
-    reset_peak_memory(Device::kCUDA);
-    p.graph = cuda::Graph::capture(body);
-    p.peak_bytes = memory_stats(Device::kCUDA).peak_bytes - before.current_bytes;
-    log::info(
-        "captured the training pass of {} tokens ({} documents, longest {}, padded) as a "
-        "CUDA graph",
-        p.inputs.size(), p.inputs.cu_seqlens.numel() - 1, p.inputs.max_seqlen);
-  } catch (const Error& e) {
-    p.failed = true;
-    log::warn("CUDA graph capture of a {}-token pass failed, running it eagerly: {}",
-              p.inputs.size(), e.what());
-  }
-  note_peak_memory(Device::kCUDA, before.peak_bytes);
 }
 
 }  // namespace captured
@@ -247,22 +220,19 @@ void Qwen3Moe::run_graphed(const Batch& b, const LossScale& scale) {
   for (ParamGroup* g : experts) key.expert_grads_unwritten.push_back(g->grads_unwritten);
   captured::Pass& cp = graphs_->passes[key];
   captured::stage_inputs(padded, cp.inputs);
-  auto body = [&] { pass(cp.inputs, &scale); };
-  if (!cp.graph && cp.warmed && !cp.failed) {
-    captured::capture(cp, body);
-    // Capturing ran the pass's host code, not its work: its flags are as before.
+  auto body = [&] {
+    // A failed capture ran the pass's host code, not its work: the eager run after it starts
+    // from the flags the key was made of.
     for (size_t l = 0; l < experts.size(); ++l)
       experts[l]->grads_unwritten = key.expert_grads_unwritten[l];
-  }
-  if (cp.graph) {
-    cp.graph->launch();
-    note_peak_memory(Device::kCUDA, memory_stats(Device::kCUDA).current_bytes + cp.peak_bytes);
+    pass(cp.inputs, &scale);
+  };
+  const std::string what =
+      fmt::format("the training pass of {} tokens ({} documents, longest {}, padded)",
+                  padded.size(), key.docs, key.longest);
+  if (cp.work.run(body, what)) {
     ++graphs_->replays;
     for (ParamGroup* g : experts) g->grads_unwritten = false;  // what pass() would have set
-  } else {
-    const GraphPoolScope pool;
-    body();
-    cp.warmed = true;
   }
   MT_CHECK(graph_pool_live_bytes() == 0,
            "{} bytes allocated inside a captured pass outlive it (a replay would overwrite them)",
@@ -320,7 +290,9 @@ void Qwen3Moe::pass(const Batch& b, const LossScale* scale) {
   }
 
   // Backward: the head's (inside head_and_loss, chunk by chunk), blocks in reverse, embedding;
-  // each unit's gradients are reduce-scattered as soon as its backward is done.
+  // each unit's gradients are reduce-scattered as soon as its backward is done, in the
+  // background: the reduction of the unit above is finished only after this unit's backward is
+  // queued, so (NCCL) it overlaps that backward, and at most two units' full gradients live.
   fsdp::begin_backward(head);
   fsdp::begin_backward(embed);
   Tensor dxf = Tensor::empty({n, c.dim}, dt, dev);
@@ -349,12 +321,15 @@ void Qwen3Moe::pass(const Batch& b, const LossScale* scale) {
     experts.grads_unwritten = false;
     const profile::Phase phase("fsdp.reduce");
     fsdp::reduce_gradients(unit, kGradDivideFactor);
+    fsdp::finish_reduction(units_[l + 2]);  // the unit above: the next layer, or the head
     fsdp::release(unit);
   }
   const profile::Phase phase("embedding.backward");
   Tensor dtable = embed.groups[0].grad(0);
   ops::embedding_backward(b.tokens, dx, dtable);
   fsdp::reduce_gradients(embed, kGradDivideFactor);
+  fsdp::finish_reduction(units_[1]);  // the first layer (the head when there is none)
+  fsdp::finish_reduction(embed);
 }
 
 MicroBatchLosses Qwen3Moe::collect() {

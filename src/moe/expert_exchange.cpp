@@ -1,5 +1,7 @@
 #include "moe/expert_exchange.h"
 
+#include "core/profile.h"
+
 #include <algorithm>
 #include <cstring>
 
@@ -34,6 +36,7 @@ Tensor index_tensor(const std::vector<int32_t>& index, Device device) {
 }  // namespace
 
 ExpertExchange::ExpertExchange(dist::Communicator& ep, const Tensor& device_offsets) : ep_(&ep) {
+  const profile::Span span("ep.counts", device_offsets.device() == Device::kCUDA);
   const int peers = ep.size();
   const int64_t experts = device_offsets.numel() - 1;
   MT_CHECK(experts % peers == 0, "{} experts over {} EP ranks", experts, peers);
@@ -84,6 +87,7 @@ ExpertExchange::ExpertExchange(dist::Communicator& ep, const Tensor& device_offs
 }
 
 Tensor ExpertExchange::dispatch(const Tensor& rows) const {
+  const profile::Span span("ep.dispatch", rows.device() == Device::kCUDA);
   const int64_t width = rows.dim(1);
   Tensor received = Tensor::empty({received_rows(), width}, rows.dtype(), rows.device());
   ep_->all_to_all(rows, send_rows_, received, recv_rows_);
@@ -93,6 +97,7 @@ Tensor ExpertExchange::dispatch(const Tensor& rows) const {
 }
 
 Tensor ExpertExchange::combine(const Tensor& rows) const {
+  const profile::Span span("ep.combine", rows.device() == Device::kCUDA);
   const int64_t width = rows.dim(1);
   Tensor source_major = Tensor::empty({received_rows(), width}, rows.dtype(), rows.device());
   gather_rows(rows, source_major_source_, source_major);

@@ -15,6 +15,15 @@ struct Documents {
 // The longest document of host boundaries.
 int64_t max_document_length(const Tensor& cu_seqlens);
 
+// The shape the GPU attention plans for: the document count and the longest length (at least
+// 64, at most the tokens) rounded up to powers of two, so that batches of any packing share a
+// few cuDNN plans and captured passes. Padding with empty documents changes no result.
+struct PlannedDocuments {
+  int64_t count = 0;
+  int64_t longest = 0;
+};
+PlannedDocuments planned_documents(int64_t count, int64_t longest, int64_t tokens);
+
 // q (N, H, Dqk), k (N, KV, Dqk), v (N, KV, Dv), cu_seqlens i32 (S + 1) with cu_seqlens[S] = N.
 // out (N, H, Dv); lse (N, H) = log sum_j exp(scale * q.k_j), saved so backward never re-runs
 // the forward softmax normalisation.

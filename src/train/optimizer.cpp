@@ -27,9 +27,8 @@ double learning_rate(const TrainConfig& t, int64_t step) {
 struct AdamW::Captured {
 #if MOETRAIN_HAS_CUDA
   Tensor scalars;
-  std::unique_ptr<cuda::Graph> graph;
+  cuda::CapturedWork work;
   std::vector<const void*> buffers;
-  bool warmed = false, failed = false;
 #endif
 };
 
@@ -97,8 +96,7 @@ void AdamW::step_graphed(const ops::AdamWHyper& h) {
       buffers.push_back(t ? t->raw() : nullptr);
   }
   if (buffers != c.buffers) {  // a buffer moved (a checkpoint load drops the compute copies)
-    c.graph.reset();
-    c.warmed = false;
+    c.work.drop();
     c.buffers = std::move(buffers);
   }
   auto body = [&] {
@@ -108,22 +106,7 @@ void AdamW::step_graphed(const ops::AdamWHyper& h) {
                        persistent_compute(g));
     }
   };
-  if (!c.graph && c.warmed && !c.failed) {
-    try {
-      const GraphPoolScope pool;
-      c.graph = cuda::Graph::capture(body);
-    } catch (const Error& e) {
-      c.failed = true;
-      log::warn("CUDA graph capture of the optimizer step failed, running it eagerly: {}",
-                e.what());
-    }
-  }
-  if (c.graph) {
-    c.graph->launch();
-  } else {
-    body();
-    c.warmed = true;
-  }
+  c.work.run(body, "the optimizer step");
 #else
   (void)h;
 #endif

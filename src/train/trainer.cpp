@@ -58,7 +58,10 @@ Trainer::Trainer(const Config& c, dist::Communicator* world) : cfg_(c), world_(w
   cfg_.model.device = c.hardware.device == "cuda" ? Device::kCUDA : Device::kCPU;
   cfg_.model.cuda_graphs = c.hardware.cuda_graphs;
 #if MOETRAIN_HAS_CUDA
-  if (cfg_.model.on_gpu()) profile::set_device_sync(&cuda::synchronize);
+  if (cfg_.model.on_gpu()) {
+    profile::set_device_sync(&cuda::synchronize);
+    cuda::use_device_clock();
+  }
 #endif
   MT_CHECK(world_size() == c.parallel.world, "communicator of {} ranks for parallel.world = {}",
            world_size(), c.parallel.world);
@@ -152,6 +155,9 @@ StepMetrics Trainer::train_step() {
   m.tokens_per_s = static_cast<double>(t.tokens_per_step() * world_size()) / seconds;
   m.mfu = flops_per_token_ * m.tokens_per_s / (peak_flops_ * world_size());
   m.peak_bytes = memory_stats(cfg_.model.device).peak_bytes;
+  // The loss and gradient norm have been read: the device has passed every span of the passes.
+  for (const auto& [name, ms] : profile::take_spans())
+    if (name.starts_with("ep.")) m.exchange_ms += ms;
   if (profile::enabled() && is_rank0()) {
     // Longest first; phases nest (gpu.* are the single ops inside the model's phases).
     auto phases = profile::take();
@@ -214,6 +220,7 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
                                {"tokens_per_s", m.tokens_per_s},
                                {"mfu", m.mfu},
                                {"peak_bytes", m.peak_bytes}};
+      if (cfg_.parallel.ep > 1) j["exchange_ms"] = m.exchange_ms;
       if (first_line) {
         j["loss_floor"] = finite_or_null(stats_.loss_floor);
         j["unigram_entropy"] = finite_or_null(stats_.unigram_entropy);
@@ -227,9 +234,10 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
       if (opt.progress_bar && m.step != last) std::fprintf(stderr, "\r\033[2K");
       log::info(
           "step {:>5} | loss {:.4f} | aux {:.4f} | grad_norm {:.4f} | lr {:.3e} | "
-          "{:.0f} tok/s | mfu {:.2f}% | peak mem {:.1f} MiB",
+          "{:.0f} tok/s | mfu {:.2f}% | peak mem {:.1f} MiB{}",
           m.step, m.loss, m.aux_loss, m.grad_norm, m.lr, m.tokens_per_s, 100 * m.mfu,
-          m.peak_bytes / 1048576.0);
+          m.peak_bytes / 1048576.0,
+          cfg_.parallel.ep > 1 ? fmt::format(" | ep exchange {:.1f} ms", m.exchange_ms) : "");
     }
     const bool at_interval = cfg_.checkpoint.every > 0 && m.step % cfg_.checkpoint.every == 0;
     if (!cfg_.checkpoint.dir.empty() && (at_interval || m.step == last)) {

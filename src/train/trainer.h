@@ -22,6 +22,9 @@ struct StepMetrics {
   double tokens_per_s = 0;
   double mfu = 0;  // model FLOPs / (time * peak)
   int64_t peak_bytes = 0;
+  // Device time in expert-parallel dispatch and combine (count exchange, row all-to-alls,
+  // regrouping), forward and backward; 0 without expert parallelism.
+  double exchange_ms = 0;
 };
 
 struct RunOptions {

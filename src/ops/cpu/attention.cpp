@@ -3,6 +3,7 @@
 #include "ops/attention.h"
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -50,6 +51,13 @@ int64_t max_document_length(const Tensor& cu_seqlens) {
   for (int64_t s = 0; s + 1 < cu_seqlens.numel(); ++s)
     longest = std::max<int64_t>(longest, cu[s + 1] - cu[s]);
   return longest;
+}
+
+PlannedDocuments planned_documents(int64_t count, int64_t longest, int64_t tokens) {
+  const auto pow2 = [](int64_t x, int64_t floor) {
+    return static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(std::max(x, floor))));
+  };
+  return {pow2(count, 1), std::min(pow2(longest, 64), tokens)};
 }
 
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Documents& docs,

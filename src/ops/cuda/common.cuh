@@ -114,6 +114,20 @@ __device__ __forceinline__ float block_sum(float v) {
   return v;
 }
 
+// Sum over one block of kBlock threads in double, by a fixed tree (shared memory, halving): the
+// same order on every run and every replay, so the device-side loss and aux sums are
+// deterministic. Every thread gets the result.
+__device__ __forceinline__ double block_sum_fixed_order(double v) {
+  __shared__ double partial[kBlock];
+  partial[threadIdx.x] = v;
+  __syncthreads();
+  for (int half = kBlock / 2; half > 0; half /= 2) {
+    if (threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
+    __syncthreads();
+  }
+  return partial[0];
+}
+
 __device__ __forceinline__ float block_max(float v) {
   __shared__ float partial[32];
   for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));

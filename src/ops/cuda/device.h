@@ -7,5 +7,7 @@ namespace mt::cuda {
 int device_count();
 std::string device_name(int index);
 void synchronize();  // waits for all work on the current device
+// profile::Span times device work with CUDA events on the thread's stream.
+void use_device_clock();
 
 }  // namespace mt::cuda

@@ -5,6 +5,8 @@
 #include <exception>
 
 #include "core/cuda_check.h"
+#include "core/log.h"
+#include "core/tensor.h"
 
 namespace mt::cuda {
 
@@ -43,6 +45,37 @@ std::unique_ptr<Graph> Graph::capture(const std::function<void()>& body) {
 
 void Graph::launch() {
   MT_CUDA_CHECK(cudaGraphLaunch(h_->exec, stream()));
+}
+
+bool CapturedWork::run(const std::function<void()>& body, const std::string& what) {
+  if (!graph_ && warmed_ && !failed_) {
+    const MemoryStats before = memory_stats(Device::kCUDA);
+    try {
+      const GraphPoolScope pool;
+      reset_peak_memory(Device::kCUDA);
+      graph_ = Graph::capture(body);
+      peak_bytes_ = memory_stats(Device::kCUDA).peak_bytes - before.current_bytes;
+      log::info("captured {} as a CUDA graph", what);
+    } catch (const Error& e) {
+      failed_ = true;
+      log::warn("CUDA graph capture of {} failed, running it eagerly: {}", what, e.what());
+    }
+    note_peak_memory(Device::kCUDA, before.peak_bytes);
+  }
+  if (graph_) {
+    graph_->launch();
+    note_peak_memory(Device::kCUDA, memory_stats(Device::kCUDA).current_bytes + peak_bytes_);
+    return true;
+  }
+  const GraphPoolScope pool;
+  body();
+  warmed_ = true;
+  return false;
+}
+
+void CapturedWork::drop() {
+  graph_.reset();
+  warmed_ = false;
 }
 
 }  // namespace mt::cuda

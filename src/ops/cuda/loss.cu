@@ -39,17 +39,12 @@ __global__ void cross_entropy_forward_kernel(const T* logits, const int32_t* tar
 }
 
 // sum += the n row losses, by one block: strided partial sums in double, then a fixed tree.
+// One block of kBlock threads.
 __global__ void sum_rows_kernel(const float* loss, int64_t n, double* sum) {
-  __shared__ double partial[kBlock];
   double s = 0;
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) s += loss[i];
-  partial[threadIdx.x] = s;
-  __syncthreads();
-  for (int half = blockDim.x / 2; half > 0; half /= 2) {
-    if (threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) *sum += partial[0];
+  for (int64_t i = threadIdx.x; i < n; i += kBlock) s += loss[i];
+  s = block_sum_fixed_order(s);
+  if (threadIdx.x == 0) *sum += s;
 }
 
 // The scale is read from device memory: a captured CUDA graph replays with each step's value.

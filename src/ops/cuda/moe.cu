@@ -191,17 +191,11 @@ __global__ void router_backward_kernel(const float* scores, const int32_t* index
 // One block: per-thread partial sums in double, then a fixed tree (deterministic).
 __global__ void aux_loss_kernel(const int64_t* counts, const float* score_sum, int e,
                                 double scale, double* out) {
-  __shared__ double partial[kBlock];
   double s = 0;
-  for (int c = threadIdx.x; c < e; c += blockDim.x)
+  for (int c = threadIdx.x; c < e; c += kBlock)
     s += static_cast<double>(counts[c]) * static_cast<double>(score_sum[c]);
-  partial[threadIdx.x] = s;
-  __syncthreads();
-  for (int half = blockDim.x / 2; half > 0; half /= 2) {
-    if (threadIdx.x < half) partial[threadIdx.x] += partial[threadIdx.x + half];
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) *out = scale * partial[0];
+  s = block_sum_fixed_order(s);
+  if (threadIdx.x == 0) *out = scale * s;
 }
 
 __global__ void iota_kernel(int32_t* v, int64_t n) {

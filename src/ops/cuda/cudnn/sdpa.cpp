@@ -10,7 +10,6 @@
 #include <cudnn_frontend.h>
 
 #include <algorithm>
-#include <bit>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -191,10 +190,6 @@ const fe::graph::Graph& cached_graph(const SdpaShape& s) {
   return *slot;
 }
 
-int64_t padded_pow2(int64_t x, int64_t floor) {
-  return static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(std::max(x, floor))));
-}
-
 SdpaShape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, const ops::Documents& docs,
                    double scale, bool backward, bool deterministic) {
   MT_CHECK(docs.cu_seqlens.device() == Device::kCUDA && docs.cu_seqlens.dtype() == DType::kI32,
@@ -204,8 +199,10 @@ SdpaShape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, const ops:
   MT_CHECK(q.dim(0) * q.dim(1) * std::max(q.dim(2), v.dim(2)) < (int64_t{1} << 31),
            "cuDNN attention: {} tokens x {} heads overflow its 32-bit ragged offsets", q.dim(0),
            q.dim(1));
-  return {padded_pow2(docs.cu_seqlens.numel() - 1, 1),
-          std::min(padded_pow2(docs.max_length, 64), q.dim(0)),  // never past the tokens
+  const ops::PlannedDocuments planned =
+      ops::planned_documents(docs.cu_seqlens.numel() - 1, docs.max_length, q.dim(0));
+  return {planned.count,
+          planned.longest,
           q.dim(0),
           q.dim(1),
           k.dim(1),

@@ -1,0 +1,19 @@
+#!/usr/bin/env bash
+# Expert-parallel scaling on one host (issue 5's table): the full-model step of
+# configs/qwen3-30b-a3b-bench.toml on W GPUs (16384 tokens per GPU) for every ep that divides W
+# (W, W/2, ..., 1), with real and with forced-balanced routing; one JSON line per case from
+# scripts/bench-model.sh (tokens/s per GPU, MFU, peak memory, time in dispatch/combine).
+# Usage: scripts/bench-scaling.sh [moetrain binary] [W (default: every visible GPU)] [layers]
+set -uo pipefail
+cd "$(dirname "$0")/.."
+bin=${1:-build/moetrain}
+world=${2:-$(nvidia-smi --list-gpus | wc -l)}
+layers=${3:-7}
+export NCCL_NVLS_ENABLE=0
+for ((ep = world; ep >= 1; ep /= 2)); do
+  (( world % ep == 0 )) || continue
+  for balanced in false true; do
+    BENCH_RANKS=$world BENCH_SET="parallel.ep=$ep model.force_balanced_routing=$balanced" \
+      scripts/bench-model.sh "$bin" "$layers"
+  done
+done
