@@ -44,6 +44,10 @@ class Communicator {
   virtual void all_to_all(const Tensor& send, const std::vector<int64_t>& send_rows, Tensor& recv,
                           const std::vector<int64_t>& recv_rows) = 0;
   virtual void barrier() = 0;
+  // Hands the work queued so far on the compute stream to the failure watchdog, named `what`:
+  // a replayed CUDA graph's collectives, which were captured once and never issued as such.
+  // Backends without a watchdog on device work ignore it.
+  virtual void watch_queued(const char* what) { (void)what; }
   // Collective: ranks with the same color form a new group, ordered by key (then old rank).
   virtual std::unique_ptr<Communicator> split(int color, int key) = 0;
 };

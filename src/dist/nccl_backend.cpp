@@ -169,6 +169,11 @@ class NcclCommunicator final : public Communicator {
     begin("barrier");  // surfaces a failure the watchdog found meanwhile
   }
 
+  void watch_queued(const char* what) override {
+    begin(what);
+    hand_to_watchdog(what, cuda::stream());
+  }
+
   std::unique_ptr<Communicator> split(int color, int key) override {
     begin("split");
     ncclComm_t sub = nullptr;
@@ -259,7 +264,16 @@ class NcclCommunicator final : public Communicator {
   }
 
   // Hands the collective's completion event (on the communicator's stream) to the watchdog.
+  // Not while a CUDA graph is being captured: the event would only be captured (the watchdog
+  // could never see it complete); each replay is watched instead (watch_queued).
   void end(const char* what) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    MT_CUDA_CHECK(cudaStreamIsCapturing(stream_, &capturing));
+    if (capturing == cudaStreamCaptureStatusNone) hand_to_watchdog(what, stream_);
+  }
+
+  // The watchdog's entry: an event recorded now on `stream`.
+  void hand_to_watchdog(const char* what, cudaStream_t stream) {
     const std::lock_guard lock(mutex_);
     cudaEvent_t e = nullptr;
     if (free_events_.empty()) {
@@ -268,7 +282,7 @@ class NcclCommunicator final : public Communicator {
       e = free_events_.back();
       free_events_.pop_back();
     }
-    MT_CUDA_CHECK(cudaEventRecord(e, stream_));
+    MT_CUDA_CHECK(cudaEventRecord(e, stream));
     pending_.push_back({e, what, std::chrono::steady_clock::now()});
   }
 

@@ -89,6 +89,16 @@ void finish_reduction(ParamGroup& g) {
   g.reduced = Tensor();
 }
 
+void abandon_in_flight(ParamGroup& g) {
+  g.gathering.reset();
+  g.reducing.reset();
+  g.reduced = Tensor();
+  if (!g.sharded()) return;
+  g.params = Tensor();
+  g.compute = Tensor();
+  g.grads = Tensor();
+}
+
 void gather(ParamUnit& u) {
   for (auto& g : u.groups) gather(g);
 }

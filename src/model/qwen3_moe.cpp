@@ -1,9 +1,12 @@
 #include "model/qwen3_moe.h"
 
+#include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <functional>
 #include <map>
 #include <optional>
+#include <string_view>
 
 #include "core/log.h"
 #include "core/profile.h"
@@ -15,6 +18,7 @@
 #include "ops/loss.h"
 #include "ops/norm.h"
 #if MOETRAIN_HAS_CUDA
+#include "ops/cuda/device.h"
 #include "ops/cuda/graph.h"
 #endif
 
@@ -72,6 +76,7 @@ struct PassKey {
 struct Pass {
   Batch inputs;
   cuda::CapturedWork work;
+  bool interrupted = false;  // a run of the body threw before its end (a failed capture)
 };
 
 // The batch copied into the pass's own input buffers (allocated on first use).
@@ -179,10 +184,11 @@ int64_t Qwen3Moe::graph_replays() const {
 
 bool Qwen3Moe::use_graphs(const LossScale* scale) const {
 #if MOETRAIN_HAS_CUDA
-  // One GPU only (collectives and the expert exchange read counts on the host), training passes
-  // only, and never under the profiler (its phases wait for the device).
-  return scale && cfg_.on_gpu() && cfg_.cuda_graphs && !comms_.batch && !comms_.ep &&
-         !profile::enabled();
+  // Training passes with no host round trip: one GPU, or several over NCCL without expert
+  // parallelism (FSDP's collectives are captured with the pass). The expert exchange reads its
+  // row counts on the host, and they change every step: ep > 1 runs eagerly. Never under the
+  // profiler (its phases wait for the device).
+  return scale && cfg_.on_gpu() && cfg_.cuda_graphs && !comms_.ep && !profile::enabled();
 #else
   (void)scale;
   return false;
@@ -194,21 +200,35 @@ std::vector<const void*> Qwen3Moe::pass_buffers() const {
   std::vector<const void*> out = {losses_.raw(), routed_.raw(), ce_scale_.raw()};
   for (const auto& u : units_)
     for (const auto& g : u.groups)
-      for (const Tensor* t : {&g.params, &g.compute, &g.grads})
+      for (const Tensor* t : {&g.shard, &g.grad_shard, &g.params, &g.compute, &g.grads})
         out.push_back(t->defined() ? t->raw() : nullptr);
   for (const Tensor& bias : router_bias_) out.push_back(bias.raw());
   return out;
 }
 
+
+std::vector<dist::Communicator*> Qwen3Moe::pass_communicators() const {
+  std::vector<dist::Communicator*> out;
+  auto add = [&](dist::Communicator* c) {
+    if (c && std::find(out.begin(), out.end(), c) == out.end()) out.push_back(c);
+  };
+  add(comms_.batch);
+  for (const auto& u : units_)
+    for (const auto& g : u.groups) add(g.comm);
+  return out;
+}
 #endif
 
 void Qwen3Moe::run_graphed(const Batch& b, const LossScale& scale) {
 #if MOETRAIN_HAS_CUDA
-  // Persistent state the pass would otherwise create lazily (the bf16 compute copies) must not
-  // come from the graph pool: make it now. A graph holds the addresses of everything it reads
-  // and writes: when one of those buffers was replaced (a checkpoint load drops the compute
-  // copies), every capture is stale.
-  for (auto& u : units_) fsdp::gather(u);
+  // Persistent state the pass would otherwise create lazily (an unsharded group's bf16 compute
+  // copy) must not come from the graph pool: make it now. (A sharded group's gathered copies live
+  // only inside the pass.) A graph holds the addresses of everything it reads and writes: when
+  // one of those buffers was replaced (a checkpoint load drops the compute copies), every
+  // capture is stale.
+  for (auto& u : units_)
+    for (auto& g : u.groups)
+      if (!g.sharded()) fsdp::gather(g);
   if (std::vector<const void*> now = pass_buffers(); now != graphs_->buffers) {
     graphs_->passes.clear();
     graphs_->buffers = std::move(now);
@@ -222,10 +242,17 @@ void Qwen3Moe::run_graphed(const Batch& b, const LossScale& scale) {
   captured::stage_inputs(padded, cp.inputs);
   auto body = [&] {
     // A failed capture ran the pass's host code, not its work: the eager run after it starts
-    // from the flags the key was made of.
+    // from the flags the key was made of, and with no collective of the capture in flight.
     for (size_t l = 0; l < experts.size(); ++l)
       experts[l]->grads_unwritten = key.expert_grads_unwritten[l];
+    if (cp.interrupted) {
+      for (auto& u : units_)
+        for (auto& g : u.groups) fsdp::abandon_in_flight(g);
+      cuda::clear_last_error();  // what dropping the failed capture's events left behind
+    }
+    cp.interrupted = true;
     pass(cp.inputs, &scale);
+    cp.interrupted = false;
   };
   const std::string what =
       fmt::format("the training pass of {} tokens ({} documents, longest {}, padded)",
@@ -233,6 +260,10 @@ void Qwen3Moe::run_graphed(const Batch& b, const LossScale& scale) {
   if (cp.work.run(body, what)) {
     ++graphs_->replays;
     for (ParamGroup* g : experts) g->grads_unwritten = false;  // what pass() would have set
+    // The replay's collectives were captured, not issued: their communicators' watchdogs watch
+    // the whole replay instead (a dead peer stops this rank with its name, not a hang).
+    for (dist::Communicator* comm : pass_communicators())
+      comm->watch_queued("a collective of a replayed training pass (CUDA graph)");
   }
   MT_CHECK(graph_pool_live_bytes() == 0,
            "{} bytes allocated inside a captured pass outlive it (a replay would overwrite them)",
@@ -242,6 +273,19 @@ void Qwen3Moe::run_graphed(const Batch& b, const LossScale& scale) {
   (void)scale;
 #endif
 }
+
+namespace {
+// Test hook for a failed CUDA graph capture: MOETRAIN_FAULT_HOST_WAIT=1 makes each pass read a
+// device value on the host after queuing the first layer's gather and the next one's prefetch,
+// a wait a capture cannot record (eagerly it only costs the wait).
+bool host_wait_injected() {
+  static const bool on = [] {
+    const char* v = std::getenv("MOETRAIN_FAULT_HOST_WAIT");
+    return v && std::string_view(v) == "1";
+  }();
+  return on;
+}
+}  // namespace
 
 void Qwen3Moe::pass(const Batch& b, const LossScale* scale) {
   const ModelConfig& c = cfg_;
@@ -272,6 +316,7 @@ void Qwen3Moe::pass(const Batch& b, const LossScale* scale) {
       fsdp::gather(unit);
       fsdp::prefetch(units_[l + 2]);  // the next layer, or the head after the last
     }
+    if (l == 0 && host_wait_injected()) (void)losses_.to(Device::kCPU);
     x = block_forward(bind_block_params(unit.groups), c, inputs[l], x, acts[l]);
     fsdp::release(unit);
     losses_.view(1 + l, {1}).copy_from(acts[l].aux_loss);

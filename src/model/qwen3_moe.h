@@ -47,7 +47,8 @@ class Qwen3Moe {
   // Tokens this rank routed to each expert in this step, per layer (i64 (E), on the host); reset
   // by zero_grad.
   const std::vector<Tensor>& step_expert_load() const { return expert_load_; }
-  // Micro-batches run as replays of captured CUDA graphs (single GPU, model.cuda_graphs) so far.
+  // Micro-batches run as replays of captured CUDA graphs (model.cuda_graphs; one GPU, or several
+  // without expert parallelism) so far.
   int64_t graph_replays() const;
 
   void zero_grad();
@@ -72,6 +73,8 @@ class Qwen3Moe {
   struct GraphCache;  // captured passes by shape (qwen3_moe.cpp)
   // The device buffers a captured pass reads and writes by address, besides its inputs.
   std::vector<const void*> pass_buffers() const;
+  // The communicators a pass's collectives use (the batch group's and the FSDP groups').
+  std::vector<dist::Communicator*> pass_communicators() const;
   // Reads losses_ and routed_ back (the pass's one wait for the device) and folds the counts
   // into expert_load_.
   MicroBatchLosses collect();

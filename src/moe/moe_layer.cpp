@@ -40,7 +40,10 @@ void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, 
     if (comms.batch) {
       comms.batch->all_reduce(a.aux_stats.tokens_per_expert);
       comms.batch->all_reduce(a.aux_stats.score_sum);
-      comms.batch->all_reduce(a.aux_stats.tokens);
+      // Every rank's micro-batch holds the same number of tokens (a packed batch: rows x
+      // seq_len), so the batch's count needs no collective: a host tensor's all-reduce would
+      // wait for the device, which a captured pass cannot.
+      a.aux_stats.tokens.data<int64_t>()[0] *= comms.batch->size();
     }
     a.aux_loss = ops::router_aux_loss(a.aux_stats);
     ops::make_expert_permutation(a.routing.expert_index, c.n_experts, a.perm);

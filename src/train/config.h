@@ -50,7 +50,7 @@ struct HardwareConfig {
   std::string device = "auto";  // auto (the CLI picks the GPU when it can) | cpu | cuda
   double peak_tflops = 0;       // for MFU; 0: estimate for the device
   int64_t threads = 0;          // CPU threads; 0: all cores
-  bool cuda_graphs = true;      // one GPU: replay each training pass as a CUDA graph
+  bool cuda_graphs = true;      // replay each training pass as a CUDA graph (not with ep > 1)
 };
 
 // Ranks and expert parallelism (DESIGN.md §4). world > 1 on the CPU runs the ranks as threads of

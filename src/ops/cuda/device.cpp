@@ -20,6 +20,10 @@ void synchronize() {
   cudaDeviceSynchronize();
 }
 
+void clear_last_error() {
+  (void)cudaGetLastError();
+}
+
 namespace {
 
 // Events are reused: a step marks a few per layer, and creating one costs more than recording it.
