@@ -1,7 +1,9 @@
 // Test helpers for whole runs of the moetrain binary: run a command, read a metrics file.
 #pragma once
 #include <sys/wait.h>
+#include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -16,12 +18,23 @@ struct Proc {
   std::string output;  // stdout and stderr together
 };
 
+// A temporary file name of this process's own: ctest runs tests of the same binary as
+// concurrent processes, which must not share output files.
+inline std::string unique_temp_path(const std::string& stem) {
+  static std::atomic<int> counter{0};
+  return (std::filesystem::temp_directory_path() /
+          ("mt_" + std::to_string(getpid()) + "_" + std::to_string(counter++) + "_" + stem))
+      .string();
+}
+
 inline Proc run_cmd(const std::string& cmd) {
-  const std::string out = (std::filesystem::temp_directory_path() / "mt_launch_out.txt").string();
+  const std::string out = unique_temp_path("cmd_out.txt");
   const int status = std::system((cmd + " >" + out + " 2>&1").c_str());
   std::ifstream in(out);
-  return {WIFEXITED(status) ? WEXITSTATUS(status) : -1,
-          std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>())};
+  Proc p{WIFEXITED(status) ? WEXITSTATUS(status) : -1,
+         std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>())};
+  std::filesystem::remove(out);
+  return p;
 }
 
 // One value per step from a --metrics file (JSON lines).

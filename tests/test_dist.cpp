@@ -423,7 +423,7 @@ TEST(SocketBackend, TheSurvivorsNameTheDeadRank) {
   // must fail on its own, naming rank 1, long before the collective timeout.
   const std::string env = "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MOETRAIN_TIMEOUT_S=60 MASTER_PORT=" +
                           std::to_string(free_port());
-  const std::string out0 = (std::filesystem::temp_directory_path() / "mt_rank0.txt").string();
+  const std::string out0 = testing::unique_temp_path("rank0.txt");
   const Proc p =
       run_cmd("((" + env + " RANK=0 timeout 120 " + MOETRAIN_BINARY + kLaunchArgs + " >" + out0 +
               " 2>&1; echo rank0=$? >>" + out0 + ") & " + env + " RANK=1 MOETRAIN_FAULT_EXIT=1:2 " +

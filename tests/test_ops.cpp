@@ -281,7 +281,8 @@ TEST(Router, Gradients) {
       ops::Routing r;
       auto loss = [&] {
         ops::router_forward(logits, Tensor(), opt, r);
-        return dot(r.expert_weight, g) + aux_grad * ops::router_aux_loss(ops::router_aux_stats(r)).item(0);
+        return dot(r.expert_weight, g) +
+               aux_grad * ops::router_aux_loss(ops::router_aux_stats(r)).item(0);
       };
       loss();
       Tensor dl = like(logits);

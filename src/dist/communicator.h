@@ -35,8 +35,7 @@ class Communicator {
   virtual void reduce_scatter(const Tensor& send, Tensor& recv) = 0;
   // The same in the background, as all_gather_async (FSDP's gradient reduction overlaps the
   // next layer's backward).
-  virtual std::unique_ptr<PendingCollective> reduce_scatter_async(const Tensor& send,
-                                                                  Tensor& recv);
+  virtual std::unique_ptr<PendingCollective> reduce_scatter_async(const Tensor& send, Tensor& recv);
   // Element-wise sum in place (floating and integer dtypes).
   virtual void all_reduce(Tensor& t) = 0;
   // Rows of equal width (send.numel() / rows): send_rows[p] rows go to peer p, in peer order;

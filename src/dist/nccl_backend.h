@@ -4,8 +4,8 @@
 // compute stream (the thread's, cuda::stream()) by events: a collective starts after the work
 // queued before it, and compute queued after it waits for it (all_gather_async lets compute run
 // on meanwhile: FSDP's prefetch). Host tensors (the trainer's scalars: token counts, loss sums)
-// are staged through the device. all_to_all is grouped ncclSend/ncclRecv with per-peer row counts; split is
-// ncclCommSplit.
+// are staged through the device. all_to_all is grouped ncclSend/ncclRecv with per-peer row counts;
+// split is ncclCommSplit.
 //
 // Failure: every collective records a CUDA event; a watchdog thread per communicator aborts it
 // (ncclCommAbort) when the oldest outstanding collective has not finished within the timeout, or

@@ -55,7 +55,7 @@ void gather(ParamGroup& g) {
 }
 
 void release(ParamGroup& g) {
-  if (!g.sharded()) return;  // the unsharded cast copy stays: AdamW keeps it current
+  if (!g.sharded()) return;              // the unsharded cast copy stays: AdamW keeps it current
   if (g.gathering) g.gathering->wait();  // never free what a collective may still write
   g.gathering.reset();
   g.compute = Tensor();

@@ -206,7 +206,6 @@ std::vector<const void*> Qwen3Moe::pass_buffers() const {
   return out;
 }
 
-
 std::vector<dist::Communicator*> Qwen3Moe::pass_communicators() const {
   std::vector<dist::Communicator*> out;
   auto add = [&](dist::Communicator* c) {

@@ -1,9 +1,9 @@
 #include "moe/expert_exchange.h"
 
-#include "core/profile.h"
-
 #include <algorithm>
 #include <cstring>
+
+#include "core/profile.h"
 
 #if MOETRAIN_HAS_CUDA
 #include "ops/cuda/ops.h"

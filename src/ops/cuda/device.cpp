@@ -1,12 +1,13 @@
 // GPU discovery, the whole-device wait and the event clock: what the CLI and the profiler need
 // without pulling in the kernels' headers (host code only: compiled as C++).
+#include "ops/cuda/device.h"
+
 #include <cuda_runtime.h>
 
 #include <vector>
 
 #include "core/cuda_check.h"
 #include "core/profile.h"
-#include "ops/cuda/device.h"
 
 namespace mt::cuda {
 

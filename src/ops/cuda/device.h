@@ -6,7 +6,7 @@ namespace mt::cuda {
 // Number of visible CUDA devices; 0 when there is no driver or no GPU (never throws).
 int device_count();
 std::string device_name(int index);
-void synchronize();  // waits for all work on the current device
+void synchronize();       // waits for all work on the current device
 void clear_last_error();  // forgets the runtime's last (non-sticky) error
 // profile::Span times device work with CUDA events on the thread's stream.
 void use_device_clock();
