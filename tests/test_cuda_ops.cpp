@@ -9,6 +9,7 @@
 #include <random>
 #include <tuple>
 
+#include "moe/expert_exchange.h"
 #include "moe/moe_layer.h"
 #include "ops/activation.h"
 #include "ops/attention.h"
@@ -167,9 +168,9 @@ TEST_P(GpuCase, AdamWStep) {
   Tensor compute = Tensor::poisoned({n}, DType::kBF16, Device::kCUDA);
   ops::adamw_step(gp, g.to(Device::kCUDA), gm, gv, hyper, &compute);
   // Every operation rounded on its own in the reference's order: bit-identical to the CPU.
-  for (auto [gpu_t, cpu_t, what] : {std::tuple{&gp, &p, "adamw params"},
-                                    std::tuple{&gm, &m, "adamw exp_avg"},
-                                    std::tuple{&gv, &v, "adamw exp_avg_sq"}}) {
+  for (auto [gpu_t, cpu_t, what] :
+       {std::tuple{&gp, &p, "adamw params"}, std::tuple{&gm, &m, "adamw exp_avg"},
+        std::tuple{&gv, &v, "adamw exp_avg_sq"}}) {
     const Tensor host = gpu_t->to(Device::kCPU);
     EXPECT_EQ(std::memcmp(host.raw(), cpu_t->raw(), host.nbytes()), 0) << what;
   }
@@ -277,8 +278,8 @@ void check_routing(const RoutingCase& rc, uint64_t seed, ops::Routing& cr, ops::
     if (bias.defined()) bias = Tensor::zeros({rc.e}, DType::kF32);
   }
   ops::router_forward(logits, bias, opt, cr);
-  ops::router_forward(logits.to(Device::kCUDA), bias.defined() ? bias.to(Device::kCUDA) : bias,
-                      opt, gr);
+  ops::router_forward(logits.to(Device::kCUDA), bias.defined() ? bias.to(Device::kCUDA) : bias, opt,
+                      gr);
   const Tensor gidx = gr.expert_index.to(Device::kCPU);
   ASSERT_EQ(std::memcmp(gidx.raw(), cr.expert_index.raw(), cr.expert_index.nbytes()), 0)
       << what << ": top-k choices differ";
@@ -520,6 +521,51 @@ TEST(GpuTensor, RoundTripZeroFillAndPeakMemory) {
   { Tensor big = Tensor::empty({1 << 20}, DType::kF32, Device::kCUDA); }
   EXPECT_EQ(memory_stats(Device::kCUDA).current_bytes, before);
   EXPECT_GE(memory_stats(Device::kCUDA).peak_bytes, before + (4 << 20));
+}
+
+// The expert-parallel exchange plan on the device against the host reference: per-expert counts
+// from offsets, and the regrouping maps for random received counts (empty segments included),
+// over 1, 2, 4 and 8 peers; outputs poisoned first.
+TEST(ExchangeMaps, MatchTheHostReference) {
+  if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU: run this test on the GPU machine";
+  const uint64_t seed = fresh_seed();
+  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  std::mt19937_64 gen(seed);
+  const int64_t experts = 32;
+  for (const int peers : {1, 2, 4, 8}) {
+    const int64_t local = experts / peers;
+    Tensor host_counts = Tensor::empty({experts}, DType::kI64);
+    std::vector<int64_t> counts(experts);
+    for (int64_t s = 0; s < experts; ++s) {
+      counts[s] = gen() % 5 == 0 ? 0 : static_cast<int64_t>(gen() % 700);
+      host_counts.set_item(s, static_cast<double>(counts[s]));
+    }
+    // Counts from offsets: the prefix sums of `counts` back to counts.
+    Tensor offsets = Tensor::empty({experts + 1}, DType::kI64);
+    offsets.set_item(0, 0);
+    for (int64_t e = 0; e < experts; ++e) offsets.set_item(e + 1, offsets.item(e) + counts[e]);
+    Tensor got_counts = Tensor::poisoned({experts}, DType::kI64, Device::kCUDA);
+    cuda::expert_counts(offsets.to(Device::kCUDA), got_counts);
+    const Tensor gc = got_counts.to(Device::kCPU);
+    for (int64_t e = 0; e < experts; ++e) ASSERT_EQ(gc.item(e), counts[e]) << "count " << e;
+
+    const moe::ExchangeMaps want = moe::exchange_maps_reference(counts, peers);
+    const int64_t rows = static_cast<int64_t>(want.expert_major_source.size());
+    Tensor em = Tensor::poisoned({rows}, DType::kI32, Device::kCUDA);
+    Tensor sm = Tensor::poisoned({rows}, DType::kI32, Device::kCUDA);
+    Tensor off = Tensor::poisoned({local + 1}, DType::kI64, Device::kCUDA);
+    cuda::exchange_maps(host_counts.to(Device::kCUDA), peers, em, sm, off);
+    const Tensor em_h = em.to(Device::kCPU), sm_h = sm.to(Device::kCPU),
+                 off_h = off.to(Device::kCPU);
+    for (int64_t i = 0; i < rows; ++i) {
+      ASSERT_EQ(em_h.data<int32_t>()[i], want.expert_major_source[i])
+          << peers << " peers, row " << i;
+      ASSERT_EQ(sm_h.data<int32_t>()[i], want.source_major_source[i])
+          << peers << " peers, row " << i;
+    }
+    for (int64_t e = 0; e <= local; ++e)
+      ASSERT_EQ(off_h.data<int64_t>()[e], want.local_offsets[e]) << peers << " peers, offset " << e;
+  }
 }
 
 }  // namespace

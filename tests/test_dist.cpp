@@ -157,6 +157,15 @@ TEST(Fsdp, MixedPrecisionGathersTheBf16CopyOnly) {
   });
 }
 
+// Hand-checked: 2 peers, 2 local experts, received counts (p0: 1, 1; p1: 2, 1). Receive rows:
+// p0e0 0, p0e1 1, p1e0 2 3, p1e1 4; expert-major: e0 <- 0, 2, 3; e1 <- 1, 4.
+TEST(ExpertExchange, MapsRegroupPeerMajorRowsExpertMajor) {
+  const moe::ExchangeMaps m = moe::exchange_maps_reference({1, 1, 2, 1}, 2);
+  EXPECT_EQ(m.expert_major_source, (std::vector<int32_t>{0, 2, 3, 1, 4}));
+  EXPECT_EQ(m.source_major_source, (std::vector<int32_t>{0, 3, 1, 2, 4}));
+  EXPECT_EQ(m.local_offsets, (std::vector<int64_t>{0, 3, 5}));
+}
+
 TEST(ExpertExchange, DispatchDeliversRowsToOwnersAndCombineInverts) {
   const int world = 2;
   const int64_t experts = 4;  // experts 0,1 on rank 0; 2,3 on rank 1

@@ -35,55 +35,79 @@ Tensor index_tensor(const std::vector<int32_t>& index, Device device) {
 
 }  // namespace
 
+ExchangeMaps exchange_maps_reference(const std::vector<int64_t>& recv_counts, int peers) {
+  const int64_t local = static_cast<int64_t>(recv_counts.size()) / peers;
+  // Start of (peer p, local expert e) in the receive buffer.
+  std::vector<int64_t> start(recv_counts.size());
+  int64_t at = 0;
+  for (size_t s = 0; s < recv_counts.size(); ++s) {
+    start[s] = at;
+    at += recv_counts[s];
+  }
+  ExchangeMaps m;
+  m.local_offsets.assign(local + 1, 0);
+  for (int64_t e = 0; e < local; ++e) {
+    for (int p = 0; p < peers; ++p)
+      for (int64_t i = 0; i < recv_counts[p * local + e]; ++i)
+        m.expert_major_source.push_back(static_cast<int32_t>(start[p * local + e] + i));
+    m.local_offsets[e + 1] = static_cast<int64_t>(m.expert_major_source.size());
+  }
+  m.source_major_source.resize(m.expert_major_source.size());
+  for (size_t i = 0; i < m.expert_major_source.size(); ++i)
+    m.source_major_source[m.expert_major_source[i]] = static_cast<int32_t>(i);
+  return m;
+}
+
 ExpertExchange::ExpertExchange(dist::Communicator& ep, const Tensor& device_offsets) : ep_(&ep) {
-  const profile::Span span("ep.counts", device_offsets.device() == Device::kCUDA);
+  const bool gpu = device_offsets.device() == Device::kCUDA;
+  const profile::Span span("ep.counts", gpu);
   const int peers = ep.size();
   const int64_t experts = device_offsets.numel() - 1;
   MT_CHECK(experts % peers == 0, "{} experts over {} EP ranks", experts, peers);
   const int64_t local = experts / peers;
   const Device device = device_offsets.device();
-  // The counts go through the host (one sync per layer and direction, as torchtitan does).
-  const Tensor expert_offsets = device_offsets.to(Device::kCPU);
-  const int64_t* off = expert_offsets.data<int64_t>();
 
-  // Exchange per-expert counts: peer p gets the counts of its experts.
-  Tensor send_counts = Tensor::empty({experts, 1}, DType::kI64);
-  for (int64_t e = 0; e < experts; ++e) send_counts.data<int64_t>()[e] = off[e + 1] - off[e];
-  Tensor recv_counts = Tensor::empty({experts, 1}, DType::kI64);  // (peer, local expert)
+  // counts = [sent per expert | received per (peer, local expert)]; peer p gets the counts of
+  // its experts, then both halves are read on the host at once.
+  Tensor counts = Tensor::empty({2 * experts}, DType::kI64, device);
+  Tensor sent = counts.view(0, {experts, 1}), received = counts.view(experts, {experts, 1});
+#if MOETRAIN_HAS_CUDA
+  if (gpu) cuda::expert_counts(device_offsets, sent);
+#endif
+  if (!gpu) {
+    const int64_t* off = device_offsets.data<int64_t>();
+    for (int64_t e = 0; e < experts; ++e) sent.data<int64_t>()[e] = off[e + 1] - off[e];
+  }
   const std::vector<int64_t> per_peer(peers, local);
-  ep.all_to_all(send_counts, per_peer, recv_counts, per_peer);
+  ep.all_to_all(sent, per_peer, received, per_peer);
+  const Tensor host = counts.to(Device::kCPU);
+  const int64_t* sent_counts = host.data<int64_t>();
+  const std::vector<int64_t> recv_counts(sent_counts + experts, sent_counts + 2 * experts);
 
   send_rows_.assign(peers, 0);
   recv_rows_.assign(peers, 0);
-  for (int p = 0; p < peers; ++p) {
-    send_rows_[p] = off[(p + 1) * local] - off[p * local];
-    for (int64_t e = 0; e < local; ++e) recv_rows_[p] += recv_counts.data<int64_t>()[p * local + e];
-  }
-  // Start of (peer p, local expert e) in the receive buffer.
-  std::vector<int64_t> start(peers * local);
-  int64_t at = 0;
+  int64_t total = 0;
   for (int p = 0; p < peers; ++p)
     for (int64_t e = 0; e < local; ++e) {
-      start[p * local + e] = at;
-      at += recv_counts.data<int64_t>()[p * local + e];
+      send_rows_[p] += sent_counts[p * local + e];
+      recv_rows_[p] += recv_counts[p * local + e];
+      total += recv_counts[p * local + e];
     }
-  Tensor local_offsets = Tensor::zeros({local + 1}, DType::kI64);
-  std::vector<int32_t> expert_major_source;
-  for (int64_t e = 0; e < local; ++e) {
-    for (int p = 0; p < peers; ++p) {
-      const int64_t n = recv_counts.data<int64_t>()[p * local + e];
-      for (int64_t i = 0; i < n; ++i)
-        expert_major_source.push_back(static_cast<int32_t>(start[p * local + e] + i));
-    }
-    local_offsets.data<int64_t>()[e + 1] = static_cast<int64_t>(expert_major_source.size());
+#if MOETRAIN_HAS_CUDA
+  if (gpu) {
+    expert_major_source_ = Tensor::empty({total}, DType::kI32, device);
+    source_major_source_ = Tensor::empty({total}, DType::kI32, device);
+    local_offsets_ = Tensor::empty({local + 1}, DType::kI64, device);
+    cuda::exchange_maps(received, peers, expert_major_source_, source_major_source_,
+                        local_offsets_);
+    return;
   }
-  // Combine gathers with the inverse map: source-major row expert_major_source[i] is row i.
-  std::vector<int32_t> source_major_source(expert_major_source.size());
-  for (size_t i = 0; i < expert_major_source.size(); ++i)
-    source_major_source[expert_major_source[i]] = static_cast<int32_t>(i);
-  expert_major_source_ = index_tensor(expert_major_source, device);
-  source_major_source_ = index_tensor(source_major_source, device);
-  local_offsets_ = local_offsets.to(device);
+#endif
+  const ExchangeMaps m = exchange_maps_reference(recv_counts, peers);
+  expert_major_source_ = index_tensor(m.expert_major_source, device);
+  source_major_source_ = index_tensor(m.source_major_source, device);
+  local_offsets_ = Tensor::empty({local + 1}, DType::kI64);
+  std::copy(m.local_offsets.begin(), m.local_offsets.end(), local_offsets_.data<int64_t>());
 }
 
 Tensor ExpertExchange::dispatch(const Tensor& rows) const {

@@ -4,8 +4,10 @@
 // expert-major order over this rank's experts; combine is the exact inverse. Both are linear
 // maps and each is the other's backward.
 //
-// Counts go through the host in this version (as torchtitan): an all-to-all of E/ep counts per
-// peer, then the row all-to-all with those sizes.
+// Counts: an all-to-all of E/ep counts per peer (on the GPU, device to device), then one read of
+// the sent and received counts on the host, which NCCL needs for the row all-to-all's sizes (the
+// layer's one wait for the device, as in torchtitan). The regrouping maps are built where the
+// rows are (a kernel on the GPU; exchange_maps_reference on the host).
 #pragma once
 #include <vector>
 
@@ -13,6 +15,16 @@
 #include "dist/communicator.h"
 
 namespace mt::moe {
+
+// The regrouping of received rows: recv_counts[p * local + e] rows arrive from peer p for local
+// expert e, laid out peer-major (peer 0's rows for expert 0, 1, ..., then peer 1's, ...).
+// Expert-major row i is receive row expert_major_source[i]; receive row j is expert-major row
+// source_major_source[j]; expert e's rows are [local_offsets[e], local_offsets[e + 1]).
+struct ExchangeMaps {
+  std::vector<int32_t> expert_major_source, source_major_source;
+  std::vector<int64_t> local_offsets;
+};
+ExchangeMaps exchange_maps_reference(const std::vector<int64_t>& recv_counts, int peers);
 
 class ExpertExchange {
  public:

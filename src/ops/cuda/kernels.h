@@ -119,6 +119,16 @@ size_t permutation_workspace(int64_t m, int e);
 cudaError_t expert_permutation(const int32_t* expert_index, int64_t m, int k, int e,
                                void* workspace, size_t workspace_bytes, int32_t* source_token,
                                int32_t* row_of_choice, int64_t* offsets, cudaStream_t stream);
+// Expert-parallel exchange plans. counts[e] = offsets[e + 1] - offsets[e] for e < experts.
+cudaError_t expert_counts(const int64_t* offsets, int experts, int64_t* counts,
+                          cudaStream_t stream);
+// recv_counts i64 (peers, local): rows received from peer p for local expert e, laid out
+// peer-major in the receive buffer. Writes the regrouping maps (see moe/expert_exchange.h):
+// expert_major_source[i] = receive row of expert-major row i, source_major_source its inverse
+// (i32, sum(recv_counts) each), and local_offsets i64 (local + 1).
+cudaError_t exchange_maps(const int64_t* recv_counts, int peers, int local,
+                          int32_t* expert_major_source, int32_t* source_major_source,
+                          int64_t* local_offsets, cudaStream_t stream);
 // f32 -> bf16 (round to nearest even) or bf16 -> f32; `from` names the source type.
 cudaError_t convert(Storage from, const void* src, void* dst, int64_t n, cudaStream_t stream);
 cudaError_t gather_rows(Storage s, const void* src, const int32_t* index, void* dst, int64_t rows,

@@ -401,6 +401,42 @@ __global__ void add_kernel(const T* a, const T* b, T* out, int64_t n, int64_t pa
     out[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
 }
 
+__global__ void expert_counts_kernel(const int64_t* offsets, int experts, int64_t* counts) {
+  for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = offsets[e + 1] - offsets[e];
+}
+
+// One block per segment (peer p, local expert e) of the receive buffer, which holds peer 0's
+// rows (its rows for local expert 0, then 1, ...), then peer 1's, ...; expert-major order holds
+// expert 0's rows (from peer 0, then 1, ...), then expert 1's, ... Thread 0 finds the segment's
+// start in both orders (at most peers x local counts: small), then the block writes its rows.
+__global__ void exchange_maps_kernel(const int64_t* recv_counts, int peers, int local,
+                                     int32_t* expert_major_source, int32_t* source_major_source,
+                                     int64_t* local_offsets) {
+  const int p = blockIdx.x / local, e = blockIdx.x % local;
+  __shared__ int64_t source_start, expert_start;
+  if (threadIdx.x == 0) {
+    int64_t s = 0, x = 0;
+    for (int i = 0; i < p * local + e; ++i) s += recv_counts[i];
+    for (int e2 = 0; e2 < e; ++e2)
+      for (int p2 = 0; p2 < peers; ++p2) x += recv_counts[p2 * local + e2];
+    if (p == 0) {  // the first segment of each expert writes the expert's end
+      int64_t end = x;
+      for (int p2 = 0; p2 < peers; ++p2) end += recv_counts[p2 * local + e];
+      local_offsets[e + 1] = end;
+      if (e == 0) local_offsets[0] = 0;
+    }
+    for (int p2 = 0; p2 < p; ++p2) x += recv_counts[p2 * local + e];
+    source_start = s;
+    expert_start = x;
+  }
+  __syncthreads();
+  const int64_t n = recv_counts[p * local + e];
+  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
+    source_major_source[source_start + i] = static_cast<int32_t>(expert_start + i);
+    expert_major_source[expert_start + i] = static_cast<int32_t>(source_start + i);
+  }
+}
+
 }  // namespace
 
 namespace kernels {
@@ -586,6 +622,20 @@ cudaError_t combine_backward(Storage s, const void* dout, const void* y,
       combine_backward_kernel<T, 1>
           <<<tokens, kBlock, 0, stream>>>(g, yr, row_of_choice, weight, k, d, dweight, width);
   });
+  return cudaGetLastError();
+}
+
+cudaError_t expert_counts(const int64_t* offsets, int experts, int64_t* counts,
+                          cudaStream_t stream) {
+  expert_counts_kernel<<<1, kBlock, 0, stream>>>(offsets, experts, counts);
+  return cudaGetLastError();
+}
+
+cudaError_t exchange_maps(const int64_t* recv_counts, int peers, int local,
+                          int32_t* expert_major_source, int32_t* source_major_source,
+                          int64_t* local_offsets, cudaStream_t stream) {
+  exchange_maps_kernel<<<peers * local, kBlock, 0, stream>>>(
+      recv_counts, peers, local, expert_major_source, source_major_source, local_offsets);
   return cudaGetLastError();
 }
 

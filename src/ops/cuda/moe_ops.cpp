@@ -44,10 +44,10 @@ Tensor router_aux_loss(const ops::AuxStats& s) {
   const int64_t e = s.score_sum.numel();
   const double n = static_cast<double>(s.tokens.item(0));
   Tensor out = gpu_empty({1}, DType::kF64);
-  MT_CUDA_CHECK(kernels::router_aux_loss(
-      on_device(s.tokens_per_expert).data<int64_t>(), s.score_sum.data<float>(),
-      static_cast<int>(e), n > 0 ? static_cast<double>(e) / (n * n) : 0.0, out.data<double>(),
-      stream()));
+  MT_CUDA_CHECK(kernels::router_aux_loss(on_device(s.tokens_per_expert).data<int64_t>(),
+                                         s.score_sum.data<float>(), static_cast<int>(e),
+                                         n > 0 ? static_cast<double>(e) / (n * n) : 0.0,
+                                         out.data<double>(), stream()));
   return out;
 }
 
@@ -84,6 +84,31 @@ void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst) {
            dtype_name(dst.dtype()));
   MT_CUDA_CHECK(kernels::gather_rows(storage_of(src), src.raw(), index.data<int32_t>(), dst.raw(),
                                      dst.dim(0), dst.dim(1), stream()));
+}
+
+void expert_counts(const Tensor& offsets, Tensor& counts) {
+  expect_dtype(offsets, DType::kI64, "expert offsets");
+  expect_dtype(counts, DType::kI64, "expert counts");
+  MT_CHECK(counts.numel() + 1 == offsets.numel(), "{} counts for {} offsets", counts.numel(),
+           offsets.numel());
+  MT_CUDA_CHECK(kernels::expert_counts(offsets.data<int64_t>(), static_cast<int>(counts.numel()),
+                                       counts.data<int64_t>(), stream()));
+}
+
+void exchange_maps(const Tensor& recv_counts, int64_t peers, Tensor& expert_major_source,
+                   Tensor& source_major_source, Tensor& local_offsets) {
+  expect_dtype(recv_counts, DType::kI64, "received counts");
+  const int64_t local = recv_counts.numel() / peers;
+  MT_CHECK(peers > 0 && local * peers == recv_counts.numel() &&
+               local_offsets.numel() == local + 1 &&
+               expert_major_source.numel() == source_major_source.numel(),
+           "exchange maps: {} counts over {} peers, {} local offsets, maps of {} and {} rows",
+           recv_counts.numel(), peers, local_offsets.numel(), expert_major_source.numel(),
+           source_major_source.numel());
+  MT_CUDA_CHECK(kernels::exchange_maps(recv_counts.data<int64_t>(), static_cast<int>(peers),
+                                       static_cast<int>(local), expert_major_source.data<int32_t>(),
+                                       source_major_source.data<int32_t>(),
+                                       local_offsets.data<int64_t>(), stream()));
 }
 
 void scatter_token_rows(const Tensor& src, const Tensor& row_of_choice, int64_t k, Tensor& dst) {

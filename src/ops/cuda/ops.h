@@ -59,6 +59,11 @@ void router_backward(const ops::Routing& r, int top_k, bool norm_topk, const ops
 void make_expert_permutation(const Tensor& expert_index, int64_t experts,
                              ops::ExpertPermutation& out);
 void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst);
+// Expert-parallel exchange (moe/expert_exchange.h): per-expert row counts of a permutation's
+// offsets (i64 E + 1 -> E), and the regrouping maps from the received counts (i64 peers x local).
+void expert_counts(const Tensor& offsets, Tensor& counts);
+void exchange_maps(const Tensor& recv_counts, int64_t peers, Tensor& expert_major_source,
+                   Tensor& source_major_source, Tensor& local_offsets);
 // dst[row_of_choice[t * k + j]] = src[t]: the expert-major permutation, each token read once.
 void scatter_token_rows(const Tensor& src, const Tensor& row_of_choice, int64_t k, Tensor& dst);
 // out[t] = residual[t] + sum_j scale[t, j] rows[row_of_choice[t, j]] (scale, residual optional).
