@@ -1,6 +1,7 @@
 #include <bit>
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <cstdlib>
 #include <thread>
 
@@ -125,6 +126,44 @@ TEST(Profile, PhasesSumPerNameAndTakeClears) {
   EXPECT_EQ(device_waits, 6);  // both ends of every phase
   EXPECT_TRUE(profile::take().empty());
   profile::set_device_sync(nullptr);
+}
+
+// Spans (always on): host spans add up per name on their thread; device spans keep their marks
+// until take_spans() reads them through the device clock, which then gets every mark back.
+TEST(Profile, SpansSumPerNameAndReadDeviceMarksOnTake) {
+  for (int i = 0; i < 2; ++i) {
+    const profile::Span s("host", false);
+    std::this_thread::sleep_for(std::chrono::milliseconds(2));
+  }
+  auto host = profile::take_spans();
+  ASSERT_EQ(host.size(), 1u);
+  EXPECT_EQ(host[0].first, "host");
+  EXPECT_GE(host[0].second, 4.0);
+  EXPECT_TRUE(profile::take_spans().empty());
+
+  // A fake device clock: marks are numbered, 1.5 ms between consecutive marks.
+  static int next = 0, released = 0;
+  profile::set_device_clock(
+      {[]() -> void* { return reinterpret_cast<void*>(static_cast<intptr_t>(++next)); },
+       [](void* a, void* b) {
+         return 1.5 *
+                static_cast<double>(reinterpret_cast<intptr_t>(b) - reinterpret_cast<intptr_t>(a));
+       },
+       [](void*) { ++released; }});
+  { const profile::Span a("ep.dispatch", true); }
+  {
+    const profile::Span b("ep.combine", true);
+    const profile::Span c("ep.dispatch", true);  // nested: marks 3 .. 6 and 4 .. 5
+  }
+  EXPECT_EQ(released, 0);  // nothing read before take
+  const auto device = profile::take_spans();
+  ASSERT_EQ(device.size(), 2u);
+  EXPECT_EQ(device[0].first, "ep.dispatch");
+  EXPECT_DOUBLE_EQ(device[0].second, 1.5 + 1.5);  // marks 1..2 and 4..5
+  EXPECT_EQ(device[1].first, "ep.combine");
+  EXPECT_DOUBLE_EQ(device[1].second, 4.5);  // marks 3..6
+  EXPECT_EQ(released, 6);
+  profile::set_device_clock({});
 }
 
 }  // namespace mt
