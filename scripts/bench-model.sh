@@ -5,7 +5,8 @@
 # and, with expert parallelism, the median time in dispatch/combine per step.
 # Usage: scripts/bench-model.sh [moetrain binary] [layers ...]; BENCH_SET="section.key=value ..."
 # adds overrides (e.g. BENCH_SET="model.checkpoint=selective parallel.ep=2"); BENCH_RANKS=N runs
-# N ranks, one GPU each (moetrain launch -n N).
+# N ranks, one GPU each (moetrain launch -n N); BENCH_CONFIG another config file (the tests run
+# the tiny one on CPU ranks).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bin=${1:-build/moetrain}
@@ -15,24 +16,26 @@ mkdir -p "$out"
 extra=()
 for kv in ${BENCH_SET:-}; do extra+=(--set "$kv"); done
 ranks=${BENCH_RANKS:-1}
+config=${BENCH_CONFIG:-configs/qwen3-30b-a3b-bench.toml}
 tag=$(echo "${BENCH_SET:-}" | sed 's/[ =.]/_/g')
 [ "$ranks" -gt 1 ] && tag="_w${ranks}${tag}"
 cmd=("$bin")
 [ "$ranks" -gt 1 ] && cmd=("$bin" launch -n "$ranks" -- )
 for layers in "${@:-7}"; do
   metrics="$out/model_step_${layers}${tag}.jsonl"
-  if ! "${cmd[@]}" train --config configs/qwen3-30b-a3b-bench.toml --set "model.n_layers=$layers" "${extra[@]}" \
+  rm -f "$metrics"  # the trainer appends
+  if ! "${cmd[@]}" train --config "$config" --set "model.n_layers=$layers" "${extra[@]}" \
       --metrics "$metrics" >"$out/model_step_${layers}${tag}.log" 2>&1; then
     echo "{\"bench\":\"model_step\",\"layers\":$layers,\"error\":\"$(tail -1 "$out/model_step_${layers}${tag}.log" | tr -d '"\\')\"}"
     continue
   fi
-  python3 - "$metrics" "$layers" "${BENCH_SET:-}" "$ranks" <<'PY'
-import json, statistics, sys
+  python3 - "$metrics" "$layers" "${BENCH_SET:-}" "$ranks" "$config" <<'PY'
+import json, os, statistics, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 steady = rows[2:] or rows
 ranks = int(sys.argv[4])
-line = {"bench": "model_step", "preset": "qwen3-30b-a3b-bench", "gpus": ranks,
-        "layers": int(sys.argv[2]), "overrides": sys.argv[3], "tokens_per_step_per_gpu": 16384,
+line = {"bench": "model_step", "preset": os.path.basename(sys.argv[5]).removesuffix(".toml"),
+        "gpus": ranks, "layers": int(sys.argv[2]), "overrides": sys.argv[3],
         "steps_timed": len(steady),
         "tokens_per_s_per_gpu": round(statistics.median(r["tokens_per_s"] for r in steady) / ranks),
         "mfu": round(statistics.median(r["mfu"] for r in steady), 4),

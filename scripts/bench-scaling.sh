@@ -3,7 +3,8 @@
 # configs/qwen3-30b-a3b-bench.toml on W GPUs (16384 tokens per GPU) for every ep that divides W
 # (W, W/2, ..., 1), with real and with forced-balanced routing; one JSON line per case from
 # scripts/bench-model.sh (tokens/s per GPU, MFU, peak memory, time in dispatch/combine).
-# Usage: scripts/bench-scaling.sh [moetrain binary] [W (default: every visible GPU)] [layers]
+# Usage: scripts/bench-scaling.sh [moetrain binary] [W (default: every visible GPU)] [layers];
+# BENCH_SET adds overrides to every case, BENCH_CONFIG picks another config (see bench-model.sh).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bin=${1:-build/moetrain}
@@ -13,7 +14,7 @@ export NCCL_NVLS_ENABLE=0
 for ((ep = world; ep >= 1; ep /= 2)); do
   (( world % ep == 0 )) || continue
   for balanced in false true; do
-    BENCH_RANKS=$world BENCH_SET="parallel.ep=$ep model.force_balanced_routing=$balanced" \
+    BENCH_RANKS=$world BENCH_SET="${BENCH_SET:-} parallel.ep=$ep model.force_balanced_routing=$balanced" \
       scripts/bench-model.sh "$bin" "$layers"
   done
 done

@@ -10,8 +10,10 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
+#include <sstream>
 
 #include "dist/communicator.h"
 #include "dist/mesh.h"
@@ -442,6 +444,40 @@ TEST(SocketBackend, TheSurvivorsNameTheDeadRank) {
   const std::string rank0((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
   EXPECT_NE(rank0.find("rank 1 disconnected"), std::string::npos) << rank0;
   EXPECT_NE(rank0.find("rank0=1"), std::string::npos) << rank0;  // failed, did not time out
+}
+
+// The scaling script (issue 5's table, meant for eight GPUs) end to end on two CPU ranks with
+// the tiny preset: one JSON line per (ep, routing) of W = 2, each with its throughput, and the
+// exchange time exactly where experts are split over ranks.
+TEST(Launch, ScalingScriptReportsEveryEpAndRouting) {
+  const std::string out = testing::unique_temp_path("scaling");
+  const Proc p =
+      run_cmd("OUT=" + out +
+              " BENCH_CONFIG=configs/tiny.toml BENCH_SET='train.steps=4 train.seq_len=64 "
+              "train.batch_rows=2 hardware.device=cpu' " +
+              MOETRAIN_SOURCE_DIR + "/scripts/bench-scaling.sh " + MOETRAIN_BINARY + " 2 2");
+  ASSERT_EQ(p.code, 0) << p.output;
+  std::istringstream lines(p.output);
+  std::string line;
+  std::map<std::string, nlohmann::json> cases;  // by overrides
+  while (std::getline(lines, line)) {
+    if (line.empty() || line[0] != '{') continue;
+    const nlohmann::json j = nlohmann::json::parse(line);
+    ASSERT_FALSE(j.contains("error")) << line;
+    cases[j.at("overrides").get<std::string>()] = j;
+  }
+  ASSERT_EQ(cases.size(), 4u) << p.output;
+  for (const auto& [overrides, j] : cases) {
+    EXPECT_EQ(j.at("gpus").get<int>(), 2) << overrides;
+    EXPECT_EQ(j.at("preset").get<std::string>(), "tiny") << overrides;
+    EXPECT_GT(j.at("tokens_per_s_per_gpu").get<double>(), 0.0) << overrides;
+    const bool split = overrides.find("parallel.ep=2") != std::string::npos;
+    EXPECT_EQ(j.contains("exchange_ms"), split) << overrides;
+    if (split) {
+      EXPECT_GT(j.at("exchange_ms").get<double>(), 0.0) << overrides;
+    }
+  }
+  std::filesystem::remove_all(out);
 }
 
 TEST(Launch, BadTorchrunEnvironmentIsAConfigError) {
