@@ -74,6 +74,11 @@ Trainer::Trainer(const Config& c, dist::Communicator* world) : cfg_(c), world_(w
   model_ = std::make_unique<Qwen3Moe>(cfg_.model, c.train.seed, mesh_.get());
   opt_ = std::make_unique<AdamW>(model_->units(), c.train, world_);
   opt_->use_cuda_graphs(cfg_.model.on_gpu() && c.hardware.cuda_graphs);
+  if (cfg_.model.on_gpu() && c.hardware.cuda_graphs && c.parallel.ep > 1 && is_rank0())
+    log::info(
+        "CUDA graphs: the optimizer step only; the training passes run eagerly with "
+        "parallel.ep = {} (the expert exchange reads its row counts on the host)",
+        c.parallel.ep);
   data_ = make_data_loader(c);
   stats_ = data_->stats(c.train.seq_len);
   flops_per_token_ = train_flops_per_token(c.model, c.train.seq_len);
