@@ -8,8 +8,12 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bin=${1:-build/moetrain}
-world=${2:-$(nvidia-smi --list-gpus | wc -l)}
+world=${2:-$(nvidia-smi --list-gpus 2>/dev/null | wc -l)}
 layers=${3:-7}
+if ! [[ $world =~ ^[0-9]+$ ]] || (( world < 1 )); then
+  echo "bench-scaling: W = '$world': give the number of GPUs (no GPU visible to count)" >&2
+  exit 2
+fi
 export NCCL_NVLS_ENABLE=0
 for ((ep = world; ep >= 1; ep /= 2)); do
   (( world % ep == 0 )) || continue
