@@ -18,6 +18,17 @@ struct Proc {
   std::string output;  // stdout and stderr together
 };
 
+// The moetrain binary and the source tree: MOETRAIN_BIN and MOETRAIN_SOURCE_DIR in the
+// environment (the GPU machine's bundle and its copy of the repository), else the build's own.
+inline std::string moetrain_binary() {
+  const char* env = std::getenv("MOETRAIN_BIN");
+  return env ? env : MOETRAIN_BINARY;
+}
+inline std::string source_dir() {
+  const char* env = std::getenv("MOETRAIN_SOURCE_DIR");
+  return env ? env : MOETRAIN_SOURCE_DIR;
+}
+
 // A temporary file name of this process's own: ctest runs tests of the same binary as
 // concurrent processes, which must not share output files.
 inline std::string unique_temp_path(const std::string& stem) {

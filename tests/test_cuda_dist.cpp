@@ -4,7 +4,6 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <filesystem>
 #include <map>
 
 #include "dist/nccl_backend.h"
@@ -135,11 +134,10 @@ TEST(Nccl, CollectivesAcrossTwoGpus) {
   with_nccl(2, check_collectives);
 }
 
-// The binary and source tree: MOETRAIN_BIN and MOETRAIN_SOURCE_DIR in the environment (the GPU
-// machine's bundle), else the build's own.
-std::string env_or(const char* name, const std::string& fallback) {
-  const char* v = std::getenv(name);
-  return v ? v : fallback;
+// The tiny preset on the GPU, as the moetrain binary's `train` arguments.
+std::string tiny_on_gpu() {
+  return " train --config " + testing::source_dir() +
+         "/configs/tiny.toml --set hardware.device=cuda";
 }
 
 // Issue 3's proof on two GPUs: three steps of the tiny model with world 2 (ep 1 and 2) over
@@ -147,20 +145,17 @@ std::string env_or(const char* name, const std::string& fallback) {
 // norms within bf16 tolerance (forced-balanced routing: bf16 near-ties cannot flip a choice).
 TEST(Nccl, TwoGpuTrainingMatchesOneGpu) {
   if (cuda::device_count() < 2) GTEST_SKIP() << "needs two GPUs (the nvidia-h200-x2 machine)";
-  const std::string bin = env_or("MOETRAIN_BIN", MOETRAIN_BINARY);
-  const std::string common =
-      " train --config " + env_or("MOETRAIN_SOURCE_DIR", MOETRAIN_SOURCE_DIR) +
-      "/configs/tiny.toml --set hardware.device=cuda --set model.force_balanced_routing=true"
-      " --set train.warmup_steps=1 --steps 3";
-  const auto tmp = std::filesystem::temp_directory_path();
-  const std::string one = (tmp / "mt_nccl_one.jsonl").string();
-  std::filesystem::remove(one);
+  const std::string bin = testing::moetrain_binary();
+  const std::string common = tiny_on_gpu() +
+                             " --set model.force_balanced_routing=true"
+                             " --set train.warmup_steps=1 --steps 3";
+  const std::string one = testing::unique_temp_path("one_gpu.jsonl");
   const testing::Proc single =
       testing::run_cmd(bin + common + " --set train.batch_rows=16 --metrics " + one);
   ASSERT_EQ(single.code, 0) << single.output;
   for (const int ep : {1, 2}) {
-    const std::string two = (tmp / ("mt_nccl_two_ep" + std::to_string(ep) + ".jsonl")).string();
-    std::filesystem::remove(two);
+    const std::string two =
+        testing::unique_temp_path("two_gpus_ep" + std::to_string(ep) + ".jsonl");
     const testing::Proc pair =
         testing::run_cmd(bin + " launch -n 2 --" + common + " --set train.batch_rows=8" +
                          " --set parallel.ep=" + std::to_string(ep) + " --metrics " + two);
@@ -181,12 +176,9 @@ TEST(Nccl, TwoGpuTrainingMatchesOneGpu) {
 // fail mid-pass with collectives in flight (it falls back to eager passes).
 TEST(Nccl, TwoGpuGraphedPassesMatchEager) {
   if (cuda::device_count() < 2) GTEST_SKIP() << "needs two GPUs (the nvidia-h200-x2 machine)";
-  const std::string bin = env_or("MOETRAIN_BIN", MOETRAIN_BINARY);
+  const std::string bin = testing::moetrain_binary();
   const std::string common =
-      " launch -n 2 -- train --config " + env_or("MOETRAIN_SOURCE_DIR", MOETRAIN_SOURCE_DIR) +
-      "/configs/tiny.toml --set hardware.device=cuda --set parallel.ep=1 --set "
-      "train.batch_rows=8 --steps 6";
-  const auto tmp = std::filesystem::temp_directory_path();
+      " launch -n 2 --" + tiny_on_gpu() + " --set parallel.ep=1 --set train.batch_rows=8 --steps 6";
   // Runs: graphed, eager, and graphed with a capture that fails mid-pass (a host wait after
   // the first layer's collectives were recorded): it must warn and fall back to eager passes.
   const std::vector<std::pair<std::string, std::string>> runs = {
@@ -195,8 +187,7 @@ TEST(Nccl, TwoGpuGraphedPassesMatchEager) {
       {"failed_capture", " --set hardware.cuda_graphs=true"}};
   std::map<std::string, std::string> metrics, logs;
   for (const auto& [name, set] : runs) {
-    metrics[name] = (tmp / ("mt_nccl_" + name + ".jsonl")).string();
-    std::filesystem::remove(metrics[name]);
+    metrics[name] = testing::unique_temp_path(name + ".jsonl");
     const std::string env = name == "failed_capture" ? "MOETRAIN_FAULT_HOST_WAIT=1 " : "";
     const testing::Proc run =
         testing::run_cmd(env + bin + common + set + " --metrics " + metrics[name]);

@@ -11,19 +11,14 @@
 #include <filesystem>
 
 #include "ops/cuda/device.h"
+#include "processes.h"
 #include "train/trainer.h"
 #include "training.h"
 
 namespace mt {
 namespace {
 
-// The source tree: MOETRAIN_SOURCE_DIR in the environment (the GPU machine's copy of the
-// repository), else where the test was built.
-std::string source_dir() {
-  const char* env = std::getenv("MOETRAIN_SOURCE_DIR");
-  return env ? env : MOETRAIN_SOURCE_DIR;
-}
-const std::string kTiny = source_dir() + "/configs/tiny.toml";
+const std::string kTiny = testing::source_dir() + "/configs/tiny.toml";
 
 void require_gpu() {
   if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU: run this test on the GPU machine";

@@ -234,8 +234,8 @@ class NcclCommunicator final : public Communicator {
     MT_CUDA_CHECK(cudaEventRecord(ready_, cuda::stream()));
     MT_CUDA_CHECK(cudaStreamWaitEvent(stream_, ready_));
     issue(stream_);
-    cudaEvent_t done = nullptr;
     end(what);
+    cudaEvent_t done = nullptr;
     MT_CUDA_CHECK(cudaEventCreateWithFlags(&done, cudaEventDisableTiming));
     MT_CUDA_CHECK(cudaEventRecord(done, stream_));
     return done;

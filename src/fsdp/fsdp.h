@@ -30,7 +30,7 @@ void reduce_gradients(ParamGroup& g, double divide_factor);
 // a no-op when none is under way.
 void finish_reduction(ParamGroup& g);
 
-// Forgets the unit's gathered buffers and the collectives started for it without waiting for
+// Forgets the group's gathered buffers and the collectives started for it without waiting for
 // them: after a CUDA graph capture failed mid-pass, whose collectives were recorded, never run.
 void abandon_in_flight(ParamGroup& g);
 

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <numeric>
 
 #include "core/profile.h"
 
@@ -27,10 +28,11 @@ void gather_rows(const Tensor& in, const Tensor& index, Tensor& out) {
     std::memcpy(dst + i * row_bytes, src + at[i] * row_bytes, row_bytes);
 }
 
-Tensor index_tensor(const std::vector<int32_t>& index, Device device) {
-  Tensor t = Tensor::empty({static_cast<int64_t>(index.size())}, DType::kI32);
-  std::copy(index.begin(), index.end(), t.data<int32_t>());
-  return t.to(device);
+template <class T>
+Tensor host_tensor(const std::vector<T>& values, DType dtype) {
+  Tensor t = Tensor::empty({static_cast<int64_t>(values.size())}, dtype);
+  std::copy(values.begin(), values.end(), t.data<T>());
+  return t;
 }
 
 }  // namespace
@@ -58,24 +60,24 @@ ExchangeMaps exchange_maps_reference(const std::vector<int64_t>& recv_counts, in
   return m;
 }
 
-ExpertExchange::ExpertExchange(dist::Communicator& ep, const Tensor& device_offsets) : ep_(&ep) {
-  const bool gpu = device_offsets.device() == Device::kCUDA;
+ExpertExchange::ExpertExchange(dist::Communicator& ep, const Tensor& expert_offsets) : ep_(&ep) {
+  const Device device = expert_offsets.device();
+  const bool gpu = device == Device::kCUDA;
   const profile::Span span("ep.counts", gpu);
   const int peers = ep.size();
-  const int64_t experts = device_offsets.numel() - 1;
+  const int64_t experts = expert_offsets.numel() - 1;
   MT_CHECK(experts % peers == 0, "{} experts over {} EP ranks", experts, peers);
   const int64_t local = experts / peers;
-  const Device device = device_offsets.device();
 
   // counts = [sent per expert | received per (peer, local expert)]; peer p gets the counts of
   // its experts, then both halves are read on the host at once.
   Tensor counts = Tensor::empty({2 * experts}, DType::kI64, device);
   Tensor sent = counts.view(0, {experts, 1}), received = counts.view(experts, {experts, 1});
 #if MOETRAIN_HAS_CUDA
-  if (gpu) cuda::expert_counts(device_offsets, sent);
+  if (gpu) cuda::expert_counts(expert_offsets, sent);
 #endif
   if (!gpu) {
-    const int64_t* off = device_offsets.data<int64_t>();
+    const int64_t* off = expert_offsets.data<int64_t>();
     for (int64_t e = 0; e < experts; ++e) sent.data<int64_t>()[e] = off[e + 1] - off[e];
   }
   const std::vector<int64_t> per_peer(peers, local);
@@ -86,28 +88,26 @@ ExpertExchange::ExpertExchange(dist::Communicator& ep, const Tensor& device_offs
 
   send_rows_.assign(peers, 0);
   recv_rows_.assign(peers, 0);
-  int64_t total = 0;
   for (int p = 0; p < peers; ++p)
     for (int64_t e = 0; e < local; ++e) {
       send_rows_[p] += sent_counts[p * local + e];
       recv_rows_[p] += recv_counts[p * local + e];
-      total += recv_counts[p * local + e];
     }
 #if MOETRAIN_HAS_CUDA
   if (gpu) {
-    expert_major_source_ = Tensor::empty({total}, DType::kI32, device);
-    source_major_source_ = Tensor::empty({total}, DType::kI32, device);
+    const int64_t rows = std::accumulate(recv_rows_.begin(), recv_rows_.end(), int64_t{0});
+    expert_major_source_ = Tensor::empty({rows}, DType::kI32, device);
+    source_major_source_ = Tensor::empty({rows}, DType::kI32, device);
     local_offsets_ = Tensor::empty({local + 1}, DType::kI64, device);
     cuda::exchange_maps(received, peers, expert_major_source_, source_major_source_,
                         local_offsets_);
     return;
   }
 #endif
-  const ExchangeMaps m = exchange_maps_reference(recv_counts, peers);
-  expert_major_source_ = index_tensor(m.expert_major_source, device);
-  source_major_source_ = index_tensor(m.source_major_source, device);
-  local_offsets_ = Tensor::empty({local + 1}, DType::kI64);
-  std::copy(m.local_offsets.begin(), m.local_offsets.end(), local_offsets_.data<int64_t>());
+  const ExchangeMaps m = exchange_maps_reference(recv_counts, peers);  // on the host
+  expert_major_source_ = host_tensor(m.expert_major_source, DType::kI32);
+  source_major_source_ = host_tensor(m.source_major_source, DType::kI32);
+  local_offsets_ = host_tensor(m.local_offsets, DType::kI64);
 }
 
 Tensor ExpertExchange::dispatch(const Tensor& rows) const {
@@ -125,8 +125,7 @@ Tensor ExpertExchange::combine(const Tensor& rows) const {
   const int64_t width = rows.dim(1);
   Tensor source_major = Tensor::empty({received_rows(), width}, rows.dtype(), rows.device());
   gather_rows(rows, source_major_source_, source_major);
-  int64_t total = 0;
-  for (int64_t n : send_rows_) total += n;
+  const int64_t total = std::accumulate(send_rows_.begin(), send_rows_.end(), int64_t{0});
   Tensor out = Tensor::empty({total, width}, rows.dtype(), rows.device());
   ep_->all_to_all(source_major, recv_rows_, out, send_rows_);
   return out;

@@ -28,8 +28,8 @@ ExchangeMaps exchange_maps_reference(const std::vector<int64_t>& recv_counts, in
 
 class ExpertExchange {
  public:
-  // expert_offsets: i64 (E + 1) of the local permutation, on the rows' device (read back to the
-  // host for the counts). Collective over `ep`.
+  // expert_offsets: i64 (E + 1) of the local permutation, on the rows' device. Collective over
+  // `ep`; waits once for the device (the exchanged counts, read on the host).
   ExpertExchange(dist::Communicator& ep, const Tensor& expert_offsets);
 
   int64_t received_rows() const { return expert_major_source_.numel(); }

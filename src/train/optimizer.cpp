@@ -23,7 +23,8 @@ double learning_rate(const TrainConfig& t, int64_t step) {
   return t.lr * (t.min_lr_ratio + (1.0 - t.min_lr_ratio) * cosine);
 }
 
-// The captured GPU step: its scalars' device buffer, the graph, and the buffers it addresses.
+// The GPU step: its scalars' device buffer, and when captured the graph and the buffers it
+// addresses.
 struct AdamW::Captured {
 #if MOETRAIN_HAS_CUDA
   Tensor scalars;
@@ -70,9 +71,7 @@ void AdamW::step(double lr, int64_t step) {
   const ops::AdamWHyper h{lr,   cfg_.beta1, cfg_.beta2, cfg_.eps, cfg_.weight_decay,
                           step, clip_coef_};
   clip_coef_ = 1.0;
-  if (graphs_on_ && !profile::enabled() && !groups_.empty() &&
-      groups_.front()->shard.device() == Device::kCUDA)
-    return step_graphed(h);
+  if (!groups_.empty() && groups_.front()->shard.device() == Device::kCUDA) return step_gpu(h);
   for (size_t i = 0; i < groups_.size(); ++i) {
     ParamGroup& g = *groups_[i];
     ops::adamw_step(g.shard, g.grad_shard, state_[2 * i], state_[2 * i + 1], h,
@@ -80,13 +79,23 @@ void AdamW::step(double lr, int64_t step) {
   }
 }
 
-void AdamW::step_graphed(const ops::AdamWHyper& h) {
+void AdamW::step_gpu(const ops::AdamWHyper& h) {
 #if MOETRAIN_HAS_CUDA
+  // The step's scalars go to the device once, for every group's launch (and where a captured
+  // step reads them).
   Captured& c = *captured_;
   if (c.scalars.defined())
-    c.scalars.copy_from(cuda::adamw_scalars(h));  // where the captured launches read them
+    c.scalars.copy_from(cuda::adamw_scalars(h));
   else
     c.scalars = cuda::adamw_scalars(h);
+  auto body = [&] {
+    for (size_t i = 0; i < groups_.size(); ++i) {
+      ParamGroup& g = *groups_[i];
+      cuda::adamw_step(g.shard, g.grad_shard, state_[2 * i], state_[2 * i + 1], c.scalars,
+                       persistent_compute(g));
+    }
+  };
+  if (!graphs_on_ || profile::enabled()) return body();
   std::vector<const void*> buffers = {c.scalars.raw()};
   for (size_t i = 0; i < groups_.size(); ++i) {
     ParamGroup& g = *groups_[i];
@@ -99,13 +108,6 @@ void AdamW::step_graphed(const ops::AdamWHyper& h) {
     c.work.drop();
     c.buffers = std::move(buffers);
   }
-  auto body = [&] {
-    for (size_t i = 0; i < groups_.size(); ++i) {
-      ParamGroup& g = *groups_[i];
-      cuda::adamw_step(g.shard, g.grad_shard, state_[2 * i], state_[2 * i + 1], c.scalars,
-                       persistent_compute(g));
-    }
-  };
   c.work.run(body, "the optimizer step");
 #else
   (void)h;

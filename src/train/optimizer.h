@@ -24,8 +24,8 @@ class AdamW {
   ~AdamW();
   AdamW(const AdamW&) = delete;
   AdamW& operator=(const AdamW&) = delete;
-  // One GPU: step() replays its launches as a CUDA graph, the learning rate and clipping factor
-  // read from device memory (captured at the second step, captured again when a buffer moved).
+  // On the GPU, step() replays its launches as a CUDA graph, the learning rate and clipping
+  // factor read from device memory (captured at the second step, again when a buffer moved).
   void use_cuda_graphs(bool on) { graphs_on_ = on; }
   // sqrt of the sum of squares of every gradient element of the model, each counted once.
   double grad_norm() const;
@@ -46,7 +46,7 @@ class AdamW {
   bool graphs_on_ = false;
   struct Captured;  // optimizer.cpp
   std::unique_ptr<Captured> captured_;
-  void step_graphed(const ops::AdamWHyper& h);
+  void step_gpu(const ops::AdamWHyper& h);
 };
 
 }  // namespace mt

@@ -31,6 +31,22 @@ __device__ __forceinline__ float select(const float (&v)[N], int i) {
   return out;
 }
 
+// A block's shared histogram of e bins (dynamic shared memory): zeroed at the start, then added
+// to the global counts with one atomic per non-empty bin (many choices on few addresses would
+// serialise on global atomics).
+__device__ __forceinline__ void zero_block_histogram(int* hist, int e) {
+  for (int c = threadIdx.x; c < e; c += blockDim.x) hist[c] = 0;
+  __syncthreads();
+}
+
+__device__ __forceinline__ void flush_block_histogram(const int* hist, int e, int64_t* counts) {
+  __syncthreads();
+  for (int c = threadIdx.x; c < e; c += blockDim.x)
+    if (hist[c] != 0)
+      atomicAdd(reinterpret_cast<unsigned long long*>(counts + c),
+                static_cast<unsigned long long>(hist[c]));
+}
+
 // One warp per token: softmax over the lanes' experts, then k rounds of a warp arg-max over the
 // biased scores not yet taken (ties: the lower expert, as the CPU's stable order), lane j keeping
 // choice j. Counts go to a per-block shared histogram first: one global atomic per expert and
@@ -40,8 +56,7 @@ __global__ void router_kernel(const float* logits, const float* bias, int64_t n,
                               bool norm_topk, bool balanced, float* scores, int32_t* index,
                               float* weight, int64_t* counts) {
   extern __shared__ int hist[];
-  for (int c = threadIdx.x; c < e; c += blockDim.x) hist[c] = 0;
-  __syncthreads();
+  zero_block_histogram(hist, e);
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t{gridDim.x} * (blockDim.x / 32);
   for (int64_t t = blockIdx.x * int64_t{blockDim.x / 32} + threadIdx.x / 32; t < n; t += warps) {
@@ -106,11 +121,7 @@ __global__ void router_kernel(const float* logits, const float* bias, int64_t n,
       atomicAdd(&hist[my_expert], 1);
     }
   }
-  __syncthreads();
-  for (int c = threadIdx.x; c < e; c += blockDim.x)
-    if (hist[c] != 0)
-      atomicAdd(reinterpret_cast<unsigned long long*>(counts + c),
-                static_cast<unsigned long long>(hist[c]));
+  flush_block_histogram(hist, e, counts);
 }
 
 // score_sum[c] = sum over tokens of scores[t, c]: partial sums over kSumChunks row chunks
@@ -222,16 +233,11 @@ __global__ void histogram_kernel(const int32_t* expert_index, int64_t m, int64_t
 __global__ void histogram_shared_kernel(const int32_t* expert_index, int64_t m, int e,
                                         int64_t* counts) {
   extern __shared__ int hist[];
-  for (int c = threadIdx.x; c < e; c += blockDim.x) hist[c] = 0;
-  __syncthreads();
+  zero_block_histogram(hist, e);
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < m;
        i += int64_t{gridDim.x} * blockDim.x)
     atomicAdd(&hist[expert_index[i]], 1);
-  __syncthreads();
-  for (int c = threadIdx.x; c < e; c += blockDim.x)
-    if (hist[c] != 0)
-      atomicAdd(reinterpret_cast<unsigned long long*>(counts + c),
-                static_cast<unsigned long long>(hist[c]));
+  flush_block_histogram(hist, e, counts);
 }
 
 __global__ void convert_kernel_f32_bf16(const float* src, __nv_bfloat16* dst, int64_t n) {
@@ -299,15 +305,14 @@ template <class T, int P>
 __global__ void combine_backward_kernel(const T* dout, const T* y, const int32_t* row_of_choice,
                                         const float* weight, int k, T* dy, float* dweight,
                                         int64_t width) {
-  constexpr int kMaxK = kernels::kMaxRoutedTopK;
-  __shared__ float partial[kBlock / 32][kMaxK];
+  __shared__ float partial[kBlock / 32][kMaxTopK];
   const int64_t t = blockIdx.x;
-  float dot[kMaxK] = {};
+  float dot[kMaxTopK] = {};
   for (int64_t c = threadIdx.x * P; c < width; c += blockDim.x * P) {
     float g[P];
     load_n<T, P>(dout + t * width + c, g);
 #pragma unroll
-    for (int j = 0; j < kMaxK; ++j) {
+    for (int j = 0; j < kMaxTopK; ++j) {
       if (j >= k) break;
       const int64_t row = row_of_choice[t * k + j];
       const float w = weight[t * k + j];
@@ -323,7 +328,7 @@ __global__ void combine_backward_kernel(const T* dout, const T* y, const int32_t
   }
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
-  for (int j = 0; j < kMaxK; ++j) {
+  for (int j = 0; j < kMaxTopK; ++j) {
     if (j >= k) break;
     const float s = warp_sum(dot[j]);
     if (lane == 0) partial[warp][j] = s;
