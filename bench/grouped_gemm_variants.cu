@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "ops/cuda/cutlass/grouped_gemm_sm90.cuh"
+#include "workbench.cuh"
 
 namespace variants {
 
@@ -30,25 +31,8 @@ using mt::cuda::grouped_sm90::Pingpong;
 using mt::cuda::grouped_sm90::Product;
 using bf = cutlass::bfloat16_t;
 
-__global__ void fill_random(bf* p, int64_t n, uint32_t seed, float scale) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 16;
-    h *= 0x7feb352du;
-    h ^= h >> 15;
-    p[i] = bf(scale * ((h & 0xFFFF) / 32768.0f - 1.0f));
-  }
-}
-
-#define CHECK(x)                                                                        \
-  do {                                                                                  \
-    cudaError_t e = (x);                                                                \
-    if (e != cudaSuccess) {                                                             \
-      std::printf("{\"error\": \"%s at line %d\"}\n", cudaGetErrorString(e), __LINE__); \
-      std::exit(1);                                                                     \
-    }                                                                                   \
-  } while (0)
+using workbench::fill_random;
+#define CHECK WORKBENCH_CHECK
 
 // One problem: offsets on the device and the buffers every product reads or writes.
 struct Problem {
@@ -80,20 +64,10 @@ void time_variant(const char* name, const Problem& pr) {
     CHECK((mt::cuda::grouped_sm90::run<P, C>(pr.offsets, pr.experts, lhs, rhs, out, pr.m, pr.k,
                                              pr.n, ws, bytes, nullptr)));
   };
-  for (int i = 0; i < 5; ++i) call();
+  const double med = workbench::median_ms(call);
   cudaEvent_t a, b;
   cudaEventCreate(&a);
   cudaEventCreate(&b);
-  std::vector<float> ms(20);
-  for (float& t : ms) {
-    cudaEventRecord(a);
-    call();
-    cudaEventRecord(b);
-    cudaEventSynchronize(b);
-    cudaEventElapsedTime(&t, a, b);
-  }
-  std::sort(ms.begin(), ms.end());
-  const double med = ms[ms.size() / 2];
   // The same calls queued back to back: what the GPU takes when the host is never waited for
   // (the difference to `ms` is launch and argument set-up latency).
   constexpr int kQueued = 20;

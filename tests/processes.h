@@ -1,5 +1,8 @@
 // Test helpers for whole runs of the moetrain binary: run a command, read a metrics file.
 #pragma once
+#include <arpa/inet.h>
+#include <netinet/in.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -46,6 +49,25 @@ inline Proc run_cmd(const std::string& cmd) {
          std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>())};
   std::filesystem::remove(out);
   return p;
+}
+
+// A TCP port free on this machine now (for ranks started by hand, as torchrun would).
+inline int free_port() {
+  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
+  ::close(fd);
+  return ntohs(addr.sin_port);
+}
+
+// The whole text of a file (empty when it does not exist).
+inline std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
 // One value per step from a --metrics file (JSON lines).

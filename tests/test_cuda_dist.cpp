@@ -210,5 +210,47 @@ TEST(Nccl, TwoGpuGraphedPassesMatchEager) {
   }
 }
 
+// A peer dying mid-run, with the survivor's passes replayed as CUDA graphs (their collectives
+// were captured: nothing on the host waits in a collective call) and eager: the rank's NCCL
+// watchdog (handed each replay, `watch_queued`) must stop it with the cause, well before the
+// shell's timeout, and not hang. Two ranks started by hand, as torchrun would, so no launcher
+// stops the survivor.
+TEST(Nccl, ADeadPeerStopsTheSurvivor) {
+  if (cuda::device_count() < 2) GTEST_SKIP() << "needs two GPUs (the nvidia-h200-x2 machine)";
+  const std::string bin = testing::moetrain_binary();
+  for (const bool graphs : {true, false}) {
+    SCOPED_TRACE(graphs ? "graphed passes" : "eager passes");
+    const std::string env =
+        "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MOETRAIN_TIMEOUT_S=20 MASTER_PORT=" +
+        std::to_string(testing::free_port());
+    const std::string args = tiny_on_gpu() +
+                             " --set parallel.ep=1 --set train.batch_rows=8 --set train.log_every=1"
+                             " --steps 12 --set hardware.cuda_graphs=" +
+                             (graphs ? "true" : "false");
+    const std::string out0 = testing::unique_temp_path("survivor_rank0.txt");
+    // Rank 1 exits (code 17, no goodbye) in step 7 after its token count, before its pass: rank
+    // 0 is left in step 7's pass (a replay, when graphed).
+    const testing::Proc p =
+        testing::run_cmd("((" + env + " RANK=0 LOCAL_RANK=0 timeout 150 " + bin + args + " >" +
+                         out0 + " 2>&1; echo rank0=$? >>" + out0 + ") & " + env +
+                         " RANK=1 LOCAL_RANK=1 MOETRAIN_FAULT_EXIT=1:7:pass " + bin + args +
+                         "; echo rank1=$?; wait)");
+    EXPECT_NE(p.output.find("rank1=17"), std::string::npos) << p.output;
+    const std::string rank0 = testing::read_file(out0);
+    std::printf("rank 0's output:\n%s\n", rank0.c_str());  // which way it stopped, for the record
+    // It got to step 6 (replaying, when graphed), then failed on its own (exit 1, not the
+    // shell's 124), naming the cause: its next collective threw after the watchdog's abort, or,
+    // when the abort did not release it, the watchdog ended the process.
+    if (graphs) {
+      EXPECT_NE(rank0.find("captured the training pass"), std::string::npos);
+    }
+    EXPECT_NE(rank0.find("step     6"), std::string::npos);
+    EXPECT_NE(rank0.find("rank0=1\n"), std::string::npos);
+    EXPECT_TRUE(rank0.find("a peer died") != std::string::npos ||
+                rank0.find("NCCL reported") != std::string::npos);
+    EXPECT_EQ(rank0.find("step     8 "), std::string::npos) << "went on past the dead peer";
+  }
+}
+
 }  // namespace
 }  // namespace mt

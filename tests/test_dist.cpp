@@ -1,9 +1,6 @@
 // Distributed training on in-process ranks: the collectives, the mesh, the expert exchange, and
 // the proof that any (world, ep) reproduces the single-rank loss, gradients and parameters.
-#include <arpa/inet.h>
 #include <gtest/gtest.h>
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -417,31 +414,18 @@ TEST(Launch, ADeadRankStopsTheJobWithItsName) {
   EXPECT_NE(p.output.find("rank 1 exited with code 17"), std::string::npos) << p.output;
 }
 
-int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(addr);
-  ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
-  ::close(fd);
-  return ntohs(addr.sin_port);
-}
-
 TEST(SocketBackend, TheSurvivorsNameTheDeadRank) {
   // Two ranks started by hand (as torchrun would), no launcher to stop the survivor: rank 0
   // must fail on its own, naming rank 1, long before the collective timeout.
   const std::string env = "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MOETRAIN_TIMEOUT_S=60 MASTER_PORT=" +
-                          std::to_string(free_port());
+                          std::to_string(testing::free_port());
   const std::string out0 = testing::unique_temp_path("rank0.txt");
   const Proc p =
       run_cmd("((" + env + " RANK=0 timeout 120 " + MOETRAIN_BINARY + kLaunchArgs + " >" + out0 +
               " 2>&1; echo rank0=$? >>" + out0 + ") & " + env + " RANK=1 MOETRAIN_FAULT_EXIT=1:2 " +
               MOETRAIN_BINARY + kLaunchArgs + "; echo rank1=$?; wait)");
   EXPECT_NE(p.output.find("rank1=17"), std::string::npos) << p.output;
-  std::ifstream in(out0);
-  const std::string rank0((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  const std::string rank0 = testing::read_file(out0);
   EXPECT_NE(rank0.find("rank 1 disconnected"), std::string::npos) << rank0;
   EXPECT_NE(rank0.find("rank0=1"), std::string::npos) << rank0;  // failed, did not time out
 }

@@ -5,6 +5,8 @@
 
 #include <chrono>
 #include <condition_variable>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <deque>
 #include <functional>
@@ -14,6 +16,8 @@
 #include <thread>
 
 #include "core/cuda_check.h"
+#include "core/error.h"
+#include "core/log.h"
 
 namespace mt::dist {
 
@@ -56,10 +60,6 @@ Tensor device_operand(const Tensor& t, bool copy_in) {
   return copy_in ? t.to(Device::kCUDA) : Tensor::empty(t.shape(), t.dtype(), Device::kCUDA);
 }
 
-void finish_on_host(const Tensor& device_result, Tensor& out) {
-  if (out.device() == Device::kCPU) out.copy_from(device_result.to(Device::kCPU));
-}
-
 class NcclCommunicator final : public Communicator {
  public:
   NcclCommunicator(ncclComm_t comm, int device, double timeout_s)
@@ -72,13 +72,18 @@ class NcclCommunicator final : public Communicator {
   }
 
   ~NcclCommunicator() override {
+    bool failed = false;
     {
       const std::lock_guard lock(mutex_);
       stop_ = true;
+      failed = !failure_.empty();
     }
     wake_.notify_all();
+    if (failed) {          // aborted: nothing of NCCL's is safe to call, and the watchdog ends the
+      watchdog_.detach();  // process if it outlives the grace period (it no longer reads `this`)
+      return;
+    }
     watchdog_.join();
-    if (!failure_.empty()) return;  // the watchdog aborted the communicator already
     cudaDeviceSynchronize();
     ncclCommDestroy(comm_);
     cudaStreamDestroy(stream_);
@@ -94,7 +99,7 @@ class NcclCommunicator final : public Communicator {
     const Tensor s = device_operand(send, true);
     Tensor r = device_operand(recv, false);
     wait_for(start_all_gather(s, r));
-    finish_on_host(r, recv);
+    finish_on_host("all_gather", r, recv);
   }
 
   std::unique_ptr<PendingCollective> all_gather_async(const Tensor& send, Tensor& recv) override {
@@ -107,7 +112,7 @@ class NcclCommunicator final : public Communicator {
     const Tensor s = device_operand(send, true);
     Tensor r = device_operand(recv, false);
     wait_for(start_reduce_scatter(s, r));
-    finish_on_host(r, recv);
+    finish_on_host("reduce_scatter", r, recv);
   }
 
   std::unique_ptr<PendingCollective> reduce_scatter_async(const Tensor& send,
@@ -123,7 +128,7 @@ class NcclCommunicator final : public Communicator {
       MT_NCCL_CHECK(ncclAllReduce(d.raw(), d.raw(), static_cast<size_t>(t.numel()),
                                   nccl_type(t.dtype()), ncclSum, comm_, stream));
     }));
-    finish_on_host(d, t);
+    finish_on_host("all_reduce", d, t);
   }
 
   void all_to_all(const Tensor& send, const std::vector<int64_t>& send_rows, Tensor& recv,
@@ -159,7 +164,7 @@ class NcclCommunicator final : public Communicator {
       }
       MT_NCCL_CHECK(ncclGroupEnd());
     }));
-    finish_on_host(r, recv);
+    finish_on_host("all_to_all", r, recv);
   }
 
   void barrier() override {
@@ -254,6 +259,15 @@ class NcclCommunicator final : public Communicator {
     std::chrono::steady_clock::time_point issued;
   };
 
+  // A host result: copied back once the collective is done (a host wait), then the
+  // communicator's health checked, so that an abort by the watchdog during that wait (a dead
+  // peer) stops the rank here instead of passing the aborted collective's buffer on as a result.
+  void finish_on_host(const char* what, const Tensor& device_result, Tensor& out) {
+    if (out.device() != Device::kCPU) return;
+    out.copy_from(device_result.to(Device::kCPU));
+    begin(what);
+  }
+
   // Throws when the watchdog has aborted the communicator.
   void begin(const char* what) {
     const std::lock_guard lock(mutex_);
@@ -291,6 +305,7 @@ class NcclCommunicator final : public Communicator {
     std::unique_lock lock(mutex_);
     while (!stop_) {
       wake_.wait_for(lock, std::chrono::milliseconds(100));
+      if (stop_) return;
       while (!pending_.empty() && cudaEventQuery(pending_.front().done) == cudaSuccess) {
         free_events_.push_back(pending_.front().done);
         pending_.pop_front();
@@ -313,10 +328,30 @@ class NcclCommunicator final : public Communicator {
       }
       if (cause.empty()) continue;
       failure_ = cause;
-      ncclCommAbort(comm_);  // the stuck kernels return; the next collective throws
-      return;
+      // ncclCommAbort makes the stuck kernels return, so that this rank's next collective throws
+      // with the cause and the process ends through its error path. A recent NCCL may also wait
+      // in it for the peers (to free shared resources: NVIDIA/nccl#863), which never comes when
+      // a peer is dead: so it runs on a thread of its own, and a process still alive after a
+      // grace period (stuck in a wait the abort did not release, or in its exit) is ended here,
+      // with the cause, rather than left hanging. Metrics lines are flushed per step and
+      // checkpoints written atomically: nothing written is lost.
+      std::thread([comm = comm_, device = device_] {
+        cudaSetDevice(device);
+        ncclCommAbort(comm);
+      }).detach();
+      const std::string message = fmt::format("NCCL rank {} of {}: {}", rank_, size_, cause);
+      lock.unlock();  // from here on nothing of `this` is touched: it may be destroyed meanwhile
+      std::this_thread::sleep_for(kAbortGrace);
+      log::error("{}; the process did not end within {} s of the abort: exiting", message,
+                 kAbortGrace.count());
+      std::fflush(nullptr);
+      std::_Exit(static_cast<int>(ExitCode::kInternal));
     }
   }
+
+  // How long the process has, after the watchdog's abort, to end through its error path before
+  // the watchdog ends it.
+  static constexpr std::chrono::seconds kAbortGrace{15};
 
   ncclComm_t comm_;
   cudaStream_t stream_ = nullptr;  // this communicator's collectives

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <string_view>
 
 #include "core/log.h"
 #include "core/profile.h"
@@ -100,6 +101,25 @@ Batch Trainer::next_local_batch() {
   return cfg_.model.on_gpu() ? b.to(Device::kCUDA) : b;
 }
 
+namespace {
+// Test hook for failure handling: MOETRAIN_FAULT_EXIT="<rank>:<step>" makes that rank's process
+// exit with code 17 right after that step, as a crashed rank would (no cleanup, no goodbye);
+// "<rank>:<step>:pass" makes it exit within that step instead, after the step's first collective
+// (the token count) and before its training pass, so that its peers are left in the pass.
+enum class FaultPoint { kAfterStep, kBeforePass };
+void maybe_inject_fault(int rank, int64_t step, FaultPoint at) {
+  const char* spec = std::getenv("MOETRAIN_FAULT_EXIT");
+  int fault_rank = -1;
+  long long fault_step = -1;
+  char where[8] = {};
+  const int fields = spec ? std::sscanf(spec, "%d:%lld:%7s", &fault_rank, &fault_step, where) : 0;
+  const FaultPoint point = fields == 3 && std::string_view(where) == "pass"
+                               ? FaultPoint::kBeforePass
+                               : FaultPoint::kAfterStep;
+  if (fields >= 2 && fault_rank == rank && fault_step == step && point == at) std::_Exit(17);
+}
+}  // namespace
+
 StepMetrics Trainer::train_step() {
   const TrainConfig& t = cfg_.train;
   const auto start = std::chrono::steady_clock::now();
@@ -121,6 +141,7 @@ StepMetrics Trainer::train_step() {
     }
   }
   if (world_) world_->all_reduce(counted_all);
+  maybe_inject_fault(world_ ? world_->rank() : 0, m.step, FaultPoint::kBeforePass);
   const int64_t counted = counted_all.data<int64_t>()[0];
   const LossScale scale{1.0 / std::max<int64_t>(counted, 1),
                         cfg_.model.aux_loss_coef / static_cast<double>(t.grad_accum)};
@@ -175,19 +196,6 @@ StepMetrics Trainer::train_step() {
   return m;
 }
 
-namespace {
-// Test hook for failure handling: MOETRAIN_FAULT_EXIT="<rank>:<step>" makes that rank's process
-// exit with code 17 right after that step, as a crashed rank would (no cleanup, no goodbye).
-void maybe_inject_fault(int rank, int64_t step) {
-  const char* spec = std::getenv("MOETRAIN_FAULT_EXIT");
-  int fault_rank = -1;
-  long long fault_step = -1;
-  if (spec && std::sscanf(spec, "%d:%lld", &fault_rank, &fault_step) == 2 && fault_rank == rank &&
-      fault_step == step)
-    std::_Exit(17);
-}
-}  // namespace
-
 std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
   const TrainConfig& t = cfg_.train;
   if (!opt.resume.empty()) {
@@ -215,7 +223,7 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
   while (step_ < last) {
     const StepMetrics m = train_step();
     all.push_back(m);
-    maybe_inject_fault(world_ ? world_->rank() : 0, m.step);
+    maybe_inject_fault(world_ ? world_->rank() : 0, m.step, FaultPoint::kAfterStep);
     if (metrics.is_open()) {
       nlohmann::ordered_json j{{"step", m.step},
                                {"loss", m.loss},
