@@ -11,6 +11,7 @@
 #include <cstdlib>
 #include <vector>
 
+#include "fixed_descriptor_gemm.cuh"
 #include "ops/cuda/cutlass/grouped_gemm_sm90.cuh"
 #include "workbench.cuh"
 
@@ -27,34 +28,16 @@ using workbench::fill_random;
 using workbench::median_ms;
 #define CHECK WORKBENCH_CHECK
 
-struct BatchedCooperative {
-  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedCooperative;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecializedCooperative;
-};
-struct BatchedPingpong {
-  using Kernel = cutlass::gemm::KernelTmaWarpSpecializedPingpong;
-  using Epilogue = cutlass::epilogue::TmaWarpSpecialized;
-};
+// The non-array (batched) kernels' schedules.
+using BatchedCooperative = mt::cuda::fixed_sm90::Cooperative;
+using BatchedPingpong = mt::cuda::fixed_sm90::Pingpong;
 
-// The batched twin of grouped_sm90::Config: problem (M, N, K, L = experts), fixed strides.
+// The batched twin of grouped_sm90::Config: problem (M, N, K, L = experts), fixed strides,
+// CUTLASS's own scheduler.
 template <class LayoutA, class LayoutB, class Out, class Tile, class Schedule>
-struct Batched {
-  static constexpr int kAlignOut = 16 / sizeof(Out);
-  using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Shape<_1, _1, _1>,
-      cutlass::epilogue::collective::EpilogueTileAuto, float, float, Out, RowMajor, kAlignOut, Out,
-      RowMajor, kAlignOut, typename Schedule::Epilogue,
-      cutlass::epilogue::fusion::LinearCombination<Out, float>>::CollectiveOp;
-  using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, bf, LayoutA, 8, bf, LayoutB, 8, float,
-      Tile, Shape<_1, _1, _1>,
-      cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
-          sizeof(typename Epilogue::SharedStorage))>,
-      typename Schedule::Kernel>::CollectiveOp;
-  using Kernel =
-      cutlass::gemm::kernel::GemmUniversal<Shape<int, int, int, int>, Mainloop, Epilogue>;
-  using Gemm = cutlass::gemm::device::GemmUniversalAdapter<Kernel>;
-};
+using Batched = mt::cuda::fixed_sm90::KernelConfig<
+    cutlass::detail::TagToStrideA_t<LayoutA>, cutlass::detail::TagToStrideB_t<LayoutB>,
+    cutlass::detail::TagToStrideC_t<RowMajor>, Out, Tile, Schedule, void>;
 
 struct Buffers {
   int experts;
@@ -149,20 +132,44 @@ const char* name(Product p) {
 
 // One product and tile: the grouped kernel on balanced and ragged experts, the batched kernel on
 // balanced ones (the same FLOPs in all three).
+__global__ void count_differing_words(const uint32_t* a, const uint32_t* b, size_t words,
+                                      unsigned long long* count) {
+  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < words;
+       i += size_t{gridDim.x} * blockDim.x)
+    if (a[i] != b[i]) atomicAdd(count, 1ull);
+}
+
+// One product and tile: the grouped kernel on balanced and ragged experts, the batched kernel on
+// balanced ones (the same FLOPs in all three); the batched output is checked word for word
+// against the grouped one on the same balanced experts.
 template <Product P, class Grouped, class Batch>
 void compare(const Buffers& s, int64_t k, int64_t n, const char* tile) {
   const double flop = 2.0 * s.rows * s.experts * k * n;
+  const size_t bytes = output_bytes<P, Grouped>(s, k, n);
+  const void* out = P == Product::kWeightGradient ? static_cast<const void*>(s.dw) : s.out;
+  void* reference = nullptr;
+  unsigned long long* count = nullptr;
+  CHECK(cudaMalloc(&reference, bytes));
+  CHECK(cudaMalloc(&count, sizeof(*count)));
   const float balanced = time_grouped<P, Grouped>(s, s.offsets, k, n);
+  CHECK(cudaMemcpy(reference, out, bytes, cudaMemcpyDeviceToDevice));
   const float ragged = time_grouped<P, Grouped>(s, s.ragged_offsets, k, n);
   const float batched = time_batched<P, Batch>(s, k, n);
+  CHECK(cudaMemset(count, 0, sizeof(*count)));
+  count_differing_words<<<1024, 256>>>(static_cast<const uint32_t*>(out),
+                                       static_cast<const uint32_t*>(reference), bytes / 4, count);
+  unsigned long long differing = 0;
+  CHECK(cudaMemcpy(&differing, count, sizeof(differing), cudaMemcpyDeviceToHost));
+  cudaFree(reference);
+  cudaFree(count);
   auto tflops = [&](float ms) { return flop / (ms * 1e-3) / 1e12; };
   std::printf(
       "{\"bench\": \"fixed_descriptor_bound\", \"product\": \"%s\", \"shape\": \"k%ld n%ld\", "
       "\"tile\": \"%s\", \"grouped_ms\": %.4f, \"grouped_tflops\": %.1f, "
       "\"grouped_ragged_ms\": %.4f, \"grouped_ragged_tflops\": %.1f, \"batched_ms\": %.4f, "
-      "\"batched_tflops\": %.1f, \"batched_gain\": %.3f}\n",
+      "\"batched_tflops\": %.1f, \"batched_gain\": %.3f, \"batched_words_differing\": %llu}\n",
       name(P), static_cast<long>(k), static_cast<long>(n), tile, balanced, tflops(balanced), ragged,
-      tflops(ragged), batched, tflops(batched), balanced / batched);
+      tflops(ragged), batched, tflops(batched), balanced / batched, differing);
   std::fflush(stdout);
 }
 
