@@ -34,6 +34,10 @@ using InputGradient = f::Config<Product::kInputGradient, f::RowsKMajor, f::Weigh
                                 f::OutRows, bf, Wide, f::Cooperative>;
 using WeightGradient = f::Config<Product::kWeightGradient, f::RowsMMajor, f::RowsMMajor,
                                  f::OutPerExpert, float, Square, f::Cooperative>;
+// The down projection's forward as a plain batched GEMM through our scheduler (uniform mode).
+using ForwardShortKBatched =
+    f::Config<Product::kForward, Stride<int64_t, _1, int64_t>, f::WeightsNMajor,
+              Stride<int64_t, _1, int64_t>, bf, Square, f::Pingpong>;
 using WeightGradientWide = f::Config<Product::kWeightGradient, f::RowsMMajor, f::RowsMMajor,
                                      f::OutPerExpert, float, Wide, f::Cooperative>;
 
@@ -229,6 +233,40 @@ void run_product(const Buffers& b, const RowLayout& l, int64_t k, int64_t n, con
   }
 }
 
+// Balanced experts only: the down projection's forward as a batched GEMM (x as (rows, k, E)),
+// tiles from our scheduler in CUTLASS's batched order, against CUTLASS's own batched kernel
+// (bench_batched_gemm_bound): is the scheduler or the operands' shape what costs?
+void time_uniform_forward(const Buffers& b, int64_t rows, int64_t k, int64_t n) {
+  using C = ForwardShortKBatched;
+  const int E = b.experts;
+  typename C::Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kBatched,
+      {static_cast<int>(rows), static_cast<int>(n), static_cast<int>(k), E},
+      {b.x, {k, _1{}, rows * k}, b.w, {_1{}, n, k * n}},
+      {{1.0f, 0.0f}, b.out, {n, _1{}, rows * n}, b.out, {n, _1{}, rows * n}}};
+  args.hw_info = cutlass::KernelHardwareInfo::make_kernel_hardware_info<typename C::Kernel>(0);
+  args.scheduler.uniform = true;
+  args.scheduler.experts = E;
+  typename C::Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) {
+    std::printf("{\"error\": \"uniform forward cannot implement\"}\n");
+    return;
+  }
+  CHECK(cudaMemset(b.out, 0xFF, sizeof(bf) * b.m * n));
+  const float ms = workbench::median_ms([&] {
+    if (gemm.initialize(args, b.workspace) != cutlass::Status::kSuccess ||
+        gemm.run() != cutlass::Status::kSuccess)
+      std::printf("{\"error\": \"uniform forward run\"}\n");
+  });
+  CHECK(cudaGetLastError());
+  std::printf(
+      "{\"bench\": \"fixed_descriptor_gemm\", \"product\": \"forward\", \"shape\": \"k%ld n%ld\", "
+      "\"routing\": \"balanced\", \"fixed_tile\": \"pingpong 128x128\", \"order\": \"batched "
+      "(uniform)\", \"fixed_ms\": %.4f, \"fixed_tflops\": %.1f}\n",
+      static_cast<long>(k), static_cast<long>(n), ms, 2.0 * b.m * k * n / (ms * 1e-3) / 1e12);
+  std::fflush(stdout);
+}
+
 }  // namespace fixedbench
 
 int main() {
@@ -279,5 +317,6 @@ int main() {
                                                                             "coop 128x256 f32");
     }
   }
+  time_uniform_forward(b, mean, 768, 2048);
   return 0;
 }

@@ -62,6 +62,9 @@ class ExpertTileScheduler : public cutlass::gemm::kernel::detail::PersistentTile
     const int64_t* counts = nullptr;    // (experts), on the device (weight gradient)
     int experts = 0;
     bool rows_fastest = true;  // forward/dx: an expert's tiles m fastest, else n fastest
+    // Forward/dx as a plain batched GEMM (every expert M rows of its own batch, no segments):
+    // CUTLASS's batched tile order with this scheduler, to tell the scheduler's cost apart.
+    bool uniform = false;
     // Optional, forward/dx: per row block {expert, its first block, its block count}, so that a
     // tile's expert is one load instead of a walk over the segments.
     const int4* block_info = nullptr;
@@ -71,6 +74,7 @@ class ExpertTileScheduler : public cutlass::gemm::kernel::detail::PersistentTile
     const int64_t* counts = nullptr;
     int experts = 0;
     bool rows_fastest = true;
+    bool uniform = false;
     const int4* block_info = nullptr;
     cutlass::FastDivmod divmod_tiles_n;
     int tiles_m = 0, tiles_n = 0;  // forward/dx: tiles_n; dw: the (k, n) output's tiles
@@ -92,6 +96,7 @@ class ExpertTileScheduler : public cutlass::gemm::kernel::detail::PersistentTile
     p.counts = args.counts;
     p.experts = args.experts;
     p.rows_fastest = args.rows_fastest;
+    p.uniform = args.uniform;
     p.block_info = args.block_info;
     p.tile_m = size<0>(tile);
     p.tile_n = size<1>(tile);
@@ -155,15 +160,17 @@ class ExpertTileScheduler : public cutlass::gemm::kernel::detail::PersistentTile
     WorkTileInfo w;
     const int E = params_.experts;
     const int i = static_cast<int>(index);
-    if constexpr (P == Product::kWeightGradient) {
+    if (P == Product::kWeightGradient || params_.uniform) {
       const int per_expert = params_.tiles_m * params_.tiles_n;
       const int e = i / per_expert, local = i - e * per_expert;
       if (index >= uint64_t(per_expert) * E) return WorkTileInfo::invalid_work_tile();
       w.M_idx = local % params_.tiles_m;
       w.N_idx = local / params_.tiles_m;
       w.L_idx = e;
-      w.k_start = static_cast<int32_t>(params_.segments[e] / params_.tile_k);
-      w.k_count = static_cast<int32_t>((params_.counts[e] + params_.tile_k - 1) / params_.tile_k);
+      if constexpr (P == Product::kWeightGradient) {
+        w.k_start = static_cast<int32_t>(params_.segments[e] / params_.tile_k);
+        w.k_count = static_cast<int32_t>((params_.counts[e] + params_.tile_k - 1) / params_.tile_k);
+      }
     } else {
       int block = 0, n_in_block = 0;
       params_.divmod_tiles_n.fast_divmod(block, n_in_block, i);
