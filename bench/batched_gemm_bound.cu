@@ -131,15 +131,6 @@ const char* name(Product p) {
 }
 
 // One product and tile: the grouped kernel on balanced and ragged experts, the batched kernel on
-// balanced ones (the same FLOPs in all three).
-__global__ void count_differing_words(const uint32_t* a, const uint32_t* b, size_t words,
-                                      unsigned long long* count) {
-  for (size_t i = blockIdx.x * size_t{blockDim.x} + threadIdx.x; i < words;
-       i += size_t{gridDim.x} * blockDim.x)
-    if (a[i] != b[i]) atomicAdd(count, 1ull);
-}
-
-// One product and tile: the grouped kernel on balanced and ragged experts, the batched kernel on
 // balanced ones (the same FLOPs in all three); the batched output is checked word for word
 // against the grouped one on the same balanced experts.
 template <Product P, class Grouped, class Batch>
@@ -148,20 +139,16 @@ void compare(const Buffers& s, int64_t k, int64_t n, const char* tile) {
   const size_t bytes = output_bytes<P, Grouped>(s, k, n);
   const void* out = P == Product::kWeightGradient ? static_cast<const void*>(s.dw) : s.out;
   void* reference = nullptr;
-  unsigned long long* count = nullptr;
   CHECK(cudaMalloc(&reference, bytes));
-  CHECK(cudaMalloc(&count, sizeof(*count)));
   const float balanced = time_grouped<P, Grouped>(s, s.offsets, k, n);
   CHECK(cudaMemcpy(reference, out, bytes, cudaMemcpyDeviceToDevice));
   const float ragged = time_grouped<P, Grouped>(s, s.ragged_offsets, k, n);
   const float batched = time_batched<P, Batch>(s, k, n);
-  CHECK(cudaMemset(count, 0, sizeof(*count)));
-  count_differing_words<<<1024, 256>>>(static_cast<const uint32_t*>(out),
-                                       static_cast<const uint32_t*>(reference), bytes / 4, count);
-  unsigned long long differing = 0;
-  CHECK(cudaMemcpy(&differing, count, sizeof(differing), cudaMemcpyDeviceToHost));
+  const unsigned long long differing =
+      workbench::differences(static_cast<const uint32_t*>(out),
+                             static_cast<const uint32_t*>(reference), bytes / 4)
+          .differing;
   cudaFree(reference);
-  cudaFree(count);
   auto tflops = [&](float ms) { return flop / (ms * 1e-3) / 1e12; };
   std::printf(
       "{\"bench\": \"fixed_descriptor_bound\", \"product\": \"%s\", \"shape\": \"k%ld n%ld\", "
@@ -190,16 +177,9 @@ int main() {
   CHECK(cudaMalloc(&out, sizeof(bf) * m * big));
   CHECK(cudaMalloc(&dw, sizeof(float) * experts * big * big));
   CHECK(cudaMalloc(&off, sizeof(int64_t) * (experts + 1)));
-  std::vector<int64_t> h_off(experts + 1);
-  for (int e = 0; e <= experts; ++e) h_off[e] = e * rows;
+  const auto h_off = workbench::offsets_of(workbench::expert_rows(experts, rows, false));
   CHECK(cudaMemcpy(off, h_off.data(), sizeof(int64_t) * h_off.size(), cudaMemcpyHostToDevice));
-  std::vector<int64_t> h_ragged(experts + 1, 0);
-  for (int e = 0; e < experts; ++e) {  // deterministic spread; the last expert takes the rest
-    uint32_t h = static_cast<uint32_t>(e + 1) * 2654435761u;
-    h ^= h >> 15;
-    const int64_t r = rows / 2 + static_cast<int64_t>((h % 1000) * rows / 1000);
-    h_ragged[e + 1] = e + 1 < experts ? std::min(h_ragged[e] + r, m) : m;
-  }
+  const auto h_ragged = workbench::offsets_of(workbench::expert_rows(experts, rows, true));
   CHECK(cudaMalloc(&ragged, sizeof(int64_t) * (experts + 1)));
   CHECK(cudaMemcpy(ragged, h_ragged.data(), sizeof(int64_t) * h_ragged.size(),
                    cudaMemcpyHostToDevice));

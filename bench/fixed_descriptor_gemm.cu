@@ -60,20 +60,6 @@ __global__ void move_rows(bf* padded, bf* unpadded, const int64_t* offsets, cons
   }
 }
 
-template <class T>
-__global__ void compare(const T* a, const T* b, int64_t n, unsigned long long* differing,
-                        float* max_abs) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    const float x = float(a[i]), y = float(b[i]);
-    if (!(x == y)) {
-      atomicAdd(differing, 1ull);
-      const float d = std::isfinite(x - y) ? fabsf(x - y) : 1e30f;
-      atomicMax(reinterpret_cast<int*>(max_abs), __float_as_int(d));
-    }
-  }
-}
-
 struct RowLayout {
   const char* routing = "";
   std::vector<int64_t> offsets, segments, counts;
@@ -86,25 +72,13 @@ struct RowLayout {
 RowLayout make_layout(const char* routing, int experts, int64_t mean, bool ragged) {
   RowLayout l;
   l.routing = routing;
-  l.offsets.assign(experts + 1, 0);
-  l.segments.assign(experts + 1, 0);
-  l.counts.assign(experts, mean);
   const int64_t m = experts * mean;
-  if (ragged) {
-    int64_t sum = 0;
-    for (int e = 0; e < experts; ++e) {
-      uint32_t h = static_cast<uint32_t>(e + 1) * 2654435761u;
-      h ^= h >> 15;
-      l.counts[e] =
-          e + 1 < experts ? mean / 2 + static_cast<int64_t>((h % 1000) * mean / 1000) : m - sum;
-      sum += l.counts[e];
-    }
-  }
-  for (int e = 0; e < experts; ++e) {
-    l.offsets[e + 1] = l.offsets[e] + l.counts[e];
-    l.segments[e + 1] =
-        l.segments[e] + (l.counts[e] + f::kSegmentRows - 1) / f::kSegmentRows * f::kSegmentRows;
-  }
+  l.counts = workbench::expert_rows(experts, mean, ragged);
+  l.offsets = workbench::offsets_of(l.counts);
+  std::vector<int64_t> padded(experts);
+  for (int e = 0; e < experts; ++e)
+    padded[e] = (l.counts[e] + f::kSegmentRows - 1) / f::kSegmentRows * f::kSegmentRows;
+  l.segments = workbench::offsets_of(padded);
   auto upload = [](const std::vector<int64_t>& v) {
     int64_t* d;
     CHECK(cudaMalloc(&d, sizeof(int64_t) * v.size()));
@@ -140,22 +114,6 @@ struct Buffers {
   size_t workspace_bytes;
 };
 
-template <class T>
-void report_compare(const T* a, const T* b, int64_t n, unsigned long long* differing,
-                    float* max_abs) {
-  unsigned long long* d_diff;
-  float* d_max;
-  CHECK(cudaMalloc(&d_diff, sizeof(*d_diff)));
-  CHECK(cudaMalloc(&d_max, sizeof(*d_max)));
-  CHECK(cudaMemset(d_diff, 0, sizeof(*d_diff)));
-  CHECK(cudaMemset(d_max, 0, sizeof(*d_max)));
-  compare<<<1024, 256>>>(a, b, n, d_diff, d_max);
-  CHECK(cudaMemcpy(differing, d_diff, sizeof(*d_diff), cudaMemcpyDeviceToHost));
-  CHECK(cudaMemcpy(max_abs, d_max, sizeof(*d_max), cudaMemcpyDeviceToHost));
-  cudaFree(d_diff);
-  cudaFree(d_max);
-}
-
 const char* name(Product p) {
   return p == Product::kForward ? "forward" : p == Product::kInputGradient ? "dx" : "dw";
 }
@@ -187,18 +145,18 @@ void run_product(const Buffers& b, const RowLayout& l, int64_t k, int64_t n, con
   auto fixed = [&] {
     CHECK((f::run<C, P>(l.d_segments, l.d_counts, E, lhs_pad, rhs_pad,
                         dw ? static_cast<void*>(b.dw_fixed) : static_cast<void*>(b.out_pad),
-                        b.capacity, k, n, b.workspace, b.workspace_bytes, nullptr, rows_fastest)));
+                        b.capacity, k, n, b.workspace, b.workspace_bytes, nullptr, rows_fastest,
+                        block_info)));
   };
   // Correctness: poison, run each once, compare (the fixed rows moved back to the unpadded
   // layout first).
-  unsigned long long differing = 0;
-  float max_abs = 0;
+  workbench::Differences d;
   if (dw) {
     CHECK(cudaMemset(b.dw, 0xFF, sizeof(float) * E * k * n));
     CHECK(cudaMemset(b.dw_fixed, 0xFF, sizeof(float) * E * k * n));
     grouped();
     fixed();
-    report_compare(b.dw_fixed, b.dw, int64_t{E} * k * n, &differing, &max_abs);
+    d = workbench::differences(b.dw_fixed, b.dw, int64_t{E} * k * n);
   } else {
     CHECK(cudaMemset(b.out, 0xFF, sizeof(bf) * b.m * out_width));
     CHECK(cudaMemset(b.out_pad, 0xFF, sizeof(bf) * b.capacity * out_width));
@@ -207,7 +165,7 @@ void run_product(const Buffers& b, const RowLayout& l, int64_t k, int64_t n, con
     fixed();
     move_rows<<<dim3(64, E), 256>>>(b.out_pad, b.back, l.d_offsets, l.d_segments, E, out_width,
                                     false);
-    report_compare(b.back, b.out, b.m * out_width, &differing, &max_abs);
+    d = workbench::differences(b.back, b.out, b.m * out_width);
   }
   CHECK(cudaDeviceSynchronize());
   const float grouped_ms = workbench::median_ms(grouped);
@@ -228,7 +186,7 @@ void run_product(const Buffers& b, const RowLayout& l, int64_t k, int64_t n, con
         : order ? "m fastest"
                 : "n fastest",
         grouped_ms, flop / (grouped_ms * 1e-3) / 1e12, fixed_ms, flop / (fixed_ms * 1e-3) / 1e12,
-        grouped_ms / fixed_ms, static_cast<long>(l.segments.back()), differing, max_abs);
+        grouped_ms / fixed_ms, static_cast<long>(l.segments.back()), d.differing, d.max_abs);
     std::fflush(stdout);
   }
 }

@@ -108,24 +108,6 @@ void time_product(const Problem& pr) {
       "coop 128x128x128 1x1", pr);
 }
 
-std::vector<int64_t> offsets_for(int experts, int64_t mean, bool ragged) {
-  std::vector<int64_t> rows(experts, mean);
-  if (ragged) {  // deterministic spread in [0.5, 1.5) x mean, then the sum put back to experts x
-                 // mean
-    int64_t sum = 0;
-    for (int e = 0; e < experts; ++e) {
-      uint32_t h = static_cast<uint32_t>(e + 1) * 2654435761u;
-      h ^= h >> 15;
-      rows[e] = mean / 2 + static_cast<int64_t>((h % 1000) * mean / 1000);
-      sum += rows[e];
-    }
-    rows[0] += experts * mean - sum;
-  }
-  std::vector<int64_t> off(experts + 1, 0);
-  for (int e = 0; e < experts; ++e) off[e + 1] = off[e] + rows[e];
-  return off;
-}
-
 }  // namespace variants
 
 int main() {
@@ -148,7 +130,7 @@ int main() {
   const char* only = std::getenv("VARIANTS_PRODUCT");  // forward, dx or dw; unset: all three
   auto wanted = [&](Product p) { return !only || std::string_view(only) == product_name(p); };
   for (bool ragged : {false, true}) {
-    const auto off = offsets_for(experts, mean_rows, ragged);
+    const auto off = workbench::offsets_of(workbench::expert_rows(experts, mean_rows, ragged));
     CHECK(cudaMemcpy(d_off, off.data(), sizeof(int64_t) * off.size(), cudaMemcpyHostToDevice));
     for (auto [k, n] : {std::pair<int64_t, int64_t>{2048, 1536}, {768, 2048}}) {
       const Problem pr{ragged ? "ragged" : "balanced", experts, m, k, n, d_off, x, w, dy, out, dw};

@@ -41,12 +41,16 @@ inline std::string unique_temp_path(const std::string& stem) {
       .string();
 }
 
+// The whole text of a file (empty when it does not exist).
+inline std::string read_file(const std::string& path) {
+  std::ifstream in(path);
+  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+}
+
 inline Proc run_cmd(const std::string& cmd) {
   const std::string out = unique_temp_path("cmd_out.txt");
   const int status = std::system((cmd + " >" + out + " 2>&1").c_str());
-  std::ifstream in(out);
-  Proc p{WIFEXITED(status) ? WEXITSTATUS(status) : -1,
-         std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>())};
+  Proc p{WIFEXITED(status) ? WEXITSTATUS(status) : -1, read_file(out)};
   std::filesystem::remove(out);
   return p;
 }
@@ -62,12 +66,6 @@ inline int free_port() {
   ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len);
   ::close(fd);
   return ntohs(addr.sin_port);
-}
-
-// The whole text of a file (empty when it does not exist).
-inline std::string read_file(const std::string& path) {
-  std::ifstream in(path);
-  return std::string((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
 }
 
 // One value per step from a --metrics file (JSON lines).

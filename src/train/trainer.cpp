@@ -107,16 +107,22 @@ namespace {
 // "<rank>:<step>:pass" makes it exit within that step instead, after the step's first collective
 // (the token count) and before its training pass, so that its peers are left in the pass.
 enum class FaultPoint { kAfterStep, kBeforePass };
+struct Fault {
+  int rank = -1;
+  long long step = -1;
+  FaultPoint point = FaultPoint::kAfterStep;
+};
 void maybe_inject_fault(int rank, int64_t step, FaultPoint at) {
-  const char* spec = std::getenv("MOETRAIN_FAULT_EXIT");
-  int fault_rank = -1;
-  long long fault_step = -1;
-  char where[8] = {};
-  const int fields = spec ? std::sscanf(spec, "%d:%lld:%7s", &fault_rank, &fault_step, where) : 0;
-  const FaultPoint point = fields == 3 && std::string_view(where) == "pass"
-                               ? FaultPoint::kBeforePass
-                               : FaultPoint::kAfterStep;
-  if (fields >= 2 && fault_rank == rank && fault_step == step && point == at) std::_Exit(17);
+  static const Fault fault = [] {  // read once: the environment does not change mid-run
+    Fault f;
+    const char* spec = std::getenv("MOETRAIN_FAULT_EXIT");
+    char where[8] = {};
+    const int fields = spec ? std::sscanf(spec, "%d:%lld:%7s", &f.rank, &f.step, where) : 0;
+    if (fields < 2) f.rank = -1;
+    if (fields == 3 && std::string_view(where) == "pass") f.point = FaultPoint::kBeforePass;
+    return f;
+  }();
+  if (fault.rank == rank && fault.step == step && fault.point == at) std::_Exit(17);
 }
 }  // namespace
 
