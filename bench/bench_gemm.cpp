@@ -74,7 +74,7 @@ int main() {
            mt::ops::grouped_gemm_backward_weight(x, dy, off, dw, mt::ops::Accumulate::kNo);
          }),
          ceiling);
-  const int64_t* o = off.data<int64_t>();
+  const mt::cuda::kernels::ExpertSegments o{off.data<int64_t>(), off.data<int64_t>()};  // dense
   const int ne = static_cast<int>(experts);
   report("grouped_gemm_forward_v1", shape, flops, mt::bench::median_ms([&] {
            MT_CUDA_CHECK(mt::cuda::kernels::grouped_gemm_rows(x.raw(), w.raw(), o, ne, m, k, n,

@@ -48,8 +48,21 @@ int main() {
   const double expert_flops = 3.0 * 2.0 * n * c.top_k * (d * 2 * f + f * d);
   const double floor_ms = expert_flops / ceiling * 1e3;
 
+  // Expert weight gradients as the trainer writes them: overwritten by the step's first backward
+  // (beta 0, no read of the f32 gradient), see moe_backward.
+  const auto first_write = mt::ops::Accumulate::kNo;
+  auto layer_ms = [&] {
+    return mt::bench::median_ms([&] {
+      mt::moe::MoeActivations act;
+      mt::moe::moe_fill(w, c, {}, Tensor(), hn, act);
+      Tensor layer_out = Tensor::empty({n, d}, DType::kBF16, Device::kCUDA);
+      mt::moe::moe_combine(act, layer_out);
+      (void)mt::moe::moe_backward(w, g, c, hn, act, dout, 0.001, first_write);
+    });
+  };
   for (bool balanced : {false, true}) {
     c.force_balanced_routing = balanced;
+    c.pad_expert_rows = true;
     // Stages, each timed on its own with the earlier stages' outputs ready (where the time goes).
     const double router_ms = mt::bench::median_ms([&] {
       mt::moe::MoeActivations act;
@@ -63,27 +76,29 @@ int main() {
     });
     Tensor out = Tensor::empty({n, d}, DType::kBF16, Device::kCUDA);
     const double combine_ms = mt::bench::median_ms([&] { mt::moe::moe_combine(full, out); });
-    // Expert weight gradients as the trainer writes them: overwritten by the step's first
-    // backward (beta 0, no read of the f32 gradient), see moe_backward.
-    const auto first_write = mt::ops::Accumulate::kNo;
     const double backward_ms = mt::bench::median_ms(
         [&] { (void)mt::moe::moe_backward(w, g, c, hn, full, dout, 0.001, first_write); });
     std::printf(
         "{\"bench\": \"moe_layer_stages\", \"routing\": \"%s\", \"router_topk_permutation_ms\": "
         "%.3f, \"forward_fill_ms\": %.3f, \"combine_ms\": %.3f, \"backward_ms\": %.3f}\n",
         balanced ? "balanced" : "real", router_ms, fill_ms, combine_ms, backward_ms);
-    const double ms = mt::bench::median_ms([&] {
-      mt::moe::MoeActivations act;
-      mt::moe::moe_fill(w, c, {}, Tensor(), hn, act);
-      Tensor layer_out = Tensor::empty({n, d}, DType::kBF16, Device::kCUDA);
-      mt::moe::moe_combine(act, layer_out);
-      (void)mt::moe::moe_backward(w, g, c, hn, act, dout, 0.001, first_write);
-    });
+    // The whole layer, with padded expert rows (the default) and dense ones alternating four
+    // times: a power-capped GPU's clock drifts by more than the difference between the two.
+    std::vector<double> padded_ms, dense_ms;
+    for (int round = 0; round < 4; ++round)
+      for (bool padded : {true, false}) {
+        c.pad_expert_rows = padded;
+        (padded ? padded_ms : dense_ms).push_back(layer_ms());
+      }
+    c.pad_expert_rows = true;
+    const double ms = mt::bench::median(padded_ms), dense = mt::bench::median(dense_ms);
     std::printf(
         "{\"bench\": \"moe_layer_fwd_bwd\", \"shape\": \"16384 tok, dim 2048, F 768, 128 "
-        "experts, top-8, bf16\", \"routing\": \"%s\", \"ms\": %.3f, "
-        "\"expert_gemm_floor_ms\": %.3f, \"ratio_to_floor\": %.2f}\n",
-        balanced ? "balanced" : "real", ms, floor_ms, ms / floor_ms);
+        "experts, top-8, bf16\", \"routing\": \"%s\", \"ms\": %.3f, \"expert_gemm_floor_ms\": "
+        "%.3f, \"ratio_to_floor\": %.2f, \"dense_expert_rows_ms\": %.3f, \"rounds_ms\": "
+        "\"%s / %s\"}\n",
+        balanced ? "balanced" : "real", ms, floor_ms, ms / floor_ms, dense,
+        mt::bench::join(padded_ms).c_str(), mt::bench::join(dense_ms).c_str());
     std::fflush(stdout);
   }
   // MOETRAIN_PROFILE=1: one more real-routing layer, every op timed on its own (device waits at
@@ -91,6 +106,7 @@ int main() {
   if (mt::profile::enabled()) {
     mt::profile::set_device_sync(&mt::cuda::synchronize);
     c.force_balanced_routing = false;
+    c.pad_expert_rows = true;
     for (int pass = 0; pass < 2; ++pass) {  // the first pass warms the caches, the second counts
       (void)mt::profile::take();
       mt::moe::MoeActivations act;

@@ -2,9 +2,11 @@
 // median.
 #pragma once
 #include <cuda_runtime_api.h>
+#include <fmt/format.h>
 
 #include <algorithm>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "core/cuda_check.h"
@@ -28,6 +30,18 @@ inline Tensor random_bf16(const Shape& s, uint64_t seed, double scale) {
     dst.copy_from(block.view(0, {len}));
   }
   return t;
+}
+
+inline double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+// "a, b, c" with three decimals: the samples behind a median, for the JSON line.
+inline std::string join(const std::vector<double>& v) {
+  std::string out;
+  for (double x : v) out += (out.empty() ? "" : ", ") + fmt::format("{:.3f}", x);
+  return out;
 }
 
 // Median of `reps` runs after `warmup` untimed ones, in milliseconds, timed with CUDA events.

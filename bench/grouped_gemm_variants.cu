@@ -61,8 +61,8 @@ void time_variant(const char* name, const Problem& pr) {
   // The weight gradient in f32 or bf16 (the f32 buffer holds either).
   void* out = P == Product::kWeightGradient ? static_cast<void*>(pr.dw) : pr.out;
   auto call = [&] {
-    CHECK((mt::cuda::grouped_sm90::run<P, C>(pr.offsets, pr.experts, lhs, rhs, out, pr.m, pr.k,
-                                             pr.n, ws, bytes, nullptr)));
+    CHECK((mt::cuda::grouped_sm90::run<P, C>({pr.offsets, pr.offsets}, pr.experts, lhs, rhs, out,
+                                             pr.m, pr.k, pr.n, ws, bytes, nullptr)));
   };
   const double med = workbench::median_ms(call);
   cudaEvent_t a, b;

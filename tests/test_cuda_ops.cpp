@@ -207,54 +207,84 @@ TEST_P(GpuCase, GemmEveryTransposeAndAccumulate) {
   expect_close(out, ref, "linear + residual epilogue");
 }
 
+// Expert e's rows of t (a padded layout's rows between segments dropped), on the host.
+Tensor real_rows(const Tensor& t, const std::vector<int64_t>& off,
+                 const std::vector<int64_t>& seg) {
+  const Tensor h = t.to(Device::kCPU);
+  const int64_t e = static_cast<int64_t>(off.size()) - 1, width = h.numel() / h.dim(0);
+  Tensor out = Tensor::empty({off[e], width}, h.dtype());
+  const size_t row_bytes = h.nbytes() / h.dim(0);
+  for (int64_t i = 0; i < e; ++i)
+    std::memcpy(static_cast<char*>(out.raw()) + off[i] * row_bytes,
+                static_cast<const char*>(h.raw()) + seg[i] * row_bytes,
+                (off[i + 1] - off[i]) * row_bytes);
+  return out;
+}
+
+// The grouped GEMMs against the CPU reference, dense and with 128-row segments (the layout
+// whose forward and input gradient run on fixed descriptors): uneven experts, empty ones, partial
+// tiles in every dimension, outputs poisoned (padding rows are not compared: nothing reads them).
 TEST_P(GpuCase, GroupedGemmWithDeviceOffsets) {
   if (GetParam() != DType::kBF16) GTEST_SKIP() << "grouped gemm v1 is bf16";
-  // Uneven experts: empty ones, partial tiles in every dimension.
-  const std::vector<int64_t> rows = {300, 0, 129, 1, 0, 517, 128, 64};
-  const int64_t e = static_cast<int64_t>(rows.size()), k = 136, n = 200;
-  Tensor off = Tensor::zeros({e + 1}, DType::kI64);
-  for (int64_t i = 0; i < e; ++i) off.set_item(i + 1, off.item(i) + rows[i]);
-  const int64_t m = static_cast<int64_t>(off.item(e));
-  const Tensor x = input({m, k}), w = input({e, k, n}, 0.1), dy = input({m, n});
-  Tensor out = Tensor::empty({m, n}, DType::kF32), dx = Tensor::empty({m, k}, DType::kF32);
-  Tensor dw = input({e, k, n}, 0.01);
-  const Tensor dw0 = dw.clone();
-  Tensor gdw = dw.to(Device::kCUDA);  // f32 accumulation target
-  ops::grouped_gemm_forward(x, w, off, out);
-  ops::grouped_gemm_backward_input(dy, w, off, dx);
-  ops::grouped_gemm_backward_weight(x, dy, off, dw);
-  const Tensor goff = off.to(Device::kCUDA), gx = gpu(x), gw = gpu(w), gdy = gpu(dy);
-  Tensor gout = gpu_out({m, n}), gdx = gpu_out({m, k});
-  ops::grouped_gemm_forward(gx, gw, goff, gout);
-  ops::grouped_gemm_backward_input(gdy, gw, goff, gdx);
-  ops::grouped_gemm_backward_weight(gx, gdy, goff, gdw);
-  expect_close(gout, out, "grouped forward");
-  expect_close(gdx, dx, "grouped dx");
-  expect_close(gdw, dw, "grouped dw (accumulated, f32)");
-  // Overwriting into a poisoned buffer: experts 1 and 4 have no rows and must come out zero.
-  Tensor fresh = Tensor::empty({e, k, n}, DType::kF32);
-  ops::grouped_gemm_backward_weight(x, dy, off, fresh, ops::Accumulate::kNo);
-  Tensor gfresh = gpu_out({e, k, n}, DType::kF32);
-  ops::grouped_gemm_backward_weight(gx, gdy, goff, gfresh, ops::Accumulate::kNo);
-  expect_close(gfresh, fresh, "grouped dw (overwritten, f32)");
-  EXPECT_EQ(fresh.to(DType::kF32).item(1 * k * n + 5), 0.0);
+  const std::vector<int64_t> counts = {300, 0, 129, 1, 0, 517, 128, 64};
+  const int64_t e = static_cast<int64_t>(counts.size()), k = 136, n = 200;
+  for (const int64_t align : {int64_t{1}, int64_t{128}}) {
+    SCOPED_TRACE(fmt::format("segments aligned to {} rows", align));
+    std::vector<int64_t> off(e + 1, 0), seg(e + 1, 0);
+    for (int64_t i = 0; i < e; ++i) {
+      off[i + 1] = off[i] + counts[i];
+      seg[i + 1] = seg[i] + (counts[i] + align - 1) / align * align;
+    }
+    Tensor toff = Tensor::empty({e + 1}, DType::kI64), tseg = Tensor::empty({e + 1}, DType::kI64);
+    for (int64_t i = 0; i <= e; ++i) {
+      toff.set_item(i, static_cast<double>(off[i]));
+      tseg.set_item(i, static_cast<double>(seg[i]));
+    }
+    const int64_t m = seg[e];
+    const ops::ExpertRows rows(toff, tseg, align);
+    const Tensor x = input({m, k}), w = input({e, k, n}, 0.1), dy = input({m, n});
+    Tensor out = Tensor::empty({m, n}, DType::kF32), dx = Tensor::empty({m, k}, DType::kF32);
+    Tensor dw = input({e, k, n}, 0.01);
+    const Tensor dw0 = dw.clone();
+    Tensor gdw = dw.to(Device::kCUDA);  // f32 accumulation target
+    ops::grouped_gemm_forward(x, w, rows, out);
+    ops::grouped_gemm_backward_input(dy, w, rows, dx);
+    ops::grouped_gemm_backward_weight(x, dy, rows, dw);
+    const ops::ExpertRows grows(toff.to(Device::kCUDA), tseg.to(Device::kCUDA), align);
+    const Tensor gx = gpu(x), gw = gpu(w), gdy = gpu(dy);
+    Tensor gout = gpu_out({m, n}), gdx = gpu_out({m, k});
+    ops::grouped_gemm_forward(gx, gw, grows, gout);
+    ops::grouped_gemm_backward_input(gdy, gw, grows, gdx);
+    ops::grouped_gemm_backward_weight(gx, gdy, grows, gdw);
+    expect_close(real_rows(gout, off, seg), real_rows(out, off, seg), "grouped forward");
+    expect_close(real_rows(gdx, off, seg), real_rows(dx, off, seg), "grouped dx");
+    expect_close(gdw, dw, "grouped dw (accumulated, f32)");
+    // Overwriting into a poisoned buffer: experts 1 and 4 have no rows and must come out zero.
+    Tensor fresh = Tensor::empty({e, k, n}, DType::kF32);
+    ops::grouped_gemm_backward_weight(x, dy, rows, fresh, ops::Accumulate::kNo);
+    Tensor gfresh = gpu_out({e, k, n}, DType::kF32);
+    ops::grouped_gemm_backward_weight(gx, gdy, grows, gfresh, ops::Accumulate::kNo);
+    expect_close(gfresh, fresh, "grouped dw (overwritten, f32)");
+    EXPECT_EQ(fresh.to(DType::kF32).item(1 * k * n + 5), 0.0);
 
-  // Version 1 (the fallback without CUTLASS) through its kernel API, on the same data.
-  Tensor vout = gpu_out({m, n}), vdx = gpu_out({m, k}), vdw = dw0.to(Device::kCUDA);
-  const int64_t* o = goff.data<int64_t>();
-  const int ne = static_cast<int>(e);
-  ASSERT_EQ(cuda::kernels::grouped_gemm_rows(gx.raw(), gw.raw(), o, ne, m, k, n, false, vout.raw(),
-                                             false, nullptr),
-            cudaSuccess);
-  ASSERT_EQ(cuda::kernels::grouped_gemm_rows(gdy.raw(), gw.raw(), o, ne, m, n, k, true, vdx.raw(),
-                                             false, nullptr),
-            cudaSuccess);
-  ASSERT_EQ(cuda::kernels::grouped_gemm_weight(gx.raw(), gdy.raw(), o, ne, k, n, vdw.raw(), true,
-                                               true, nullptr),
-            cudaSuccess);
-  expect_close(vout, out, "grouped forward v1");
-  expect_close(vdx, dx, "grouped dx v1");
-  expect_close(vdw, dw, "grouped dw v1");
+    // Version 1 (the fallback without CUTLASS) through its kernel API, on the same data.
+    Tensor vout = gpu_out({m, n}), vdx = gpu_out({m, k}), vdw = dw0.to(Device::kCUDA);
+    const cuda::kernels::ExpertSegments o{grows.offsets.data<int64_t>(),
+                                          grows.segments.data<int64_t>()};
+    const int ne = static_cast<int>(e);
+    ASSERT_EQ(cuda::kernels::grouped_gemm_rows(gx.raw(), gw.raw(), o, ne, m, k, n, false,
+                                               vout.raw(), false, nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cuda::kernels::grouped_gemm_rows(gdy.raw(), gw.raw(), o, ne, m, n, k, true, vdx.raw(),
+                                               false, nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cuda::kernels::grouped_gemm_weight(gx.raw(), gdy.raw(), o, ne, k, n, vdw.raw(), true,
+                                                 true, nullptr),
+              cudaSuccess);
+    expect_close(real_rows(vout, off, seg), real_rows(out, off, seg), "grouped forward v1");
+    expect_close(real_rows(vdx, off, seg), real_rows(dx, off, seg), "grouped dx v1");
+    expect_close(vdw, dw, "grouped dw v1");
+  }
 }
 
 // One routing configuration, GPU against CPU: choices and counts exactly, scores, weights, score
@@ -314,6 +344,35 @@ TEST_P(GpuCase, RouterPermutationAndCombine) {
   check_routing({n, e, k, true, false, false, false}, seed, cr, gr);
   if (HasFatalFailure()) return;
 
+  // The padded layout (the GPU layer's): every expert's rows from a multiple of 128, the same
+  // on both sides to the entry, padding rows naming no token.
+  {
+    ops::ExpertPermutation cpad, gpad;
+    ops::make_expert_permutation(cr.expert_index, e, cpad, 128);
+    ops::make_expert_permutation(gr.expert_index, e, gpad, 128);
+    ASSERT_EQ(gpad.rows(), n * k + e * 127);
+    for (auto [a, b] : {std::pair{&cpad.source_token, &gpad.source_token},
+                        std::pair{&cpad.row_of_choice, &gpad.row_of_choice},
+                        std::pair{&cpad.expert_offsets, &gpad.expert_offsets},
+                        std::pair{&cpad.segments, &gpad.segments}}) {
+      const Tensor host = b->to(Device::kCPU);
+      ASSERT_EQ(std::memcmp(host.raw(), a->raw(), a->nbytes()), 0) << "padded permutation differs";
+    }
+    for (int64_t i = 0; i < e; ++i)
+      EXPECT_EQ(static_cast<int64_t>(cpad.segments.item(i)) % 128, 0) << "expert " << i;
+    // Combine reads only the experts' rows: poison in the padding must not reach the output.
+    const Tensor y = input({n * k, d});
+    Tensor cyp = Tensor::zeros({cpad.rows(), d}, DType::kF32);
+    ops::unpermute_rows_backward(y, cpad, cyp);  // y's rows into their padded places
+    Tensor poisoned = cyp.clone();
+    for (int64_t i = 0; i < cpad.rows(); ++i)
+      if (cpad.source_token.data<int32_t>()[i] < 0)
+        std::fill(poisoned.data<float>() + i * d, poisoned.data<float>() + (i + 1) * d, NAN);
+    Tensor cout_ = Tensor::empty({n, d}, DType::kF32), out = gpu_out({n, d});
+    ops::combine_forward(cyp, cpad, cr.expert_weight, cout_);
+    ops::combine_forward(gpu(poisoned), gpad, gr.expert_weight, out);
+    expect_close(out, cout_, "combine over a padded layout");
+  }
   ops::ExpertPermutation cp, gp;
   ops::make_expert_permutation(cr.expert_index, e, cp);
   ops::make_expert_permutation(gr.expert_index, e, gp);

@@ -368,6 +368,82 @@ TEST(Combine, WeightsAppliedOnceAndGradients) {
     EXPECT_NEAR(with.item(i), out.item(i) + r.item(i), 1e-14) << i;
 }
 
+// Segments aligned to 4 rows: each expert's rows from a multiple of 4, in the dense order, the
+// padding naming no token; rows moved through the padded layout come back unchanged.
+TEST(Permute, PaddedSegmentsKeepTheDenseOrder) {
+  PermCase c = perm_case();
+  ops::ExpertPermutation p;
+  ops::make_expert_permutation(c.index, 4, p, 4);
+  EXPECT_EQ(p.rows(), 10 + 4 * 3);
+  const std::vector<int64_t> offsets = {0, 3, 6, 6, 10}, segments = {0, 4, 8, 8, 12};
+  for (int e = 0; e < 5; ++e) {
+    EXPECT_EQ(p.expert_offsets.item(e), offsets[e]);
+    EXPECT_EQ(p.segments.item(e), segments[e]);
+  }
+  const std::vector<int> source = {0, 2, 4, -1, 1, 2, 3, -1, 0, 1, 3, 4};
+  for (int i = 0; i < 12; ++i) EXPECT_EQ(p.source_token.item(i), source[i]) << i;
+  for (int64_t i = 12; i < p.rows(); ++i) EXPECT_EQ(p.source_token.item(i), -1) << i;
+  Tensor x = randn({5, 3}, 1), xp = Tensor::zeros({p.rows(), 3}, DType::kF64);
+  ops::permute_rows(x, p, xp);
+  Tensor back = Tensor::poisoned({5, 2, 3}, DType::kF64);
+  ops::unpermute_rows(xp, p, back);
+  for (int t = 0; t < 5; ++t)
+    for (int j = 0; j < 2; ++j)
+      for (int d = 0; d < 3; ++d) EXPECT_EQ(back.item((t * 2 + j) * 3 + d), x.item(t * 3 + d));
+}
+
+// The grouped GEMMs over a padded layout give the dense layout's products on every expert's rows
+// (and the same weight gradients); padding rows are not read.
+TEST(GroupedGemm, PaddedSegmentsGiveTheDenseProducts) {
+  const std::vector<int64_t> counts = {2, 0, 5}, off = {0, 2, 2, 7}, seg = {0, 4, 4, 12};
+  Tensor x = randn({7, 4}, 1), w = randn({3, 4, 5}, 2), g = randn({7, 5}, 3);
+  Tensor toff = Tensor::empty({4}, DType::kI64), tseg = Tensor::empty({4}, DType::kI64);
+  for (int e = 0; e < 4; ++e) {
+    toff.set_item(e, static_cast<double>(off[e]));
+    tseg.set_item(e, static_cast<double>(seg[e]));
+  }
+  const ops::ExpertRows padded(toff, tseg, 4);
+  // The padded copies: expert e's rows at seg[e], NaN in the padding (must not be read).
+  auto pad = [&](const Tensor& dense) {
+    const int64_t width = dense.dim(1);
+    Tensor p = Tensor::empty({12, width}, DType::kF64);
+    for (int64_t i = 0; i < p.numel(); ++i) p.set_item(i, std::nan(""));
+    for (int e = 0; e < 3; ++e)
+      for (int64_t r = 0; r < counts[e]; ++r)
+        for (int64_t c = 0; c < width; ++c)
+          p.set_item((seg[e] + r) * width + c, dense.item((off[e] + r) * width + c));
+    return p;
+  };
+  const Tensor xpad = pad(x), gpad = pad(g);
+  Tensor out = Tensor::empty({7, 5}, DType::kF64), pout = Tensor::empty({12, 5}, DType::kF64);
+  Tensor dx = Tensor::empty({7, 4}, DType::kF64), pdx = Tensor::empty({12, 4}, DType::kF64);
+  Tensor dw = Tensor::poisoned(w.shape(), DType::kF64),
+         pdw = Tensor::poisoned(w.shape(), DType::kF64);
+  ops::grouped_gemm_forward(x, w, toff, out);
+  ops::grouped_gemm_forward(xpad, w, padded, pout);
+  ops::grouped_gemm_backward_input(g, w, toff, dx);
+  ops::grouped_gemm_backward_input(gpad, w, padded, pdx);
+  ops::grouped_gemm_backward_weight(x, g, toff, dw, ops::Accumulate::kNo);
+  ops::grouped_gemm_backward_weight(xpad, gpad, padded, pdw, ops::Accumulate::kNo);
+  for (int e = 0; e < 3; ++e)
+    for (int64_t r = 0; r < counts[e]; ++r) {
+      for (int c = 0; c < 5; ++c)
+        EXPECT_EQ(pout.item((seg[e] + r) * 5 + c), out.item((off[e] + r) * 5 + c));
+      for (int c = 0; c < 4; ++c)
+        EXPECT_EQ(pdx.item((seg[e] + r) * 4 + c), dx.item((off[e] + r) * 4 + c));
+    }
+  for (int64_t i = 0; i < dw.numel(); ++i) EXPECT_EQ(pdw.item(i), dw.item(i)) << i;
+  // A layout whose expert overruns its segment is refused, naming the expert.
+  Tensor bad = tseg.clone();
+  bad.set_item(1, 1.0);
+  try {
+    ops::grouped_gemm_forward(xpad, w, ops::ExpertRows(toff, bad, 1), pout);
+    ADD_FAILURE() << "no error";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("expert 0"), std::string::npos) << e.what();
+  }
+}
+
 TEST(GroupedGemm, PerExpertProductsAndGradients) {
   Tensor x = randn({7, 4}, 1), w = randn({3, 4, 5}, 2), g = randn({7, 5}, 3);
   Tensor off = Tensor::empty({4}, DType::kI64);

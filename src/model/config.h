@@ -33,6 +33,10 @@ struct ModelConfig {
   double aux_loss_coef = 0.001;   // router_aux_loss_coef; 0 disables
   double bias_update_rate = 0.0;  // aux-loss-free balancing (0 = off)
   bool force_balanced_routing = false;
+  // On one GPU without expert parallelism: each expert's rows start on a 128-row boundary, so the
+  // forward and input-gradient expert GEMMs run on fixed TMA descriptors; false: dense rows (up to
+  // E x 127 fewer rows in each of the layer's row buffers).
+  bool pad_expert_rows = true;
   // --- numerics and memory ---
   double init_std = 0.02;
   DType compute_dtype = DType::kF32;  // CPU: f32 to train, f64 for gradient checks

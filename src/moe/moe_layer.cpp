@@ -19,19 +19,26 @@ DType router_dtype(const Tensor& hn) {
   return hn.device() == Device::kCUDA ? DType::kF32 : hn.dtype();
 }
 
-const Tensor& expert_offsets(const MoeActivations& a) {
-  return a.exchange ? a.exchange->local_offsets() : a.perm.expert_offsets;
+// The local experts' rows: the exchange's dense layout, or the permutation's own.
+ops::ExpertRows expert_rows(const MoeActivations& a) {
+  return a.exchange ? ops::ExpertRows(a.exchange->local_offsets()) : a.perm.expert_rows();
+}
+
+// On one GPU (no exchange) every expert's rows start on a 128-row boundary: the forward and
+// input-gradient GEMMs then run whole row tiles per expert with one TMA descriptor per operand
+// (ops/grouped_gemm.h), at the price of up to 127 rows of padding per expert.
+int64_t segment_align(const ModelConfig& c, const Tensor& hn, const MoeComms& comms) {
+  return c.pad_expert_rows && hn.device() == Device::kCUDA && !comms.ep ? 128 : 1;
 }
 }  // namespace
 
 void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, const Tensor& bias,
               const Tensor& hn, MoeActivations& a) {
-  const int64_t n = hn.dim(0), m = n * c.top_k;
   const DType dt = hn.dtype();
   const Device dev = hn.device();
   if (!a.routing.expert_index.defined()) {
     if (!a.logits.defined()) {
-      a.logits = Tensor::empty({n, c.n_experts}, router_dtype(hn), dev);
+      a.logits = Tensor::empty({hn.dim(0), c.n_experts}, router_dtype(hn), dev);
       const profile::Phase phase("moe.router_logits");
       ops::linear_forward(hn, w.router, a.logits);
     }
@@ -46,12 +53,13 @@ void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, 
       a.aux_stats.tokens.data<int64_t>()[0] *= comms.batch->size();
     }
     a.aux_loss = ops::router_aux_loss(a.aux_stats);
-    ops::make_expert_permutation(a.routing.expert_index, c.n_experts, a.perm);
+    ops::make_expert_permutation(a.routing.expert_index, c.n_experts, a.perm,
+                                 segment_align(c, hn, comms));
     if (comms.ep) a.exchange = std::make_shared<ExpertExchange>(*comms.ep, a.perm.expert_offsets);
   }
   if (!a.xe.defined()) {
     if (!a.xp.defined()) {
-      a.xp = Tensor::empty({m, c.dim}, dt, dev);
+      a.xp = Tensor::empty({a.perm.rows(), c.dim}, dt, dev);
       ops::permute_rows(hn, a.perm, a.xp);
     }
     a.xe = a.exchange ? a.exchange->dispatch(a.xp) : a.xp;
@@ -59,7 +67,7 @@ void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, 
   const int64_t r = a.xe.dim(0);
   if (!a.gate_up.defined()) {
     a.gate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
-    ops::grouped_gemm_forward(a.xe, w.w_gate_up, expert_offsets(a), a.gate_up);
+    ops::grouped_gemm_forward(a.xe, w.w_gate_up, expert_rows(a), a.gate_up);
   }
   if (!a.act.defined()) {
     a.act = Tensor::empty({r, c.moe_dim}, dt, dev);
@@ -68,7 +76,7 @@ void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, 
   if (!a.y.defined()) {
     if (!a.ye.defined()) {
       a.ye = Tensor::empty({r, c.dim}, dt, dev);
-      ops::grouped_gemm_forward(a.act, w.w_down, expert_offsets(a), a.ye);
+      ops::grouped_gemm_forward(a.act, w.w_down, expert_rows(a), a.ye);
     }
     a.y = a.exchange ? a.exchange->combine(a.ye) : a.ye;
   }
@@ -81,11 +89,11 @@ void moe_combine(const MoeActivations& a, Tensor& out, const Tensor* residual) {
 Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const ModelConfig& c, const Tensor& hn,
                     const MoeActivations& a, const Tensor& dout, double aux_grad,
                     ops::Accumulate expert_grads) {
-  const int64_t n = hn.dim(0), m = n * c.top_k, r = a.xe.dim(0);
+  const int64_t n = hn.dim(0), r = a.xe.dim(0);
   const DType dt = hn.dtype();
   const Device dev = hn.device();
-  const Tensor& offsets = expert_offsets(a);
-  Tensor dy = Tensor::empty({m, c.dim}, dt, dev);
+  const ops::ExpertRows offsets = expert_rows(a);
+  Tensor dy = Tensor::empty(a.y.shape(), dt, dev);
   Tensor dweight = Tensor::empty({n, c.top_k}, a.routing.expert_weight.dtype(), dev);
   ops::combine_backward(dout, a.y, a.perm, a.routing.expert_weight, dy, dweight);
   const Tensor dye = a.exchange ? a.exchange->dispatch(dy) : dy;  // combine's backward

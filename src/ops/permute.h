@@ -1,36 +1,51 @@
 // Moving token rows between token order (N tokens, k choices each) and expert-major order
-// (M = N*k rows, expert e owning rows [expert_offsets[e], expert_offsets[e+1])). Within an
-// expert, rows keep token order (stable), so the layout is a pure function of the routing.
+// (N*k rows, expert e owning expert_offsets[e + 1] - expert_offsets[e] rows from row
+// segments[e]). Within an expert, rows keep token order (stable), so the layout is a pure
+// function of the routing. Dense (align 1): segments are the offsets and the rows number
+// M = N*k. Padded (align > 1): each expert's segment starts at a multiple of `align` rows, the
+// buffer has M = N*k + E*(align - 1) rows (the most any routing needs) and the rows between an
+// expert's last and the next segment are padding, never read (see ExpertRows).
 #pragma once
 #include "core/tensor.h"
+#include "ops/grouped_gemm.h"
 
 namespace mt::ops {
 
 struct ExpertPermutation {
-  Tensor source_token;    // i32 (M): the token whose row fills expert-major row i
+  Tensor source_token;    // i32 (M): the token whose row fills expert-major row i; -1: padding
   Tensor row_of_choice;   // i32 (N * k): expert-major row of (token t, choice j) at t*k + j
-  Tensor expert_offsets;  // i64 (E + 1)
+  Tensor expert_offsets;  // i64 (E + 1): prefix sums of the experts' row counts
+  Tensor segments;        // i64 (E + 1): expert e's first row (the offsets when dense)
+  int64_t align = 1;
+
+  int64_t rows() const { return source_token.numel(); }  // M
+  ExpertRows expert_rows() const { return {expert_offsets, segments, align}; }
 };
 
-// expert_index i32 (N, k) -> permutation over E experts.
-void make_expert_permutation(const Tensor& expert_index, int64_t num_experts,
-                             ExpertPermutation& out);
+// Rows a permutation of `choices` (N*k) over `experts` takes with segments aligned to `align`.
+inline int64_t permuted_rows(int64_t choices, int64_t experts, int64_t align) {
+  return choices + (align > 1 && choices > 0 ? experts * (align - 1) : 0);
+}
 
-// xp (M, D) = x (N, D) rows gathered into expert-major order.
+// expert_index i32 (N, k) -> permutation over E experts, segments aligned to `align` rows.
+void make_expert_permutation(const Tensor& expert_index, int64_t num_experts,
+                             ExpertPermutation& out, int64_t align = 1);
+
+// xp (M, D) = x (N, D) rows gathered into expert-major order; padding rows are left as they are.
 void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp);
 // dx (N, D) overwritten: each token sums the gradients of its k copies.
 void permute_rows_backward(const Tensor& dxp, const ExpertPermutation& p, Tensor& dx);
 
 // Back to token order: y (N, k, D) with y[t, j] = yp[row_of_choice[t*k + j]].
 void unpermute_rows(const Tensor& yp, const ExpertPermutation& p, Tensor& y);
-// dyp (M, D) overwritten.
+// dyp (M, D) overwritten (padding rows: left as they are).
 void unpermute_rows_backward(const Tensor& dy, const ExpertPermutation& p, Tensor& dyp);
 
 // Weighted combine, back to token order in one pass: out[t] = sum_j weight[t, j] * yp[row(t, j)],
 // plus residual[t] when given (the block's residual add, folded into the same pass).
 void combine_forward(const Tensor& yp, const ExpertPermutation& p, const Tensor& weight,
                      Tensor& out, const Tensor* residual = nullptr);
-// dyp (M, D) and dweight (N, k) overwritten.
+// dyp (M, D) and dweight (N, k) overwritten (padding rows of dyp: left as they are).
 void combine_backward(const Tensor& dout, const Tensor& yp, const ExpertPermutation& p,
                       const Tensor& weight, Tensor& dyp, Tensor& dweight);
 

@@ -92,6 +92,7 @@ const std::vector<Field>& fields() {
       member("model", "aux_loss_coef", &Config::model, &M::aux_loss_coef),
       member("model", "bias_update_rate", &Config::model, &M::bias_update_rate),
       member("model", "force_balanced_routing", &Config::model, &M::force_balanced_routing),
+      member("model", "pad_expert_rows", &Config::model, &M::pad_expert_rows),
       member("model", "loss_chunk_tokens", &Config::model, &M::loss_chunk_tokens),
       member("model", "init_std", &Config::model, &M::init_std),
       {"model", "compute_dtype", FieldType::kString,

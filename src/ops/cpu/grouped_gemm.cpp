@@ -13,65 +13,82 @@ namespace {
 struct GroupDims {
   int64_t experts, k, n, m;
 };
-GroupDims check_group(const Tensor& rows, const Tensor& w, const Tensor& offsets) {
+// Checks the layout and returns the dims; start(e) and count(e) read the host tensors.
+GroupDims check_group(const Tensor& rows_tensor, const Tensor& w, const ExpertRows& rows) {
   MT_CHECK(w.ndim() == 3, "expert weights must be (E, K, N), got {}", shape_str(w.shape()));
-  GroupDims g{w.dim(0), w.dim(1), w.dim(2), rows.dim(0)};
-  expect_shape(offsets, {g.experts + 1}, "expert offsets");
-  expect_dtype(offsets, DType::kI64, "expert offsets");
-  const int64_t* off = offsets.data<int64_t>();
-  MT_CHECK(off[0] == 0 && off[g.experts] == g.m, "expert offsets must run from 0 to {}", g.m);
+  GroupDims g{w.dim(0), w.dim(1), w.dim(2), rows_tensor.dim(0)};
+  for (const Tensor* t : {&rows.offsets, &rows.segments}) {
+    expect_shape(*t, {g.experts + 1}, "expert offsets");
+    expect_dtype(*t, DType::kI64, "expert offsets");
+  }
+  const int64_t* off = rows.offsets.data<int64_t>();
+  const int64_t* seg = rows.segments.data<int64_t>();
+  MT_CHECK(off[0] == 0 && seg[0] == 0, "expert offsets must start at 0");
+  for (int64_t e = 0; e < g.experts; ++e)
+    MT_CHECK(
+        off[e + 1] >= off[e] && seg[e] + off[e + 1] - off[e] <= seg[e + 1] && seg[e + 1] <= g.m,
+        "expert {}: {} rows from row {} do not fit before the next segment ({}) within {} "
+        "rows",
+        e, off[e + 1] - off[e], seg[e], seg[e + 1], g.m);
   return g;
+}
+// Expert e's rows of t: segments[e] .. segments[e] + count.
+Tensor expert_slice(const Tensor& t, const ExpertRows& rows, int64_t e) {
+  const int64_t* off = rows.offsets.data<int64_t>();
+  const int64_t start = rows.segments.data<int64_t>()[e];
+  return t.slice_rows(start, start + off[e + 1] - off[e]);
+}
+bool no_rows(const ExpertRows& rows, int64_t e) {
+  const int64_t* off = rows.offsets.data<int64_t>();
+  return off[e + 1] == off[e];
 }
 Tensor expert_weight(const Tensor& w, int64_t e) {
   return w.view(e * w.dim(1) * w.dim(2), {w.dim(1), w.dim(2)});
 }
 }  // namespace
 
-void grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& out) {
+void grouped_gemm_forward(const Tensor& x, const Tensor& w, const ExpertRows& rows, Tensor& out) {
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(x)) return cuda::grouped_gemm_forward(x, w, offsets, out);
+  if (on_gpu(x)) return cuda::grouped_gemm_forward(x, w, rows, out);
 #endif
-  const GroupDims g = check_group(x, w, offsets);
+  const GroupDims g = check_group(x, w, rows);
   expect_shape(out, {g.m, g.n}, "grouped gemm out");
-  const int64_t* off = offsets.data<int64_t>();
   for (int64_t e = 0; e < g.experts; ++e) {
-    if (off[e + 1] == off[e]) continue;
-    Tensor o = out.slice_rows(off[e], off[e + 1]);
-    gemm(x.slice_rows(off[e], off[e + 1]), Transpose::kNo, expert_weight(w, e), Transpose::kNo, o,
+    if (no_rows(rows, e)) continue;
+    Tensor o = expert_slice(out, rows, e);
+    gemm(expert_slice(x, rows, e), Transpose::kNo, expert_weight(w, e), Transpose::kNo, o,
          Accumulate::kNo);
   }
 }
 
-void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor& offsets,
+void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const ExpertRows& rows,
                                  Tensor& dx) {
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(dy)) return cuda::grouped_gemm_backward_input(dy, w, offsets, dx);
+  if (on_gpu(dy)) return cuda::grouped_gemm_backward_input(dy, w, rows, dx);
 #endif
-  const GroupDims g = check_group(dy, w, offsets);
+  const GroupDims g = check_group(dy, w, rows);
   expect_shape(dx, {g.m, g.k}, "grouped gemm dx");
-  const int64_t* off = offsets.data<int64_t>();
   for (int64_t e = 0; e < g.experts; ++e) {
-    if (off[e + 1] == off[e]) continue;
-    Tensor o = dx.slice_rows(off[e], off[e + 1]);
-    gemm(dy.slice_rows(off[e], off[e + 1]), Transpose::kNo, expert_weight(w, e), Transpose::kYes, o,
+    if (no_rows(rows, e)) continue;
+    Tensor o = expert_slice(dx, rows, e);
+    gemm(expert_slice(dy, rows, e), Transpose::kNo, expert_weight(w, e), Transpose::kYes, o,
          Accumulate::kNo);
   }
 }
 
-void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets,
+void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const ExpertRows& rows,
                                   Tensor& dw, Accumulate accumulate) {
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(x))
-    return cuda::grouped_gemm_backward_weight(x, dy, offsets, dw, accumulate == Accumulate::kYes);
+    return cuda::grouped_gemm_backward_weight(x, dy, rows, dw, accumulate == Accumulate::kYes);
 #endif
-  const GroupDims g = check_group(x, dw, offsets);
+  const GroupDims g = check_group(x, dw, rows);
   if (accumulate == Accumulate::kNo) dw.zero_();
-  const int64_t* off = offsets.data<int64_t>();
   for (int64_t e = 0; e < g.experts; ++e) {
-    if (off[e + 1] == off[e]) continue;
+    if (no_rows(rows, e)) continue;
     Tensor o = expert_weight(dw, e);
-    gemm(x.slice_rows(off[e], off[e + 1]), Transpose::kYes, dy.slice_rows(off[e], off[e + 1]),
-         Transpose::kNo, o, Accumulate::kYes);
+    gemm(expert_slice(x, rows, e), Transpose::kYes, expert_slice(dy, rows, e), Transpose::kNo, o,
+         Accumulate::kYes);
   }
 }
 

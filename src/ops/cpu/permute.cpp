@@ -16,10 +16,13 @@ int64_t choices_per_token(const ExpertPermutation& p, int64_t n) {
 }  // namespace
 
 void make_expert_permutation(const Tensor& expert_index, int64_t num_experts,
-                             ExpertPermutation& out) {
+                             ExpertPermutation& out, int64_t align) {
   expect_dtype(expert_index, DType::kI32, "expert_index");
+  MT_CHECK(align >= 1, "expert segments aligned to {} rows", align);
+  out.align = align;
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(expert_index)) return cuda::make_expert_permutation(expert_index, num_experts, out);
+  if (on_gpu(expert_index))
+    return cuda::make_expert_permutation(expert_index, num_experts, align, out);
 #endif
   const int64_t n = expert_index.dim(0), k = expert_index.dim(1), m = n * k;
   const int32_t* idx = expert_index.data<int32_t>();
@@ -30,9 +33,18 @@ void make_expert_permutation(const Tensor& expert_index, int64_t num_experts,
              num_experts);
     off[idx[i] + 1] += 1;
   }
-  for (int64_t e = 0; e < num_experts; ++e) off[e + 1] += off[e];
-  std::vector<int64_t> fill(off, off + num_experts);
-  out.source_token = Tensor::empty({m}, DType::kI32);
+  out.segments = Tensor::zeros({num_experts + 1}, DType::kI64);
+  int64_t* seg = out.segments.data<int64_t>();
+  for (int64_t e = 0; e < num_experts; ++e) {
+    seg[e + 1] = seg[e] + (off[e + 1] + align - 1) / align * align;  // off[e + 1]: e's count here
+    off[e + 1] += off[e];
+  }
+  if (align == 1) out.segments = out.expert_offsets;  // dense: the same rows
+  const int64_t* first = out.segments.data<int64_t>();
+  std::vector<int64_t> fill(first, first + num_experts);
+  out.source_token = Tensor::empty({permuted_rows(m, num_experts, align)}, DType::kI32);
+  std::fill(out.source_token.data<int32_t>(),
+            out.source_token.data<int32_t>() + out.source_token.numel(), -1);
   out.row_of_choice = Tensor::empty({m}, DType::kI32);
   for (int64_t i = 0; i < m; ++i) {  // i = t*k + j in token order: stable within an expert
     const int64_t row = fill[idx[i]]++;
@@ -42,18 +54,20 @@ void make_expert_permutation(const Tensor& expert_index, int64_t num_experts,
 }
 
 void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp) {
-  const int64_t d = x.dim(1), m = p.source_token.numel();
+  const int64_t d = x.dim(1), m = p.rows();
   expect_shape(xp, {m, d}, "permuted rows");
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(x)) {
     if (x.dim(0) == 0) return;
-    return cuda::scatter_token_rows(x, p.row_of_choice, m / x.dim(0), xp);
+    return cuda::scatter_token_rows(x, p.row_of_choice, p.row_of_choice.numel() / x.dim(0), xp);
   }
 #endif
   dispatch_float(x.dtype(), [&](auto tag) {
     using T = decltype(tag);
     for (int64_t r = 0; r < m; ++r) {
-      const T* src = x.data<T>() + static_cast<int64_t>(p.source_token.data<int32_t>()[r]) * d;
+      const int32_t token = p.source_token.data<int32_t>()[r];
+      if (token < 0) continue;  // padding
+      const T* src = x.data<T>() + static_cast<int64_t>(token) * d;
       std::copy(src, src + d, xp.data<T>() + r * d);
     }
   });

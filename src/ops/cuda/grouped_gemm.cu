@@ -64,15 +64,15 @@ __device__ void store_fragment(const wmma::fragment<wmma::accumulator, 16, 16, 1
 }
 
 // Finds this block's (expert, first row) from the device offsets; false when it has no tile.
-__device__ bool find_row_tile(const int64_t* offsets, int experts, int64_t tile, int* expert,
-                              int64_t* row0, int64_t* row_end) {
+__device__ bool find_row_tile(kernels::ExpertSegments layout, int experts, int64_t tile,
+                              int* expert, int64_t* row0, int64_t* row_end) {
   for (int e = 0; e < experts; ++e) {
-    const int64_t rows = offsets[e + 1] - offsets[e];
+    const int64_t rows = layout.offsets[e + 1] - layout.offsets[e];
     const int64_t tiles = (rows + kBM - 1) / kBM;
     if (tile < tiles) {
       *expert = e;
-      *row0 = offsets[e] + tile * kBM;
-      *row_end = offsets[e + 1];
+      *row0 = layout.segments[e] + tile * kBM;
+      *row_end = layout.segments[e] + rows;
       return true;
     }
     tile -= tiles;
@@ -83,12 +83,12 @@ __device__ bool find_row_tile(const int64_t* offsets, int experts, int64_t tile,
 // out rows of expert e = a rows @ B_e, where B_e is w[e] (k x n, row-major) or, with
 // b_transposed, w[e]^T for w[e] stored (n x k) row-major.
 __global__ void __launch_bounds__(kThreads)
-    grouped_rows_kernel(const bf16* a, const bf16* w, const int64_t* offsets, int experts,
+    grouped_rows_kernel(const bf16* a, const bf16* w, kernels::ExpertSegments layout, int experts,
                         int64_t k, int64_t n, bool b_transposed, void* out, bool out_f32) {
   __shared__ Smem s;
   int e;
   int64_t row0, row_end;
-  if (!find_row_tile(offsets, experts, blockIdx.y, &e, &row0, &row_end)) return;
+  if (!find_row_tile(layout, experts, blockIdx.y, &e, &row0, &row_end)) return;
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kBN;
   const bf16* we = w + static_cast<int64_t>(e) * k * n;
   const int warp = threadIdx.x / 32, wm = warp / 4, wn = warp % 4;
@@ -132,11 +132,11 @@ __global__ void __launch_bounds__(kThreads)
 // dw[e] (k x n) (+)= x_e^T (k x rows) @ dy_e (rows x n): the reduction runs over the expert's
 // rows.
 __global__ void __launch_bounds__(kThreads)
-    grouped_weight_kernel(const bf16* x, const bf16* dy, const int64_t* offsets, int64_t k,
+    grouped_weight_kernel(const bf16* x, const bf16* dy, kernels::ExpertSegments layout, int64_t k,
                           int64_t n, void* dw, bool out_f32, bool accumulate) {
   __shared__ Smem s;
   const int e = blockIdx.z;
-  const int64_t begin = offsets[e], end = offsets[e + 1];
+  const int64_t begin = layout.segments[e], end = begin + layout.offsets[e + 1] - layout.offsets[e];
   if (begin == end) return;  // an expert without rows keeps its gradient
   const int64_t m0 = static_cast<int64_t>(blockIdx.y) * kBM;  // along k
   const int64_t col0 = static_cast<int64_t>(blockIdx.x) * kBN;
@@ -187,25 +187,25 @@ __global__ void zero_empty_groups_kernel(const int64_t* offsets, void* out, int6
 
 namespace kernels {
 
-cudaError_t grouped_gemm_rows(const void* a, const void* w, const int64_t* offsets, int experts,
+cudaError_t grouped_gemm_rows(const void* a, const void* w, ExpertSegments rows, int experts,
                               int64_t m, int64_t k, int64_t n, bool b_transposed, void* out,
                               bool out_f32, cudaStream_t stream) {
   if (m == 0 || n == 0) return cudaSuccess;
   const dim3 grid((n + kBN - 1) / kBN, (m + kBM - 1) / kBM + experts);
   grouped_rows_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const bf16*>(a),
-                                                     static_cast<const bf16*>(w), offsets, experts,
-                                                     k, n, b_transposed, out, out_f32);
+                                                     static_cast<const bf16*>(w), rows, experts, k,
+                                                     n, b_transposed, out, out_f32);
   return cudaGetLastError();
 }
 
-cudaError_t grouped_gemm_weight(const void* x, const void* dy, const int64_t* offsets, int experts,
+cudaError_t grouped_gemm_weight(const void* x, const void* dy, ExpertSegments rows, int experts,
                                 int64_t k, int64_t n, void* dw, bool out_f32, bool accumulate,
                                 cudaStream_t stream) {
   if (k == 0 || n == 0 || experts == 0) return cudaSuccess;
   const dim3 grid((n + kBN - 1) / kBN, (k + kBM - 1) / kBM, experts);
   grouped_weight_kernel<<<grid, kThreads, 0, stream>>>(static_cast<const bf16*>(x),
-                                                       static_cast<const bf16*>(dy), offsets, k, n,
-                                                       dw, out_f32, accumulate);
+                                                       static_cast<const bf16*>(dy), rows, k, n, dw,
+                                                       out_f32, accumulate);
   return cudaGetLastError();
 }
 

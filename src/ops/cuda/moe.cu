@@ -200,8 +200,8 @@ __global__ void router_backward_kernel(const float* scores, const int32_t* index
 }
 
 // One block: per-thread partial sums in double, then a fixed tree (deterministic).
-__global__ void aux_loss_kernel(const int64_t* counts, const float* score_sum, int e,
-                                double scale, double* out) {
+__global__ void aux_loss_kernel(const int64_t* counts, const float* score_sum, int e, double scale,
+                                double* out) {
   double s = 0;
   for (int c = threadIdx.x; c < e; c += kBlock)
     s += static_cast<double>(counts[c]) * static_cast<double>(score_sum[c]);
@@ -214,13 +214,28 @@ __global__ void iota_kernel(int32_t* v, int64_t n) {
   if (i < n) v[i] = static_cast<int32_t>(i);
 }
 
-__global__ void permutation_kernel(const int32_t* sorted_choice, int64_t m, int k,
-                                   int32_t* source_token, int32_t* row_of_choice) {
+// Sorted position i of a choice -> its row: i itself when dense; padded, i moved from its
+// expert's dense offset to its segment.
+__global__ void permutation_kernel(const int32_t* sorted_choice, const int32_t* sorted_expert,
+                                   const int64_t* offsets, const int64_t* segments, int64_t m,
+                                   int k, int32_t* source_token, int32_t* row_of_choice) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (i >= m) return;
   const int32_t choice = sorted_choice[i];
-  source_token[i] = choice / k;
-  row_of_choice[choice] = static_cast<int32_t>(i);
+  int64_t row = i;
+  if (segments) {
+    const int32_t e = sorted_expert[i];
+    row += segments[e] - offsets[e];
+  }
+  source_token[row] = choice / k;
+  row_of_choice[choice] = static_cast<int32_t>(row);
+}
+
+// counts (e) -> each rounded up to a multiple of align, for the segments' scan.
+__global__ void align_counts_kernel(const int64_t* counts, int e, int64_t align, int64_t* out) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < e) out[i] = (counts[i] + align - 1) / align * align;
+  if (i == e) out[i] = 0;
 }
 
 __global__ void histogram_kernel(const int32_t* expert_index, int64_t m, int64_t* counts) {
@@ -267,8 +282,8 @@ __global__ void gather_rows_kernel(const T* src, const int32_t* index, T* dst, i
 // and written k times (the expert-major permutation; a gather by destination row would read
 // every token k times).
 template <class T>
-__global__ void scatter_token_rows_kernel(const T* src, const int32_t* row_of_choice, int k,
-                                          T* dst, int64_t width) {
+__global__ void scatter_token_rows_kernel(const T* src, const int32_t* row_of_choice, int k, T* dst,
+                                          int64_t width) {
   const int64_t t = blockIdx.x;
   const int32_t* rows = row_of_choice + t * k;
   for (int64_t c = threadIdx.x; c < width; c += blockDim.x) {
@@ -454,8 +469,8 @@ cudaError_t router_forward(const float* logits, const float* bias, int64_t n, in
     return err;
   if (n == 0) return cudaSuccess;
   // Few blocks, many tokens each: every block flushes its histogram once.
-  const int grid = static_cast<int>(std::min<int64_t>((n + kRouterWarps - 1) / kRouterWarps,
-                                                      2 * sm_count()));
+  const int grid =
+      static_cast<int>(std::min<int64_t>((n + kRouterWarps - 1) / kRouterWarps, 2 * sm_count()));
   const size_t smem = sizeof(int) * e;
   if (per_lane_for(e) == 4)
     router_kernel<4><<<grid, 32 * kRouterWarps, smem, stream>>>(
@@ -499,8 +514,8 @@ cudaError_t router_backward(const float* scores, const int32_t* index, const flo
   return cudaGetLastError();
 }
 
-// Workspace layout: counts i64 (e, rounded to 256 B) | choice, keys_out, choice_out i32 (m each,
-// each rounded to 256 B) | CUB's radix-sort scratch.
+// Workspace layout: counts, aligned counts i64 (e + 1 each, rounded to 256 B) | choice, keys_out,
+// choice_out i32 (m each, each rounded to 256 B) | CUB's radix-sort scratch.
 namespace {
 size_t round256(size_t b) {
   return (b + 255) / 256 * 256;
@@ -516,15 +531,18 @@ size_t permutation_workspace(int64_t m, int e) {
   size_t scan_bytes = 0;
   cub::DeviceScan::ExclusiveSum(nullptr, scan_bytes, static_cast<int64_t*>(nullptr),
                                 static_cast<int64_t*>(nullptr), e + 1);
-  return round256(sizeof(int64_t) * (e + 1)) + 3 * round256(sizeof(int32_t) * m) +
+  return 2 * round256(sizeof(int64_t) * (e + 1)) + 3 * round256(sizeof(int32_t) * m) +
          std::max(sort_bytes, scan_bytes);
 }
 
-cudaError_t expert_permutation(const int32_t* expert_index, int64_t m, int k, int e,
+cudaError_t expert_permutation(const int32_t* expert_index, int64_t m, int k, int e, int64_t align,
                                void* workspace, size_t workspace_bytes, int32_t* source_token,
-                               int32_t* row_of_choice, int64_t* offsets, cudaStream_t stream) {
+                               int32_t* row_of_choice, int64_t* offsets, int64_t* segments,
+                               cudaStream_t stream) {
   char* p = static_cast<char*>(workspace);
   auto* counts = reinterpret_cast<int64_t*>(p);  // e + 1: the last stays 0 for the total
+  p += round256(sizeof(int64_t) * (e + 1));
+  auto* aligned = reinterpret_cast<int64_t*>(p);
   p += round256(sizeof(int64_t) * (e + 1));
   auto* choice = reinterpret_cast<int32_t*>(p);
   auto* keys_out = reinterpret_cast<int32_t*>(p + round256(sizeof(int32_t) * m));
@@ -545,6 +563,19 @@ cudaError_t expert_permutation(const int32_t* expert_index, int64_t m, int k, in
           cub::DeviceScan::ExclusiveSum(sort_ws, sort_bytes, counts, offsets, e + 1, stream);
       err != cudaSuccess)
     return err;
+  const bool padded = align > 1;
+  if (padded) {
+    align_counts_kernel<<<(e + 256) / 256, 256, 0, stream>>>(counts, e, align, aligned);
+    if (cudaError_t err =
+            cub::DeviceScan::ExclusiveSum(sort_ws, sort_bytes, aligned, segments, e + 1, stream);
+        err != cudaSuccess)
+      return err;
+    // Padding rows name no token.
+    const int64_t rows = m + (m > 0 ? int64_t{e} * (align - 1) : 0);
+    if (cudaError_t err = cudaMemsetAsync(source_token, 0xFF, sizeof(int32_t) * rows, stream);
+        err != cudaSuccess)
+      return err;
+  }
   if (m == 0) return cudaGetLastError();
   iota_kernel<<<(m + 255) / 256, 256, 0, stream>>>(choice, m);
   int bits = 1;
@@ -555,8 +586,9 @@ cudaError_t expert_permutation(const int32_t* expert_index, int64_t m, int k, in
                                           choice_out, static_cast<int>(m), 0, bits, stream);
       err != cudaSuccess)
     return err;
-  permutation_kernel<<<(m + 255) / 256, 256, 0, stream>>>(choice_out, m, k, source_token,
-                                                          row_of_choice);
+  permutation_kernel<<<(m + 255) / 256, 256, 0, stream>>>(choice_out, keys_out, offsets,
+                                                          padded ? segments : nullptr, m, k,
+                                                          source_token, row_of_choice);
   return cudaGetLastError();
 }
 
@@ -583,9 +615,9 @@ cudaError_t scatter_token_rows(Storage s, const void* src, const int32_t* row_of
   dispatch_storage(s, [&](auto tag) {
     using T = decltype(tag);
     if (packable<T>(width, {src, dst}))  // rows as 16-byte units
-      scatter_token_rows_kernel<uint4><<<tokens, kBlock, 0, stream>>>(
-          static_cast<const uint4*>(src), row_of_choice, k, static_cast<uint4*>(dst),
-          width / Pack<T>::kSize);
+      scatter_token_rows_kernel<uint4>
+          <<<tokens, kBlock, 0, stream>>>(static_cast<const uint4*>(src), row_of_choice, k,
+                                          static_cast<uint4*>(dst), width / Pack<T>::kSize);
     else
       scatter_token_rows_kernel<T><<<tokens, kBlock, 0, stream>>>(
           static_cast<const T*>(src), row_of_choice, k, static_cast<T*>(dst), width);

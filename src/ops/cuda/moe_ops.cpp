@@ -63,19 +63,21 @@ void router_backward(const ops::Routing& r, int top_k, bool norm_topk, const ops
       static_cast<int>(e), top_k, norm_topk, dlogits.data<float>(), stream()));
 }
 
-void make_expert_permutation(const Tensor& expert_index, int64_t experts,
+void make_expert_permutation(const Tensor& expert_index, int64_t experts, int64_t align,
                              ops::ExpertPermutation& out) {
   const profile::Phase phase("gpu.make_expert_permutation");
   const int64_t n = expert_index.dim(0), k = expert_index.dim(1), m = n * k;
-  out.source_token = gpu_empty({m}, DType::kI32);
+  out.source_token = gpu_empty({ops::permuted_rows(m, experts, align)}, DType::kI32);
   out.row_of_choice = gpu_empty({m}, DType::kI32);
   out.expert_offsets = gpu_empty({experts + 1}, DType::kI64);
+  out.segments = align > 1 ? gpu_empty({experts + 1}, DType::kI64) : out.expert_offsets;
+  out.align = align;
   const size_t bytes = kernels::permutation_workspace(m, static_cast<int>(experts));
   Tensor ws = gpu_empty({static_cast<int64_t>(bytes)}, DType::kU8);
   MT_CUDA_CHECK(kernels::expert_permutation(
-      expert_index.data<int32_t>(), m, static_cast<int>(k), static_cast<int>(experts), ws.raw(),
-      bytes, out.source_token.data<int32_t>(), out.row_of_choice.data<int32_t>(),
-      out.expert_offsets.data<int64_t>(), stream()));
+      expert_index.data<int32_t>(), m, static_cast<int>(k), static_cast<int>(experts), align,
+      ws.raw(), bytes, out.source_token.data<int32_t>(), out.row_of_choice.data<int32_t>(),
+      out.expert_offsets.data<int64_t>(), out.segments.data<int64_t>(), stream()));
 }
 
 void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst) {
@@ -113,8 +115,9 @@ void exchange_maps(const Tensor& recv_counts, int64_t peers, Tensor& expert_majo
 
 void scatter_token_rows(const Tensor& src, const Tensor& row_of_choice, int64_t k, Tensor& dst) {
   const profile::Phase phase("gpu.scatter_token_rows");
+  // dst may hold padding rows (a padded expert layout), which the scatter leaves as they are.
   MT_CHECK(src.dtype() == dst.dtype() && row_of_choice.numel() == src.dim(0) * k &&
-               dst.dim(0) == src.dim(0) * k,
+               dst.dim(0) >= src.dim(0) * k,
            "scatter of {} {} rows (top-{}) into {} {}", dtype_name(src.dtype()),
            shape_str(src.shape()), k, dtype_name(dst.dtype()), shape_str(dst.shape()));
   MT_CUDA_CHECK(kernels::scatter_token_rows(storage_of(src), src.raw(),
@@ -163,7 +166,7 @@ void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
            dtype_name(dout.dtype()), dtype_name(dtable.dtype()));
   // Token positions sorted by id (stable), then each id's rows summed in token order.
   ops::ExpertPermutation by_id;
-  cuda::make_expert_permutation(ids.reshape({ids.numel(), 1}), dtable.dim(0), by_id);
+  cuda::make_expert_permutation(ids.reshape({ids.numel(), 1}), dtable.dim(0), 1, by_id);
   MT_CUDA_CHECK(
       kernels::segment_sum_rows(storage_of(dout), dout.raw(), by_id.source_token.data<int32_t>(),
                                 by_id.expert_offsets.data<int64_t>(), dtable.dim(0), dtable.dim(1),

@@ -4,6 +4,7 @@
 #pragma once
 #include "core/tensor.h"
 #include "ops/attention.h"
+#include "ops/grouped_gemm.h"
 #include "ops/optim.h"
 #include "ops/permute.h"
 #include "ops/route.h"
@@ -15,11 +16,12 @@ void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, 
           bool accumulate);
 // d (M, N) = a b + c, c read by the epilogue (bf16 a, b, c, d; c and d distinct).
 void gemm_residual(const Tensor& a, const Tensor& b, const Tensor& c, Tensor& d);
-// Grouped GEMMs over experts with the row offsets (i64 (E + 1)) on the device: no host sync.
-void grouped_gemm_forward(const Tensor& x, const Tensor& w, const Tensor& offsets, Tensor& out);
-void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Tensor& offsets,
+// Grouped GEMMs over experts with the rows' offsets and segments on the device: no host sync.
+void grouped_gemm_forward(const Tensor& x, const Tensor& w, const ops::ExpertRows& rows,
+                          Tensor& out);
+void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const ops::ExpertRows& rows,
                                  Tensor& dx);
-void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Tensor& offsets,
+void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const ops::ExpertRows& rows,
                                   Tensor& dw, bool accumulate);
 
 // Attention, lse f32: cuDNN's fused SDPA where it applies (bf16, head dims multiples of 8 up
@@ -56,7 +58,7 @@ ops::AuxStats router_aux_stats(const ops::Routing& r);  // counts and sums stay 
 Tensor router_aux_loss(const ops::AuxStats& s);         // one f64 on the GPU
 void router_backward(const ops::Routing& r, int top_k, bool norm_topk, const ops::AuxStats& stats,
                      const Tensor& dweight, double aux_grad, Tensor& dlogits);
-void make_expert_permutation(const Tensor& expert_index, int64_t experts,
+void make_expert_permutation(const Tensor& expert_index, int64_t experts, int64_t align,
                              ops::ExpertPermutation& out);
 void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst);
 // Expert-parallel exchange (moe/expert_exchange.h): per-expert row counts of a permutation's

@@ -17,6 +17,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "ops/cuda/kernels.h"
 
 namespace mt::cuda::grouped_sm90 {
 
@@ -96,14 +97,14 @@ struct GroupArrays {
 };
 
 template <Product P, class C>
-__global__ void fill_group_arrays(GroupArrays<C> g, const int64_t* offsets, int experts,
+__global__ void fill_group_arrays(GroupArrays<C> g, kernels::ExpertSegments layout, int experts,
                                   const void* lhs, const void* rhs, void* out, int64_t k, int64_t n,
                                   typename C::StrideA sa, typename C::StrideB sb,
                                   typename C::StrideC sc) {
   const int e = blockIdx.x * blockDim.x + threadIdx.x;
   if (e >= experts) return;
   using In = typename C::ElementIn;
-  const int64_t row0 = offsets[e], rows = offsets[e + 1] - offsets[e];
+  const int64_t row0 = layout.segments[e], rows = layout.offsets[e + 1] - layout.offsets[e];
   const In* l = static_cast<const In*>(lhs);
   const In* r = static_cast<const In*>(rhs);
   auto* o = static_cast<typename C::ElementOutput*>(out);
@@ -192,8 +193,8 @@ size_t workspace_bytes(int experts) {
 
 // Runs product P over `experts` groups; m is the total row count, k and n the dense sizes.
 template <Product P, class C>
-cudaError_t run(const int64_t* offsets, int experts, const void* lhs, const void* rhs, void* out,
-                int64_t m, int64_t k, int64_t n, void* workspace, size_t workspace_size,
+cudaError_t run(kernels::ExpertSegments layout, int experts, const void* lhs, const void* rhs,
+                void* out, int64_t m, int64_t k, int64_t n, void* workspace, size_t workspace_size,
                 cudaStream_t stream, bool accumulate = false) {
   if (workspace_size < workspace_bytes<P, C>(experts)) return cudaErrorInvalidValue;
   // The strides do not depend on the ragged dimension: computed once here, written per group.
@@ -211,7 +212,7 @@ cudaError_t run(const int64_t* offsets, int experts, const void* lhs, const void
   GroupArrays<C> g{};
   char* base = static_cast<char*>(workspace);
   const auto args = make_arguments<P, C>(base, experts, g, accumulate);
-  fill_group_arrays<P, C><<<(experts + 127) / 128, 128, 0, stream>>>(g, offsets, experts, lhs, rhs,
+  fill_group_arrays<P, C><<<(experts + 127) / 128, 128, 0, stream>>>(g, layout, experts, lhs, rhs,
                                                                      out, k, n, sa, sb, sc);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   typename C::Gemm gemm;

@@ -17,7 +17,7 @@ using LongK = Config<RowMajor, RowMajor, cutlass::bfloat16_t, grouped_sm90::Wide
 using ShortK = Config<RowMajor, RowMajor, cutlass::bfloat16_t, grouped_sm90::SquareTile,
                       grouped_sm90::NoCluster, grouped_sm90::Pingpong>;
 // Workbench, forward: K 768 pingpong 0.71 ms vs wide cooperative 0.80; K 2048 wide 1.33 vs 1.36.
-constexpr int64_t kShortK = 1024;
+constexpr int64_t kShortK = kCutlassShortK;
 }  // namespace
 
 size_t cutlass_grouped_forward_workspace(int experts) {
@@ -25,13 +25,13 @@ size_t cutlass_grouped_forward_workspace(int experts) {
                   grouped_sm90::workspace_bytes<Product::kForward, ShortK>(experts));
 }
 
-cudaError_t cutlass_grouped_forward(const int64_t* offsets, int experts, const void* lhs,
+cudaError_t cutlass_grouped_forward(ExpertSegments rows, int experts, const void* lhs,
                                     const void* rhs, void* out, int64_t m, int64_t k, int64_t n,
                                     void* workspace, size_t workspace_size, cudaStream_t stream) {
   if (k <= kShortK)
-    return grouped_sm90::run<Product::kForward, ShortK>(offsets, experts, lhs, rhs, out, m, k, n,
+    return grouped_sm90::run<Product::kForward, ShortK>(rows, experts, lhs, rhs, out, m, k, n,
                                                         workspace, workspace_size, stream);
-  return grouped_sm90::run<Product::kForward, LongK>(offsets, experts, lhs, rhs, out, m, k, n,
+  return grouped_sm90::run<Product::kForward, LongK>(rows, experts, lhs, rhs, out, m, k, n,
                                                      workspace, workspace_size, stream);
 }
 
