@@ -1,6 +1,7 @@
 // The MoE layer forward + backward at the Qwen3-30B-A3B shape (16384 tokens, dim 2048, expert
 // dim 768, 128 experts, top-8, bf16), real and forced-balanced routing: JSON lines with the time
-// and the ratio to the expert-GEMM floor (6 GEMMs at the dense ceiling measured in the run).
+// and the ratio to the expert-GEMM floor (6 GEMMs at the dense ceiling measured in the run), for
+// padded expert rows (the default) and dense ones, alternated in one process.
 // The PyTorch comparator (eager and torch.compile) is bench/moe_layer_torch.py.
 #include <cuda_runtime_api.h>
 

@@ -11,8 +11,8 @@ namespace mt::ops {
 // segments are the offsets. Padded (ops::make_expert_permutation with align > 1): each segment
 // starts at a multiple of `align` rows, and the rows between an expert's last one and the next
 // segment are padding, which no op reads and which the forward and input-gradient products may
-// write. The GPU runs those two products over a padded layout with one TMA descriptor per
-// operand (align 128: whole row tiles per expert).
+// write. Over 128-row segments the GPU runs the input gradient and the short-K forward (the down
+// projection's) with one TMA descriptor per operand (whole row tiles per expert).
 struct ExpertRows {
   ExpertRows(const Tensor& offsets) : offsets(offsets), segments(offsets) {}  // NOLINT: dense
   ExpertRows(const Tensor& offsets, const Tensor& segments, int64_t align)
