@@ -488,6 +488,22 @@ TEST(SwiGLU, HandCheckedAndGradients) {
   Tensor dh = like(hs);
   ops::swiglu_backward(hs, g, dh);
   EXPECT_LT(gradcheck(loss, hs, dh), kGradTol);
+  // Row 2 marked as padding: left as it is (poisoned), the others as without marks.
+  Tensor marks = i32({0, 1, -1, 3});
+  ops::swiglu_forward(hs, as);  // unmarked, at hs itself (the gradient check moved it about)
+  Tensor pa = Tensor::poisoned({4, 3}, DType::kF64), pdh = Tensor::poisoned({4, 6}, DType::kF64);
+  ops::swiglu_forward(hs, pa, &marks);
+  ops::swiglu_backward(hs, g, pdh, &marks);
+  for (int64_t i = 0; i < 12; ++i)
+    if (i / 3 == 2)
+      EXPECT_TRUE(std::isnan(pa.item(i))) << i;
+    else
+      EXPECT_EQ(pa.item(i), as.item(i)) << i;
+  for (int64_t i = 0; i < 24; ++i)
+    if (i / 6 == 2)
+      EXPECT_TRUE(std::isnan(pdh.item(i))) << i;
+    else
+      EXPECT_EQ(pdh.item(i), dh.item(i)) << i;
 }
 
 TEST(CrossEntropy, HandCheckedMaskAndGradients) {

@@ -19,6 +19,12 @@ DType router_dtype(const Tensor& hn) {
   return hn.device() == Device::kCUDA ? DType::kF32 : hn.dtype();
 }
 
+// The padding marks of the expert rows (ops::swiglu_forward): the permutation's, when its layout
+// is padded and the rows are this rank's own.
+const Tensor* padding_marks(const MoeActivations& a) {
+  return !a.exchange && a.perm.align > 1 ? &a.perm.source_token : nullptr;
+}
+
 // The local experts' rows: the exchange's dense layout, or the permutation's own.
 ops::ExpertRows expert_rows(const MoeActivations& a) {
   return a.exchange ? ops::ExpertRows(a.exchange->local_offsets()) : a.perm.expert_rows();
@@ -71,7 +77,7 @@ void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, 
   }
   if (!a.act.defined()) {
     a.act = Tensor::empty({r, c.moe_dim}, dt, dev);
-    ops::swiglu_forward(a.gate_up, a.act);
+    ops::swiglu_forward(a.gate_up, a.act, padding_marks(a));
   }
   if (!a.y.defined()) {
     if (!a.ye.defined()) {
@@ -103,7 +109,7 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const ModelConfig& c, co
   ops::grouped_gemm_backward_weight(a.act, dye, offsets, g.w_down, expert_grads);
 
   Tensor dgate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
-  ops::swiglu_backward(a.gate_up, dact, dgate_up);
+  ops::swiglu_backward(a.gate_up, dact, dgate_up, padding_marks(a));
   Tensor dxe = Tensor::empty({r, c.dim}, dt, dev);
   ops::grouped_gemm_backward_input(dgate_up, w.w_gate_up, offsets, dxe);
   ops::grouped_gemm_backward_weight(a.xe, dgate_up, offsets, g.w_gate_up, expert_grads);

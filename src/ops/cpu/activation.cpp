@@ -9,18 +9,30 @@
 
 namespace mt::ops {
 
-void swiglu_forward(const Tensor& h, Tensor& a) {
+namespace {
+// The padding marks of a row_token argument (nullptr: none), checked against the rows.
+const int32_t* padding_marks(const Tensor* row_token, int64_t rows) {
+  if (!row_token) return nullptr;
+  expect_dtype(*row_token, DType::kI32, "swiglu row tokens");
+  expect_shape(*row_token, {rows}, "swiglu row tokens");
+  return row_token->data<int32_t>();
+}
+}  // namespace
+
+void swiglu_forward(const Tensor& h, Tensor& a, const Tensor* row_token) {
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(h)) return cuda::swiglu_forward(h, a);
+  if (on_gpu(h)) return cuda::swiglu_forward(h, a, row_token);
 #endif
   MT_CHECK(h.ndim() == 2 && h.dim(1) % 2 == 0, "swiglu input {} must be (M, 2F)",
            shape_str(h.shape()));
   const int64_t m = h.dim(0), f = h.dim(1) / 2;
   expect_shape(a, {m, f}, "swiglu out");
+  const int32_t* token = padding_marks(row_token, m);
   dispatch_float(h.dtype(), [&](auto tag) {
     using T = decltype(tag);
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < m; ++r) {
+      if (token && token[r] < 0) continue;
       const T* g = h.data<T>() + r * 2 * f;
       const T* u = g + f;
       T* o = a.data<T>() + r * f;
@@ -32,17 +44,19 @@ void swiglu_forward(const Tensor& h, Tensor& a) {
   });
 }
 
-void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh) {
+void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const Tensor* row_token) {
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(h)) return cuda::swiglu_backward(h, da, dh);
+  if (on_gpu(h)) return cuda::swiglu_backward(h, da, dh, row_token);
 #endif
   const int64_t m = h.dim(0), f = h.dim(1) / 2;
   expect_shape(da, {m, f}, "swiglu da");
   expect_shape(dh, h.shape(), "swiglu dh");
+  const int32_t* token = padding_marks(row_token, m);
   dispatch_float(h.dtype(), [&](auto tag) {
     using T = decltype(tag);
 #pragma omp parallel for schedule(static)
     for (int64_t r = 0; r < m; ++r) {
+      if (token && token[r] < 0) continue;
       const T* g = h.data<T>() + r * 2 * f;
       const T* u = g + f;
       const T* d = da.data<T>() + r * f;

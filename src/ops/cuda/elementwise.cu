@@ -8,10 +8,12 @@ namespace {
 
 // P consecutive outputs per step (a 16-byte pack when f and the pointers allow, else 1).
 template <class T, int P>
-__global__ void swiglu_forward_kernel(const T* h, T* a, int64_t m, int64_t f) {
+__global__ void swiglu_forward_kernel(const T* h, T* a, int64_t m, int64_t f,
+                                      const int32_t* row_token) {
   for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * P; i < m * f;
        i += int64_t{gridDim.x} * blockDim.x * P) {
     const int64_t r = i / f, c = i % f;
+    if (row_token && row_token[r] < 0) continue;  // padding
     float g[P], u[P];
     load_n<T, P>(h + r * 2 * f + c, g);
     load_n<T, P>(h + r * 2 * f + f + c, u);
@@ -22,10 +24,12 @@ __global__ void swiglu_forward_kernel(const T* h, T* a, int64_t m, int64_t f) {
 }
 
 template <class T, int P>
-__global__ void swiglu_backward_kernel(const T* h, const T* da, T* dh, int64_t m, int64_t f) {
+__global__ void swiglu_backward_kernel(const T* h, const T* da, T* dh, int64_t m, int64_t f,
+                                       const int32_t* row_token) {
   for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * P; i < m * f;
        i += int64_t{gridDim.x} * blockDim.x * P) {
     const int64_t r = i / f, c = i % f;
+    if (row_token && row_token[r] < 0) continue;  // padding
     float g[P], u[P], d[P];
     load_n<T, P>(h + r * 2 * f + c, g);
     load_n<T, P>(h + r * 2 * f + f + c, u);
@@ -81,7 +85,7 @@ __global__ void rope_kernel(const T* x, const int32_t* pos, double theta, int di
 namespace kernels {
 
 cudaError_t swiglu_forward(Storage st, const void* h, void* a, int64_t m, int64_t f,
-                           cudaStream_t stream) {
+                           const int32_t* row_token, cudaStream_t stream) {
   if (m * f == 0) return cudaSuccess;
   dispatch_storage(st, [&](auto tag) {
     using T = decltype(tag);
@@ -89,15 +93,16 @@ cudaError_t swiglu_forward(Storage st, const void* h, void* a, int64_t m, int64_
     T* ap = static_cast<T*>(a);
     constexpr int P = Pack<T>::kSize;
     if (packable<T>(f, {h, a}))
-      swiglu_forward_kernel<T, P><<<grid_for(m * f / P), kBlock, 0, stream>>>(hp, ap, m, f);
+      swiglu_forward_kernel<T, P>
+          <<<grid_for(m * f / P), kBlock, 0, stream>>>(hp, ap, m, f, row_token);
     else
-      swiglu_forward_kernel<T, 1><<<grid_for(m * f), kBlock, 0, stream>>>(hp, ap, m, f);
+      swiglu_forward_kernel<T, 1><<<grid_for(m * f), kBlock, 0, stream>>>(hp, ap, m, f, row_token);
   });
   return cudaGetLastError();
 }
 
 cudaError_t swiglu_backward(Storage st, const void* h, const void* da, void* dh, int64_t m,
-                            int64_t f, cudaStream_t stream) {
+                            int64_t f, const int32_t* row_token, cudaStream_t stream) {
   if (m * f == 0) return cudaSuccess;
   dispatch_storage(st, [&](auto tag) {
     using T = decltype(tag);
@@ -105,9 +110,11 @@ cudaError_t swiglu_backward(Storage st, const void* h, const void* da, void* dh,
     T* dhp = static_cast<T*>(dh);
     constexpr int P = Pack<T>::kSize;
     if (packable<T>(f, {h, da, dh}))
-      swiglu_backward_kernel<T, P><<<grid_for(m * f / P), kBlock, 0, stream>>>(hp, dap, dhp, m, f);
+      swiglu_backward_kernel<T, P>
+          <<<grid_for(m * f / P), kBlock, 0, stream>>>(hp, dap, dhp, m, f, row_token);
     else
-      swiglu_backward_kernel<T, 1><<<grid_for(m * f), kBlock, 0, stream>>>(hp, dap, dhp, m, f);
+      swiglu_backward_kernel<T, 1>
+          <<<grid_for(m * f), kBlock, 0, stream>>>(hp, dap, dhp, m, f, row_token);
   });
   return cudaGetLastError();
 }

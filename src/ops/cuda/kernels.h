@@ -19,10 +19,11 @@ cudaError_t rmsnorm_backward(Storage s, const void* x, const void* w, const floa
                              int64_t n, int64_t d, cudaStream_t stream);
 cudaError_t rope(Storage s, const void* x, const int32_t* pos, double theta, int direction, void* y,
                  int64_t n, int64_t heads, int64_t head_dim, cudaStream_t stream);
+// row_token (nullable): rows whose entry is negative (padding) are skipped.
 cudaError_t swiglu_forward(Storage s, const void* h, void* a, int64_t m, int64_t f,
-                           cudaStream_t stream);
+                           const int32_t* row_token, cudaStream_t stream);
 cudaError_t swiglu_backward(Storage s, const void* h, const void* da, void* dh, int64_t m,
-                            int64_t f, cudaStream_t stream);
+                            int64_t f, const int32_t* row_token, cudaStream_t stream);
 // loss (n floats, scratch) receives each row's loss (0 where masked); *loss_sum (device) += their
 // sum. The backward's scale is a device double.
 cudaError_t cross_entropy_forward(Storage s, const void* logits, const int32_t* targets,
