@@ -1,6 +1,6 @@
 // CUTLASS Hopper grouped GEMM (TMA + wgmma, warp-specialized, pointer-array) for the
-// expert GEMMs, with every per-group argument built on the device from the expert row offsets:
-// no count reaches the host. One template, instantiated in three .cu files (forward, dx, dw) so
+// expert GEMMs, with every per-group argument built on the device from the experts' row offsets
+// and segments (ops::ExpertRows): no count reaches the host. One template, instantiated in three .cu files (forward, dx, dw) so
 // that they compile in parallel.
 #pragma once
 #include <cuda_runtime_api.h>
