@@ -98,21 +98,21 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const ModelConfig& c, co
   const int64_t n = hn.dim(0), r = a.xe.dim(0);
   const DType dt = hn.dtype();
   const Device dev = hn.device();
-  const ops::ExpertRows offsets = expert_rows(a);
+  const ops::ExpertRows rows = expert_rows(a);
   Tensor dy = Tensor::empty(a.y.shape(), dt, dev);
   Tensor dweight = Tensor::empty({n, c.top_k}, a.routing.expert_weight.dtype(), dev);
   ops::combine_backward(dout, a.y, a.perm, a.routing.expert_weight, dy, dweight);
   const Tensor dye = a.exchange ? a.exchange->dispatch(dy) : dy;  // combine's backward
 
   Tensor dact = Tensor::empty({r, c.moe_dim}, dt, dev);
-  ops::grouped_gemm_backward_input(dye, w.w_down, offsets, dact);
-  ops::grouped_gemm_backward_weight(a.act, dye, offsets, g.w_down, expert_grads);
+  ops::grouped_gemm_backward_input(dye, w.w_down, rows, dact);
+  ops::grouped_gemm_backward_weight(a.act, dye, rows, g.w_down, expert_grads);
 
   Tensor dgate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
   ops::swiglu_backward(a.gate_up, dact, dgate_up, padding_marks(a));
   Tensor dxe = Tensor::empty({r, c.dim}, dt, dev);
-  ops::grouped_gemm_backward_input(dgate_up, w.w_gate_up, offsets, dxe);
-  ops::grouped_gemm_backward_weight(a.xe, dgate_up, offsets, g.w_gate_up, expert_grads);
+  ops::grouped_gemm_backward_input(dgate_up, w.w_gate_up, rows, dxe);
+  ops::grouped_gemm_backward_weight(a.xe, dgate_up, rows, g.w_gate_up, expert_grads);
   const Tensor dxp = a.exchange ? a.exchange->combine(dxe) : dxe;  // dispatch's backward
 
   Tensor dhn = Tensor::empty({n, c.dim}, dt, dev);

@@ -10,24 +10,26 @@
 namespace mt::ops {
 
 namespace {
-// The padding marks of a row_token argument (nullptr: none), checked against the rows.
-const int32_t* padding_marks(const Tensor* row_token, int64_t rows) {
+// The padding marks of a row_token argument (nullptr: none), checked against h's rows and
+// device here for both devices (the GPU wrappers pass them on unchecked).
+const int32_t* padding_marks(const Tensor* row_token, const Tensor& h) {
   if (!row_token) return nullptr;
   expect_dtype(*row_token, DType::kI32, "swiglu row tokens");
-  expect_shape(*row_token, {rows}, "swiglu row tokens");
+  expect_shape(*row_token, {h.dim(0)}, "swiglu row tokens");
+  MT_CHECK(row_token->device() == h.device(), "swiglu row tokens must be on the rows' device");
   return row_token->data<int32_t>();
 }
 }  // namespace
 
 void swiglu_forward(const Tensor& h, Tensor& a, const Tensor* row_token) {
+  const int32_t* token = padding_marks(row_token, h);
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(h)) return cuda::swiglu_forward(h, a, row_token);
+  if (on_gpu(h)) return cuda::swiglu_forward(h, a, token);
 #endif
   MT_CHECK(h.ndim() == 2 && h.dim(1) % 2 == 0, "swiglu input {} must be (M, 2F)",
            shape_str(h.shape()));
   const int64_t m = h.dim(0), f = h.dim(1) / 2;
   expect_shape(a, {m, f}, "swiglu out");
-  const int32_t* token = padding_marks(row_token, m);
   dispatch_float(h.dtype(), [&](auto tag) {
     using T = decltype(tag);
 #pragma omp parallel for schedule(static)
@@ -45,13 +47,13 @@ void swiglu_forward(const Tensor& h, Tensor& a, const Tensor* row_token) {
 }
 
 void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const Tensor* row_token) {
+  const int32_t* token = padding_marks(row_token, h);
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(h)) return cuda::swiglu_backward(h, da, dh, row_token);
+  if (on_gpu(h)) return cuda::swiglu_backward(h, da, dh, token);
 #endif
   const int64_t m = h.dim(0), f = h.dim(1) / 2;
   expect_shape(da, {m, f}, "swiglu da");
   expect_shape(dh, h.shape(), "swiglu dh");
-  const int32_t* token = padding_marks(row_token, m);
   dispatch_float(h.dtype(), [&](auto tag) {
     using T = decltype(tag);
 #pragma omp parallel for schedule(static)

@@ -256,26 +256,16 @@ void rope_apply(const Tensor& x, const Tensor& positions, double theta, int dire
                               direction, y.raw(), x.dim(0), x.dim(1), x.dim(2), stream()));
 }
 
-namespace {
-const int32_t* padding_marks(const Tensor* row_token, int64_t rows) {
-  if (!row_token) return nullptr;
-  expect_dtype(*row_token, DType::kI32, "swiglu row tokens");
-  expect_shape(*row_token, {rows}, "swiglu row tokens");
-  MT_CHECK(row_token->device() == Device::kCUDA, "swiglu row tokens must be on the GPU");
-  return row_token->data<int32_t>();
-}
-}  // namespace
-
-void swiglu_forward(const Tensor& h, Tensor& a, const Tensor* row_token) {
+void swiglu_forward(const Tensor& h, Tensor& a, const int32_t* row_token) {
   const profile::Phase phase("gpu.swiglu_forward");
   const int64_t m = h.dim(0), f = h.dim(1) / 2;
   expect_shape(a, {m, f}, "swiglu out");
   same_storage_type(h, a, "swiglu out");
   MT_CUDA_CHECK(kernels::swiglu_forward(storage_of(h, "swiglu h"), h.raw(), a.raw(), m, f,
-                                        padding_marks(row_token, m), stream()));
+                                        row_token, stream()));
 }
 
-void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const Tensor* row_token) {
+void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const int32_t* row_token) {
   const profile::Phase phase("gpu.swiglu_backward");
   const int64_t m = h.dim(0), f = h.dim(1) / 2;
   expect_shape(da, {m, f}, "swiglu da");
@@ -283,7 +273,7 @@ void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const Tensor
   same_storage_type(h, da, "swiglu da");
   same_storage_type(h, dh, "swiglu dh");
   MT_CUDA_CHECK(kernels::swiglu_backward(storage_of(h, "swiglu h"), h.raw(), da.raw(), dh.raw(), m,
-                                         f, padding_marks(row_token, m), stream()));
+                                         f, row_token, stream()));
 }
 
 void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,

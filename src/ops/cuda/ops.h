@@ -82,8 +82,9 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, Tensor& y, Te
 void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy,
                       Tensor& dx, Tensor& dw);
 void rope_apply(const Tensor& x, const Tensor& positions, double theta, int direction, Tensor& y);
-void swiglu_forward(const Tensor& h, Tensor& a, const Tensor* row_token);
-void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const Tensor* row_token);
+// row_token: device i32 marks (negative: padding row, skipped), checked by ops/activation.h.
+void swiglu_forward(const Tensor& h, Tensor& a, const int32_t* row_token);
+void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const int32_t* row_token);
 void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
                            Tensor& lse, Tensor& loss_sum);
 void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& mask,

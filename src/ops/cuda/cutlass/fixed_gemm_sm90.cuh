@@ -196,10 +196,15 @@ inline int64_t tile_count(int64_t capacity, int64_t out_width, int tile_n) {
   return (capacity + kRowTile - 1) / kRowTile * ((out_width + tile_n - 1) / tile_n);
 }
 
+// Bytes of the tile table (the workspace's head), rounded to 256.
+inline size_t table_bytes(int64_t count) {
+  return (sizeof(int4) * count + 255) / 256 * 256;
+}
+
 // Bytes of workspace one call needs: the tile table, then CUTLASS's own (none for this scheduler
 // and schedules; checked at the call).
 inline size_t workspace_bytes(int64_t capacity, int64_t out_width, int tile_n) {
-  return (sizeof(int4) * tile_count(capacity, out_width, tile_n) + 255) / 256 * 256 + 256;
+  return table_bytes(tile_count(capacity, out_width, tile_n)) + 256;
 }
 
 // Every tile of the capacity: {row tile, column tile, expert of the row tile, 0}, or row tile -1
@@ -239,7 +244,7 @@ cudaError_t run(const int64_t* segments, int experts, const void* lhs, const voi
     return cudaErrorInvalidValue;
   const int64_t count = tile_count(capacity, out_width, C::kTileN);
   auto* table = static_cast<int4*>(workspace);
-  const size_t table_bytes = (sizeof(int4) * count + 255) / 256 * 256;
+  const size_t table_size = table_bytes(count);
   if (count > 0)
     tile_table_kernel<<<static_cast<unsigned>((count + 255) / 256), 256, 0, stream>>>(
         segments, experts, static_cast<int>((out_width + C::kTileN - 1) / C::kTileN), count, table);
@@ -263,9 +268,8 @@ cudaError_t run(const int64_t* segments, int experts, const void* lhs, const voi
   args.scheduler.tile_count = static_cast<int>(count);
   typename C::Gemm gemm;
   if (gemm.can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
-  if (C::Gemm::get_workspace_size(args) > workspace_size - table_bytes)
-    return cudaErrorInvalidValue;
-  if (gemm.initialize(args, static_cast<char*>(workspace) + table_bytes, stream) !=
+  if (C::Gemm::get_workspace_size(args) > workspace_size - table_size) return cudaErrorInvalidValue;
+  if (gemm.initialize(args, static_cast<char*>(workspace) + table_size, stream) !=
       cutlass::Status::kSuccess)
     return cudaErrorInvalidValue;
   if (gemm.run(stream) != cutlass::Status::kSuccess) return cudaErrorLaunchFailure;
