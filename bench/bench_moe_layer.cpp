@@ -57,7 +57,7 @@ int main() {
       mt::moe::MoeActivations act;
       mt::moe::moe_fill(w, c, {}, Tensor(), hn, act);
       Tensor layer_out = Tensor::empty({n, d}, DType::kBF16, Device::kCUDA);
-      mt::moe::moe_combine(act, layer_out);
+      mt::moe::moe_combine(w, c, act, layer_out);
       (void)mt::moe::moe_backward(w, g, c, hn, act, dout, 0.001, first_write);
     });
   };
@@ -67,7 +67,8 @@ int main() {
     // Stages, each timed on its own with the earlier stages' outputs ready (where the time goes).
     const double router_ms = mt::bench::median_ms([&] {
       mt::moe::MoeActivations act;
-      act.xe = act.gate_up = act.act = act.y = hn;     // present: moe_fill stops after routing
+      act.xe = act.row_weight = act.gate_up = act.act =
+          hn;                                          // present: moe_fill stops after routing
       mt::moe::moe_fill(w, c, {}, Tensor(), hn, act);  // router GEMM, top-k, stats, permutation
     });
     mt::moe::MoeActivations full;
@@ -76,12 +77,12 @@ int main() {
       mt::moe::moe_fill(w, c, {}, Tensor(), hn, full);
     });
     Tensor out = Tensor::empty({n, d}, DType::kBF16, Device::kCUDA);
-    const double combine_ms = mt::bench::median_ms([&] { mt::moe::moe_combine(full, out); });
+    const double combine_ms = mt::bench::median_ms([&] { mt::moe::moe_combine(w, c, full, out); });
     const double backward_ms = mt::bench::median_ms(
         [&] { (void)mt::moe::moe_backward(w, g, c, hn, full, dout, 0.001, first_write); });
     std::printf(
         "{\"bench\": \"moe_layer_stages\", \"routing\": \"%s\", \"router_topk_permutation_ms\": "
-        "%.3f, \"forward_fill_ms\": %.3f, \"combine_ms\": %.3f, \"backward_ms\": %.3f}\n",
+        "%.3f, \"forward_fill_ms\": %.3f, \"down_and_combine_ms\": %.3f, \"backward_ms\": %.3f}\n",
         balanced ? "balanced" : "real", router_ms, fill_ms, combine_ms, backward_ms);
     // The whole layer, with padded expert rows (the default) and dense ones alternating four
     // times: a power-capped GPU's clock drifts by more than the difference between the two.
@@ -113,7 +114,7 @@ int main() {
       mt::moe::MoeActivations act;
       mt::moe::moe_fill(w, c, {}, Tensor(), hn, act);
       Tensor layer_out = Tensor::empty({n, d}, DType::kBF16, Device::kCUDA);
-      mt::moe::moe_combine(act, layer_out);
+      mt::moe::moe_combine(w, c, act, layer_out);
       (void)mt::moe::moe_backward(w, g, c, hn, act, dout, 0.001, mt::ops::Accumulate::kNo);
     }
     std::printf("{\"bench\": \"moe_layer_ops\", \"routing\": \"real\"");

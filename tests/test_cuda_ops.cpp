@@ -136,8 +136,8 @@ void GpuCase::check_swiglu(int64_t m, int64_t f) {
   for (int64_t r = 0; r < m; ++r) marks.set_item(r, r % 3 == 1 ? -1 : static_cast<double>(r));
   const Tensor gmarks = marks.to(Device::kCUDA);
   Tensor pa = gpu_out({m, f}), pdh = gpu_out({m, 2 * f});
-  ops::swiglu_forward(gh, pa, &gmarks);
-  ops::swiglu_backward(gh, gpu(da), pdh, &gmarks);
+  ops::swiglu_forward(gh, pa, {&gmarks});
+  ops::swiglu_backward(gh, gpu(da), pdh, {&gmarks});
   const Tensor pa_h = pa.to(DType::kF32).to(Device::kCPU),
                ga_h = ga.to(DType::kF32).to(Device::kCPU);
   const Tensor pdh_h = pdh.to(DType::kF32).to(Device::kCPU);
@@ -155,6 +155,23 @@ void GpuCase::check_swiglu(int64_t m, int64_t f) {
     }
   }
   EXPECT_EQ(wrong, 0) << "swiglu with padding marks";
+
+  // Routing weights per row (f32 on both sides): the outputs scaled, and each row's weight
+  // gradient, a sum over the row.
+  const Tensor weight = testing::randn({m}, seed + counter++, 1.0, DType::kF32);
+  Tensor wa = Tensor::empty({m, f}, DType::kF32), wdh = Tensor::empty({m, 2 * f}, DType::kF32);
+  Tensor wdw = Tensor::empty({m}, DType::kF32);
+  ops::swiglu_forward(h, wa, {nullptr, &weight});
+  ops::swiglu_backward(h, da, wdh, {nullptr, &weight}, &wdw);
+  const Tensor gweight = weight.to(Device::kCUDA);
+  Tensor gwa = gpu_out({m, f}), gwdh = gpu_out({m, 2 * f}), gwdw = gpu_out({m}, DType::kF32);
+  ops::swiglu_forward(gh, gwa, {nullptr, &gweight});
+  ops::swiglu_backward(gh, gpu(da), gwdh, {nullptr, &gweight}, &gwdw);
+  expect_close(gwa, wa, "weighted swiglu forward");
+  expect_close(gwdh, wdh, "weighted swiglu backward");
+  const Tensor gwdw_h = gwdw.to(Device::kCPU);
+  ASSERT_TRUE(all_finite(gwdw_h)) << "row-weight gradient: unwritten (NaN) or non-finite";
+  EXPECT_LT(relative_error(gwdw_h, wdw), 1e-4) << "row-weight gradient, seed " << seed;
 }
 
 TEST_P(GpuCase, CrossEntropyForwardBackward) {
@@ -394,8 +411,8 @@ TEST_P(GpuCase, RouterPermutationAndCombine) {
       if (cpad.source_token.data<int32_t>()[i] < 0)
         std::fill(poisoned.data<float>() + i * d, poisoned.data<float>() + (i + 1) * d, NAN);
     Tensor cout_ = Tensor::empty({n, d}, DType::kF32), out = gpu_out({n, d});
-    ops::combine_forward(cyp, cpad, cr.expert_weight, cout_);
-    ops::combine_forward(gpu(poisoned), gpad, gr.expert_weight, out);
+    ops::combine_forward(cyp, cpad, cout_);
+    ops::combine_forward(gpu(poisoned), gpad, out);
     expect_close(out, cout_, "combine over a padded layout");
   }
   ops::ExpertPermutation cp, gp;
@@ -417,23 +434,38 @@ TEST_P(GpuCase, RouterPermutationAndCombine) {
   ops::permute_rows_backward(dxp, cp, cdx);
   ops::permute_rows_backward(gpu(dxp), gp, gdx);
   expect_close(gdx, cdx, "permute rows backward");
-  const Tensor y = input({n * k, d}), dout = input({n, d});
+  const Tensor y = input({n * k, d});
   Tensor cout_ = Tensor::empty({n, d}, DType::kF32), gout = gpu_out({n, d});
-  ops::combine_forward(y, cp, cr.expert_weight, cout_);
-  ops::combine_forward(gpu(y), gp, gr.expert_weight, gout);
+  ops::combine_forward(y, cp, cout_);
+  ops::combine_forward(gpu(y), gp, gout);
   expect_close(gout, cout_, "combine");
   const Tensor residual = input({n, d});
   Tensor cres = Tensor::empty({n, d}, DType::kF32), gres = gpu_out({n, d});
   const Tensor gresidual = gpu(residual);
-  ops::combine_forward(y, cp, cr.expert_weight, cres, &residual);
-  ops::combine_forward(gpu(y), gp, gr.expert_weight, gres, &gresidual);
+  ops::combine_forward(y, cp, cres, &residual);
+  ops::combine_forward(gpu(y), gp, gres, &gresidual);
   expect_close(gres, cres, "combine + residual");
-  Tensor cdy = Tensor::empty({n * k, d}, DType::kF32), gdy = gpu_out({n * k, d});
-  Tensor cdw = Tensor::empty({n, k}, DType::kF32), gdw = gpu_out({n, k}, DType::kF32);
-  ops::combine_backward(dout, y, cp, cr.expert_weight, cdy, cdw);
-  ops::combine_backward(gpu(dout), gpu(y), gp, gr.expert_weight, gdy, gdw);
-  expect_close(gdy, cdy, "combine backward rows");
-  EXPECT_LT(relative_error(gdw, cdw), 1e-4) << "combine backward weights";
+  // The routing weights' moves (one f32 per row, the narrow-row kernels): choices into expert
+  // rows, and their gradients back, over the padded layout (its padding rows keep the poison).
+  ops::ExpertPermutation cpad, gpad;
+  ops::make_expert_permutation(cr.expert_index, e, cpad, 128);
+  ops::make_expert_permutation(gr.expert_index, e, gpad, 128);
+  const Tensor gweight = gr.expert_weight.reshape({n, k, 1});
+  Tensor gw_rows = Tensor::poisoned({gpad.rows(), 1}, DType::kF32, Device::kCUDA);
+  ops::unpermute_rows_backward(gweight, gpad, gw_rows);
+  const Tensor w_rows = gw_rows.to(Device::kCPU), w_host = gr.expert_weight.to(Device::kCPU);
+  const Tensor tokens = gpad.source_token.to(Device::kCPU);
+  const Tensor choice_rows = gpad.row_of_choice.to(Device::kCPU);
+  int64_t wrong = 0;
+  for (int64_t r = 0; r < gpad.rows(); ++r)
+    if (tokens.data<int32_t>()[r] < 0) wrong += !std::isnan(w_rows.item(r));
+  for (int64_t i = 0; i < n * k; ++i)
+    wrong += w_rows.item(choice_rows.data<int32_t>()[i]) != w_host.item(i);
+  EXPECT_EQ(wrong, 0) << "routing weights into expert rows";
+  Tensor back = Tensor::poisoned({n, k, 1}, DType::kF32, Device::kCUDA);
+  ops::unpermute_rows(gw_rows, gpad, back);
+  EXPECT_EQ(relative_error(back.to(Device::kCPU).reshape({n, k}), w_host), 0.0)
+      << "expert rows back to the choices";
 }
 
 TEST_P(GpuCase, MoeLayerForwardBackwardMatchesCpu) {
@@ -456,8 +488,8 @@ TEST_P(GpuCase, MoeLayerForwardBackwardMatchesCpu) {
   moe::moe_fill(cw, c, {}, Tensor(), hn, ca);
   moe::moe_fill(gw, c, {}, Tensor(), gpu(hn), ga);
   Tensor cout_ = Tensor::empty({n, d}, DType::kF32), gout = gpu_out({n, d});
-  moe::moe_combine(ca, cout_);
-  moe::moe_combine(ga, gout);
+  moe::moe_combine(cw, c, ca, cout_);
+  moe::moe_combine(gw, c, ga, gout);
   const Tensor cdh = moe::moe_backward(cw, cg, c, hn, ca, dout, 0.01);
   const Tensor gdh = moe::moe_backward(gw, gg, c, gpu(hn), ga, gpu(dout), 0.01);
   // A chain of bf16 GEMMs and activations: each stage rounds, so 2e-2 end to end.

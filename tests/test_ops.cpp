@@ -20,6 +20,7 @@ namespace mt {
 namespace {
 
 using testing::dot;
+using testing::error_of;
 using testing::gradcheck;
 using testing::kGradTol;
 using testing::randn;
@@ -342,30 +343,33 @@ TEST(Permute, Gradients) {
   EXPECT_LT(gradcheck(uloss, yp, dyp), kGradTol);
 }
 
-TEST(Combine, WeightsAppliedOnceAndGradients) {
+TEST(Combine, SumsTheCopiesAndGradients) {
   PermCase c = perm_case();
-  Tensor yp = randn({10, 3}, 1), w = randn({5, 2}, 2), g = randn({5, 3}, 3);
+  Tensor yp = randn({10, 3}, 1), g = randn({5, 3}, 3);
   Tensor out = Tensor::poisoned({5, 3}, DType::kF64);
-  ops::combine_forward(yp, c.p, w, out);
+  ops::combine_forward(yp, c.p, out);
   // Token 1 chose experts (1, 3): row 3 (first of expert 1) and row 7 (second of expert 3).
   for (int d = 0; d < 3; ++d)
-    EXPECT_NEAR(out.item(3 + d), w.item(2) * yp.item(3 * 3 + d) + w.item(3) * yp.item(7 * 3 + d),
-                1e-14);
+    EXPECT_NEAR(out.item(3 + d), yp.item(3 * 3 + d) + yp.item(7 * 3 + d), 1e-14);
   auto loss = [&] {
-    ops::combine_forward(yp, c.p, w, out);
+    ops::combine_forward(yp, c.p, out);
     return dot(out, g);
   };
-  Tensor dyp = like(yp), dw = like(w);
-  ops::combine_backward(g, yp, c.p, w, dyp, dw);
+  // Its backward is the permutation: each copy receives its token's gradient.
+  Tensor dyp = like(yp);
+  ops::permute_rows(g, c.p, dyp);
   EXPECT_LT(gradcheck(loss, yp, dyp), kGradTol);
-  EXPECT_LT(gradcheck(loss, w, dw), kGradTol);
   // The residual folded into the same pass: out + residual.
   const Tensor r = randn({5, 3}, 4);
   Tensor with = Tensor::poisoned({5, 3}, DType::kF64);
-  ops::combine_forward(yp, c.p, w, out);
-  ops::combine_forward(yp, c.p, w, with, &r);
+  ops::combine_forward(yp, c.p, out);
+  ops::combine_forward(yp, c.p, with, &r);
   for (int64_t i = 0; i < with.numel(); ++i)
     EXPECT_NEAR(with.item(i), out.item(i) + r.item(i), 1e-14) << i;
+  // A residual of another shape is refused, naming it.
+  const Tensor short_residual = randn({4, 3}, 5);
+  const std::string e = error_of([&] { ops::combine_forward(yp, c.p, with, &short_residual); });
+  EXPECT_NE(e.find("combine residual"), std::string::npos) << e;
 }
 
 // Segments aligned to 4 rows: each expert's rows from a multiple of 4, in the dense order, the
@@ -492,8 +496,8 @@ TEST(SwiGLU, HandCheckedAndGradients) {
   Tensor marks = i32({0, 1, -1, 3});
   ops::swiglu_forward(hs, as);  // unmarked, at hs itself (the gradient check moved it about)
   Tensor pa = Tensor::poisoned({4, 3}, DType::kF64), pdh = Tensor::poisoned({4, 6}, DType::kF64);
-  ops::swiglu_forward(hs, pa, &marks);
-  ops::swiglu_backward(hs, g, pdh, &marks);
+  ops::swiglu_forward(hs, pa, {&marks});
+  ops::swiglu_backward(hs, g, pdh, {&marks});
   for (int64_t i = 0; i < 12; ++i)
     if (i / 3 == 2)
       EXPECT_TRUE(std::isnan(pa.item(i))) << i;
@@ -504,6 +508,41 @@ TEST(SwiGLU, HandCheckedAndGradients) {
       EXPECT_TRUE(std::isnan(pdh.item(i))) << i;
     else
       EXPECT_EQ(pdh.item(i), dh.item(i)) << i;
+}
+
+// Routing weights per row: the output scaled by the row's weight, gradients for h and for the
+// weights (a finite difference of each), padding rows left as they are.
+TEST(SwiGLU, RowWeightsScaleTheOutputAndGetTheirGradient) {
+  Tensor hs = randn({4, 6}, 1), g = randn({4, 3}, 2), weight = randn({4}, 3);
+  Tensor plain = Tensor::poisoned({4, 3}, DType::kF64), as = like(plain);
+  ops::swiglu_forward(hs, plain);
+  ops::swiglu_forward(hs, as, {nullptr, &weight});
+  for (int64_t i = 0; i < 12; ++i)
+    EXPECT_NEAR(as.item(i), weight.item(i / 3) * plain.item(i), 1e-14) << i;
+  auto loss = [&] {
+    ops::swiglu_forward(hs, as, {nullptr, &weight});
+    return dot(as, g);
+  };
+  Tensor dh = like(hs), dweight = like(weight);
+  ops::swiglu_backward(hs, g, dh, {nullptr, &weight}, &dweight);
+  EXPECT_LT(gradcheck(loss, hs, dh), kGradTol);
+  EXPECT_LT(gradcheck(loss, weight, dweight), kGradTol);
+
+  Tensor marks = i32({0, -1, 2, 3});
+  Tensor pdh = Tensor::poisoned({4, 6}, DType::kF64), pdw = Tensor::poisoned({4}, DType::kF64);
+  ops::swiglu_backward(hs, g, pdh, {&marks, &weight}, &pdw);
+  for (int64_t r = 0; r < 4; ++r) {
+    if (r == 1)
+      EXPECT_TRUE(std::isnan(pdw.item(r)));
+    else
+      EXPECT_EQ(pdw.item(r), dweight.item(r)) << r;
+  }
+  // Weights without their gradient, or of another length, are refused.
+  std::string e = error_of([&] { ops::swiglu_backward(hs, g, dh, {nullptr, &weight}); });
+  EXPECT_NE(e.find("go together"), std::string::npos) << e;
+  const Tensor three = randn({3}, 4);
+  e = error_of([&] { ops::swiglu_forward(hs, as, {nullptr, &three}); });
+  EXPECT_NE(e.find("swiglu row weights"), std::string::npos) << e;
 }
 
 TEST(CrossEntropy, HandCheckedMaskAndGradients) {

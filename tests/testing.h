@@ -4,7 +4,9 @@
 
 #include <cmath>
 #include <functional>
+#include <string>
 
+#include "core/error.h"
 #include "core/rng.h"
 #include "core/tensor.h"
 
@@ -16,6 +18,16 @@ inline Tensor randn(const Shape& shape, uint64_t seed, double scale = 1.0,
   const CounterRng rng{seed, 99};
   for (int64_t i = 0; i < t.numel(); ++i) t.set_item(i, scale * rng.normal(i));
   return t;
+}
+
+// The message of the mt::Error that f throws, or "no error".
+inline std::string error_of(const std::function<void()>& f) {
+  try {
+    f();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no error";
 }
 
 inline double dot(const Tensor& a, const Tensor& b) {

@@ -42,7 +42,7 @@ void drop_for_policy(BlockActivations& a, CheckpointPolicy policy) {
   if (policy == CheckpointPolicy::kNone) return;
   a.xn = a.attn_rstd = a.qn = a.q_rstd = a.kn = a.k_rstd = a.qr = a.kr = Tensor();
   a.h = a.hn = a.mlp_rstd = Tensor();
-  a.moe.xp = a.moe.act = Tensor();  // the exchange's outputs xe and y stay: no re-communication
+  a.moe.xp = a.moe.act = Tensor();  // the exchange's outputs xe, row_weight stay: no re-sending
   if (policy == CheckpointPolicy::kSelective) return;
   a.q = a.k = a.v = Tensor();
   a.moe = moe::MoeActivations();
@@ -148,7 +148,7 @@ Tensor block_forward(const BlockParams& p, const ModelConfig& c, const BlockInpu
   block_fill(p, c, in, a);
   Tensor out = new_like(x);
   const profile::Phase phase("moe.combine");
-  moe::moe_combine(a.moe, out, &a.h);  // the block's residual add in the combine's pass
+  moe::moe_combine(p.moe, c, a.moe, out, &a.h);  // the residual add in the combine's pass
   a.tokens_per_expert = a.moe.routing.tokens_per_expert;
   a.aux_loss = a.moe.aux_loss;
   drop_for_policy(a, c.checkpoint);

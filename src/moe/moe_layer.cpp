@@ -25,6 +25,11 @@ const Tensor* padding_marks(const MoeActivations& a) {
   return !a.exchange && a.perm.align > 1 ? &a.perm.source_token : nullptr;
 }
 
+// What SwiGLU needs of the expert rows: their padding marks and routing weights.
+ops::SwigluRows swiglu_rows(const MoeActivations& a) {
+  return {padding_marks(a), &a.row_weight};
+}
+
 // The local experts' rows: the exchange's dense layout, or the permutation's own.
 ops::ExpertRows expert_rows(const MoeActivations& a) {
   return a.exchange ? ops::ExpertRows(a.exchange->local_offsets()) : a.perm.expert_rows();
@@ -70,6 +75,15 @@ void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, 
     }
     a.xe = a.exchange ? a.exchange->dispatch(a.xp) : a.xp;
   }
+  if (!a.row_weight.defined()) {
+    // Each choice's routing weight moved to its expert row: the scatter (N, k, 1) -> (M, 1) that
+    // is unpermute_rows' backward.
+    const Tensor& weight = a.routing.expert_weight;
+    Tensor local = Tensor::empty({a.perm.rows(), 1}, weight.dtype(), dev);
+    ops::unpermute_rows_backward(weight.reshape({weight.dim(0), weight.dim(1), 1}), a.perm, local);
+    const Tensor rows = a.exchange ? a.exchange->dispatch(local) : local;
+    a.row_weight = rows.reshape({rows.dim(0)});
+  }
   const int64_t r = a.xe.dim(0);
   if (!a.gate_up.defined()) {
     a.gate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
@@ -77,19 +91,16 @@ void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, 
   }
   if (!a.act.defined()) {
     a.act = Tensor::empty({r, c.moe_dim}, dt, dev);
-    ops::swiglu_forward(a.gate_up, a.act, padding_marks(a));
-  }
-  if (!a.y.defined()) {
-    if (!a.ye.defined()) {
-      a.ye = Tensor::empty({r, c.dim}, dt, dev);
-      ops::grouped_gemm_forward(a.act, w.w_down, expert_rows(a), a.ye);
-    }
-    a.y = a.exchange ? a.exchange->combine(a.ye) : a.ye;
+    ops::swiglu_forward(a.gate_up, a.act, swiglu_rows(a));
   }
 }
 
-void moe_combine(const MoeActivations& a, Tensor& out, const Tensor* residual) {
-  ops::combine_forward(a.y, a.perm, a.routing.expert_weight, out, residual);
+void moe_combine(const MoeWeights& w, const ModelConfig& c, const MoeActivations& a, Tensor& out,
+                 const Tensor* residual) {
+  Tensor ye = Tensor::empty({a.act.dim(0), c.dim}, a.act.dtype(), a.act.device());
+  ops::grouped_gemm_forward(a.act, w.w_down, expert_rows(a), ye);
+  const Tensor y = a.exchange ? a.exchange->combine(ye) : ye;
+  ops::combine_forward(y, a.perm, out, residual);
 }
 
 Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const ModelConfig& c, const Tensor& hn,
@@ -99,17 +110,25 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const ModelConfig& c, co
   const DType dt = hn.dtype();
   const Device dev = hn.device();
   const ops::ExpertRows rows = expert_rows(a);
-  Tensor dy = Tensor::empty(a.y.shape(), dt, dev);
-  Tensor dweight = Tensor::empty({n, c.top_k}, a.routing.expert_weight.dtype(), dev);
-  ops::combine_backward(dout, a.y, a.perm, a.routing.expert_weight, dy, dweight);
-  const Tensor dye = a.exchange ? a.exchange->dispatch(dy) : dy;  // combine's backward
+  // The combine's backward: every expert row receives its token's gradient (the routing weights
+  // are in the rows' activations).
+  Tensor dy = Tensor::empty({a.perm.rows(), c.dim}, dt, dev);
+  ops::permute_rows(dout, a.perm, dy);
+  const Tensor dye = a.exchange ? a.exchange->dispatch(dy) : dy;
 
   Tensor dact = Tensor::empty({r, c.moe_dim}, dt, dev);
   ops::grouped_gemm_backward_input(dye, w.w_down, rows, dact);
   ops::grouped_gemm_backward_weight(a.act, dye, rows, g.w_down, expert_grads);
 
   Tensor dgate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
-  ops::swiglu_backward(a.gate_up, dact, dgate_up, padding_marks(a));
+  Tensor drow_weight = Tensor::empty({r, 1}, a.row_weight.dtype(), dev);
+  Tensor drow_weight_flat = drow_weight.reshape({r});
+  ops::swiglu_backward(a.gate_up, dact, dgate_up, swiglu_rows(a), &drow_weight_flat);
+  // The routing weights' gradient, back from the expert rows to the choices (N, k).
+  const Tensor drows = a.exchange ? a.exchange->combine(drow_weight) : drow_weight;
+  Tensor dweight = Tensor::empty({n, c.top_k}, a.routing.expert_weight.dtype(), dev);
+  Tensor dweight_rows = dweight.reshape({n, c.top_k, 1});
+  ops::unpermute_rows(drows, a.perm, dweight_rows);
   Tensor dxe = Tensor::empty({r, c.dim}, dt, dev);
   ops::grouped_gemm_backward_input(dgate_up, w.w_gate_up, rows, dxe);
   ops::grouped_gemm_backward_weight(a.xe, dgate_up, rows, g.w_gate_up, expert_grads);

@@ -1,5 +1,8 @@
 // The MoE feed-forward of one block: router -> expert-major permutation -> (EP dispatch) ->
-// grouped SwiGLU experts -> (EP combine) -> weighted combine. Without expert parallelism the
+// grouped SwiGLU experts -> (EP combine) -> combine. The routing weight of each expert row scales
+// its SwiGLU output (the down projection is linear, so this is the weighted combine of the expert
+// outputs): the combine is a plain sum, and the backward needs no expert output, which is
+// therefore not kept. Without expert parallelism the
 // exchange is the identity and the experts are all E; with it, this rank computes its E/ep
 // experts for the rows every EP peer routed to them.
 #pragma once
@@ -36,12 +39,11 @@ struct MoeActivations {
   ops::ExpertPermutation perm;               // local expert-major layout
   std::shared_ptr<ExpertExchange> exchange;  // EP layout (null without EP)
   Tensor xp;                                 // (M, D)       permuted input rows (a gather)
-  Tensor xe;            // (R, D)       rows for this rank's experts (comm output)
-  Tensor gate_up;       // (R, 2F)      GEMM output
-  Tensor act;           // (R, F)       SwiGLU (elementwise)
-  Tensor ye;            // (R, D)       GEMM output
-  Tensor y;             // (M, D)       expert outputs back in local order (comm output)
-  Tensor aux_loss;  // per-layer load-balancing loss (no coefficient): one f64 on the device
+  Tensor xe;          // (R, D)       rows for this rank's experts (comm output)
+  Tensor row_weight;  // (R)          routing weight of each of those rows (comm output)
+  Tensor gate_up;     // (R, 2F)      GEMM output
+  Tensor act;         // (R, F)       row_weight * SwiGLU (elementwise)
+  Tensor aux_loss;    // per-layer load-balancing loss (no coefficient): one f64 on the device
 };
 
 ops::RouterOptions router_options(const ModelConfig& c);
@@ -49,9 +51,11 @@ ops::RouterOptions router_options(const ModelConfig& c);
 // Computes every undefined field of `a` from hn (N, D). bias: (E) or undefined.
 void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, const Tensor& bias,
               const Tensor& hn, MoeActivations& a);
-// out (N, D) = combine of the expert outputs (+ residual, in the same pass); requires a filled
-// `a`.
-void moe_combine(const MoeActivations& a, Tensor& out, const Tensor* residual = nullptr);
+// out (N, D) = the experts' down projection of a.act, back in token order and summed over each
+// token's choices (+ residual, in the same pass); requires a filled `a`. The expert outputs are
+// not kept.
+void moe_combine(const MoeWeights& w, const ModelConfig& c, const MoeActivations& a, Tensor& out,
+                 const Tensor* residual = nullptr);
 // Returns d hn (N, D); weight gradients accumulate into g. aux_grad = d(total) / d(aux_loss).
 // expert_grads: kYes adds to g's expert gradients, kNo overwrites them (their first write of a
 // step); the router gradient always accumulates.

@@ -5,11 +5,21 @@
 
 namespace mt::ops {
 
-// row_token (i32 (M), optional): rows whose entry is negative are padding (a padded expert
-// layout's ExpertPermutation::source_token): skipped, their outputs left as they are.
-void swiglu_forward(const Tensor& h, Tensor& a, const Tensor* row_token = nullptr);
-// dh (M, 2F) overwritten (padding rows: left as they are).
-void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh,
-                     const Tensor* row_token = nullptr);
+// What an MoE layer's expert rows add to the plain SwiGLU; every member is optional.
+struct SwigluRows {
+  // i32 (M): rows whose entry is negative are padding (a padded expert layout's
+  // ExpertPermutation::source_token): skipped, their outputs left as they are.
+  const Tensor* token = nullptr;
+  // (M): a = weight * silu(gate) * up, the routing weight of the row's choice (h's dtype on the
+  // CPU, f32 on the GPU). The down projection is linear, so this equals weighting the expert's
+  // output, and the combine becomes a plain sum whose backward needs no expert output.
+  const Tensor* weight = nullptr;
+};
+
+void swiglu_forward(const Tensor& h, Tensor& a, const SwigluRows& rows = {});
+// dh (M, 2F) overwritten (padding rows: left as they are). With rows.weight, dweight (M, the
+// weight's dtype) is overwritten too: d loss / d weight = <da, silu(gate) * up> per row.
+void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const SwigluRows& rows = {},
+                     Tensor* dweight = nullptr);
 
 }  // namespace mt::ops

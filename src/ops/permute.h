@@ -41,12 +41,10 @@ void unpermute_rows(const Tensor& yp, const ExpertPermutation& p, Tensor& y);
 // dyp (M, D) overwritten (padding rows: left as they are).
 void unpermute_rows_backward(const Tensor& dy, const ExpertPermutation& p, Tensor& dyp);
 
-// Weighted combine, back to token order in one pass: out[t] = sum_j weight[t, j] * yp[row(t, j)],
-// plus residual[t] when given (the block's residual add, folded into the same pass).
-void combine_forward(const Tensor& yp, const ExpertPermutation& p, const Tensor& weight,
-                     Tensor& out, const Tensor* residual = nullptr);
-// dyp (M, D) and dweight (N, k) overwritten (padding rows of dyp: left as they are).
-void combine_backward(const Tensor& dout, const Tensor& yp, const ExpertPermutation& p,
-                      const Tensor& weight, Tensor& dyp, Tensor& dweight);
+// Back to token order in one pass: out[t] = sum_j yp[row(t, j)], plus residual[t] when given (the
+// block's residual add, folded into the same pass). The routing weights are already in the rows
+// (ops::SwigluRows::weight), so the backward is permute_rows: each copy receives dout[t].
+void combine_forward(const Tensor& yp, const ExpertPermutation& p, Tensor& out,
+                     const Tensor* residual = nullptr);
 
 }  // namespace mt::ops

@@ -73,24 +73,35 @@ void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp) {
   });
 }
 
-void permute_rows_backward(const Tensor& dxp, const ExpertPermutation& p, Tensor& dx) {
-  const int64_t n = dx.dim(0), d = dx.dim(1), k = choices_per_token(p, n);
+namespace {
+// out[t] = residual[t] (or 0) + sum_j rows[row_of_choice[t*k + j]], in token order over the k
+// copies: deterministic, no scatter races.
+void sum_token_rows(const Tensor& rows, const ExpertPermutation& p, const Tensor* residual,
+                    Tensor& out) {
+  const int64_t n = out.dim(0), d = out.dim(1), k = choices_per_token(p, n);
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(dx)) return cuda::weighted_sum_rows(dxp, p.row_of_choice, nullptr, nullptr, k, dx);
+  if (on_gpu(out)) return cuda::sum_token_rows(rows, p.row_of_choice, residual, k, out);
 #endif
-  dispatch_float(dx.dtype(), [&](auto tag) {
+  dispatch_float(out.dtype(), [&](auto tag) {
     using T = decltype(tag);
-    // Token-order summation over the k copies: deterministic, no scatter races.
     for (int64_t t = 0; t < n; ++t) {
-      T* o = dx.data<T>() + t * d;
-      std::fill(o, o + d, T(0));
+      T* o = out.data<T>() + t * d;
+      if (residual)
+        std::copy(residual->data<T>() + t * d, residual->data<T>() + (t + 1) * d, o);
+      else
+        std::fill(o, o + d, T(0));
       for (int64_t j = 0; j < k; ++j) {
         const T* g =
-            dxp.data<T>() + static_cast<int64_t>(p.row_of_choice.data<int32_t>()[t * k + j]) * d;
+            rows.data<T>() + static_cast<int64_t>(p.row_of_choice.data<int32_t>()[t * k + j]) * d;
         for (int64_t c = 0; c < d; ++c) o[c] += g[c];
       }
     }
   });
+}
+}  // namespace
+
+void permute_rows_backward(const Tensor& dxp, const ExpertPermutation& p, Tensor& dx) {
+  sum_token_rows(dxp, p, nullptr, dx);
 }
 
 void unpermute_rows(const Tensor& yp, const ExpertPermutation& p, Tensor& y) {
@@ -113,7 +124,9 @@ void unpermute_rows(const Tensor& yp, const ExpertPermutation& p, Tensor& y) {
 
 void unpermute_rows_backward(const Tensor& dy, const ExpertPermutation& p, Tensor& dyp) {
   const int64_t d = dyp.dim(1), m = p.row_of_choice.numel();
-  expect_cpu(dyp, "unpermute_rows_backward (no GPU kernel yet: the layer uses combine)");
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(dyp)) return cuda::scatter_token_rows(dy.reshape({m, d}), p.row_of_choice, 1, dyp);
+#endif
   dispatch_float(dyp.dtype(), [&](auto tag) {
     using T = decltype(tag);
     for (int64_t i = 0; i < m; ++i) {
@@ -124,62 +137,18 @@ void unpermute_rows_backward(const Tensor& dy, const ExpertPermutation& p, Tenso
   });
 }
 
-void combine_forward(const Tensor& yp, const ExpertPermutation& p, const Tensor& weight,
-                     Tensor& out, const Tensor* residual) {
-  const int64_t n = weight.dim(0), k = weight.dim(1), d = yp.dim(1);
-  expect_shape(out, {n, d}, "combine out");
+void combine_forward(const Tensor& yp, const ExpertPermutation& p, Tensor& out,
+                     const Tensor* residual) {
+  MT_CHECK(
+      yp.ndim() == 2 && out.ndim() == 2 && yp.dim(1) == out.dim(1) && yp.dtype() == out.dtype(),
+      "combine of {} {} rows into {} {}", dtype_name(yp.dtype()), shape_str(yp.shape()),
+      dtype_name(out.dtype()), shape_str(out.shape()));
   if (residual) {
-    expect_shape(*residual, {n, d}, "combine residual");
+    expect_shape(*residual, out.shape(), "combine residual");
     MT_CHECK(residual->dtype() == out.dtype(), "combine residual {} for output {}",
              dtype_name(residual->dtype()), dtype_name(out.dtype()));
   }
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(yp)) return cuda::weighted_sum_rows(yp, p.row_of_choice, &weight, residual, k, out);
-#endif
-  dispatch_float(yp.dtype(), [&](auto tag) {
-    using T = decltype(tag);
-    for (int64_t t = 0; t < n; ++t) {
-      T* o = out.data<T>() + t * d;
-      if (residual)
-        std::copy(residual->data<T>() + t * d, residual->data<T>() + (t + 1) * d, o);
-      else
-        std::fill(o, o + d, T(0));
-      for (int64_t j = 0; j < k; ++j) {
-        const T w = weight.data<T>()[t * k + j];
-        const T* y =
-            yp.data<T>() + static_cast<int64_t>(p.row_of_choice.data<int32_t>()[t * k + j]) * d;
-        for (int64_t c = 0; c < d; ++c) o[c] += w * y[c];
-      }
-    }
-  });
-}
-
-void combine_backward(const Tensor& dout, const Tensor& yp, const ExpertPermutation& p,
-                      const Tensor& weight, Tensor& dyp, Tensor& dweight) {
-  const int64_t n = weight.dim(0), k = weight.dim(1), d = yp.dim(1);
-  expect_shape(dyp, yp.shape(), "combine dyp");
-  expect_shape(dweight, weight.shape(), "combine dweight");
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(yp)) return cuda::combine_backward(dout, yp, p.row_of_choice, weight, dyp, dweight);
-#endif
-  dispatch_float(yp.dtype(), [&](auto tag) {
-    using T = decltype(tag);
-    for (int64_t t = 0; t < n; ++t) {
-      const T* g = dout.data<T>() + t * d;
-      for (int64_t j = 0; j < k; ++j) {
-        const int64_t row = p.row_of_choice.data<int32_t>()[t * k + j];
-        const T w = weight.data<T>()[t * k + j];
-        const T* y = yp.data<T>() + row * d;
-        T* dy = dyp.data<T>() + row * d;
-        double dot = 0;
-        for (int64_t c = 0; c < d; ++c) {
-          dy[c] = w * g[c];
-          dot += static_cast<double>(g[c]) * y[c];
-        }
-        dweight.data<T>()[t * k + j] = static_cast<T>(dot);
-      }
-    }
-  });
+  sum_token_rows(yp, p, residual, out);
 }
 
 }  // namespace mt::ops

@@ -6,44 +6,72 @@ namespace mt::cuda {
 
 namespace {
 
-// P consecutive outputs per step (a 16-byte pack when f and the pointers allow, else 1).
-template <class T, int P>
-__global__ void swiglu_forward_kernel(const T* h, T* a, int64_t m, int64_t f,
-                                      const int32_t* row_token) {
-  for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * P; i < m * f;
-       i += int64_t{gridDim.x} * blockDim.x * P) {
-    const int64_t r = i / f, c = i % f;
-    if (row_token && row_token[r] < 0) continue;  // padding
-    float g[P], u[P];
-    load_n<T, P>(h + r * 2 * f + c, g);
-    load_n<T, P>(h + r * 2 * f + f + c, u);
-#pragma unroll
-    for (int k = 0; k < P; ++k) g[k] = g[k] / (1.f + __expf(-g[k])) * u[k];
-    store_n<T, P>(a + i, g);
+// SwiGLU runs a warp per row (grid-stride over rows), P consecutive columns per lane and step (a
+// 16-byte pack when f and the pointers allow, else 1): a row's mark and weight are read once.
+// Calls row(r, weight) for every row of this warp that is not padding.
+template <class RowFn>
+__device__ __forceinline__ void for_each_swiglu_row(int64_t m, const kernels::SwigluRows& rows,
+                                                    RowFn&& row) {
+  const int64_t warps = int64_t{gridDim.x} * (blockDim.x / 32);
+  for (int64_t r = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) / 32; r < m; r += warps) {
+    if (rows.token && rows.token[r] < 0) continue;  // padding (the whole warp skips it)
+    row(r, rows.weight ? rows.weight[r] : 1.f);
   }
 }
 
 template <class T, int P>
-__global__ void swiglu_backward_kernel(const T* h, const T* da, T* dh, int64_t m, int64_t f,
-                                       const int32_t* row_token) {
-  for (int64_t i = (blockIdx.x * int64_t{blockDim.x} + threadIdx.x) * P; i < m * f;
-       i += int64_t{gridDim.x} * blockDim.x * P) {
-    const int64_t r = i / f, c = i % f;
-    if (row_token && row_token[r] < 0) continue;  // padding
-    float g[P], u[P], d[P];
-    load_n<T, P>(h + r * 2 * f + c, g);
-    load_n<T, P>(h + r * 2 * f + f + c, u);
-    load_n<T, P>(da + i, d);
+__global__ void swiglu_forward_kernel(const T* h, T* a, int64_t m, int64_t f,
+                                      kernels::SwigluRows rows) {
+  const int lane = threadIdx.x % 32;
+  for_each_swiglu_row(m, rows, [&](int64_t r, float w) {
+    const T* gate = h + r * 2 * f;
+    const T* up = gate + f;
+    T* out = a + r * f;
+    for (int64_t c = lane * P; c < f; c += 32 * P) {
+      float g[P], u[P];
+      load_n<T, P>(gate + c, g);
+      load_n<T, P>(up + c, u);
 #pragma unroll
-    for (int k = 0; k < P; ++k) {
-      const float sig = 1.f / (1.f + __expf(-g[k]));
-      const float du = d[k] * g[k] * sig;
-      g[k] = d[k] * u[k] * sig * (1.f + g[k] * (1.f - sig));
-      u[k] = du;
+      for (int k = 0; k < P; ++k) g[k] = w * (g[k] / (1.f + __expf(-g[k])) * u[k]);
+      store_n<T, P>(out + c, g);
     }
-    store_n<T, P>(dh + r * 2 * f + c, g);
-    store_n<T, P>(dh + r * 2 * f + f + c, u);
-  }
+  });
+}
+
+// The row weight's gradient is a sum over the row, reduced in the warp.
+template <class T, int P>
+__global__ void swiglu_backward_kernel(const T* h, const T* da, T* dh, int64_t m, int64_t f,
+                                       kernels::SwigluRows rows) {
+  const int lane = threadIdx.x % 32;
+  for_each_swiglu_row(m, rows, [&](int64_t r, float w) {
+    const T* gate = h + r * 2 * f;
+    const T* up = gate + f;
+    const T* d_out = da + r * f;
+    T* d_gate = dh + r * 2 * f;
+    T* d_up = d_gate + f;
+    float dot = 0.f;  // <da, silu(gate) * up>
+    for (int64_t c = lane * P; c < f; c += 32 * P) {
+      float g[P], u[P], d[P];
+      load_n<T, P>(gate + c, g);
+      load_n<T, P>(up + c, u);
+      load_n<T, P>(d_out + c, d);
+#pragma unroll
+      for (int k = 0; k < P; ++k) {
+        const float sig = 1.f / (1.f + __expf(-g[k]));
+        const float silu = g[k] * sig;
+        dot += d[k] * silu * u[k];
+        const float du = w * d[k] * silu;
+        g[k] = w * d[k] * u[k] * sig * (1.f + g[k] * (1.f - sig));
+        u[k] = du;
+      }
+      store_n<T, P>(d_gate + c, g);
+      store_n<T, P>(d_up + c, u);
+    }
+    if (rows.dweight) {
+      dot = warp_sum(dot);
+      if (lane == 0) rows.dweight[r] = dot;
+    }
+  });
 }
 
 // One thread per (token, P consecutive rotation pairs); the angles are computed once in fp64
@@ -85,36 +113,35 @@ __global__ void rope_kernel(const T* x, const int32_t* pos, double theta, int di
 namespace kernels {
 
 cudaError_t swiglu_forward(Storage st, const void* h, void* a, int64_t m, int64_t f,
-                           const int32_t* row_token, cudaStream_t stream) {
+                           SwigluRows rows, cudaStream_t stream) {
   if (m * f == 0) return cudaSuccess;
+  const int blocks = grid_for(m * 32);  // a warp per row
   dispatch_storage(st, [&](auto tag) {
     using T = decltype(tag);
     const T* hp = static_cast<const T*>(h);
     T* ap = static_cast<T*>(a);
     constexpr int P = Pack<T>::kSize;
     if (packable<T>(f, {h, a}))
-      swiglu_forward_kernel<T, P>
-          <<<grid_for(m * f / P), kBlock, 0, stream>>>(hp, ap, m, f, row_token);
+      swiglu_forward_kernel<T, P><<<blocks, kBlock, 0, stream>>>(hp, ap, m, f, rows);
     else
-      swiglu_forward_kernel<T, 1><<<grid_for(m * f), kBlock, 0, stream>>>(hp, ap, m, f, row_token);
+      swiglu_forward_kernel<T, 1><<<blocks, kBlock, 0, stream>>>(hp, ap, m, f, rows);
   });
   return cudaGetLastError();
 }
 
 cudaError_t swiglu_backward(Storage st, const void* h, const void* da, void* dh, int64_t m,
-                            int64_t f, const int32_t* row_token, cudaStream_t stream) {
+                            int64_t f, SwigluRows rows, cudaStream_t stream) {
   if (m * f == 0) return cudaSuccess;
+  const int blocks = grid_for(m * 32);  // a warp per row
   dispatch_storage(st, [&](auto tag) {
     using T = decltype(tag);
     const T *hp = static_cast<const T*>(h), *dap = static_cast<const T*>(da);
     T* dhp = static_cast<T*>(dh);
     constexpr int P = Pack<T>::kSize;
     if (packable<T>(f, {h, da, dh}))
-      swiglu_backward_kernel<T, P>
-          <<<grid_for(m * f / P), kBlock, 0, stream>>>(hp, dap, dhp, m, f, row_token);
+      swiglu_backward_kernel<T, P><<<blocks, kBlock, 0, stream>>>(hp, dap, dhp, m, f, rows);
     else
-      swiglu_backward_kernel<T, 1>
-          <<<grid_for(m * f), kBlock, 0, stream>>>(hp, dap, dhp, m, f, row_token);
+      swiglu_backward_kernel<T, 1><<<blocks, kBlock, 0, stream>>>(hp, dap, dhp, m, f, rows);
   });
   return cudaGetLastError();
 }

@@ -19,11 +19,18 @@ cudaError_t rmsnorm_backward(Storage s, const void* x, const void* w, const floa
                              int64_t n, int64_t d, cudaStream_t stream);
 cudaError_t rope(Storage s, const void* x, const int32_t* pos, double theta, int direction, void* y,
                  int64_t n, int64_t heads, int64_t head_dim, cudaStream_t stream);
-// row_token (nullable): rows whose entry is negative (padding) are skipped.
-cudaError_t swiglu_forward(Storage s, const void* h, void* a, int64_t m, int64_t f,
-                           const int32_t* row_token, cudaStream_t stream);
+// The expert rows' extras of SwiGLU (ops/activation.h), each nullable: rows whose token is
+// negative (padding) are skipped; a = weight[r] * silu(gate) * up; the backward writes
+// dweight[r] = <da, silu(gate) * up> (with weight only).
+struct SwigluRows {
+  const int32_t* token;
+  const float* weight;
+  float* dweight;
+};
+cudaError_t swiglu_forward(Storage s, const void* h, void* a, int64_t m, int64_t f, SwigluRows rows,
+                           cudaStream_t stream);
 cudaError_t swiglu_backward(Storage s, const void* h, const void* da, void* dh, int64_t m,
-                            int64_t f, const int32_t* row_token, cudaStream_t stream);
+                            int64_t f, SwigluRows rows, cudaStream_t stream);
 // loss (n floats, scratch) receives each row's loss (0 where masked); *loss_sum (device) += their
 // sum. The backward's scale is a device double.
 cudaError_t cross_entropy_forward(Storage s, const void* logits, const int32_t* targets,
@@ -161,18 +168,14 @@ cudaError_t exchange_maps(const int64_t* recv_counts, int peers, int local,
 cudaError_t convert(Storage from, const void* src, void* dst, int64_t n, cudaStream_t stream);
 cudaError_t gather_rows(Storage s, const void* src, const int32_t* index, void* dst, int64_t rows,
                         int64_t width, cudaStream_t stream);
-// out[t] = sum_j scale[t, j] * rows[row_of_choice[t*k + j]]; scale null means 1.
-// out[t] = residual[t] (when not null) + sum_j scale[t, j] * rows[row_of_choice[t, j]].
-cudaError_t weighted_sum_rows(Storage s, const void* rows, const int32_t* row_of_choice,
-                              const float* scale, const void* residual, int64_t tokens, int k,
-                              void* out, int64_t width, cudaStream_t stream);
+// out[t] = residual[t] (when not null) + sum_j rows[row_of_choice[t*k + j]].
+cudaError_t sum_token_rows(Storage s, const void* rows, const int32_t* row_of_choice,
+                           const void* residual, int64_t tokens, int k, void* out, int64_t width,
+                           cudaStream_t stream);
 // dst[row_of_choice[t, j]] = src[t] for t < tokens, j < k (each source row read once).
 cudaError_t scatter_token_rows(Storage s, const void* src, const int32_t* row_of_choice,
                                int64_t tokens, int k, void* dst, int64_t width,
                                cudaStream_t stream);
-cudaError_t combine_backward(Storage s, const void* dout, const void* y,
-                             const int32_t* row_of_choice, const float* weight, int64_t tokens,
-                             int k, void* dy, float* dweight, int64_t width, cudaStream_t stream);
 // out[s] (width) += sum over r in [offsets[s], offsets[s+1]) of rows[order[r]], in order.
 // out is f32 (out_f32) or the rows' type.
 cudaError_t segment_sum_rows(Storage s, const void* rows, const int32_t* order,

@@ -278,6 +278,31 @@ __global__ void gather_rows_kernel(const T* src, const int32_t* index, T* dst, i
   for (int64_t c = threadIdx.x; c < width; c += blockDim.x) d[c] = s[c];
 }
 
+// Rows narrower than this many elements (a routing weight per row) are moved a thread per
+// element: a block per row would leave nearly all its threads idle.
+constexpr int64_t kNarrowRow = 32;
+
+template <class T>
+__global__ void gather_narrow_rows_kernel(const T* src, const int32_t* index, T* dst, int64_t rows,
+                                          int64_t width) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < rows * width;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t row = i / width;
+    dst[i] = src[static_cast<int64_t>(index[row]) * width + (i - row * width)];
+  }
+}
+
+template <class T>
+__global__ void scatter_narrow_rows_kernel(const T* src, const int32_t* row_of_choice, int k,
+                                           T* dst, int64_t tokens, int64_t width) {
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < tokens * width;
+       i += int64_t{gridDim.x} * blockDim.x) {
+    const int64_t t = i / width, c = i - t * width;
+    const T v = src[i];
+    for (int j = 0; j < k; ++j) dst[static_cast<int64_t>(row_of_choice[t * k + j]) * width + c] = v;
+  }
+}
+
 // dst[row_of_choice[t, j]] = src[t] for j < k: one block per token, each source row read once
 // and written k times (the expert-major permutation; a gather by destination row would read
 // every token k times).
@@ -292,67 +317,22 @@ __global__ void scatter_token_rows_kernel(const T* src, const int32_t* row_of_ch
   }
 }
 
-// out[t] = residual[t] + sum_j scale[t, j] * rows[row_of_choice[t, j]] (scale null: 1; residual
-// null: 0), fp32 math, one rounding; one block per token, P columns per step (16-byte packs when
-// aligned).
+// out[t] = residual[t] + sum_j rows[row_of_choice[t, j]] (residual null: 0), fp32 math, one
+// rounding; one block per token, P columns per step (16-byte packs when aligned).
 template <class T, int P>
-__global__ void weighted_sum_kernel(const T* rows, const int32_t* row_of_choice, const float* scale,
-                                    const T* residual, int k, T* out, int64_t width) {
+__global__ void token_sum_kernel(const T* rows, const int32_t* row_of_choice, const T* residual,
+                                 int k, T* out, int64_t width) {
   const int64_t t = blockIdx.x;
   for (int64_t c = threadIdx.x * P; c < width; c += blockDim.x * P) {
     float acc[P] = {};
     if (residual) load_n<T, P>(residual + t * width + c, acc);
     for (int j = 0; j < k; ++j) {
-      const float w = scale ? scale[t * k + j] : 1.f;
       float x[P];
       load_n<T, P>(rows + static_cast<int64_t>(row_of_choice[t * k + j]) * width + c, x);
 #pragma unroll
-      for (int i = 0; i < P; ++i) acc[i] += w * x[i];
+      for (int i = 0; i < P; ++i) acc[i] += x[i];
     }
     store_n<T, P>(out + t * width + c, acc);
-  }
-}
-
-// One block per token, dout[t] read once: for each choice j, dy row = w_j * dout[t] and
-// dweight[t, j] = dout[t] . y row (partial dots per thread, then warps, then the block, in a
-// fixed order).
-template <class T, int P>
-__global__ void combine_backward_kernel(const T* dout, const T* y, const int32_t* row_of_choice,
-                                        const float* weight, int k, T* dy, float* dweight,
-                                        int64_t width) {
-  __shared__ float partial[kBlock / 32][kMaxTopK];
-  const int64_t t = blockIdx.x;
-  float dot[kMaxTopK] = {};
-  for (int64_t c = threadIdx.x * P; c < width; c += blockDim.x * P) {
-    float g[P];
-    load_n<T, P>(dout + t * width + c, g);
-#pragma unroll
-    for (int j = 0; j < kMaxTopK; ++j) {
-      if (j >= k) break;
-      const int64_t row = row_of_choice[t * k + j];
-      const float w = weight[t * k + j];
-      float v[P];
-      load_n<T, P>(y + row * width + c, v);
-#pragma unroll
-      for (int i = 0; i < P; ++i) {
-        dot[j] += g[i] * v[i];
-        v[i] = w * g[i];
-      }
-      store_n<T, P>(dy + row * width + c, v);
-    }
-  }
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-#pragma unroll
-  for (int j = 0; j < kMaxTopK; ++j) {
-    if (j >= k) break;
-    const float s = warp_sum(dot[j]);
-    if (lane == 0) partial[warp][j] = s;
-  }
-  __syncthreads();
-  if (threadIdx.x < k) {
-    float s = 0.f;
-    for (int w = 0; w < static_cast<int>(blockDim.x / 32); ++w) s += partial[w][threadIdx.x];
-    dweight[t * k + threadIdx.x] = s;
   }
 }
 
@@ -594,10 +574,13 @@ cudaError_t expert_permutation(const int32_t* expert_index, int64_t m, int k, in
 
 cudaError_t gather_rows(Storage s, const void* src, const int32_t* index, void* dst, int64_t rows,
                         int64_t width, cudaStream_t stream) {
-  if (rows == 0) return cudaSuccess;
+  if (rows == 0 || width == 0) return cudaSuccess;
   dispatch_storage(s, [&](auto tag) {
     using T = decltype(tag);
-    if (packable<T>(width, {src, dst}))  // rows as 16-byte units
+    if (width < kNarrowRow)
+      gather_narrow_rows_kernel<T><<<grid_for(rows * width), kBlock, 0, stream>>>(
+          static_cast<const T*>(src), index, static_cast<T*>(dst), rows, width);
+    else if (packable<T>(width, {src, dst}))  // rows as 16-byte units
       gather_rows_kernel<uint4><<<rows, kBlock, 0, stream>>>(static_cast<const uint4*>(src), index,
                                                              static_cast<uint4*>(dst), rows,
                                                              width / Pack<T>::kSize);
@@ -611,10 +594,13 @@ cudaError_t gather_rows(Storage s, const void* src, const int32_t* index, void* 
 cudaError_t scatter_token_rows(Storage s, const void* src, const int32_t* row_of_choice,
                                int64_t tokens, int k, void* dst, int64_t width,
                                cudaStream_t stream) {
-  if (tokens == 0) return cudaSuccess;
+  if (tokens == 0 || width == 0) return cudaSuccess;
   dispatch_storage(s, [&](auto tag) {
     using T = decltype(tag);
-    if (packable<T>(width, {src, dst}))  // rows as 16-byte units
+    if (width < kNarrowRow)
+      scatter_narrow_rows_kernel<T><<<grid_for(tokens * width), kBlock, 0, stream>>>(
+          static_cast<const T*>(src), row_of_choice, k, static_cast<T*>(dst), tokens, width);
+    else if (packable<T>(width, {src, dst}))  // rows as 16-byte units
       scatter_token_rows_kernel<uint4>
           <<<tokens, kBlock, 0, stream>>>(static_cast<const uint4*>(src), row_of_choice, k,
                                           static_cast<uint4*>(dst), width / Pack<T>::kSize);
@@ -625,9 +611,9 @@ cudaError_t scatter_token_rows(Storage s, const void* src, const int32_t* row_of
   return cudaGetLastError();
 }
 
-cudaError_t weighted_sum_rows(Storage s, const void* rows, const int32_t* row_of_choice,
-                              const float* scale, const void* residual, int64_t tokens, int k,
-                              void* out, int64_t width, cudaStream_t stream) {
+cudaError_t sum_token_rows(Storage s, const void* rows, const int32_t* row_of_choice,
+                           const void* residual, int64_t tokens, int k, void* out, int64_t width,
+                           cudaStream_t stream) {
   if (tokens == 0) return cudaSuccess;
   dispatch_storage(s, [&](auto tag) {
     using T = decltype(tag);
@@ -635,29 +621,10 @@ cudaError_t weighted_sum_rows(Storage s, const void* rows, const int32_t* row_of
     const T* res = static_cast<const T*>(residual);
     T* o = static_cast<T*>(out);
     if (packable<T>(width, {rows, out, residual ? residual : out}))
-      weighted_sum_kernel<T, Pack<T>::kSize>
-          <<<tokens, kBlock, 0, stream>>>(r, row_of_choice, scale, res, k, o, width);
+      token_sum_kernel<T, Pack<T>::kSize>
+          <<<tokens, kBlock, 0, stream>>>(r, row_of_choice, res, k, o, width);
     else
-      weighted_sum_kernel<T, 1>
-          <<<tokens, kBlock, 0, stream>>>(r, row_of_choice, scale, res, k, o, width);
-  });
-  return cudaGetLastError();
-}
-
-cudaError_t combine_backward(Storage s, const void* dout, const void* y,
-                             const int32_t* row_of_choice, const float* weight, int64_t tokens,
-                             int k, void* dy, float* dweight, int64_t width, cudaStream_t stream) {
-  if (tokens == 0) return cudaSuccess;
-  dispatch_storage(s, [&](auto tag) {
-    using T = decltype(tag);
-    const T *g = static_cast<const T*>(dout), *yr = static_cast<const T*>(y);
-    T* d = static_cast<T*>(dy);
-    if (packable<T>(width, {dout, y, dy}))
-      combine_backward_kernel<T, Pack<T>::kSize>
-          <<<tokens, kBlock, 0, stream>>>(g, yr, row_of_choice, weight, k, d, dweight, width);
-    else
-      combine_backward_kernel<T, 1>
-          <<<tokens, kBlock, 0, stream>>>(g, yr, row_of_choice, weight, k, d, dweight, width);
+      token_sum_kernel<T, 1><<<tokens, kBlock, 0, stream>>>(r, row_of_choice, res, k, o, width);
   });
   return cudaGetLastError();
 }

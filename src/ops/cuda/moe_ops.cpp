@@ -125,29 +125,14 @@ void scatter_token_rows(const Tensor& src, const Tensor& row_of_choice, int64_t 
                                             static_cast<int>(k), dst.raw(), dst.dim(1), stream()));
 }
 
-void weighted_sum_rows(const Tensor& rows, const Tensor& row_of_choice, const Tensor* scale,
-                       const Tensor* residual, int64_t k, Tensor& out) {
-  const profile::Phase phase("gpu.weighted_sum_rows");
-  MT_CHECK(rows.dtype() == out.dtype(), "weighted sum of {} rows into {}", dtype_name(rows.dtype()),
+void sum_token_rows(const Tensor& rows, const Tensor& row_of_choice, const Tensor* residual,
+                    int64_t k, Tensor& out) {
+  const profile::Phase phase("gpu.sum_token_rows");
+  MT_CHECK(rows.dtype() == out.dtype(), "sum of {} rows into {}", dtype_name(rows.dtype()),
            dtype_name(out.dtype()));
-  if (scale) expect_dtype(*scale, DType::kF32, "combine weights (GPU: f32)");
-  MT_CUDA_CHECK(kernels::weighted_sum_rows(
-      storage_of(rows), rows.raw(), row_of_choice.data<int32_t>(),
-      scale ? scale->data<float>() : nullptr, residual ? residual->raw() : nullptr, out.dim(0),
-      static_cast<int>(k), out.raw(), out.dim(1), stream()));
-}
-
-void combine_backward(const Tensor& dout, const Tensor& yp, const Tensor& row_of_choice,
-                      const Tensor& weight, Tensor& dyp, Tensor& dweight) {
-  const profile::Phase phase("gpu.combine_backward");
-  expect_dtype(weight, DType::kF32, "combine weights (GPU: f32)");
-  expect_dtype(dweight, DType::kF32, "combine dweight (GPU: f32)");
-  MT_CHECK(weight.dim(1) <= kernels::kMaxRoutedTopK, "GPU combine backward: top-{} (at most {})",
-           weight.dim(1), kernels::kMaxRoutedTopK);
-  MT_CUDA_CHECK(kernels::combine_backward(storage_of(yp), dout.raw(), yp.raw(),
-                                          row_of_choice.data<int32_t>(), weight.data<float>(),
-                                          weight.dim(0), static_cast<int>(weight.dim(1)), dyp.raw(),
-                                          dweight.data<float>(), yp.dim(1), stream()));
+  MT_CUDA_CHECK(kernels::sum_token_rows(storage_of(rows), rows.raw(), row_of_choice.data<int32_t>(),
+                                        residual ? residual->raw() : nullptr, out.dim(0),
+                                        static_cast<int>(k), out.raw(), out.dim(1), stream()));
 }
 
 void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) {

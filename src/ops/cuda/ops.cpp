@@ -256,16 +256,32 @@ void rope_apply(const Tensor& x, const Tensor& positions, double theta, int dire
                               direction, y.raw(), x.dim(0), x.dim(1), x.dim(2), stream()));
 }
 
-void swiglu_forward(const Tensor& h, Tensor& a, const int32_t* row_token) {
+namespace {
+// The SwiGLU rows' extras as the kernels take them (f32 weights on the GPU).
+kernels::SwigluRows swiglu_rows(const int32_t* row_token, const Tensor* row_weight,
+                                Tensor* drow_weight) {
+  kernels::SwigluRows rows{row_token, nullptr, nullptr};
+  if (row_weight) {
+    expect_dtype(*row_weight, DType::kF32, "swiglu row weights (GPU: f32)");
+    rows.weight = row_weight->data<float>();
+  }
+  if (drow_weight) rows.dweight = drow_weight->data<float>();
+  return rows;
+}
+}  // namespace
+
+void swiglu_forward(const Tensor& h, Tensor& a, const int32_t* row_token,
+                    const Tensor* row_weight) {
   const profile::Phase phase("gpu.swiglu_forward");
   const int64_t m = h.dim(0), f = h.dim(1) / 2;
   expect_shape(a, {m, f}, "swiglu out");
   same_storage_type(h, a, "swiglu out");
   MT_CUDA_CHECK(kernels::swiglu_forward(storage_of(h, "swiglu h"), h.raw(), a.raw(), m, f,
-                                        row_token, stream()));
+                                        swiglu_rows(row_token, row_weight, nullptr), stream()));
 }
 
-void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const int32_t* row_token) {
+void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const int32_t* row_token,
+                     const Tensor* row_weight, Tensor* drow_weight) {
   const profile::Phase phase("gpu.swiglu_backward");
   const int64_t m = h.dim(0), f = h.dim(1) / 2;
   expect_shape(da, {m, f}, "swiglu da");
@@ -273,7 +289,8 @@ void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const int32_
   same_storage_type(h, da, "swiglu da");
   same_storage_type(h, dh, "swiglu dh");
   MT_CUDA_CHECK(kernels::swiglu_backward(storage_of(h, "swiglu h"), h.raw(), da.raw(), dh.raw(), m,
-                                         f, row_token, stream()));
+                                         f, swiglu_rows(row_token, row_weight, drow_weight),
+                                         stream()));
 }
 
 void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,

@@ -68,11 +68,9 @@ void exchange_maps(const Tensor& recv_counts, int64_t peers, Tensor& expert_majo
                    Tensor& source_major_source, Tensor& local_offsets);
 // dst[row_of_choice[t * k + j]] = src[t]: the expert-major permutation, each token read once.
 void scatter_token_rows(const Tensor& src, const Tensor& row_of_choice, int64_t k, Tensor& dst);
-// out[t] = residual[t] + sum_j scale[t, j] rows[row_of_choice[t, j]] (scale, residual optional).
-void weighted_sum_rows(const Tensor& rows, const Tensor& row_of_choice, const Tensor* scale,
-                       const Tensor* residual, int64_t k, Tensor& out);
-void combine_backward(const Tensor& dout, const Tensor& yp, const Tensor& row_of_choice,
-                      const Tensor& weight, Tensor& dyp, Tensor& dweight);
+// out[t] = residual[t] + sum_j rows[row_of_choice[t * k + j]] (residual optional).
+void sum_token_rows(const Tensor& rows, const Tensor& row_of_choice, const Tensor* residual,
+                    int64_t k, Tensor& out);
 void add(const Tensor& a, const Tensor& b, Tensor& out);
 void convert(const Tensor& src, Tensor& dst);  // f32 <-> bf16 on the GPU
 double sum_of_squares(const Tensor& x);        // deterministic; waits for the GPU
@@ -82,9 +80,11 @@ void rmsnorm_forward(const Tensor& x, const Tensor& w, double eps, Tensor& y, Te
 void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, const Tensor& dy,
                       Tensor& dx, Tensor& dw);
 void rope_apply(const Tensor& x, const Tensor& positions, double theta, int direction, Tensor& y);
-// row_token: device i32 marks (negative: padding row, skipped), checked by ops/activation.h.
-void swiglu_forward(const Tensor& h, Tensor& a, const int32_t* row_token);
-void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const int32_t* row_token);
+// row_token: device i32 marks (negative: padding row, skipped); row_weight (M) and drow_weight:
+// shapes and devices checked by ops/activation.h, f32 here. Null where absent.
+void swiglu_forward(const Tensor& h, Tensor& a, const int32_t* row_token, const Tensor* row_weight);
+void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const int32_t* row_token,
+                     const Tensor* row_weight, Tensor* drow_weight);
 void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
                            Tensor& lse, Tensor& loss_sum);
 void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
