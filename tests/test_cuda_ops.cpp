@@ -639,6 +639,26 @@ TEST(GpuTensor, RoundTripZeroFillAndPeakMemory) {
   EXPECT_GE(memory_stats(Device::kCUDA).peak_bytes, before + (4 << 20));
 }
 
+// An allocation the GPU cannot hold: exit code 6 and a message with the sizes and the settings
+// that need less; the allocator stays usable.
+TEST(GpuTensor, OutOfMemoryNamesTheSizesAndTheSettings) {
+  if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU";
+  const int64_t too_many = int64_t{1} << 40;  // 4 TiB of f32
+  try {
+    Tensor huge = Tensor::empty({too_many}, DType::kF32, Device::kCUDA);
+    ADD_FAILURE() << "4 TiB were allocated";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ExitCode::kOutOfMemory);
+    const std::string m = e.what();
+    for (const char* part :
+         {"out of GPU memory", "4096.00 GiB more", "model.checkpoint", "hardware.cuda_graphs"})
+      EXPECT_NE(m.find(part), std::string::npos) << part << " not in: " << m;
+  }
+  Tensor small = Tensor::empty({1024}, DType::kF32, Device::kCUDA);
+  small.fill_(1.0);
+  EXPECT_EQ(small.item(1023), 1.0);
+}
+
 // The expert-parallel exchange plan on the device against the host reference: per-expert counts
 // from offsets, and the regrouping maps for random received counts (empty segments included),
 // over 1, 2, 4 and 8 peers; outputs poisoned first.

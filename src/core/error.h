@@ -11,11 +11,12 @@ namespace mt {
 // Exit codes mean something (STYLE.md): scripts can tell a typo from a crash.
 enum class ExitCode : int {
   kOk = 0,
-  kInternal = 1,    // a bug: an MT_CHECK failed
-  kConfig = 2,      // unknown key, wrong type, impossible shape, bad command line
-  kData = 3,        // truncated or corrupt data file
-  kCheckpoint = 4,  // missing, corrupt or mismatched checkpoint
-  kNumerical = 5,   // NaN/Inf in the loss or gradients
+  kInternal = 1,     // a bug: an MT_CHECK failed
+  kConfig = 2,       // unknown key, wrong type, impossible shape, bad command line
+  kData = 3,         // truncated or corrupt data file
+  kCheckpoint = 4,   // missing, corrupt or mismatched checkpoint
+  kNumerical = 5,    // NaN/Inf in the loss or gradients
+  kOutOfMemory = 6,  // the GPU cannot hold what the config asks for
 };
 
 class Error : public std::runtime_error {

@@ -42,8 +42,8 @@ struct DeviceAllocator {
     int gpu;
     bool graph;
   };
-  std::map<Key, std::vector<void*>> cached;     // CUDA: free blocks
-  std::unordered_map<void*, Block> block_of;    // CUDA: every block from cudaMalloc, live or free
+  std::map<Key, std::vector<void*>> cached;   // CUDA: free blocks
+  std::unordered_map<void*, Block> block_of;  // CUDA: every block from cudaMalloc, live or free
 
   static size_t rounded(size_t bytes) {
     const size_t unit = bytes < (1u << 20) ? 512 : (2u << 20);  // small: 512 B, large: 2 MiB
@@ -81,6 +81,28 @@ struct DeviceAllocator {
     cached[{b.graph, b.gpu, rounded(bytes)}].push_back(p);
   }
 
+#if MOETRAIN_HAS_CUDA
+  // What an allocation the GPU cannot hold says: where the memory is, and the settings that need
+  // less. Called with mu held.
+  std::string out_of_memory_message(size_t size, int gpu) const {
+    size_t free_bytes = 0, total_bytes = 0;
+    (void)cudaMemGetInfo(&free_bytes, &total_bytes);
+    (void)cudaGetLastError();
+    size_t graph_cached = 0;
+    for (const auto& [key, blocks] : cached)
+      if (key.gpu == gpu && key.graph) graph_cached += key.size * blocks.size();
+    constexpr double kGiB = 1024.0 * 1024 * 1024;
+    return fmt::format(
+        "out of GPU memory: {:.2f} GiB more asked of GPU {}, which has {:.2f} of {:.2f} GiB free; "
+        "tensors hold {:.2f} GiB (peak so far {:.2f}) and the CUDA graphs' pool keeps {:.2f} GiB "
+        "more. Settings that need less: model.checkpoint = \"selective\" or \"full\", fewer "
+        "model.n_layers, a smaller train.batch_rows or train.seq_len, model.loss_chunk_tokens "
+        "> 0, hardware.cuda_graphs = false, or more ranks (parallel.world, parallel.ep)",
+        size / kGiB, gpu, free_bytes / kGiB, total_bytes / kGiB, current.load() / kGiB,
+        peak.load() / kGiB, graph_cached / kGiB);
+  }
+#endif
+
   void* allocate_cuda(size_t size) {
 #if MOETRAIN_HAS_CUDA
     int gpu = 0;
@@ -109,7 +131,10 @@ struct DeviceAllocator {
           }
           blocks.clear();
         }
-      MT_CUDA_CHECK(cudaMalloc(&p, size));
+      if (cudaMalloc(&p, size) != cudaSuccess) {
+        (void)cudaGetLastError();
+        throw Error(ExitCode::kOutOfMemory, out_of_memory_message(size, gpu));
+      }
     }
     std::lock_guard<std::mutex> lock(mu);
     block_of[p] = {gpu, graph};
@@ -145,8 +170,7 @@ void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size
     return;
   }
 #if MOETRAIN_HAS_CUDA
-  MT_CUDA_CHECK(
-      cudaMemcpyAsync(dst, src, bytes, copy_kind(dst_dev, src_dev), cuda::stream()));
+  MT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, copy_kind(dst_dev, src_dev), cuda::stream()));
   if (dst_dev == Device::kCPU || src_dev == Device::kCPU)
     MT_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
 #else
