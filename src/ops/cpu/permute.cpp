@@ -79,6 +79,8 @@ namespace {
 void sum_token_rows(const Tensor& rows, const ExpertPermutation& p, const Tensor* residual,
                     Tensor& out) {
   const int64_t n = out.dim(0), d = out.dim(1), k = choices_per_token(p, n);
+  MT_CHECK(p.row_of_choice.numel() == n * k, "{} tokens for a permutation of {} choices", n,
+           p.row_of_choice.numel());
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(out)) return cuda::sum_token_rows(rows, p.row_of_choice, residual, k, out);
 #endif
@@ -124,6 +126,8 @@ void unpermute_rows(const Tensor& yp, const ExpertPermutation& p, Tensor& y) {
 
 void unpermute_rows_backward(const Tensor& dy, const ExpertPermutation& p, Tensor& dyp) {
   const int64_t d = dyp.dim(1), m = p.row_of_choice.numel();
+  MT_CHECK(dy.numel() == m * d, "unpermuted gradient {} for {} rows of {}", shape_str(dy.shape()),
+           m, d);
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(dyp)) return cuda::scatter_token_rows(dy.reshape({m, d}), p.row_of_choice, 1, dyp);
 #endif
