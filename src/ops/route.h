@@ -1,5 +1,5 @@
 // Token-choice top-k routing, as Qwen3-MoE: scores = softmax(logits) in the compute dtype
-// (fp32 at least), the k largest of (scores + bias) are chosen, and their combine weights are
+// (fp32 at least), the k largest of (scores + bias) are chosen, and their routing weights are
 // the chosen scores, renormalised to sum 1 when norm_topk_prob. The bias (aux-loss-free
 // balancing, DeepSeek-V3) only steers the choice, never the weights. Forced-balanced routing
 // (benchmarks) sends token t's choice j to expert (t*k + j) mod E with the scores gathered there.
@@ -18,7 +18,7 @@ struct RouterOptions {
 struct Routing {
   Tensor scores;             // (N, E) softmax of the router logits
   Tensor expert_index;       // i32 (N, k), choice order: descending biased score
-  Tensor expert_weight;      // (N, k) combine weights
+  Tensor expert_weight;      // (N, k) routing weights (they scale the experts' outputs)
   Tensor tokens_per_expert;  // i64 (E)
 };
 
@@ -40,7 +40,7 @@ AuxStats router_aux_stats(const Routing& r);
 // as one f64 element on the statistics' device (on the GPU it never visits the host).
 Tensor router_aux_loss(const AuxStats& s);
 
-// dweight (N, k): gradient of the combine weights. aux_grad: d(total loss) / d(aux), with the
+// dweight (N, k): gradient of the routing weights. aux_grad: d(total loss) / d(aux), with the
 // statistics the forward used. dlogits (N, E) overwritten. The counts are a step function: no
 // gradient flows through them.
 void router_backward(const Routing& r, const RouterOptions& opt, const AuxStats& stats,
