@@ -42,7 +42,10 @@ void drop_for_policy(BlockActivations& a, CheckpointPolicy policy) {
   if (policy == CheckpointPolicy::kNone) return;
   a.xn = a.attn_rstd = a.qn = a.q_rstd = a.kn = a.k_rstd = a.qr = a.kr = Tensor();
   a.h = a.hn = a.mlp_rstd = Tensor();
-  a.moe.xp = a.moe.act = Tensor();  // the exchange's outputs xe, row_weight stay: no re-sending
+  a.moe.xp = a.moe.act = Tensor();
+  // The exchange's outputs (xe, row_weight) stay: no re-sending. Without an exchange they are
+  // the permutation's own rows (xe is xp), rebuilt like it.
+  if (!a.moe.exchange) a.moe.xe = a.moe.row_weight = Tensor();
   if (policy == CheckpointPolicy::kSelective) return;
   a.q = a.k = a.v = Tensor();
   a.moe = moe::MoeActivations();

@@ -41,7 +41,8 @@ struct BlockActivations {
   Tensor qn, q_rstd, kn, k_rstd;  // (N*H, hd), (N*H), (N*KV, hd), (N*KV)  [none]
   Tensor qr, kr;                  // after RoPE (N, H, hd), (N, KV, hd)  [none]
   Tensor h, hn, mlp_rstd;         // (N, D), (N, D), (N)                 [none]
-  moe::MoeActivations moe;  // routing, logits, xe, row_weight, gate_up [selective]; xp, act [none]
+  moe::MoeActivations
+      moe;  // routing, logits, gate_up (+ EP: xe, row_weight) [selective]; rest [none]
   // Step statistics, always kept, on the activations' device: i64 (E) rows routed to each
   // expert, and the aux loss (one f64).
   Tensor tokens_per_expert;
