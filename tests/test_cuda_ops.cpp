@@ -1,6 +1,7 @@
 // Every CUDA op against the CPU reference (ctest label `gpu`): fresh random inputs each run (the
 // seed is printed), outputs poisoned with NaN first, ||gpu - cpu|| / ||cpu|| under 1e-5 for f32
 // storage and 1e-2 for bf16 (inputs rounded to bf16 for both sides).
+#include <cuda_runtime_api.h>
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -14,6 +15,7 @@
 #include "ops/activation.h"
 #include "ops/attention.h"
 #include "ops/cuda/device.h"
+#include "ops/cuda/graph.h"
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/ops.h"
 #include "ops/embedding.h"
@@ -657,6 +659,53 @@ TEST(GpuTensor, OutOfMemoryNamesTheSizesAndTheSettings) {
   Tensor small = Tensor::empty({1024}, DType::kF32, Device::kCUDA);
   small.fill_(1.0);
   EXPECT_EQ(small.item(1023), 1.0);
+}
+
+// Out of memory outside a capture, the graph pool's free blocks go back to the driver: an
+// allocation that fits only without them succeeds, the pool's generation moves on, and captured
+// work is captured again instead of replaying into memory it no longer owns.
+TEST(GpuTensor, OutOfMemoryReleasesTheGraphPoolAndWorkIsCapturedAgain) {
+  if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU";
+  Tensor out = Tensor::zeros({1024}, DType::kF32, Device::kCUDA);
+  Tensor ones = Tensor::empty({1024}, DType::kF32, Device::kCUDA);
+  ones.fill_(1.0);
+  auto body = [&] {  // device work only (capturable), through a graph-pool block
+    Tensor t = Tensor::empty({1024}, DType::kF32, Device::kCUDA);
+    t.copy_from(ones);
+    cuda::scale_(t, 3.0);
+    out.copy_from(t);
+  };
+  cuda::CapturedWork work;
+  EXPECT_FALSE(work.run(body, "the test's work"));  // eager: warms up
+  EXPECT_TRUE(work.run(body, "the test's work"));   // captured, replayed
+  // Nearly all free memory into the graph pool, then back into its cache.
+  const int64_t chunk = int64_t{1} << 30;
+  int64_t held = 0;
+  {
+    const GraphPoolScope pool;
+    std::vector<Tensor> blocks;
+    for (;;) {
+      size_t free_bytes = 0, total_bytes = 0;
+      ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total_bytes), cudaSuccess);
+      if (free_bytes < static_cast<size_t>(2 * chunk)) break;
+      blocks.push_back(Tensor::empty({chunk}, DType::kU8, Device::kCUDA));
+      held += chunk;
+    }
+  }
+  ASSERT_GT(held, 8 * chunk);
+  const int64_t generation = graph_pool_generation();
+  {
+    Tensor big = Tensor::empty({held}, DType::kU8, Device::kCUDA);  // fits only without them
+    EXPECT_TRUE(big.defined());
+  }
+  EXPECT_EQ(graph_pool_generation(), generation + 1);
+  out.zero_();
+  EXPECT_FALSE(work.run(body, "the test's work"));  // stale: eager again
+  EXPECT_EQ(out.item(1023), 3.0);
+  EXPECT_TRUE(work.run(body, "the test's work"));  // captured again
+  out.zero_();
+  EXPECT_TRUE(work.run(body, "the test's work"));
+  EXPECT_EQ(out.to(Device::kCPU).item(5), 3.0);
 }
 
 // The expert-parallel exchange plan on the device against the host reference: per-expert counts

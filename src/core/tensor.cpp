@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/cuda_check.h"
+#include "core/log.h"
 
 namespace mt {
 
@@ -30,7 +31,8 @@ struct DeviceAllocator {
   const Device device;
   std::atomic<int64_t> current{0};
   std::atomic<int64_t> peak{0};
-  std::atomic<int64_t> graph_live{0};  // bytes of live graph-pool tensors
+  std::atomic<int64_t> graph_live{0};        // bytes of live graph-pool tensors
+  std::atomic<int64_t> graph_generation{0};  // see graph_pool_generation()
   std::mutex mu;
   struct Key {
     bool graph;
@@ -82,6 +84,34 @@ struct DeviceAllocator {
   }
 
 #if MOETRAIN_HAS_CUDA
+  // Returns this GPU's free blocks of one pool to the driver; true when there were any. mu held.
+  bool free_cached(int gpu, bool graph) {
+    bool any = false;
+    for (auto& [key, blocks] : cached)
+      if (key.gpu == gpu && key.graph == graph) {
+        for (void* b : blocks) {
+          cudaFree(b);
+          block_of.erase(b);
+          any = true;
+        }
+        blocks.clear();
+      }
+    return any;
+  }
+
+  static bool capturing() {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    const cudaError_t err = cudaStreamIsCapturing(cuda::stream(), &status);
+    return err != cudaSuccess || status != cudaStreamCaptureStatusNone;
+  }
+
+  void log_graph_pool_release(size_t size) const {
+    log::warn(
+        "GPU memory: {:.2f} GiB fitted only after the CUDA graphs' pool gave its free blocks back; "
+        "the captured passes will be captured again (slower while batch shapes keep changing)",
+        size / (1024.0 * 1024 * 1024));
+  }
+
   // What an allocation the GPU cannot hold says: where the memory is, and the settings that need
   // less. Called with mu held.
   std::string out_of_memory_message(size_t size, int gpu) const {
@@ -118,23 +148,23 @@ struct DeviceAllocator {
       }
     }
     void* p = nullptr;
-    if (cudaMalloc(&p, size) != cudaSuccess) {
-      // Out of memory: give this GPU's free ordinary blocks back to the driver and try once more
-      // (graph-pool blocks stay: a captured graph may use them).
+    auto try_malloc = [&] {
+      if (cudaMalloc(&p, size) == cudaSuccess) return true;
       (void)cudaGetLastError();
+      p = nullptr;
+      return false;
+    };
+    if (!try_malloc()) {
+      // Out of memory: give this GPU's free ordinary blocks back to the driver and try again;
+      // then, outside a capture (which cannot free), the graph pool's free blocks too, which
+      // makes every captured graph stale (graph_pool_generation).
       std::lock_guard<std::mutex> lock(mu);
-      for (auto& [key, blocks] : cached)
-        if (key.gpu == gpu && !key.graph) {
-          for (void* b : blocks) {
-            cudaFree(b);
-            block_of.erase(b);
-          }
-          blocks.clear();
-        }
-      if (cudaMalloc(&p, size) != cudaSuccess) {
-        (void)cudaGetLastError();
-        throw Error(ExitCode::kOutOfMemory, out_of_memory_message(size, gpu));
+      free_cached(gpu, false);
+      if (!try_malloc() && !capturing()) {
+        if (free_cached(gpu, true)) ++graph_generation;
+        if (try_malloc()) log_graph_pool_release(size);
       }
+      if (p == nullptr) throw Error(ExitCode::kOutOfMemory, out_of_memory_message(size, gpu));
     }
     std::lock_guard<std::mutex> lock(mu);
     block_of[p] = {gpu, graph};
@@ -209,6 +239,9 @@ GraphPoolScope::~GraphPoolScope() {
 }
 int64_t graph_pool_live_bytes() {
   return allocator_for(Device::kCUDA).graph_live.load();
+}
+int64_t graph_pool_generation() {
+  return allocator_for(Device::kCUDA).graph_generation.load();
 }
 
 void reset_peak_memory(Device d) {

@@ -45,6 +45,10 @@ class GraphPoolScope {
   bool outer_;
 };
 int64_t graph_pool_live_bytes();
+// Counts the times the allocator gave the graph pool's free blocks back to the driver (when the
+// GPU ran out of memory outside a capture): a graph captured under an older count addresses
+// freed memory and must be captured again (cuda::CapturedWork does).
+int64_t graph_pool_generation();
 
 class Storage;
 

@@ -48,12 +48,14 @@ void Graph::launch() {
 }
 
 bool CapturedWork::run(const std::function<void()>& body, const std::string& what) {
+  if (graph_ && generation_ != graph_pool_generation()) drop();  // its memory went back
   if (!graph_ && warmed_ && !failed_) {
     const MemoryStats before = memory_stats(Device::kCUDA);
     try {
       const GraphPoolScope pool;
       reset_peak_memory(Device::kCUDA);
       graph_ = Graph::capture(body);
+      generation_ = graph_pool_generation();
       peak_bytes_ = memory_stats(Device::kCUDA).peak_bytes - before.current_bytes;
       log::info("captured {} as a CUDA graph", what);
     } catch (const Error& e) {

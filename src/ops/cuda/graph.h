@@ -39,6 +39,7 @@ class CapturedWork {
 
  private:
   std::unique_ptr<Graph> graph_;
+  int64_t generation_ = 0;  // graph_pool_generation() at capture
   int64_t peak_bytes_ = 0;  // what a replay adds to the device memory in use at its start
   bool warmed_ = false;
   bool failed_ = false;
