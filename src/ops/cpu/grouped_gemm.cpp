@@ -1,6 +1,8 @@
 // Reference grouped GEMM: one dense GEMM per expert on row slices.
 #include "ops/grouped_gemm.h"
 
+#include <utility>
+
 #include "ops/dispatch.h"
 #include "ops/gemm.h"
 #if MOETRAIN_HAS_CUDA
@@ -17,9 +19,10 @@ struct GroupDims {
 GroupDims check_group(const Tensor& rows_tensor, const Tensor& w, const ExpertRows& rows) {
   MT_CHECK(w.ndim() == 3, "expert weights must be (E, K, N), got {}", shape_str(w.shape()));
   GroupDims g{w.dim(0), w.dim(1), w.dim(2), rows_tensor.dim(0)};
-  for (const Tensor* t : {&rows.offsets, &rows.segments}) {
-    expect_shape(*t, {g.experts + 1}, "expert offsets");
-    expect_dtype(*t, DType::kI64, "expert offsets");
+  for (const auto& [t, name] :
+       {std::pair{&rows.offsets, "expert offsets"}, std::pair{&rows.segments, "expert segments"}}) {
+    expect_shape(*t, {g.experts + 1}, name);
+    expect_dtype(*t, DType::kI64, name);
   }
   const int64_t* off = rows.offsets.data<int64_t>();
   const int64_t* seg = rows.segments.data<int64_t>();
@@ -32,15 +35,14 @@ GroupDims check_group(const Tensor& rows_tensor, const Tensor& w, const ExpertRo
         e, off[e + 1] - off[e], seg[e], seg[e + 1], g.m);
   return g;
 }
-// Expert e's rows of t: segments[e] .. segments[e] + count.
-Tensor expert_slice(const Tensor& t, const ExpertRows& rows, int64_t e) {
+int64_t row_count(const ExpertRows& rows, int64_t e) {
   const int64_t* off = rows.offsets.data<int64_t>();
-  const int64_t start = rows.segments.data<int64_t>()[e];
-  return t.slice_rows(start, start + off[e + 1] - off[e]);
+  return off[e + 1] - off[e];
 }
-bool no_rows(const ExpertRows& rows, int64_t e) {
-  const int64_t* off = rows.offsets.data<int64_t>();
-  return off[e + 1] == off[e];
+// Expert e's rows of t: segments[e] .. segments[e] + its count.
+Tensor expert_slice(const Tensor& t, const ExpertRows& rows, int64_t e) {
+  const int64_t start = rows.segments.data<int64_t>()[e];
+  return t.slice_rows(start, start + row_count(rows, e));
 }
 Tensor expert_weight(const Tensor& w, int64_t e) {
   return w.view(e * w.dim(1) * w.dim(2), {w.dim(1), w.dim(2)});
@@ -54,7 +56,7 @@ void grouped_gemm_forward(const Tensor& x, const Tensor& w, const ExpertRows& ro
   const GroupDims g = check_group(x, w, rows);
   expect_shape(out, {g.m, g.n}, "grouped gemm out");
   for (int64_t e = 0; e < g.experts; ++e) {
-    if (no_rows(rows, e)) continue;
+    if (row_count(rows, e) == 0) continue;
     Tensor o = expert_slice(out, rows, e);
     gemm(expert_slice(x, rows, e), Transpose::kNo, expert_weight(w, e), Transpose::kNo, o,
          Accumulate::kNo);
@@ -69,7 +71,7 @@ void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Expert
   const GroupDims g = check_group(dy, w, rows);
   expect_shape(dx, {g.m, g.k}, "grouped gemm dx");
   for (int64_t e = 0; e < g.experts; ++e) {
-    if (no_rows(rows, e)) continue;
+    if (row_count(rows, e) == 0) continue;
     Tensor o = expert_slice(dx, rows, e);
     gemm(expert_slice(dy, rows, e), Transpose::kNo, expert_weight(w, e), Transpose::kYes, o,
          Accumulate::kNo);
@@ -85,7 +87,7 @@ void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Exper
   const GroupDims g = check_group(x, dw, rows);
   if (accumulate == Accumulate::kNo) dw.zero_();
   for (int64_t e = 0; e < g.experts; ++e) {
-    if (no_rows(rows, e)) continue;
+    if (row_count(rows, e) == 0) continue;
     Tensor o = expert_weight(dw, e);
     gemm(expert_slice(x, rows, e), Transpose::kYes, expert_slice(dy, rows, e), Transpose::kNo, o,
          Accumulate::kYes);

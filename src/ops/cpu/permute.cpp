@@ -59,7 +59,7 @@ void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp) {
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(x)) {
     if (x.dim(0) == 0) return;
-    return cuda::scatter_token_rows(x, p.row_of_choice, p.row_of_choice.numel() / x.dim(0), xp);
+    return cuda::scatter_token_rows(x, p.row_of_choice, choices_per_token(p, x.dim(0)), xp);
   }
 #endif
   dispatch_float(x.dtype(), [&](auto tag) {

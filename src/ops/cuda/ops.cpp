@@ -3,6 +3,7 @@
 #include "ops/cuda/ops.h"
 
 #include <cstring>
+#include <utility>
 
 #include "core/cuda_check.h"
 #include "core/profile.h"
@@ -34,10 +35,11 @@ kernels::ExpertSegments check_grouped(std::initializer_list<const Tensor*> bf16_
   MT_CHECK(
       out.device() == Device::kCUDA && (out.dtype() == DType::kBF16 || out.dtype() == DType::kF32),
       "grouped gemm output must be bf16 or f32 on the GPU");
-  for (const Tensor* t : {&rows.offsets, &rows.segments}) {
-    expect_dtype(*t, DType::kI64, "expert offsets");
+  for (const auto& [t, name] :
+       {std::pair{&rows.offsets, "expert offsets"}, std::pair{&rows.segments, "expert segments"}}) {
+    expect_dtype(*t, DType::kI64, name);
     MT_CHECK(t->device() == Device::kCUDA && t->numel() == experts + 1,
-             "expert offsets must be {} i64 on the GPU", experts + 1);
+             "{} must be {} i64 on the GPU", name, experts + 1);
   }
   MT_CHECK(k % 8 == 0 && n % 8 == 0, "grouped gemm dims {} x {} must be multiples of 8", k, n);
   return {rows.offsets.data<int64_t>(), rows.segments.data<int64_t>()};
