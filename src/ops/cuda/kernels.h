@@ -148,12 +148,12 @@ cudaError_t router_backward(const float* scores, const int32_t* index, const flo
 size_t permutation_workspace(int64_t m, int e);
 // Stable expert-major layout of m = n*k choices: row_of_choice i32 (m), offsets i64 (e + 1).
 // align 1: dense, source_token i32 (m), segments unused. align > 1: each expert's segment
-// starts at a multiple of align rows (segments i64 (e + 1)), source_token i32
-// (m + e*(align - 1)) with -1 on the padding rows.
+// starts at a multiple of align rows (segments i64 (e + 1)), source_token i32 (rows, the
+// caller's ops::permuted_rows) with -1 on the padding rows.
 cudaError_t expert_permutation(const int32_t* expert_index, int64_t m, int k, int e, int64_t align,
-                               void* workspace, size_t workspace_bytes, int32_t* source_token,
-                               int32_t* row_of_choice, int64_t* offsets, int64_t* segments,
-                               cudaStream_t stream);
+                               void* workspace, size_t workspace_bytes, int64_t rows,
+                               int32_t* source_token, int32_t* row_of_choice, int64_t* offsets,
+                               int64_t* segments, cudaStream_t stream);
 // Expert-parallel exchange plans. counts[e] = offsets[e + 1] - offsets[e] for e < experts.
 cudaError_t expert_counts(const int64_t* offsets, int experts, int64_t* counts,
                           cudaStream_t stream);

@@ -516,9 +516,9 @@ size_t permutation_workspace(int64_t m, int e) {
 }
 
 cudaError_t expert_permutation(const int32_t* expert_index, int64_t m, int k, int e, int64_t align,
-                               void* workspace, size_t workspace_bytes, int32_t* source_token,
-                               int32_t* row_of_choice, int64_t* offsets, int64_t* segments,
-                               cudaStream_t stream) {
+                               void* workspace, size_t workspace_bytes, int64_t rows,
+                               int32_t* source_token, int32_t* row_of_choice, int64_t* offsets,
+                               int64_t* segments, cudaStream_t stream) {
   char* p = static_cast<char*>(workspace);
   auto* counts = reinterpret_cast<int64_t*>(p);  // e + 1: the last stays 0 for the total
   p += round256(sizeof(int64_t) * (e + 1));
@@ -551,7 +551,6 @@ cudaError_t expert_permutation(const int32_t* expert_index, int64_t m, int k, in
         err != cudaSuccess)
       return err;
     // Padding rows name no token.
-    const int64_t rows = m + (m > 0 ? int64_t{e} * (align - 1) : 0);
     if (cudaError_t err = cudaMemsetAsync(source_token, 0xFF, sizeof(int32_t) * rows, stream);
         err != cudaSuccess)
       return err;

@@ -76,8 +76,9 @@ void make_expert_permutation(const Tensor& expert_index, int64_t experts, int64_
   Tensor ws = gpu_empty({static_cast<int64_t>(bytes)}, DType::kU8);
   MT_CUDA_CHECK(kernels::expert_permutation(
       expert_index.data<int32_t>(), m, static_cast<int>(k), static_cast<int>(experts), align,
-      ws.raw(), bytes, out.source_token.data<int32_t>(), out.row_of_choice.data<int32_t>(),
-      out.expert_offsets.data<int64_t>(), out.segments.data<int64_t>(), stream()));
+      ws.raw(), bytes, out.rows(), out.source_token.data<int32_t>(),
+      out.row_of_choice.data<int32_t>(), out.expert_offsets.data<int64_t>(),
+      out.segments.data<int64_t>(), stream()));
 }
 
 void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst) {
