@@ -1,20 +1,25 @@
 // The MoE layer forward + backward at the Qwen3-30B-A3B shape (16384 tokens, dim 2048, expert
 // dim 768, 128 experts, top-8, bf16), real and forced-balanced routing: JSON lines with the time
 // and the ratio to the expert-GEMM floor (6 GEMMs at the dense ceiling measured in the run), for
-// padded expert rows (the default) and dense ones, alternated in one process.
+// padded expert rows (the default) and dense ones, alternated in one process. `ms` is the layer
+// as the trainer runs it on one GPU (a replayed CUDA graph); `eager_launch_ms` launches each op
+// from the host.
 // The PyTorch comparator (eager and torch.compile) is bench/moe_layer_torch.py.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <functional>
 #include <vector>
 
 #include "bench/bench_util.h"
 #include "core/cuda_check.h"
+#include "core/log.h"
 #include "core/profile.h"
 #include "moe/moe_layer.h"
 #include "ops/cuda/device.h"
+#include "ops/cuda/graph.h"
 #include "ops/gemm.h"
 
 int main() {
@@ -27,6 +32,7 @@ int main() {
   c.n_experts = 128;
   c.top_k = 8;
   const int64_t n = 16384, d = c.dim, f = c.moe_dim, e = c.n_experts;
+  mt::log::set_level(mt::log::Level::kWarn);  // stdout is JSON lines: no capture notices
   const mt::moe::MoeWeights w{mt::bench::random_bf16({d, e}, 1, 0.02),
                               mt::bench::random_bf16({e, d, 2 * f}, 2, 0.02),
                               mt::bench::random_bf16({e, f, d}, 3, 0.02)};
@@ -52,14 +58,48 @@ int main() {
   // Expert weight gradients as the trainer writes them: overwritten by the step's first backward
   // (beta 0, no read of the f32 gradient), see moe_backward.
   const auto first_write = mt::ops::Accumulate::kNo;
-  auto layer_ms = [&] {
-    return mt::bench::median_ms([&] {
+  const auto layer = [&] {
+    mt::moe::MoeActivations act;
+    mt::moe::moe_fill(w, c, {}, Tensor(), hn, act);
+    Tensor layer_out = Tensor::empty({n, d}, DType::kBF16, Device::kCUDA);
+    mt::moe::moe_combine(w, c, act, layer_out);
+    (void)mt::moe::moe_backward(w, g, c, hn, act, dout, 0.001, first_write);
+  };
+  // Two ways to run it: launched op by op from the host (each run's first small kernels wait for
+  // their launches), and as the trainer runs it on one GPU, a CUDA graph replayed with one launch
+  // (captured afresh for each routing and row layout, the config being part of what it records).
+  const auto layer_ms = [&](bool graphed) {
+    // Profiling times ops between device waits, which a capture cannot hold (as in the trainer).
+    if (!graphed || mt::profile::enabled()) return mt::bench::median_ms(layer);
+    mt::cuda::CapturedWork captured;  // the warm-up runs it eagerly, then captures it
+    return mt::bench::median_ms([&] { captured.run(layer, "the MoE layer"); });
+  };
+  // The fill, the down projection with the combine, and the backward inside whole layers (events
+  // between them, no waits; medians of 10 after 3 warm-ups): whether a stage runs slower in the
+  // layer than on its own.
+  const auto stages_in_layer_ms = [&](Tensor& out) {
+    cudaEvent_t ev[4];
+    for (auto& event : ev) MT_CUDA_CHECK(cudaEventCreate(&event));
+    std::vector<double> ms[3];
+    for (int rep = 0; rep < 13; ++rep) {
       mt::moe::MoeActivations act;
+      MT_CUDA_CHECK(cudaEventRecord(ev[0], mt::cuda::stream()));
       mt::moe::moe_fill(w, c, {}, Tensor(), hn, act);
-      Tensor layer_out = Tensor::empty({n, d}, DType::kBF16, Device::kCUDA);
-      mt::moe::moe_combine(w, c, act, layer_out);
+      MT_CUDA_CHECK(cudaEventRecord(ev[1], mt::cuda::stream()));
+      mt::moe::moe_combine(w, c, act, out);
+      MT_CUDA_CHECK(cudaEventRecord(ev[2], mt::cuda::stream()));
       (void)mt::moe::moe_backward(w, g, c, hn, act, dout, 0.001, first_write);
-    });
+      MT_CUDA_CHECK(cudaEventRecord(ev[3], mt::cuda::stream()));
+      MT_CUDA_CHECK(cudaEventSynchronize(ev[3]));
+      for (int i = 0; i < 3 && rep >= 3; ++i) {
+        float t = 0;
+        MT_CUDA_CHECK(cudaEventElapsedTime(&t, ev[i], ev[i + 1]));
+        ms[i].push_back(t);
+      }
+    }
+    for (auto& event : ev) cudaEventDestroy(event);
+    return std::array<double, 3>{mt::bench::median(ms[0]), mt::bench::median(ms[1]),
+                                 mt::bench::median(ms[2])};
   };
   for (bool balanced : {false, true}) {
     c.force_balanced_routing = balanced;
@@ -80,27 +120,32 @@ int main() {
     const double combine_ms = mt::bench::median_ms([&] { mt::moe::moe_combine(w, c, full, out); });
     const double backward_ms = mt::bench::median_ms(
         [&] { (void)mt::moe::moe_backward(w, g, c, hn, full, dout, 0.001, first_write); });
+    const std::array<double, 3> in_layer = stages_in_layer_ms(out);
     std::printf(
         "{\"bench\": \"moe_layer_stages\", \"routing\": \"%s\", \"router_topk_permutation_ms\": "
-        "%.3f, \"forward_fill_ms\": %.3f, \"down_and_combine_ms\": %.3f, \"backward_ms\": %.3f}\n",
-        balanced ? "balanced" : "real", router_ms, fill_ms, combine_ms, backward_ms);
+        "%.3f, \"forward_fill_ms\": %.3f, \"down_and_combine_ms\": %.3f, \"backward_ms\": %.3f, "
+        "\"in_layer_ms\": \"%.3f, %.3f, %.3f\"}\n",
+        balanced ? "balanced" : "real", router_ms, fill_ms, combine_ms, backward_ms, in_layer[0],
+        in_layer[1], in_layer[2]);
     // The whole layer, with padded expert rows (the default) and dense ones alternating four
     // times: a power-capped GPU's clock drifts by more than the difference between the two.
-    std::vector<double> padded_ms, dense_ms;
+    std::vector<double> padded_ms, dense_ms, eager_ms;
     for (int round = 0; round < 4; ++round)
       for (bool padded : {true, false}) {
         c.pad_expert_rows = padded;
-        (padded ? padded_ms : dense_ms).push_back(layer_ms());
+        (padded ? padded_ms : dense_ms).push_back(layer_ms(true));
+        if (padded) eager_ms.push_back(layer_ms(false));
       }
     c.pad_expert_rows = true;
     const double ms = mt::bench::median(padded_ms), dense = mt::bench::median(dense_ms);
     std::printf(
         "{\"bench\": \"moe_layer_fwd_bwd\", \"shape\": \"16384 tok, dim 2048, F 768, 128 "
         "experts, top-8, bf16\", \"routing\": \"%s\", \"ms\": %.3f, \"expert_gemm_floor_ms\": "
-        "%.3f, \"ratio_to_floor\": %.2f, \"dense_expert_rows_ms\": %.3f, \"rounds_ms\": "
-        "\"%s / %s\"}\n",
+        "%.3f, \"ratio_to_floor\": %.2f, \"dense_expert_rows_ms\": %.3f, \"eager_launch_ms\": "
+        "%.3f, \"rounds_ms\": \"%s / %s / %s\"}\n",
         balanced ? "balanced" : "real", ms, floor_ms, ms / floor_ms, dense,
-        mt::bench::join(padded_ms).c_str(), mt::bench::join(dense_ms).c_str());
+        mt::bench::median(eager_ms), mt::bench::join(padded_ms).c_str(),
+        mt::bench::join(dense_ms).c_str(), mt::bench::join(eager_ms).c_str());
     std::fflush(stdout);
   }
   // MOETRAIN_PROFILE=1: one more real-routing layer, every op timed on its own (device waits at
@@ -111,11 +156,7 @@ int main() {
     c.pad_expert_rows = true;
     for (int pass = 0; pass < 2; ++pass) {  // the first pass warms the caches, the second counts
       (void)mt::profile::take();
-      mt::moe::MoeActivations act;
-      mt::moe::moe_fill(w, c, {}, Tensor(), hn, act);
-      Tensor layer_out = Tensor::empty({n, d}, DType::kBF16, Device::kCUDA);
-      mt::moe::moe_combine(w, c, act, layer_out);
-      (void)mt::moe::moe_backward(w, g, c, hn, act, dout, 0.001, mt::ops::Accumulate::kNo);
+      layer();
     }
     std::printf("{\"bench\": \"moe_layer_ops\", \"routing\": \"real\"");
     for (const auto& [name, op_ms] : mt::profile::take())

@@ -1,6 +1,7 @@
 """Comparator for bench/bench_moe_layer.cpp: the same MoE layer in PyTorch (router, softmax top-k
 with renormalisation, sort by expert, torch._grouped_mm gate|up, SwiGLU, down, weighted sum),
-forward + backward, eager and torch.compile, bf16, CUDA-event medians. JSON lines."""
+forward + backward, eager, torch.compile, and torch.compile with CUDA graphs, bf16, CUDA-event
+medians. JSON lines."""
 import json
 
 import torch
@@ -23,7 +24,10 @@ def moe(x):
     weight = weight / weight.sum(-1, keepdim=True)
     flat = idx.flatten()
     order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=e)
+    # Not torch.bincount: on CUDA it reads the largest id back to size its output (a host sync,
+    # which also keeps a CUDA graph from capturing the layer).
+    counts = torch.zeros(e, dtype=torch.int64, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     offs = torch.cumsum(counts, 0).to(torch.int32)
     xs = x[order // k]
     h = torch._grouped_mm(xs, w_gate_up, offs=offs)
@@ -39,7 +43,10 @@ def step(fn):
     out.backward(dout)
 
 
-for name, fn in [("eager", moe), ("compile", torch.compile(moe))]:
+# "compile_cudagraphs": torch.compile's reduce-overhead mode, forward and backward replayed as
+# CUDA graphs (as bench_moe_layer's `ms`, the layer as moetrain's trainer runs it).
+for name, fn in [("eager", moe), ("compile", torch.compile(moe)),
+                 ("compile_cudagraphs", torch.compile(moe, mode="reduce-overhead"))]:
     try:
         ms = median_ms(lambda: step(fn))
         print(json.dumps({"bench": "torch_moe_layer_fwd_bwd", "mode": name, "ms": round(ms, 3),
