@@ -47,6 +47,16 @@ Tensor expert_slice(const Tensor& t, const ExpertRows& rows, int64_t e) {
 Tensor expert_weight(const Tensor& w, int64_t e) {
   return w.view(e * w.dim(1) * w.dim(2), {w.dim(1), w.dim(2)});
 }
+// Each expert's rows of out = its rows of a times its weight (transposed when asked): the forward
+// and the input gradient; padding rows are left as they are.
+void expert_products(const Tensor& a, const Tensor& w, Transpose tw, const ExpertRows& rows,
+                     Tensor& out) {
+  for (int64_t e = 0; e < w.dim(0); ++e) {
+    if (row_count(rows, e) == 0) continue;
+    Tensor o = expert_slice(out, rows, e);
+    gemm(expert_slice(a, rows, e), Transpose::kNo, expert_weight(w, e), tw, o, Accumulate::kNo);
+  }
+}
 }  // namespace
 
 void grouped_gemm_forward(const Tensor& x, const Tensor& w, const ExpertRows& rows, Tensor& out) {
@@ -55,12 +65,7 @@ void grouped_gemm_forward(const Tensor& x, const Tensor& w, const ExpertRows& ro
 #endif
   const GroupDims g = check_group(x, w, rows);
   expect_shape(out, {g.m, g.n}, "grouped gemm out");
-  for (int64_t e = 0; e < g.experts; ++e) {
-    if (row_count(rows, e) == 0) continue;
-    Tensor o = expert_slice(out, rows, e);
-    gemm(expert_slice(x, rows, e), Transpose::kNo, expert_weight(w, e), Transpose::kNo, o,
-         Accumulate::kNo);
-  }
+  expert_products(x, w, Transpose::kNo, rows, out);
 }
 
 void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const ExpertRows& rows,
@@ -70,12 +75,7 @@ void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Expert
 #endif
   const GroupDims g = check_group(dy, w, rows);
   expect_shape(dx, {g.m, g.k}, "grouped gemm dx");
-  for (int64_t e = 0; e < g.experts; ++e) {
-    if (row_count(rows, e) == 0) continue;
-    Tensor o = expert_slice(dx, rows, e);
-    gemm(expert_slice(dy, rows, e), Transpose::kNo, expert_weight(w, e), Transpose::kYes, o,
-         Accumulate::kNo);
-  }
+  expert_products(dy, w, Transpose::kYes, rows, dx);
 }
 
 void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const ExpertRows& rows,
