@@ -4,7 +4,8 @@
 // padded expert rows (the default) and dense ones, alternated in one process. `ms` is the layer
 // as the trainer runs it on one GPU (a replayed CUDA graph); `eager_launch_ms` launches each op
 // from the host.
-// The PyTorch comparator (eager and torch.compile) is bench/moe_layer_torch.py.
+// The PyTorch comparator (eager, torch.compile, and torch.compile with CUDA graphs) is
+// bench/moe_layer_torch.py.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
