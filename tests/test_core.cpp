@@ -128,6 +128,32 @@ TEST(Profile, PhasesSumPerNameAndTakeClears) {
   profile::set_device_sync(nullptr);
 }
 
+// Where memory peaks: a phase that ends with the probe's high-water mark above where it began is
+// recorded with that mark, nested phases first; one that raised nothing is not; take_peaks()
+// clears. Real CPU tensors move the mark (the trainer's probe for the CPU).
+TEST(Profile, PhasesThatRaiseThePeakAreNamedInnermostFirst) {
+  setenv("MOETRAIN_PROFILE", "1", 1);
+  ASSERT_TRUE(profile::enabled());
+  profile::set_peak_probe([] { return memory_stats(Device::kCPU).peak_bytes; });
+  reset_peak_memory(Device::kCPU);
+  const int64_t base = memory_stats(Device::kCPU).peak_bytes;
+  {
+    const profile::Phase outer("outer");
+    { const profile::Phase quiet("quiet"); }  // allocates nothing: raises nothing
+    const profile::Phase inner("inner");
+    Tensor t = Tensor::empty({1 << 20}, DType::kF64);  // 8 MiB above the mark
+  }
+  const auto peaks = profile::take_peaks();
+  ASSERT_EQ(peaks.size(), 2u);
+  EXPECT_EQ(peaks[0].first, "inner");
+  EXPECT_EQ(peaks[1].first, "outer");
+  EXPECT_EQ(peaks[0].second, base + (int64_t{8} << 20));
+  EXPECT_EQ(peaks[1].second, peaks[0].second);
+  EXPECT_TRUE(profile::take_peaks().empty());
+  (void)profile::take();
+  profile::set_peak_probe(nullptr);
+}
+
 // Spans (always on): host spans add up per name on their thread; device spans keep their marks
 // until take_spans() reads them through the device clock, which then gets every mark back.
 TEST(Profile, SpansSumPerNameAndReadDeviceMarksOnTake) {

@@ -12,7 +12,9 @@ namespace {
 struct Totals {
   std::mutex mutex;
   std::vector<std::pair<std::string, double>> ms;
+  std::vector<std::pair<std::string, int64_t>> peaks;
   void (*sync)() = nullptr;
+  int64_t (*peak_probe)() = nullptr;
 };
 
 Totals& totals() {
@@ -69,9 +71,14 @@ void set_device_sync(void (*sync)()) {
   totals().sync = sync;
 }
 
+void set_peak_probe(int64_t (*peak_bytes)()) {
+  totals().peak_probe = peak_bytes;
+}
+
 Phase::Phase(const char* name) : name_(name) {
   if (!enabled()) return;
   wait_for_device();
+  if (totals().peak_probe) peak_at_start_ = totals().peak_probe();
   start_ = std::chrono::steady_clock::now();
 }
 
@@ -81,8 +88,16 @@ Phase::~Phase() {
   const double ms =
       std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - start_).count();
   Totals& t = totals();
+  const int64_t peak = t.peak_probe ? t.peak_probe() : 0;
   const std::lock_guard lock(t.mutex);
   add_ms(t.ms, name_, ms);
+  if (peak > peak_at_start_) t.peaks.emplace_back(name_, peak);
+}
+
+std::vector<std::pair<std::string, int64_t>> take_peaks() {
+  Totals& t = totals();
+  const std::lock_guard lock(t.mutex);
+  return std::exchange(t.peaks, {});
 }
 
 void set_device_clock(DeviceClock clock) {

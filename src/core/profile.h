@@ -4,6 +4,7 @@
 // branch.
 #pragma once
 #include <chrono>
+#include <cstdint>
 #include <string>
 #include <utility>
 #include <vector>
@@ -24,10 +25,18 @@ class Phase {
  private:
   const char* name_;
   std::chrono::steady_clock::time_point start_;
+  int64_t peak_at_start_ = 0;
 };
 
 // Milliseconds per phase name since the last call, in order of first use; clears them.
 std::vector<std::pair<std::string, double>> take();
+
+// Where memory peaks: with a probe set (the device's high-water mark of tensor bytes), each Phase
+// reads it at both ends, and one that ends with it higher than it started is recorded with the
+// mark it left. Nested phases end first, so the innermost phase that raised a mark comes first.
+void set_peak_probe(int64_t (*peak_bytes)());
+// {phase, high-water mark it left} since the last call, in the order the phases ended; clears them.
+std::vector<std::pair<std::string, int64_t>> take_peaks();
 
 // Device time of one kind of work, measured without waiting for it (always on, unlike Phase): a
 // Span marks the thread's stream at both ends (CUDA events on the GPU, the host clock on the CPU)

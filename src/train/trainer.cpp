@@ -46,6 +46,21 @@ void write_progress(int64_t step, int64_t total, const StepMetrics& m) {
   std::fflush(stderr);
 }
 
+// The phases that left the step's high-water mark, innermost first ("gpu.x < moe.backward < ..."):
+// where the step's memory peaked.
+std::string peak_phases(const std::vector<std::pair<std::string, int64_t>>& peaks, int64_t peak) {
+  std::string chain;
+  for (const auto& [name, bytes] : peaks)
+    if (bytes == peak) chain += (chain.empty() ? "" : " < ") + name;
+  return chain.empty() ? "no phase" : chain;
+}
+int64_t cuda_peak_bytes() {
+  return memory_stats(Device::kCUDA).peak_bytes;
+}
+int64_t cpu_peak_bytes() {
+  return memory_stats(Device::kCPU).peak_bytes;
+}
+
 }  // namespace
 
 double peak_flops(const HardwareConfig& h) {
@@ -58,6 +73,7 @@ Trainer::Trainer(const Config& c, dist::Communicator* world) : cfg_(c), world_(w
   if (c.hardware.threads > 0) omp_set_num_threads(static_cast<int>(c.hardware.threads));
   cfg_.model.device = c.hardware.device == "cuda" ? Device::kCUDA : Device::kCPU;
   cfg_.model.cuda_graphs = c.hardware.cuda_graphs;
+  profile::set_peak_probe(cfg_.model.on_gpu() ? &cuda_peak_bytes : &cpu_peak_bytes);
 #if MOETRAIN_HAS_CUDA
   if (cfg_.model.on_gpu()) {
     profile::set_device_sync(&cuda::synchronize);
@@ -198,6 +214,8 @@ StepMetrics Trainer::train_step() {
     std::string line;
     for (const auto& [name, ms] : phases) line += fmt::format(" | {} {:.1f}", name, ms);
     log::info("profile step {} ({:.1f} ms){}", m.step, seconds * 1e3, line);
+    log::info("profile step {}: peak memory {:.2f} GiB reached in {}", m.step,
+              m.peak_bytes / double(1ull << 30), peak_phases(profile::take_peaks(), m.peak_bytes));
   }
   return m;
 }
