@@ -535,7 +535,8 @@ TEST_P(GpuCase, AttentionPackedCausalGqa) {
 
 // cuDNN's fused SDPA at Qwen3's head shape against the CPU reference (bf16 inputs, fp32 math):
 // five documents (padded to eight empty-tailed ones inside) including a one-token document,
-// then a second packing that builds another graph. Deterministic backward repeats bit for bit.
+// then a second packing that builds another graph. Deterministic backward repeats bit for bit, and
+// gives the same bits run over groups of heads.
 TEST(CudnnAttention, MatchesReferenceOnPackedDocuments) {
   if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU: run this test on the GPU machine";
   if (!cuda::cudnn_attention_available()) GTEST_FAIL() << "built without the cuDNN frontend";
@@ -586,9 +587,17 @@ TEST(CudnnAttention, MatchesReferenceOnPackedDocuments) {
     close(grad[0][0], dq, 2e-2, "cudnn dq");
     close(grad[0][1], dk, 2e-2, "cudnn dk");
     close(grad[0][2], dv, 2e-2, "cudnn dv");
+    // Split by KV-head groups (a zero workspace budget: as many groups as there are KV heads):
+    // every head's sums keep their order, so the gradients are the same bit for bit.
+    Tensor split[3] = {poisoned(q.shape(), DType::kBF16), poisoned(k.shape(), DType::kBF16),
+                       poisoned(v.shape(), DType::kBF16)};
+    cuda::cudnn_attention_backward(gq, gk, gv, gout, glse, gdout, docs_gpu, scale, true, split[0],
+                                   split[1], split[2], 0);
     for (int i = 0; i < 3; ++i) {
-      const Tensor a = grad[0][i].to(Device::kCPU), b = grad[1][i].to(Device::kCPU);
+      const Tensor a = grad[0][i].to(Device::kCPU), b = grad[1][i].to(Device::kCPU),
+                   c = split[i].to(Device::kCPU);
       EXPECT_EQ(std::memcmp(a.raw(), b.raw(), a.nbytes()), 0) << "deterministic backward " << i;
+      EXPECT_EQ(std::memcmp(a.raw(), c.raw(), a.nbytes()), 0) << "backward by head groups " << i;
     }
     Tensor fast[3] = {poisoned(q.shape(), DType::kBF16), poisoned(k.shape(), DType::kBF16),
                       poisoned(v.shape(), DType::kBF16)};

@@ -214,7 +214,7 @@ void cudnn_attention_forward(const Tensor&, const Tensor&, const Tensor&, const 
 }
 void cudnn_attention_backward(const Tensor&, const Tensor&, const Tensor&, const Tensor&,
                               const Tensor&, const Tensor&, const ops::Documents&, double, bool,
-                              Tensor&, Tensor&, Tensor&) {
+                              Tensor&, Tensor&, Tensor&, int64_t) {
   MT_CHECK(false, "built without the cuDNN frontend (scripts/setup.sh installs it)");
 }
 #endif

@@ -43,9 +43,14 @@ bool cudnn_attention_available();  // built with the cuDNN frontend
 bool cudnn_attention_supports(const Tensor& q, const Tensor& v);
 void cudnn_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                              const ops::Documents& docs, double scale, Tensor& out, Tensor& lse);
+// The backward runs over groups of KV heads (with their query heads) when its workspace for all
+// heads at once would exceed workspace_budget_bytes (the deterministic algorithm's grows with
+// heads and document length); the results are the same bit for bit.
+inline constexpr int64_t kAttentionWorkspaceBudget = int64_t{1} << 30;
 void cudnn_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                               const Tensor& lse, const Tensor& dout, const ops::Documents& docs,
-                              double scale, bool deterministic, Tensor& dq, Tensor& dk, Tensor& dv);
+                              double scale, bool deterministic, Tensor& dq, Tensor& dk, Tensor& dv,
+                              int64_t workspace_budget_bytes = kAttentionWorkspaceBudget);
 // Embedding (moe_ops.cpp): forward is a row gather; backward sums the rows of each id in token
 // order (sorted by id, deterministic) into dtable.
 void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out);
