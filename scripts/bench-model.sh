@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The full-model training step: configs/qwen3-30b-a3b-bench.toml (Qwen3-30B-A3B layer shapes,
-# 16384 tokens per step and GPU) for each layer count given (default 7), one JSON line each with
+# 16384 tokens per step and GPU) for each layer count given (default: the config's), one JSON line each with
 # the median tokens/s (per GPU) and MFU of the steps after the first two, peak memory (rank 0)
 # and, with expert parallelism, the median time in dispatch/combine per step.
 # Usage: scripts/bench-model.sh [moetrain binary] [layers ...]; BENCH_SET="section.key=value ..."
@@ -21,7 +21,8 @@ tag=$(echo "${BENCH_SET:-}" | sed 's/[ =.]/_/g')
 [ "$ranks" -gt 1 ] && tag="_w${ranks}${tag}"
 cmd=("$bin")
 [ "$ranks" -gt 1 ] && cmd=("$bin" launch -n "$ranks" -- )
-for layers in "${@:-7}"; do
+preset_layers=$(grep -E '^n_layers *=' "$config" | grep -oE '[0-9]+')  # the default count
+for layers in "${@:-$preset_layers}"; do
   metrics="$out/model_step_${layers}${tag}.jsonl"
   rm -f "$metrics"  # the trainer appends
   if ! "${cmd[@]}" train --config "$config" --set "model.n_layers=$layers" "${extra[@]}" \

@@ -9,7 +9,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 bin=${1:-build/moetrain}
 world=${2:-$(nvidia-smi --list-gpus 2>/dev/null | wc -l)}
-layers=${3:-7}
+layers=${3:-}  # default: the preset's own count
 if ! [[ $world =~ ^[0-9]+$ ]] || (( world < 1 )); then
   echo "bench-scaling: W = '$world': give the number of GPUs (no GPU visible to count)" >&2
   exit 2
@@ -19,6 +19,6 @@ for ((ep = world; ep >= 1; ep /= 2)); do
   (( world % ep == 0 )) || continue
   for balanced in false true; do
     BENCH_RANKS=$world BENCH_SET="${BENCH_SET:-} parallel.ep=$ep model.force_balanced_routing=$balanced" \
-      scripts/bench-model.sh "$bin" "$layers"
+      scripts/bench-model.sh "$bin" $layers
   done
 done

@@ -52,10 +52,10 @@ if [[ $benches == *,moe,* ]]; then
   run_bench moe_layer_torch python3 bench/moe_layer_torch.py
 fi
 if [[ $benches == *,model,* ]]; then
-  run_bench bench-model env OUT="$out" scripts/bench-model.sh "$bundle/moetrain" ${GPU_CHECK_LAYERS:-7}
+  run_bench bench-model env OUT="$out" scripts/bench-model.sh "$bundle/moetrain" ${GPU_CHECK_LAYERS:-}
 fi
 if [[ $benches == *,scaling,* ]]; then  # two or more GPUs: every ep of W = all GPUs
-  run_bench bench-scaling env OUT="$out" scripts/bench-scaling.sh "$bundle/moetrain" "" ${GPU_CHECK_LAYERS:-7}
+  run_bench bench-scaling env OUT="$out" scripts/bench-scaling.sh "$bundle/moetrain" "" ${GPU_CHECK_LAYERS:-}
 fi
 if [ -s "$out/bench.jsonl" ]; then
   echo "== benchmarks (JSON lines, also in bench.jsonl)"
