@@ -247,12 +247,13 @@ int64_t workspace_bytes(const fe::graph::Graph& g) {
 // workspace fits the budget, else as many as there are KV heads. The deterministic algorithm
 // keeps per-block partial sums of dQ that grow with the document length and the heads: 16.5 GiB
 // for 32 heads at 16 documents of up to 4096 tokens, the step's peak before it was split.
-// A group's pointers must keep cuDNN's 16-byte alignment (the LSE's four-byte heads included).
 SdpaShape backward_groups(SdpaShape s, int64_t budget_bytes) {
   s.head_groups = 1;
   for (int64_t groups = 1; groups <= s.kv_heads; ++groups) {
-    const int64_t q_heads = s.heads / groups;
-    if (s.kv_heads % groups != 0 || q_heads % 4 != 0) continue;
+    // Later groups' pointers keep cuDNN's 16-byte alignment when each group's query heads are a
+    // multiple of 4 (the LSE has one float per head; q, k, v rows are multiples of 8 bf16).
+    const bool aligned = groups == 1 || (s.heads / groups) % 4 == 0;
+    if (s.kv_heads % groups != 0 || !aligned) continue;
     s.head_groups = groups;
     if (workspace_bytes(cached_graph(s)) <= budget_bytes) break;
   }
