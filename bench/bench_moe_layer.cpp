@@ -59,13 +59,23 @@ int main() {
   // Expert weight gradients as the trainer writes them: overwritten by the step's first backward
   // (beta 0, no read of the f32 gradient), see moe_backward.
   const auto first_write = mt::ops::Accumulate::kNo;
-  const auto layer = [&] {
+  // One layer; given four events, one is recorded before each stage (fill, down projection with
+  // the combine, backward) and one after the last.
+  const auto marked_layer = [&](cudaEvent_t* marks) {
+    const auto mark = [&](int i) {
+      if (marks) MT_CUDA_CHECK(cudaEventRecord(marks[i], mt::cuda::stream()));
+    };
     mt::moe::MoeActivations act;
+    mark(0);
     mt::moe::moe_fill(w, c, {}, Tensor(), hn, act);
+    mark(1);
     Tensor layer_out = Tensor::empty({n, d}, DType::kBF16, Device::kCUDA);
     mt::moe::moe_combine(w, c, act, layer_out);
+    mark(2);
     (void)mt::moe::moe_backward(w, g, c, hn, act, dout, 0.001, first_write);
+    mark(3);
   };
+  const auto layer = [&] { marked_layer(nullptr); };
   // Two ways to run it: launched op by op from the host (each run's first small kernels wait for
   // their launches), and as the trainer runs it on one GPU, a CUDA graph replayed with one launch
   // (captured afresh for each routing and row layout, the config being part of what it records).
@@ -78,19 +88,12 @@ int main() {
   // The fill, the down projection with the combine, and the backward inside whole layers (events
   // between them, no waits; medians of 10 after 3 warm-ups): whether a stage runs slower in the
   // layer than on its own.
-  const auto stages_in_layer_ms = [&](Tensor& out) {
+  const auto stages_in_layer_ms = [&] {
     cudaEvent_t ev[4];
     for (auto& event : ev) MT_CUDA_CHECK(cudaEventCreate(&event));
     std::vector<double> ms[3];
     for (int rep = 0; rep < 13; ++rep) {
-      mt::moe::MoeActivations act;
-      MT_CUDA_CHECK(cudaEventRecord(ev[0], mt::cuda::stream()));
-      mt::moe::moe_fill(w, c, {}, Tensor(), hn, act);
-      MT_CUDA_CHECK(cudaEventRecord(ev[1], mt::cuda::stream()));
-      mt::moe::moe_combine(w, c, act, out);
-      MT_CUDA_CHECK(cudaEventRecord(ev[2], mt::cuda::stream()));
-      (void)mt::moe::moe_backward(w, g, c, hn, act, dout, 0.001, first_write);
-      MT_CUDA_CHECK(cudaEventRecord(ev[3], mt::cuda::stream()));
+      marked_layer(ev);
       MT_CUDA_CHECK(cudaEventSynchronize(ev[3]));
       for (int i = 0; i < 3 && rep >= 3; ++i) {
         float t = 0;
@@ -121,7 +124,7 @@ int main() {
     const double combine_ms = mt::bench::median_ms([&] { mt::moe::moe_combine(w, c, full, out); });
     const double backward_ms = mt::bench::median_ms(
         [&] { (void)mt::moe::moe_backward(w, g, c, hn, full, dout, 0.001, first_write); });
-    const std::array<double, 3> in_layer = stages_in_layer_ms(out);
+    const std::array<double, 3> in_layer = stages_in_layer_ms();
     std::printf(
         "{\"bench\": \"moe_layer_stages\", \"routing\": \"%s\", \"router_topk_permutation_ms\": "
         "%.3f, \"forward_fill_ms\": %.3f, \"down_and_combine_ms\": %.3f, \"backward_ms\": %.3f, "
