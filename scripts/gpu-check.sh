@@ -15,6 +15,7 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 "$bundle/test_cuda_ops" --gtest_output="json:$out/test_cuda_ops.json" >"$out/test_cuda_ops.log" 2>&1
 status=$?
+"$bundle/test_cuda_mx" --gtest_output="json:$out/test_cuda_mx.json" >>"$out/test_cuda_ops.log" 2>&1 || status=1
 # The training tests read configs/ from the source tree they were built in: run from here.
 MOETRAIN_SOURCE_DIR="$PWD" "$bundle/test_cuda_train" >>"$out/test_cuda_ops.log" 2>&1 || status=1
 # NCCL: one GPU, and two when present (collectives, then 2-GPU training against 1 GPU); a hang
@@ -28,7 +29,7 @@ grep -E "^\[ *(OK|FAILED) *\]|Failure|error|seed" "$out/test_cuda_ops.log" | gre
 tail -2 "$out/tiny_gpu.log"
 # Benchmarks: GPU_CHECK_BENCH lists which (default all but scaling; 0 for none),
 # GPU_CHECK_LAYERS the layer counts of the full-model step.
-benches=",${GPU_CHECK_BENCH:-gemm,attention,exchange,moe,model},"
+benches=",${GPU_CHECK_BENCH:-gemm,mx,attention,exchange,moe,model},"
 run_bench() {  # name, command...: JSON lines to bench.jsonl, failures named on stdout
   local name=$1
   shift
@@ -39,6 +40,9 @@ if [[ $benches == *,gemm,* ]]; then
   run_bench bench_gemm "$bundle/bench_gemm"
   run_bench grouped_mm_torch python3 bench/grouped_mm_torch.py
   [ -x "$bundle/bench_grouped_gemm_variants" ] && run_bench variants "$bundle/bench_grouped_gemm_variants"
+fi
+if [[ $benches == *,mx,* ]]; then
+  run_bench bench_mx "$bundle/bench_mx"
 fi
 if [[ $benches == *,attention,* ]]; then
   run_bench bench_attention "$bundle/bench_attention"

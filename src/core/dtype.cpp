@@ -4,62 +4,23 @@
 #include <cmath>
 #include <limits>
 
-#include "core/error.h"
-
 namespace mt {
 
-size_t dtype_size(DType t) {
-  switch (t) {
-    case DType::kF32:
-      return 4;
-    case DType::kF64:
-      return 8;
-    case DType::kBF16:
-      return 2;
-    case DType::kE4M3:
-      return 1;
-    case DType::kE8M0:
-      return 1;
-    case DType::kI32:
-      return 4;
-    case DType::kI64:
-      return 8;
-    case DType::kU8:
-      return 1;
-  }
-  MT_CHECK(false, "unknown dtype {}", static_cast<int>(t));
-}
-
-std::string_view dtype_name(DType t) {
-  switch (t) {
-    case DType::kF32:
-      return "f32";
-    case DType::kF64:
-      return "f64";
-    case DType::kBF16:
-      return "bf16";
-    case DType::kE4M3:
-      return "e4m3";
-    case DType::kE8M0:
-      return "e8m0";
-    case DType::kI32:
-      return "i32";
-    case DType::kI64:
-      return "i64";
-    case DType::kU8:
-      return "u8";
-  }
-  return "?";
-}
-
 bool parse_dtype(std::string_view name, DType* out) {
-  for (DType t : {DType::kF32, DType::kF64, DType::kBF16, DType::kE4M3, DType::kE8M0, DType::kI32,
-                  DType::kI64, DType::kU8}) {
-    if (dtype_name(t) == name) {
-      *out = t;
+  for (const DTypeInfo& d : kDTypes)
+    if (d.name == name) {
+      *out = d.type;
       return true;
     }
-  }
+  return false;
+}
+
+bool parse_safetensors_dtype(std::string_view name, DType* out) {
+  for (const DTypeInfo& d : kDTypes)
+    if (d.safetensors == name) {
+      *out = d.type;
+      return true;
+    }
   return false;
 }
 

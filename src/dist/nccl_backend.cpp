@@ -33,24 +33,19 @@ namespace {
                       __FILE__, __LINE__, ncclGetLastError(nullptr)));                         \
   } while (0)
 
+// The dtype table (core/dtype.h) holds NCCL's type numbers without NCCL's header.
+static_assert(dtype_info(DType::kF32).nccl == ncclFloat32 &&
+              dtype_info(DType::kF64).nccl == ncclFloat64 &&
+              dtype_info(DType::kBF16).nccl == ncclBfloat16 &&
+              dtype_info(DType::kE4M3).nccl == ncclFloat8e4m3 &&
+              dtype_info(DType::kE8M0).nccl == ncclUint8 &&
+              dtype_info(DType::kI32).nccl == ncclInt32 &&
+              dtype_info(DType::kI64).nccl == ncclInt64 &&
+              dtype_info(DType::kU8).nccl == ncclUint8);
+
 ncclDataType_t nccl_type(DType t) {
-  switch (t) {
-    case DType::kF32:
-      return ncclFloat32;
-    case DType::kF64:
-      return ncclFloat64;
-    case DType::kBF16:
-      return ncclBfloat16;
-    case DType::kI32:
-      return ncclInt32;
-    case DType::kI64:
-      return ncclInt64;
-    case DType::kU8:
-      return ncclUint8;
-    default:
-      MT_CHECK(false, "NCCL collectives take f32, f64, bf16, i32, i64 or u8, not {}",
-               dtype_name(t));
-  }
+  MT_CHECK(dtype_info(t).nccl >= 0, "NCCL cannot move {} tensors", dtype_name(t));
+  return static_cast<ncclDataType_t>(dtype_info(t).nccl);
 }
 
 // The GPU tensor a collective reads or writes: t itself when it is on the GPU, else a device

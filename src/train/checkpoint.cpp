@@ -13,38 +13,6 @@ namespace mt {
 
 namespace {
 
-const char* st_dtype(DType t) {
-  switch (t) {
-    case DType::kF32:
-      return "F32";
-    case DType::kF64:
-      return "F64";
-    case DType::kBF16:
-      return "BF16";
-    case DType::kE4M3:
-      return "F8_E4M3";
-    case DType::kE8M0:
-      return "F8_E8M0";
-    case DType::kI32:
-      return "I32";
-    case DType::kI64:
-      return "I64";
-    case DType::kU8:
-      return "U8";
-  }
-  return "?";
-}
-
-bool parse_st_dtype(const std::string& s, DType* out) {
-  for (DType t : {DType::kF32, DType::kF64, DType::kBF16, DType::kE4M3, DType::kE8M0, DType::kI32,
-                  DType::kI64, DType::kU8})
-    if (s == st_dtype(t)) {
-      *out = t;
-      return true;
-    }
-  return false;
-}
-
 // Visits every checkpointed tensor of the model and optimizer with its name.
 template <class F>
 void for_each_state(Qwen3Moe& model, AdamW& opt, F&& f) {
@@ -80,7 +48,7 @@ void write_safetensors(const std::string& path, const SafetensorsFile& f) {
   if (!f.metadata.empty()) header["__metadata__"] = f.metadata;
   uint64_t offset = 0;
   for (const auto& [name, t] : f.tensors) {
-    header[name] = {{"dtype", st_dtype(t.dtype())},
+    header[name] = {{"dtype", dtype_info(t.dtype()).safetensors},
                     {"shape", t.shape()},
                     {"data_offsets", {offset, offset + t.nbytes()}}};
     offset += t.nbytes();
@@ -119,7 +87,7 @@ SafetensorsFile read_safetensors(const std::string& path) {
       continue;
     }
     DType dt;
-    if (!parse_st_dtype(info.at("dtype").get<std::string>(), &dt))
+    if (!parse_safetensors_dtype(info.at("dtype").get<std::string>(), &dt))
       throw CheckpointError(fmt::format("checkpoint: '{}': tensor {} has unsupported dtype {}",
                                         path, name, info.at("dtype").dump()));
     const Shape shape = info.at("shape").get<Shape>();

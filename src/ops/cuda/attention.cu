@@ -163,7 +163,7 @@ int blocks_for(int64_t items) {
 
 namespace kernels {
 
-cudaError_t attention_forward(Storage s, const void* q, const void* k, const void* v,
+cudaError_t attention_forward(DType s, const void* q, const void* k, const void* v,
                               const int32_t* cu_seqlens, int docs, int64_t n, int heads,
                               int kv_heads, int dqk, int dv, float scale, void* out, float* lse,
                               cudaStream_t stream) {
@@ -179,7 +179,7 @@ cudaError_t attention_forward(Storage s, const void* q, const void* k, const voi
   return cudaGetLastError();
 }
 
-cudaError_t attention_backward(Storage s, const void* q, const void* k, const void* v,
+cudaError_t attention_backward(DType s, const void* q, const void* k, const void* v,
                                const void* out, const float* lse, const void* dout,
                                const int32_t* cu_seqlens, int docs, int64_t n, int heads,
                                int kv_heads, int dqk, int dv, float scale, float* delta, void* dq,

@@ -142,8 +142,8 @@ __device__ __forceinline__ float block_max(float v) {
 
 // Calls f(T{}) with T the element type named by s.
 template <class F>
-void dispatch_storage(kernels::Storage s, F&& f) {
-  if (s == kernels::Storage::kF32)
+void dispatch_storage(DType s, F&& f) {
+  if (s == DType::kF32)
     f(float{});
   else
     f(__nv_bfloat16{});

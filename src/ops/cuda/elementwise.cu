@@ -112,8 +112,8 @@ __global__ void rope_kernel(const T* x, const int32_t* pos, double theta, int di
 
 namespace kernels {
 
-cudaError_t swiglu_forward(Storage st, const void* h, void* a, int64_t m, int64_t f,
-                           SwigluRows rows, cudaStream_t stream) {
+cudaError_t swiglu_forward(DType st, const void* h, void* a, int64_t m, int64_t f, SwigluRows rows,
+                           cudaStream_t stream) {
   if (m * f == 0) return cudaSuccess;
   const int blocks = grid_for(m * 32);  // a warp per row
   dispatch_storage(st, [&](auto tag) {
@@ -129,8 +129,8 @@ cudaError_t swiglu_forward(Storage st, const void* h, void* a, int64_t m, int64_
   return cudaGetLastError();
 }
 
-cudaError_t swiglu_backward(Storage st, const void* h, const void* da, void* dh, int64_t m,
-                            int64_t f, SwigluRows rows, cudaStream_t stream) {
+cudaError_t swiglu_backward(DType st, const void* h, const void* da, void* dh, int64_t m, int64_t f,
+                            SwigluRows rows, cudaStream_t stream) {
   if (m * f == 0) return cudaSuccess;
   const int blocks = grid_for(m * 32);  // a warp per row
   dispatch_storage(st, [&](auto tag) {
@@ -146,8 +146,8 @@ cudaError_t swiglu_backward(Storage st, const void* h, const void* da, void* dh,
   return cudaGetLastError();
 }
 
-cudaError_t rope(Storage st, const void* x, const int32_t* pos, double theta, int direction,
-                 void* y, int64_t n, int64_t heads, int64_t head_dim, cudaStream_t stream) {
+cudaError_t rope(DType st, const void* x, const int32_t* pos, double theta, int direction, void* y,
+                 int64_t n, int64_t heads, int64_t head_dim, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   dispatch_storage(st, [&](auto tag) {
     using T = decltype(tag);

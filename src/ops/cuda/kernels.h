@@ -6,18 +6,22 @@
 
 #include <cstdint>
 
+#include "core/dtype.h"
+#include "core/mx_format.h"
+
 namespace mt::cuda::kernels {
 
-enum class Storage { kF32, kBF16 };  // element type of activations; math is fp32
+// Element-wise kernels take their storage as a DType: f32 or bf16 (dtype_info(t).kernel_storage),
+// math in fp32.
 
-cudaError_t rmsnorm_forward(Storage s, const void* x, const void* w, float eps, void* y,
-                            float* rstd, int64_t n, int64_t d, cudaStream_t stream);
+cudaError_t rmsnorm_forward(DType s, const void* x, const void* w, float eps, void* y, float* rstd,
+                            int64_t n, int64_t d, cudaStream_t stream);
 // dx overwritten; dw accumulated through `partial` (chunks x d floats, chunks = rmsnorm_chunks(n)).
 int rmsnorm_chunks(int64_t n);
-cudaError_t rmsnorm_backward(Storage s, const void* x, const void* w, const float* rstd,
+cudaError_t rmsnorm_backward(DType s, const void* x, const void* w, const float* rstd,
                              const void* dy, void* dx, void* dw, bool dw_f32, float* partial,
                              int64_t n, int64_t d, cudaStream_t stream);
-cudaError_t rope(Storage s, const void* x, const int32_t* pos, double theta, int direction, void* y,
+cudaError_t rope(DType s, const void* x, const int32_t* pos, double theta, int direction, void* y,
                  int64_t n, int64_t heads, int64_t head_dim, cudaStream_t stream);
 // The expert rows' extras of SwiGLU (ops/activation.h), each nullable: rows whose token is
 // negative (padding) are skipped; a = weight[r] * silu(gate) * up; the backward writes
@@ -27,16 +31,16 @@ struct SwigluRows {
   const float* weight;
   float* dweight;
 };
-cudaError_t swiglu_forward(Storage s, const void* h, void* a, int64_t m, int64_t f, SwigluRows rows,
+cudaError_t swiglu_forward(DType s, const void* h, void* a, int64_t m, int64_t f, SwigluRows rows,
                            cudaStream_t stream);
-cudaError_t swiglu_backward(Storage s, const void* h, const void* da, void* dh, int64_t m,
-                            int64_t f, SwigluRows rows, cudaStream_t stream);
+cudaError_t swiglu_backward(DType s, const void* h, const void* da, void* dh, int64_t m, int64_t f,
+                            SwigluRows rows, cudaStream_t stream);
 // loss (n floats, scratch) receives each row's loss (0 where masked); *loss_sum (device) += their
 // sum. The backward's scale is a device double.
-cudaError_t cross_entropy_forward(Storage s, const void* logits, const int32_t* targets,
+cudaError_t cross_entropy_forward(DType s, const void* logits, const int32_t* targets,
                                   const uint8_t* mask, float* lse, float* loss, double* loss_sum,
                                   int64_t n, int64_t v, cudaStream_t stream);
-cudaError_t cross_entropy_backward(Storage s, const void* logits, const int32_t* targets,
+cudaError_t cross_entropy_backward(DType s, const void* logits, const int32_t* targets,
                                    const uint8_t* mask, const float* lse, const double* scale,
                                    void* dlogits, int64_t n, int64_t v, cudaStream_t stream);
 // Where the experts' rows are, on the device (ops::ExpertRows): expert e has
@@ -103,12 +107,12 @@ cudaError_t cutlass_grouped_weight_gradient(ExpertSegments rows, int experts, co
 // --- attention (attention.cu): the reference GPU kernel, packed causal documents, GQA ---
 // q (n, heads, dqk), k (n, kv_heads, dqk), v (n, kv_heads, dv), cu_seqlens i32 (docs + 1);
 // out (n, heads, dv), lse f32 (n, heads).
-cudaError_t attention_forward(Storage s, const void* q, const void* k, const void* v,
+cudaError_t attention_forward(DType s, const void* q, const void* k, const void* v,
                               const int32_t* cu_seqlens, int docs, int64_t n, int heads,
                               int kv_heads, int dqk, int dv, float scale, void* out, float* lse,
                               cudaStream_t stream);
 // delta: f32 scratch (n, heads). dq, dk, dv overwritten.
-cudaError_t attention_backward(Storage s, const void* q, const void* k, const void* v,
+cudaError_t attention_backward(DType s, const void* q, const void* k, const void* v,
                                const void* out, const float* lse, const void* dout,
                                const int32_t* cu_seqlens, int docs, int64_t n, int heads,
                                int kv_heads, int dqk, int dv, float scale, float* delta, void* dq,
@@ -165,28 +169,37 @@ cudaError_t exchange_maps(const int64_t* recv_counts, int peers, int local,
                           int32_t* expert_major_source, int32_t* source_major_source,
                           int64_t* local_offsets, cudaStream_t stream);
 // f32 -> bf16 (round to nearest even) or bf16 -> f32; `from` names the source type.
-cudaError_t convert(Storage from, const void* src, void* dst, int64_t n, cudaStream_t stream);
-cudaError_t gather_rows(Storage s, const void* src, const int32_t* index, void* dst, int64_t rows,
+// MX quantization (ops/mx.h): x (batch, rows, cols), f32 or bf16, 16-byte aligned -> E4M3 data
+// and E8M0 scales in core/mx.h's layout for `axis`, and back to f32 or bf16 in the logical
+// layout (16-byte aligned). dim1 needs rows of a multiple of 16 bytes (cols * element size).
+cudaError_t mx_quantize(DType in, const void* x, MxAxis axis, MxScaleRule rule, int64_t batch,
+                        int64_t rows, int64_t cols, uint8_t* data, uint8_t* scales,
+                        cudaStream_t stream);
+cudaError_t mx_dequantize(DType out, const uint8_t* data, const uint8_t* scales, MxAxis axis,
+                          int64_t batch, int64_t rows, int64_t cols, void* dst,
+                          cudaStream_t stream);
+cudaError_t convert(DType from, const void* src, void* dst, int64_t n, cudaStream_t stream);
+cudaError_t gather_rows(DType s, const void* src, const int32_t* index, void* dst, int64_t rows,
                         int64_t width, cudaStream_t stream);
 // out[t] = residual[t] (when not null) + sum_j rows[row_of_choice[t*k + j]].
-cudaError_t sum_token_rows(Storage s, const void* rows, const int32_t* row_of_choice,
+cudaError_t sum_token_rows(DType s, const void* rows, const int32_t* row_of_choice,
                            const void* residual, int64_t tokens, int k, void* out, int64_t width,
                            cudaStream_t stream);
 // dst[row_of_choice[t, j]] = src[t] for t < tokens, j < k (each source row read once).
-cudaError_t scatter_token_rows(Storage s, const void* src, const int32_t* row_of_choice,
+cudaError_t scatter_token_rows(DType s, const void* src, const int32_t* row_of_choice,
                                int64_t tokens, int k, void* dst, int64_t width,
                                cudaStream_t stream);
 // out[s] (width) += sum over r in [offsets[s], offsets[s+1]) of rows[order[r]], in order.
 // out is f32 (out_f32) or the rows' type.
-cudaError_t segment_sum_rows(Storage s, const void* rows, const int32_t* order,
+cudaError_t segment_sum_rows(DType s, const void* rows, const int32_t* order,
                              const int64_t* offsets, int64_t segments, int64_t width, void* out,
                              bool out_f32, cudaStream_t stream);
 // Deterministic sum of x^2 into *result on the host (waits for the stream).
 size_t sum_of_squares_workspace();
-cudaError_t sum_of_squares(Storage s, const void* x, int64_t n, void* workspace, double* result,
+cudaError_t sum_of_squares(DType s, const void* x, int64_t n, void* workspace, double* result,
                            cudaStream_t stream);
-cudaError_t scale(Storage s, void* x, float factor, int64_t n, cudaStream_t stream);
-cudaError_t add(Storage s, const void* a, const void* b, void* out, int64_t n, cudaStream_t stream);
+cudaError_t scale(DType s, void* x, float factor, int64_t n, cudaStream_t stream);
+cudaError_t add(DType s, const void* a, const void* b, void* out, int64_t n, cudaStream_t stream);
 
 struct AdamWScalars {
   float beta1, beta2, decay, step_size, sqrt_bc2, eps, grad_scale;

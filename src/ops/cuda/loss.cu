@@ -72,7 +72,7 @@ __global__ void cross_entropy_backward_kernel(const T* logits, const int32_t* ta
 
 namespace kernels {
 
-cudaError_t cross_entropy_forward(Storage st, const void* logits, const int32_t* targets,
+cudaError_t cross_entropy_forward(DType st, const void* logits, const int32_t* targets,
                                   const uint8_t* mask, float* lse, float* loss, double* loss_sum,
                                   int64_t n, int64_t v, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
@@ -89,7 +89,7 @@ cudaError_t cross_entropy_forward(Storage st, const void* logits, const int32_t*
   return cudaGetLastError();
 }
 
-cudaError_t cross_entropy_backward(Storage st, const void* logits, const int32_t* targets,
+cudaError_t cross_entropy_backward(DType st, const void* logits, const int32_t* targets,
                                    const uint8_t* mask, const float* lse, const double* scale,
                                    void* dlogits, int64_t n, int64_t v, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;

@@ -571,7 +571,7 @@ cudaError_t expert_permutation(const int32_t* expert_index, int64_t m, int k, in
   return cudaGetLastError();
 }
 
-cudaError_t gather_rows(Storage s, const void* src, const int32_t* index, void* dst, int64_t rows,
+cudaError_t gather_rows(DType s, const void* src, const int32_t* index, void* dst, int64_t rows,
                         int64_t width, cudaStream_t stream) {
   if (rows == 0 || width == 0) return cudaSuccess;
   dispatch_storage(s, [&](auto tag) {
@@ -590,7 +590,7 @@ cudaError_t gather_rows(Storage s, const void* src, const int32_t* index, void* 
   return cudaGetLastError();
 }
 
-cudaError_t scatter_token_rows(Storage s, const void* src, const int32_t* row_of_choice,
+cudaError_t scatter_token_rows(DType s, const void* src, const int32_t* row_of_choice,
                                int64_t tokens, int k, void* dst, int64_t width,
                                cudaStream_t stream) {
   if (tokens == 0 || width == 0) return cudaSuccess;
@@ -610,7 +610,7 @@ cudaError_t scatter_token_rows(Storage s, const void* src, const int32_t* row_of
   return cudaGetLastError();
 }
 
-cudaError_t sum_token_rows(Storage s, const void* rows, const int32_t* row_of_choice,
+cudaError_t sum_token_rows(DType s, const void* rows, const int32_t* row_of_choice,
                            const void* residual, int64_t tokens, int k, void* out, int64_t width,
                            cudaStream_t stream) {
   if (tokens == 0) return cudaSuccess;
@@ -642,9 +642,9 @@ cudaError_t exchange_maps(const int64_t* recv_counts, int peers, int local,
   return cudaGetLastError();
 }
 
-cudaError_t convert(Storage from, const void* src, void* dst, int64_t n, cudaStream_t stream) {
+cudaError_t convert(DType from, const void* src, void* dst, int64_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
-  if (from == Storage::kF32)
+  if (from == DType::kF32)
     convert_kernel_f32_bf16<<<grid_for(n), kBlock, 0, stream>>>(
         static_cast<const float*>(src), static_cast<__nv_bfloat16*>(dst), n);
   else
@@ -653,7 +653,7 @@ cudaError_t convert(Storage from, const void* src, void* dst, int64_t n, cudaStr
   return cudaGetLastError();
 }
 
-cudaError_t segment_sum_rows(Storage s, const void* rows, const int32_t* order,
+cudaError_t segment_sum_rows(DType s, const void* rows, const int32_t* order,
                              const int64_t* offsets, int64_t segments, int64_t width, void* out,
                              bool out_f32, cudaStream_t stream) {
   if (segments == 0) return cudaSuccess;
@@ -673,7 +673,7 @@ size_t sum_of_squares_workspace() {
   return sizeof(float) * kSquareBlocks + sizeof(double);
 }
 
-cudaError_t sum_of_squares(Storage s, const void* x, int64_t n, void* workspace, double* result,
+cudaError_t sum_of_squares(DType s, const void* x, int64_t n, void* workspace, double* result,
                            cudaStream_t stream) {
   auto* partial = static_cast<float*>(workspace);
   auto* out = reinterpret_cast<double*>(partial + kSquareBlocks);
@@ -689,7 +689,7 @@ cudaError_t sum_of_squares(Storage s, const void* x, int64_t n, void* workspace,
              : cudaGetLastError();
 }
 
-cudaError_t scale(Storage s, void* x, float factor, int64_t n, cudaStream_t stream) {
+cudaError_t scale(DType s, void* x, float factor, int64_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   dispatch_storage(s, [&](auto tag) {
     using T = decltype(tag);
@@ -698,8 +698,7 @@ cudaError_t scale(Storage s, void* x, float factor, int64_t n, cudaStream_t stre
   return cudaGetLastError();
 }
 
-cudaError_t add(Storage s, const void* a, const void* b, void* out, int64_t n,
-                cudaStream_t stream) {
+cudaError_t add(DType s, const void* a, const void* b, void* out, int64_t n, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   dispatch_storage(s, [&](auto tag) {
     using T = decltype(tag);

@@ -107,8 +107,8 @@ int rmsnorm_chunks(int64_t n) {
   return static_cast<int>(std::clamp<int64_t>(n / 256, 1, kMaxRowChunks));
 }
 
-cudaError_t rmsnorm_forward(Storage st, const void* x, const void* w, float eps, void* y,
-                            float* rstd, int64_t n, int64_t d, cudaStream_t stream) {
+cudaError_t rmsnorm_forward(DType st, const void* x, const void* w, float eps, void* y, float* rstd,
+                            int64_t n, int64_t d, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;
   dispatch_storage(st, [&](auto tag) {
     using T = decltype(tag);
@@ -124,7 +124,7 @@ cudaError_t rmsnorm_forward(Storage st, const void* x, const void* w, float eps,
   return cudaGetLastError();
 }
 
-cudaError_t rmsnorm_backward(Storage st, const void* x, const void* w, const float* rstd,
+cudaError_t rmsnorm_backward(DType st, const void* x, const void* w, const float* rstd,
                              const void* dy, void* dx, void* dw, bool dw_f32, float* partial,
                              int64_t n, int64_t d, cudaStream_t stream) {
   if (n == 0) return cudaSuccess;

@@ -7,11 +7,11 @@
 
 namespace mt::cuda {
 
-inline kernels::Storage storage_of(const Tensor& t, const char* name = "operand") {
+inline DType storage_of(const Tensor& t, const char* name = "operand") {
   MT_CHECK(t.device() == Device::kCUDA, "{} must be on the GPU", name);
-  MT_CHECK(t.dtype() == DType::kF32 || t.dtype() == DType::kBF16,
-           "{} must be f32 or bf16 on the GPU, got {}", name, dtype_name(t.dtype()));
-  return t.dtype() == DType::kF32 ? kernels::Storage::kF32 : kernels::Storage::kBF16;
+  MT_CHECK(dtype_info(t.dtype()).kernel_storage, "{} must be f32 or bf16 on the GPU, got {}", name,
+           dtype_name(t.dtype()));
+  return t.dtype();
 }
 
 inline Tensor gpu_empty(const Shape& s, DType d) {

@@ -5,6 +5,7 @@
 #include "core/tensor.h"
 #include "ops/attention.h"
 #include "ops/grouped_gemm.h"
+#include "ops/mx.h"
 #include "ops/optim.h"
 #include "ops/permute.h"
 #include "ops/route.h"
@@ -76,6 +77,9 @@ void scatter_token_rows(const Tensor& src, const Tensor& row_of_choice, int64_t 
 // out[t] = residual[t] + sum_j rows[row_of_choice[t * k + j]] (residual optional).
 void sum_token_rows(const Tensor& rows, const Tensor& row_of_choice, const Tensor* residual,
                     int64_t k, Tensor& out);
+// MX conversions (mx.cpp): f32 or bf16 in (quantize) and out (dequantize); checked by ops/mx.h.
+void mx_quantize(const Tensor& x, MxScaleRule rule, MxTensor& out);
+void mx_dequantize(const MxTensor& q, Tensor& out);
 void add(const Tensor& a, const Tensor& b, Tensor& out);
 void convert(const Tensor& src, Tensor& dst);  // f32 <-> bf16 on the GPU
 double sum_of_squares(const Tensor& x);        // deterministic; waits for the GPU

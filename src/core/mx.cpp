@@ -1,0 +1,67 @@
+#include "core/mx.h"
+
+#include <utility>
+
+namespace mt {
+
+std::string_view mx_axis_name(MxAxis a) {
+  return a == MxAxis::kDim0 ? "dim0" : "dim1";
+}
+
+std::string_view mx_scale_rule_name(MxScaleRule r) {
+  return r == MxScaleRule::kFloor ? "floor" : "rceil";
+}
+
+bool parse_mx_scale_rule(std::string_view name, MxScaleRule* out) {
+  for (MxScaleRule r : {MxScaleRule::kFloor, MxScaleRule::kRceil})
+    if (mx_scale_rule_name(r) == name) {
+      *out = r;
+      return true;
+    }
+  return false;
+}
+
+Shape MxTensor::data_shape(const Shape& shape, MxAxis axis) {
+  MT_CHECK(shape.size() >= 2, "an MX tensor needs at least 2 dimensions, got {}", shape_str(shape));
+  for (int64_t d : shape)
+    MT_CHECK(d >= 0, "MX tensor shape {} has a negative size", shape_str(shape));
+  Shape s = shape;
+  if (axis == MxAxis::kDim1) std::swap(s[s.size() - 1], s[s.size() - 2]);
+  MT_CHECK(s.back() % kMxBlock == 0,
+           "MX tensor {} quantized along {}: the blocked dimension ({}) must be a multiple of {}",
+           shape_str(shape), mx_axis_name(axis), s.back(), kMxBlock);
+  return s;
+}
+
+Shape MxTensor::scales_shape(const Shape& shape, MxAxis axis) {
+  Shape s = data_shape(shape, axis);
+  s.back() /= kMxBlock;
+  return s;
+}
+
+MxTensor MxTensor::allocate(const Shape& shape, MxAxis axis, Device device,
+                            Tensor (*make)(const Shape&, DType, Device)) {
+  MxTensor t;
+  t.data_ = make(data_shape(shape, axis), DType::kE4M3, device);
+  t.scales_ = make(scales_shape(shape, axis), DType::kE8M0, device);
+  t.shape_ = shape;
+  t.axis_ = axis;
+  return t;
+}
+
+MxTensor MxTensor::empty(const Shape& shape, MxAxis axis, Device device) {
+  return allocate(shape, axis, device, &Tensor::empty);
+}
+
+MxTensor MxTensor::poisoned(const Shape& shape, MxAxis axis, Device device) {
+  return allocate(shape, axis, device, &Tensor::poisoned);
+}
+
+MxTensor MxTensor::to(Device device) const {
+  MxTensor t = *this;
+  t.data_ = data_.to(device);
+  t.scales_ = scales_.to(device);
+  return t;
+}
+
+}  // namespace mt

@@ -1,0 +1,137 @@
+// The MX conversions' plain reference: one loop over blocks, the scale rules written as torchao
+// states them (frexp instead of bit tricks), double where a value must not round.
+#include "ops/mx.h"
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <limits>
+
+#include "ops/dispatch.h"
+#if MOETRAIN_HAS_CUDA
+#include "ops/cuda/ops.h"
+#endif
+
+namespace mt::ops {
+
+namespace {
+
+// The logical shape as (batch, rows, cols) and the stored one as (batch, outer, inner): a block
+// is 32 consecutive inner positions; logical (b, r, c) is stored at (b, c, r) for dim1.
+struct BlockLayout {
+  int64_t batch, rows, cols, outer, inner;
+  bool dim1;
+  explicit BlockLayout(const MxTensor& q) {
+    const Shape& s = q.shape();
+    rows = s[s.size() - 2];
+    cols = s[s.size() - 1];
+    batch = rows * cols == 0 ? 0 : shape_numel(s) / (rows * cols);
+    dim1 = q.axis() == MxAxis::kDim1;
+    outer = dim1 ? cols : rows;
+    inner = dim1 ? rows : cols;
+  }
+  int64_t logical(int64_t b, int64_t o, int64_t j) const {  // stored (b, o, j) in the logical
+    return dim1 ? (b * rows + j) * cols + o : (b * rows + o) * cols + j;
+  }
+};
+
+// Biased E8M0 exponent s of a block with largest magnitude amax (NaN if the block has one).
+uint8_t floor_scale(float amax) {
+  if (std::isnan(amax)) return 0xFF;
+  // floor(log2(amax)) read from the f32 exponent field: -127 for zero and subnormals (field 0),
+  // 128 for infinity (field 255).
+  const int field = static_cast<int>((std::bit_cast<uint32_t>(amax) >> 23) & 0xFF);
+  const int unbiased = std::clamp(field - 127 - 8, -127, 128);
+  return static_cast<uint8_t>(unbiased + 127);
+}
+
+uint8_t rceil_scale(float amax) {
+  const float descale = amax / kE4M3Max;  // rounded to f32, as torchao and cuBLAS do
+  if (std::isnan(descale)) return 0xFF;
+  if (std::isinf(descale)) return 0xFE;
+  if (descale == 0.0f) return 0;  // log2(0) = -inf, clamped to -127
+  int e;
+  const double m = std::frexp(static_cast<double>(descale), &e);  // descale = m 2^e, m in [.5, 1)
+  const int ceil_log2 = m == 0.5 ? e - 1 : e;
+  return static_cast<uint8_t>(std::clamp(ceil_log2, -127, 127) + 127);
+}
+
+// What the block's elements are multiplied by (FLOOR divides by a power of two, which is the
+// same as multiplying by its reciprocal, also for infinity: x / inf = x * 0).
+float element_factor(MxScaleRule rule, uint8_t s) {
+  if (rule == MxScaleRule::kFloor) {
+    if (s == 0xFF) return 0.0f;  // x / inf: finite -> +-0, infinite or NaN -> NaN
+    return static_cast<float>(1.0 / std::max(std::ldexp(1.0, s - 127), std::ldexp(1.0, -126)));
+  }
+  if (s == 0xFF) return std::numeric_limits<float>::quiet_NaN();
+  if (s == 0) return 1.0f;
+  return static_cast<float>(std::ldexp(1.0, 127 - s));
+}
+
+uint8_t quantize_element(float x, float factor) {
+  const float scaled = x * factor;  // one f32 rounding (exact unless it underflows)
+  return to_e4m3(scaled);           // clamps to +-448, rounds to nearest even, NaN -> 0x7F
+}
+
+// The unquantized side of a conversion: f32, bf16 or f64, of the MX tensor's logical shape, on
+// its device.
+void check_operands(const char* op, const char* role, const Tensor& t, const MxTensor& q) {
+  MT_CHECK(q.defined(), "{}: the MX tensor is not allocated", op);
+  MT_CHECK(t.shape() == q.shape(), "{}: {} {} does not match the MX tensor's {}", op, role,
+           shape_str(t.shape()), shape_str(q.shape()));
+  MT_CHECK(t.dtype() == DType::kF32 || t.dtype() == DType::kBF16 || t.dtype() == DType::kF64,
+           "{}: {} must be f32, bf16 or f64, got {}", op, role, dtype_name(t.dtype()));
+  MT_CHECK(t.device() == q.device(), "{}: {} and MX tensor on different devices", op, role);
+}
+
+}  // namespace
+
+void mx_quantize(const Tensor& x, MxScaleRule rule, MxTensor& out) {
+  check_operands("mx_quantize", "input", x, out);
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(x)) return cuda::mx_quantize(x, rule, out);
+#endif
+  const BlockLayout l(out);
+  uint8_t* q = static_cast<uint8_t*>(out.data().raw());
+  uint8_t* scales = static_cast<uint8_t*>(out.scales().raw());
+  for (int64_t b = 0; b < l.batch; ++b)
+    for (int64_t o = 0; o < l.outer; ++o)
+      for (int64_t blk = 0; blk < l.inner / kMxBlock; ++blk) {
+        float v[kMxBlock];
+        float amax = 0.0f;
+        bool nan = false;
+        for (int64_t i = 0; i < kMxBlock; ++i) {
+          // Exact for bf16 and f32 inputs; f64 rounds to the nearest f32.
+          v[i] = static_cast<float>(x.item(l.logical(b, o, blk * kMxBlock + i)));
+          nan |= std::isnan(v[i]);
+          amax = std::max(amax, std::fabs(v[i]));
+        }
+        if (nan) amax = std::numeric_limits<float>::quiet_NaN();
+        const uint8_t sc = rule == MxScaleRule::kFloor ? floor_scale(amax) : rceil_scale(amax);
+        const float factor = element_factor(rule, sc);
+        const int64_t row = b * l.outer + o;
+        scales[row * (l.inner / kMxBlock) + blk] = sc;
+        for (int64_t i = 0; i < kMxBlock; ++i)
+          q[row * l.inner + blk * kMxBlock + i] = quantize_element(v[i], factor);
+      }
+}
+
+void mx_dequantize(const MxTensor& q, Tensor& out) {
+  check_operands("mx_dequantize", "output", out, q);
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(out)) return cuda::mx_dequantize(q, out);
+#endif
+  const BlockLayout l(q);
+  const uint8_t* data = static_cast<const uint8_t*>(q.data().raw());
+  const uint8_t* scales = static_cast<const uint8_t*>(q.scales().raw());
+  for (int64_t b = 0; b < l.batch; ++b)
+    for (int64_t o = 0; o < l.outer; ++o)
+      for (int64_t j = 0; j < l.inner; ++j) {
+        const int64_t row = b * l.outer + o;
+        const double value = static_cast<double>(from_e4m3(data[row * l.inner + j])) *
+                             from_e8m0(scales[row * (l.inner / kMxBlock) + j / kMxBlock]);
+        out.set_item(l.logical(b, o, j), value);  // rounds once to out's dtype
+      }
+}
+
+}  // namespace mt::ops

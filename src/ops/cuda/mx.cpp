@@ -1,0 +1,59 @@
+// Tensor-level wrappers of the MX kernels (mx.cu); shapes and dtypes are checked by ops/mx.h.
+#include <cstdint>
+
+#include "core/cuda_check.h"
+#include "core/profile.h"
+#include "ops/cuda/kernels.h"
+#include "ops/cuda/operands.h"
+#include "ops/cuda/ops.h"
+
+namespace mt::cuda {
+
+namespace {
+
+struct Matrices {  // the logical shape as (batch, rows, cols)
+  int64_t batch, rows, cols;
+};
+
+Matrices matrices_of(const Shape& s) {
+  const int64_t rows = s[s.size() - 2], cols = s[s.size() - 1];
+  return {rows * cols == 0 ? 0 : shape_numel(s) / (rows * cols), rows, cols};
+}
+
+bool aligned16(const void* p) {
+  return reinterpret_cast<uintptr_t>(p) % 16 == 0;
+}
+
+// The kernels move 16 bytes at a time through the unquantized side; along dim1 they also step
+// down its rows, which must keep that alignment.
+void check_readable(const char* op, const Tensor& t, MxAxis axis) {
+  const Matrices m = matrices_of(t.shape());
+  MT_CHECK(aligned16(t.raw()), "{} on the GPU needs a 16-byte aligned tensor", op);
+  MT_CHECK(axis == MxAxis::kDim0 || (m.cols * dtype_size(t.dtype())) % 16 == 0,
+           "{} along dim1 on the GPU needs rows of a multiple of 16 bytes; {} has {} {} columns",
+           op, shape_str(t.shape()), m.cols, dtype_name(t.dtype()));
+}
+
+}  // namespace
+
+void mx_quantize(const Tensor& x, MxScaleRule rule, MxTensor& out) {
+  const profile::Phase phase("gpu.mx_quantize");
+  const DType in = storage_of(x, "mx_quantize input");
+  const Matrices m = matrices_of(x.shape());
+  check_readable("mx_quantize", x, out.axis());
+  MT_CUDA_CHECK(kernels::mx_quantize(in, x.raw(), out.axis(), rule, m.batch, m.rows, m.cols,
+                                     static_cast<uint8_t*>(out.data().raw()),
+                                     static_cast<uint8_t*>(out.scales().raw()), stream()));
+}
+
+void mx_dequantize(const MxTensor& q, Tensor& out) {
+  const profile::Phase phase("gpu.mx_dequantize");
+  const DType dt = storage_of(out, "mx_dequantize output");
+  const Matrices m = matrices_of(q.shape());
+  check_readable("mx_dequantize", out, q.axis());
+  MT_CUDA_CHECK(kernels::mx_dequantize(dt, static_cast<const uint8_t*>(q.data().raw()),
+                                       static_cast<const uint8_t*>(q.scales().raw()), q.axis(),
+                                       m.batch, m.rows, m.cols, out.raw(), stream()));
+}
+
+}  // namespace mt::cuda

@@ -1,0 +1,361 @@
+// MX quantization kernels (ops/mx.h): bit-exact with the CPU reference (ops/cpu/mx.cpp), which
+// follows torchao's to_mx. Both are memory-bound: each reads the input once with 16-byte loads
+// and writes 1 byte per element plus 1 per 32.
+//   dim0: lanes own 16 bytes of a row; the 32 / P lanes of a block reduce its amax by shuffles.
+//   dim1: a tile of the input is staged in shared memory by coalesced loads; a thread then owns
+//         whole blocks of its columns, their amax and their 32 output bytes (a row of the
+//         transposed data).
+#include <cuda_fp8.h>
+
+#include "ops/cuda/common.cuh"
+
+namespace mt::cuda {
+
+namespace {
+
+// |x| as ordered bits: unsigned comparison orders magnitudes, and every NaN is above infinity,
+// so an integer max over a block is its amax with NaN propagated.
+__device__ __forceinline__ uint32_t magnitude_bits(float x) {
+  return __float_as_uint(x) & 0x7FFFFFFFu;
+}
+
+__device__ __forceinline__ float pow2(int k) {  // 2^k for k in [-127, 127], exact
+  return k >= -126 ? __uint_as_float(static_cast<uint32_t>(k + 127) << 23)
+                   : __uint_as_float(0x00400000u);
+}
+
+// The block's biased E8M0 exponent and the factor its elements are multiplied by (the CPU
+// reference's floor_scale / rceil_scale / element_factor).
+struct BlockScale {
+  uint8_t s;
+  float factor;
+};
+
+__device__ __forceinline__ BlockScale block_scale(MxScaleRule rule, uint32_t amax_bits) {
+  const float amax = __uint_as_float(amax_bits);
+  if (rule == MxScaleRule::kFloor) {
+    if (isnan(amax)) return {0xFF, 0.0f};
+    const int field = static_cast<int>(amax_bits >> 23);
+    const int unbiased = min(max(field - 127 - 8, -127), 128);
+    const uint8_t s = static_cast<uint8_t>(unbiased + 127);
+    return {s, pow2(127 - max(static_cast<int>(s), 1))};  // divisor clamped to >= 2^-126
+  }
+  const float descale = __fdiv_rn(amax, 448.0f);
+  if (isnan(descale)) return {0xFF, descale};
+  if (isinf(descale)) return {0xFE, pow2(-127)};
+  const uint32_t bits = __float_as_uint(descale);
+  const uint32_t field = bits >> 23, mantissa = bits & 0x7FFFFFu;
+  int s;
+  if (field == 0)
+    s = mantissa > 0x400000u ? 1 : 0;  // zero or subnormal: above 2^-127 rounds up to 2^-126
+  else
+    s = min(static_cast<int>(field) + (mantissa != 0 ? 1 : 0), 254);
+  return {static_cast<uint8_t>(s), s == 0 ? 1.0f : pow2(127 - s)};
+}
+
+// Two products rounded to f32, then to E4M3 with saturation and round-to-nearest-even (NaN ->
+// 0x7F): the reference's to_e4m3(x * factor).
+__device__ __forceinline__ uint16_t e4m3x2(float a, float b, float factor) {
+  return __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(a, factor), __fmul_rn(b, factor)),
+                                  __NV_SATFINITE, __NV_E4M3);
+}
+
+template <class T>
+struct Chunk {  // 16 bytes of input as P floats
+  static constexpr int P = 16 / sizeof(T);
+  float v[P];
+  __device__ __forceinline__ void load(const T* p) {
+    const Pack<T> pk = load_pack(p);
+#pragma unroll
+    for (int i = 0; i < P; ++i) v[i] = pk.v[i];
+  }
+  __device__ __forceinline__ uint32_t amax_bits() const {
+    uint32_t m = 0;
+#pragma unroll
+    for (int i = 0; i < P; ++i) m = max(m, magnitude_bits(v[i]));
+    return m;
+  }
+};
+
+// P bytes of E4M3 (P = 8 or 4) stored with one access.
+template <int P>
+__device__ __forceinline__ void store_e4m3(uint8_t* out, const float* v, float factor) {
+  uint32_t w[P / 4];
+#pragma unroll
+  for (int i = 0; i < P / 4; ++i)
+    w[i] = e4m3x2(v[4 * i], v[4 * i + 1], factor) |
+           (static_cast<uint32_t>(e4m3x2(v[4 * i + 2], v[4 * i + 3], factor)) << 16);
+  if constexpr (P == 8)
+    *reinterpret_cast<uint2*>(out) = make_uint2(w[0], w[1]);
+  else
+    *reinterpret_cast<uint32_t*>(out) = w[0];
+}
+
+constexpr int kQuantizeThreads = 256;
+constexpr int kDim0ChunksPerThread = 4;  // 64 bytes of loads in flight per thread
+
+// x viewed as chunks of 16 bytes; chunk g belongs to block g / (32 / P).
+template <class T>
+__global__ void __launch_bounds__(kQuantizeThreads)
+    mx_quantize_dim0_kernel(const T* __restrict__ x, int64_t chunks, MxScaleRule rule,
+                            uint8_t* __restrict__ data, uint8_t* __restrict__ scales) {
+  constexpr int P = Chunk<T>::P, kLanesPerBlock = kMxBlock / P;
+  const int64_t first = static_cast<int64_t>(blockIdx.x) * kQuantizeThreads * kDim0ChunksPerThread;
+  Chunk<T> c[kDim0ChunksPerThread];
+#pragma unroll
+  for (int u = 0; u < kDim0ChunksPerThread; ++u) {
+    const int64_t g = first + u * kQuantizeThreads + threadIdx.x;
+    if (g < chunks) c[u].load(x + g * P);
+  }
+#pragma unroll
+  for (int u = 0; u < kDim0ChunksPerThread; ++u) {
+    const int64_t g = first + u * kQuantizeThreads + threadIdx.x;
+    // Chunks come in whole blocks (the row length is a multiple of 32), so a block's lanes are
+    // all in range or all out; the shuffles below stay within a block's lanes.
+    uint32_t m = g < chunks ? c[u].amax_bits() : 0;
+#pragma unroll
+    for (int o = 1; o < kLanesPerBlock; o <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+    if (g >= chunks) continue;
+    const BlockScale bs = block_scale(rule, m);
+    store_e4m3<P>(data + g * P, c[u].v, bs.factor);
+    if (threadIdx.x % kLanesPerBlock == 0) scales[g / kLanesPerBlock] = bs.s;
+  }
+}
+
+// dim1 tiles: 128 rows (four blocks) x 64 columns of one matrix, staged in shared memory by
+// coalesced 16-byte accesses; then adjacent lanes walk the blocks of one column, so that a
+// column's 128 transposed bytes (one line) are written (quantize) or read (dequantize) by
+// neighbouring lanes. Rows 16 apart map onto the same
+// banks; word columns are XOR-swizzled by 4 * (row / 16) so the lanes of a warp, which walk
+// different 16-row groups, read different banks (the swizzle keeps 16-byte chunks whole).
+template <class T, int kColumns>
+struct Dim1Tile {
+  static constexpr int kRows = 4 * kMxBlock;
+  static constexpr int kCols = kColumns;
+  static constexpr int kColsPerWord = 4 / sizeof(T);
+  static constexpr int kWords = kCols / kColsPerWord;  // per row: 32 (bf16) or 64 (f32)
+  static constexpr int kChunksPerRow = kWords / 4;
+  static_assert(kRows / 16 * 4 <= kWords, "the swizzle stays within a row");
+  __align__(16) uint32_t words[kRows * kWords];
+
+  __device__ __forceinline__ static int swizzled(int r, int w) {
+    return r * kWords + (w ^ (r / 16 * 4));
+  }
+  __device__ __forceinline__ uint4& chunk(int r, int w) {  // w: a multiple of 4
+    return *reinterpret_cast<uint4*>(&words[swizzled(r, w)]);
+  }
+  // Element (r, c); the rows of a 16-row group are kCols elements apart.
+  __device__ __forceinline__ T& element(int r, int c) {
+    return reinterpret_cast<T*>(&words[swizzled(r, c / kColsPerWord)])[c % kColsPerWord];
+  }
+  // copy(r, w) for every 16-byte chunk (four words from word w of row r) inside rows x cols.
+  template <int kThreads, class Copy>
+  __device__ __forceinline__ void for_each_chunk(int rows, int cols, Copy&& copy) {
+    static_assert(kRows * kChunksPerRow % kThreads == 0);
+#pragma unroll
+    for (int u = 0; u < kRows * kChunksPerRow / kThreads; ++u) {
+      const int c = u * kThreads + threadIdx.x;
+      const int r = c / kChunksPerRow, w = c % kChunksPerRow * 4;
+      if (r < rows && w * kColsPerWord < cols) copy(r, w);
+    }
+  }
+};
+
+struct TileOrigin {  // where a dim1 tile lies: matrix b, rows from r0, columns from c0
+  int64_t b, r0, c0;
+  int rows, cols;  // the tile's extent (a multiple of 32 rows, of the 16-byte column group)
+};
+
+template <class Tile>
+__device__ __forceinline__ TileOrigin dim1_tile_origin(int64_t rows, int64_t cols) {
+  TileOrigin o;
+  o.b = blockIdx.z;
+  o.r0 = static_cast<int64_t>(blockIdx.y) * Tile::kRows;
+  o.c0 = static_cast<int64_t>(blockIdx.x) * Tile::kCols;
+  o.rows = static_cast<int>(rows - o.r0 < Tile::kRows ? rows - o.r0 : Tile::kRows);
+  o.cols = static_cast<int>(cols - o.c0 < Tile::kCols ? cols - o.c0 : Tile::kCols);
+  return o;
+}
+
+template <class Tile>
+dim3 dim1_grid(int64_t batch, int64_t rows, int64_t cols) {
+  return dim3(static_cast<unsigned>((cols + Tile::kCols - 1) / Tile::kCols),
+              static_cast<unsigned>((rows + Tile::kRows - 1) / Tile::kRows),
+              static_cast<unsigned>(batch));
+}
+
+// 64 columns: 16 KiB of bf16 per quantize tile. (32 KiB tiles of 128 bf16 columns, two per
+// thread, measured slower: docs/benchmarks.md.)
+template <class T>
+using QuantizeTile = Dim1Tile<T, 64>;
+template <class T>
+using DequantizeTile = Dim1Tile<T, 64>;
+
+// Eight lanes per column: lane pair (block, half) holds 16 values, the pair's amax meets by one
+// shuffle, and each lane stores 16 bytes: a warp's store writes four whole 128-byte lines. A
+// thread takes every 64th column of the tile (one, with 64-column tiles).
+constexpr int kDim1QuantizeThreads = 512;
+
+template <class T>
+__global__ void __launch_bounds__(kDim1QuantizeThreads)
+    mx_quantize_dim1_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, MxScaleRule rule,
+                            uint8_t* __restrict__ data, uint8_t* __restrict__ scales) {
+  using Tile = QuantizeTile<T>;
+  constexpr int kColumnStep = kDim1QuantizeThreads / 8, kHalf = kMxBlock / 2;
+  static_assert(Tile::kCols % kColumnStep == 0, "whole column steps");
+  __shared__ Tile tile;
+  const TileOrigin o = dim1_tile_origin<Tile>(rows, cols);
+  const T* src = x + (o.b * rows + o.r0) * cols + o.c0;
+  tile.template for_each_chunk<kDim1QuantizeThreads>(o.rows, o.cols, [&](int r, int w) {
+    tile.chunk(r, w) = *reinterpret_cast<const uint4*>(src + r * cols + w * Tile::kColsPerWord);
+  });
+  __syncthreads();
+  const int half = threadIdx.x % 2, blk = threadIdx.x / 2 % 4;
+  const int64_t block_row = o.r0 / kMxBlock + blk;
+#pragma unroll
+  for (int col = threadIdx.x / 8; col < Tile::kCols; col += kColumnStep) {
+    // Every lane runs the shuffle below; those outside the tile store nothing.
+    const bool active = blk * kMxBlock < o.rows && col < o.cols;
+    // The lane's 16 rows share one swizzle (one 16-row group): one address, then fixed offsets.
+    const T* column = &tile.element(blk * kMxBlock + half * kHalf, col);
+    float v[kHalf];
+    uint32_t m = 0;
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) {
+      v[i] = active ? to_float(column[i * Tile::kCols]) : 0.0f;
+      m = max(m, magnitude_bits(v[i]));
+    }
+    m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+    if (!active) continue;
+    const BlockScale bs = block_scale(rule, m);
+    uint32_t w[kHalf / 4];
+#pragma unroll
+    for (int i = 0; i < kHalf / 4; ++i)
+      w[i] = e4m3x2(v[4 * i], v[4 * i + 1], bs.factor) |
+             (static_cast<uint32_t>(e4m3x2(v[4 * i + 2], v[4 * i + 3], bs.factor)) << 16);
+    const int64_t out_row = o.b * cols + o.c0 + col;  // column c0 + col of matrix b
+    *reinterpret_cast<uint4*>(data + out_row * rows + block_row * kMxBlock + half * kHalf) =
+        make_uint4(w[0], w[1], w[2], w[3]);
+    if (half == 0) scales[out_row * (rows / kMxBlock) + block_row] = bs.s;
+  }
+}
+
+__device__ __forceinline__ float e8m0_value(uint8_t s) {
+  return s == 0xFF ? __uint_as_float(0x7FC00000u) : pow2(static_cast<int>(s) - 127);
+}
+
+// 16 E4M3 bytes of one block, decoded (exactly: every product is an f32) into v.
+__device__ __forceinline__ void decode16(const uint8_t* q, float scale, float* v) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(q);
+  const __nv_fp8_e4m3* e = reinterpret_cast<const __nv_fp8_e4m3*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 16; ++i) v[i] = __fmul_rn(static_cast<float>(e[i]), scale);
+}
+
+template <class T>
+__device__ __forceinline__ void store16(T* out, const float* v) {
+  constexpr int P = Pack<T>::kSize;
+#pragma unroll
+  for (int i = 0; i < 16; i += P) {
+    Pack<T> pk;
+#pragma unroll
+    for (int k = 0; k < P; ++k) pk.v[k] = v[i + k];
+    store_pack(out + i, pk);
+  }
+}
+
+// dim0: thread g decodes bytes [16 g, 16 g + 16), half a block, in place.
+template <class T>
+__global__ void mx_dequantize_dim0_kernel(const uint8_t* __restrict__ data,
+                                          const uint8_t* __restrict__ scales, int64_t groups,
+                                          T* __restrict__ out) {
+  const int64_t g = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (g >= groups) return;
+  float v[16];
+  decode16(data + 16 * g, e8m0_value(scales[g / 2]), v);
+  store16(out + 16 * g, v);
+}
+
+// dim1: the quantize kernel run backwards: thread (column, block) decodes its 32 bytes (four
+// lanes read a 128-byte line) into the shared tile, which then goes out row by row.
+template <class T>
+__global__ void __launch_bounds__(kQuantizeThreads)
+    mx_dequantize_dim1_kernel(const uint8_t* __restrict__ data, const uint8_t* __restrict__ scales,
+                              int64_t rows, int64_t cols, T* __restrict__ out) {
+  using Tile = DequantizeTile<T>;
+  __shared__ Tile tile;
+  const TileOrigin o = dim1_tile_origin<Tile>(rows, cols);
+  const int blk = threadIdx.x % 4, col = threadIdx.x / 4;  // four lanes read a column's line
+  static_assert(Tile::kCols * 4 == kQuantizeThreads, "four lanes per column");
+  if (blk * kMxBlock < o.rows && col < o.cols) {
+    const int64_t in_row = o.b * cols + o.c0 + col, block_row = o.r0 / kMxBlock + blk;
+    const float scale = e8m0_value(scales[in_row * (rows / kMxBlock) + block_row]);
+    float v[kMxBlock];
+    decode16(data + in_row * rows + block_row * kMxBlock, scale, v);
+    decode16(data + in_row * rows + block_row * kMxBlock + 16, scale, v + 16);
+#pragma unroll
+    for (int g = 0; g < 2; ++g) {  // two 16-row groups, one swizzle each
+      T* column = &tile.element(blk * kMxBlock + 16 * g, col);
+#pragma unroll
+      for (int i = 0; i < 16; ++i) column[i * Tile::kCols] = from_float<T>(v[16 * g + i]);
+    }
+  }
+  __syncthreads();
+  T* dst = out + (o.b * rows + o.r0) * cols + o.c0;
+  tile.template for_each_chunk<kQuantizeThreads>(o.rows, o.cols, [&](int r, int w) {
+    *reinterpret_cast<uint4*>(dst + r * cols + w * Tile::kColsPerWord) = tile.chunk(r, w);
+  });
+}
+
+}  // namespace
+
+namespace kernels {
+
+cudaError_t mx_quantize(DType in, const void* x, MxAxis axis, MxScaleRule rule, int64_t batch,
+                        int64_t rows, int64_t cols, uint8_t* data, uint8_t* scales,
+                        cudaStream_t stream) {
+  const int64_t n = batch * rows * cols;
+  if (n == 0) return cudaSuccess;
+  dispatch_storage(in, [&](auto tag) {
+    using T = decltype(tag);
+    constexpr int P = Chunk<T>::P;
+    const T* px = static_cast<const T*>(x);
+    if (axis == MxAxis::kDim0) {
+      const int64_t chunks = n / P;
+      const int64_t per_cta = int64_t{kQuantizeThreads} * kDim0ChunksPerThread;
+      mx_quantize_dim0_kernel<T><<<static_cast<unsigned>((chunks + per_cta - 1) / per_cta),
+                                   kQuantizeThreads, 0, stream>>>(px, chunks, rule, data, scales);
+    } else {
+      mx_quantize_dim1_kernel<T>
+          <<<dim1_grid<QuantizeTile<T>>(batch, rows, cols), kDim1QuantizeThreads, 0, stream>>>(
+              px, rows, cols, rule, data, scales);
+    }
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t mx_dequantize(DType out, const uint8_t* data, const uint8_t* scales, MxAxis axis,
+                          int64_t batch, int64_t rows, int64_t cols, void* dst,
+                          cudaStream_t stream) {
+  const int64_t n = batch * rows * cols;
+  if (n == 0) return cudaSuccess;
+  dispatch_storage(out, [&](auto tag) {
+    using T = decltype(tag);
+    T* o = static_cast<T*>(dst);
+    if (axis == MxAxis::kDim0) {
+      const int64_t groups = n / 16;
+      mx_dequantize_dim0_kernel<T>
+          <<<static_cast<unsigned>((groups + kBlock - 1) / kBlock), kBlock, 0, stream>>>(
+              data, scales, groups, o);
+    } else {
+      mx_dequantize_dim1_kernel<T>
+          <<<dim1_grid<DequantizeTile<T>>(batch, rows, cols), kQuantizeThreads, 0, stream>>>(
+              data, scales, rows, cols, o);
+    }
+  });
+  return cudaGetLastError();
+}
+
+}  // namespace kernels
+
+}  // namespace mt::cuda

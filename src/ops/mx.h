@@ -1,0 +1,25 @@
+// MX quantization (core/mx.h): the format's two conversions, exactly as torchao's to_mx and
+// to_dtype define them for FP8 E4M3 elements with 32-element blocks. The CUDA kernels agree with
+// the CPU reference bit for bit, and the reference with vectors made by torchao 0.18.0
+// (tests/fixtures/mx_torchao.safetensors, scripts/make_mx_fixture.py).
+#pragma once
+#include "core/mx.h"
+#include "core/tensor.h"
+
+namespace mt::ops {
+
+// out = x quantized along out.axis() with `rule`; x is f32 or bf16 (f64 is rounded to f32
+// first), of out's logical shape. For each block of 32 values with largest magnitude amax:
+//   kFloor: s as MxScaleRule says; q = e4m3(clamp(x / max(2^(s-127), 2^-126), +-448))
+//   kRceil: s as MxScaleRule says; q = e4m3(clamp(x * r, +-448)) with r = 2^(127-s), except
+//           r = 1 when s = 0 (amax <= 448 * 2^-127: every element rounds to zero in E4M3)
+// with the product or quotient rounded to f32 first, then to E4M3 (nearest even), as torchao
+// does. A block holding a NaN gets s = 0xFF (NaN) and its elements 0x7F or +-0; an infinite
+// amax gives the largest scale and +-448 for the infinities.
+void mx_quantize(const Tensor& x, MxScaleRule rule, MxTensor& out);
+
+// out (q's logical shape; f32, bf16 or f64) = from_e4m3(data) * 2^(s - 127), NaN where s is 0xFF.
+// The product is exact in f32, so each output is the exact value rounded once to out's dtype.
+void mx_dequantize(const MxTensor& q, Tensor& out);
+
+}  // namespace mt::ops
