@@ -3,7 +3,7 @@
 // and the ratio to the expert-GEMM floor (6 GEMMs at the dense ceiling measured in the run), for
 // padded expert rows (the default) and dense ones, alternated in one process. `ms` is the layer
 // as the trainer runs it on one GPU (a replayed CUDA graph); `eager_launch_ms` launches each op
-// from the host.
+// from the host. Last, the layer under each expert precision recipe (MXFP8: the emulated path).
 // The PyTorch comparator (eager, torch.compile, and torch.compile with CUDA graphs) is
 // bench/moe_layer_torch.py.
 #include <cuda_runtime_api.h>
@@ -12,6 +12,7 @@
 #include <array>
 #include <cstdio>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "bench/bench_util.h"
@@ -150,6 +151,41 @@ int main() {
         balanced ? "balanced" : "real", ms, floor_ms, ms / floor_ms, dense,
         mt::bench::median(eager_ms), mt::bench::join(padded_ms).c_str(),
         mt::bench::join(dense_ms).c_str(), mt::bench::join(eager_ms).c_str());
+    std::fflush(stdout);
+  }
+  // The experts' precision recipes (ops/expert_gemm.h), balanced routing, alternating three
+  // times; peak: the layer's device memory high-water mark, one eager run.
+  {
+    c.force_balanced_routing = true;
+    c.pad_expert_rows = true;
+    const mt::ops::ExpertRecipe recipes[] = {mt::ops::ExpertRecipe::kBf16,
+                                             mt::ops::ExpertRecipe::kMxfp8WgradWithHp,
+                                             mt::ops::ExpertRecipe::kMxfp8};
+    std::vector<double> recipe_ms[3];
+    for (int round = 0; round < 3; ++round)
+      for (int r = 0; r < 3; ++r) {
+        c.expert_precision.recipe = recipes[r];
+        recipe_ms[r].push_back(layer_ms(true));
+      }
+    for (int r = 0; r < 3; ++r) {
+      c.expert_precision.recipe = recipes[r];
+      mt::cuda::synchronize();
+      const int64_t before = mt::memory_stats(Device::kCUDA).current_bytes;
+      mt::reset_peak_memory(Device::kCUDA);
+      layer();
+      mt::cuda::synchronize();
+      const double peak_gib =
+          static_cast<double>(mt::memory_stats(Device::kCUDA).peak_bytes - before) / (1 << 30);
+      std::printf(
+          "{\"bench\": \"moe_layer_recipe\", \"recipe\": \"%s\", \"path\": \"emulated\", "
+          "\"routing\": \"balanced\", \"ms\": %.3f, \"ratio_to_bf16\": %.2f, "
+          "\"layer_peak_gib\": %.2f, \"rounds_ms\": \"%s\"}\n",
+          std::string(mt::ops::expert_recipe_name(recipes[r])).c_str(),
+          mt::bench::median(recipe_ms[r]),
+          mt::bench::median(recipe_ms[r]) / mt::bench::median(recipe_ms[0]), peak_gib,
+          mt::bench::join(recipe_ms[r]).c_str());
+    }
+    c.expert_precision.recipe = mt::ops::ExpertRecipe::kBf16;
     std::fflush(stdout);
   }
   // MOETRAIN_PROFILE=1: one more real-routing layer, every op timed on its own (device waits at

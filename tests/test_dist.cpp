@@ -253,9 +253,10 @@ void collect(Qwen3Moe& model, int64_t n_experts, Snapshot& out, std::mutex& mu) 
     }
 }
 
-Snapshot train(int world, int ep, int64_t steps) {
+Snapshot train(int world, int ep, int64_t steps, const std::vector<std::string>& extra = {}) {
   const int64_t rows = 2;
   std::vector<std::string> sets = small_model(world == 0 ? 0 : rows);
+  sets.insert(sets.end() - 1, extra.begin(), extra.end());  // the last one is replaced below
   Snapshot snap;
   std::mutex mu;
   if (world == 0) {  // the single-rank reference holding the whole global batch of 4 ranks
@@ -314,6 +315,51 @@ TEST_P(Equivalence, OneStepLossAndGradientsThenThreeStepsParameters) {
     EXPECT_NEAR(got3.metrics[s].loss, ref3.metrics[s].loss, 1e-10 * ref3.metrics[s].loss);
   expect_same(got3.params, ref3.params, 1e-10, "parameter");
 }
+
+// MX expert recipes: every quantization that runs along a row (the forward's and input
+// gradient's operands) sees the same rows however the batch is split, so mxfp8_wgrad_with_hp is
+// equivalent at every (W, ep). mxfp8 also blocks each expert's rows along the tokens for the
+// weight gradient: with W = ep an expert receives the batch's rows for it in the single rank's
+// order, so the blocks are the same; with W > ep each rank of an EP group blocks its own rows
+// (as torchao's per-rank grouped GEMM does) and the single-rank run is not the reference.
+struct MxCase {
+  int world, ep;
+  const char* recipe;
+  const char* dispatch = "bf16";  // parallel.ep_dispatch_dtype (mxfp8 with mxfp8: requant_dim1)
+};
+class EquivalenceMx : public ::testing::TestWithParam<MxCase> {};
+
+TEST_P(EquivalenceMx, OneStepGradientsThenThreeStepsParameters) {
+  const MxCase m = GetParam();
+  std::vector<std::string> mx = {"model.dim=32", "model.moe_dim=32",
+                                 std::string("model.expert_recipe=") + m.recipe,
+                                 std::string("parallel.ep_dispatch_dtype=") + m.dispatch};
+  if (std::string(m.dispatch) == "mxfp8" && std::string(m.recipe) == "mxfp8")
+    mx.push_back("model.requant_dim1=true");
+  const Snapshot ref1 = train(0, 1, 1, mx), got1 = train(m.world, m.ep, 1, mx);
+  EXPECT_NEAR(got1.metrics[0].loss, ref1.metrics[0].loss, 1e-10 * ref1.metrics[0].loss);
+  expect_same(got1.grads, ref1.grads, 1e-10, "gradient");
+  const Snapshot ref3 = train(0, 1, 3, mx), got3 = train(m.world, m.ep, 3, mx);
+  expect_same(got3.params, ref3.params, 1e-10, "parameter");
+  // Not the bf16 run: the recipe changed the gradients.
+  const Snapshot plain = train(0, 1, 1, {"model.dim=32", "model.moe_dim=32"});
+  EXPECT_GT(
+      relative_error(ref1.grads.at("layers.0.moe.w_down"), plain.grads.at("layers.0.moe.w_down")),
+      1e-4);
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldEpRecipe, EquivalenceMx,
+                         ::testing::Values(MxCase{2, 1, "mxfp8_wgrad_with_hp"},
+                                           MxCase{4, 2, "mxfp8_wgrad_with_hp"},
+                                           MxCase{4, 4, "mxfp8_wgrad_with_hp"},
+                                           MxCase{2, 2, "mxfp8"}, MxCase{4, 4, "mxfp8"},
+                                           MxCase{4, 2, "mxfp8_wgrad_with_hp", "mxfp8"},
+                                           MxCase{2, 2, "mxfp8", "mxfp8"}),
+                         [](const auto& info) {
+                           return "W" + std::to_string(info.param.world) + "_ep" +
+                                  std::to_string(info.param.ep) + "_" + info.param.recipe +
+                                  "_dispatch_" + info.param.dispatch;
+                         });
 
 INSTANTIATE_TEST_SUITE_P(WorldAndEp, Equivalence,
                          ::testing::Values(std::pair{1, 1}, std::pair{2, 1}, std::pair{2, 2},

@@ -1,24 +1,28 @@
 #include "core/mx.h"
 
+#include <array>
 #include <utility>
+
+#include "core/enum_names.h"
 
 namespace mt {
 
+namespace {
+constexpr std::array<EnumName<MxAxis>, 2> kAxes{{{MxAxis::kDim0, "dim0"}, {MxAxis::kDim1, "dim1"}}};
+constexpr std::array<EnumName<MxScaleRule>, 2> kScaleRules{
+    {{MxScaleRule::kFloor, "floor"}, {MxScaleRule::kRceil, "rceil"}}};
+}  // namespace
+
 std::string_view mx_axis_name(MxAxis a) {
-  return a == MxAxis::kDim0 ? "dim0" : "dim1";
+  return enum_name(kAxes, a);
 }
 
 std::string_view mx_scale_rule_name(MxScaleRule r) {
-  return r == MxScaleRule::kFloor ? "floor" : "rceil";
+  return enum_name(kScaleRules, r);
 }
 
 bool parse_mx_scale_rule(std::string_view name, MxScaleRule* out) {
-  for (MxScaleRule r : {MxScaleRule::kFloor, MxScaleRule::kRceil})
-    if (mx_scale_rule_name(r) == name) {
-      *out = r;
-      return true;
-    }
-  return false;
+  return parse_enum(kScaleRules, name, out);
 }
 
 Shape MxTensor::data_shape(const Shape& shape, MxAxis axis) {

@@ -2,6 +2,7 @@
 
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <utility>
 
 #include "core/error.h"
 
@@ -42,6 +43,15 @@ void ModelConfig::validate() const {
   positive("n_experts", n_experts);
   positive("top_k", top_k);
   positive("moe_dim", moe_dim);
+  if (const std::string why = expert_precision.invalid_combination(); !why.empty())
+    throw ConfigError("config: " + why);
+  if (expert_precision.recipe != ops::ExpertRecipe::kBf16)
+    for (const auto& [key, v] : {std::pair{"dim", dim}, std::pair{"moe_dim", moe_dim}})
+      if (v % kMxBlock != 0)
+        throw ConfigError(fmt::format(
+            "config: model.{} = {} must be a multiple of {} with model.expert_recipe = \"{}\" (the "
+            "MX blocks run along it)",
+            key, v, kMxBlock, ops::expert_recipe_name(expert_precision.recipe)));
   if (n_heads % n_kv_heads != 0)
     throw ConfigError(
         fmt::format("config: model.n_heads = {} is not a multiple of model.n_kv_heads = {}",

@@ -7,6 +7,7 @@
 
 #include "core/dtype.h"
 #include "core/tensor.h"
+#include "ops/expert_gemm.h"
 
 namespace mt {
 
@@ -38,6 +39,9 @@ struct ModelConfig {
   // E x 127 fewer rows in each of the layer's row buffers).
   bool pad_expert_rows = true;
   // --- numerics and memory ---
+  // The experts' GEMMs (ops/expert_gemm.h): bf16, mxfp8 or mxfp8_wgrad_with_hp, with the MX
+  // scale rule; MX recipes need dim and moe_dim to be multiples of 32.
+  ops::ExpertPrecision expert_precision;
   double init_std = 0.02;
   DType compute_dtype = DType::kF32;  // CPU: f32 to train, f64 for gradient checks
   CheckpointPolicy checkpoint = CheckpointPolicy::kNone;

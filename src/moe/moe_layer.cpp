@@ -3,8 +3,8 @@
 #include "core/profile.h"
 #include "ops/activation.h"
 #include "ops/elementwise.h"
+#include "ops/expert_gemm.h"
 #include "ops/gemm.h"
-#include "ops/grouped_gemm.h"
 
 namespace mt::moe {
 
@@ -74,6 +74,7 @@ void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, 
       ops::permute_rows(hn, a.perm, a.xp);
     }
     a.xe = a.exchange ? a.exchange->dispatch(a.xp) : a.xp;
+    ops::dispatched_rows(c.expert_precision, a.xe);  // with ep 1: the permuted rows, once
   }
   if (!a.row_weight.defined()) {
     // Each choice's routing weight moved to its expert row: the scatter (N, k, 1) -> (M, 1) that
@@ -87,7 +88,7 @@ void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, 
   const int64_t r = a.xe.dim(0);
   if (!a.gate_up.defined()) {
     a.gate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
-    ops::grouped_gemm_forward(a.xe, w.w_gate_up, expert_rows(a), a.gate_up);
+    ops::expert_gemm_forward(a.xe, w.w_gate_up, expert_rows(a), c.expert_precision, a.gate_up);
   }
   if (!a.act.defined()) {
     a.act = Tensor::empty({r, c.moe_dim}, dt, dev);
@@ -98,7 +99,7 @@ void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, 
 void moe_combine(const MoeWeights& w, const ModelConfig& c, const MoeActivations& a, Tensor& out,
                  const Tensor* residual) {
   Tensor ye = Tensor::empty({a.act.dim(0), c.dim}, a.act.dtype(), a.act.device());
-  ops::grouped_gemm_forward(a.act, w.w_down, expert_rows(a), ye);
+  ops::expert_gemm_forward(a.act, w.w_down, expert_rows(a), c.expert_precision, ye);
   const Tensor y = a.exchange ? a.exchange->combine(ye) : ye;
   ops::combine_forward(y, a.perm, out, residual);
 }
@@ -114,11 +115,12 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const ModelConfig& c, co
   // are in the rows' activations).
   Tensor dy = Tensor::empty({a.perm.rows(), c.dim}, dt, dev);
   ops::permute_rows(dout, a.perm, dy);
-  const Tensor dye = a.exchange ? a.exchange->dispatch(dy) : dy;
+  Tensor dye = a.exchange ? a.exchange->dispatch(dy) : dy;
+  ops::dispatched_rows(c.expert_precision, dye);  // the combine's backward sends dY
 
   Tensor dact = Tensor::empty({r, c.moe_dim}, dt, dev);
-  ops::grouped_gemm_backward_input(dye, w.w_down, rows, dact);
-  ops::grouped_gemm_backward_weight(a.act, dye, rows, g.w_down, expert_grads);
+  ops::expert_gemm_backward_input(dye, w.w_down, rows, c.expert_precision, dact);
+  ops::expert_gemm_backward_weight(a.act, dye, rows, c.expert_precision, g.w_down, expert_grads);
 
   Tensor dgate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
   Tensor drow_weight = Tensor::empty({r, 1}, a.row_weight.dtype(), dev);
@@ -130,8 +132,9 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const ModelConfig& c, co
   Tensor dweight_rows = dweight.reshape({n, c.top_k, 1});
   ops::unpermute_rows(drows, a.perm, dweight_rows);
   Tensor dxe = Tensor::empty({r, c.dim}, dt, dev);
-  ops::grouped_gemm_backward_input(dgate_up, w.w_gate_up, rows, dxe);
-  ops::grouped_gemm_backward_weight(a.xe, dgate_up, rows, g.w_gate_up, expert_grads);
+  ops::expert_gemm_backward_input(dgate_up, w.w_gate_up, rows, c.expert_precision, dxe);
+  ops::expert_gemm_backward_weight(a.xe, dgate_up, rows, c.expert_precision, g.w_gate_up,
+                                   expert_grads);
   const Tensor dxp = a.exchange ? a.exchange->combine(dxe) : dxe;  // dispatch's backward
 
   Tensor dhn = Tensor::empty({n, c.dim}, dt, dev);

@@ -5,6 +5,7 @@
 #pragma once
 #include "core/mx.h"
 #include "core/tensor.h"
+#include "ops/grouped_gemm.h"
 
 namespace mt::ops {
 
@@ -21,5 +22,18 @@ void mx_quantize(const Tensor& x, MxScaleRule rule, MxTensor& out);
 // out (q's logical shape; f32, bf16 or f64) = from_e4m3(data) * 2^(s - 127), NaN where s is 0xFF.
 // The product is exact in f32, so each output is the exact value rounded once to out's dtype.
 void mx_dequantize(const MxTensor& q, Tensor& out);
+
+// The emulated path's operands (what the MX GEMM recipes compute with): out = x's values after
+// quantize and dequantize, in x's dtype (f32, bf16 or f64; f64 is quantized from its f32
+// rounding). Every such value is exact in bf16 unless it lies below bf16's subnormals (2^-133).
+// out may be x.
+void mx_round_trip(const Tensor& x, MxAxis axis, MxScaleRule rule, Tensor& out);
+
+// The same along the rows of each expert's segment (x (M, K), the weight gradient's operands):
+// blocks of 32 rows start at the segment's first row, the last one zero-padded (torchao pads each
+// token group to 32 rows with zeros), so no block mixes two experts or reads padding. Rows outside
+// every segment are left as they are. out may be x.
+void mx_round_trip_expert_rows(const Tensor& x, const ExpertRows& rows, MxScaleRule rule,
+                               Tensor& out);
 
 }  // namespace mt::ops

@@ -107,6 +107,27 @@ const std::vector<Field>& fields() {
            throw ConfigError(fmt::format(
                "config: model.checkpoint = \"{}\" (valid: none, selective, full)", v.s));
        }},
+      {"model", "expert_recipe", FieldType::kString,
+       [](Config& c, const Value& v) {
+         if (!ops::parse_expert_recipe(v.s, &c.model.expert_precision.recipe))
+           throw ConfigError(fmt::format(
+               "config: model.expert_recipe = \"{}\" (valid: bf16, mxfp8, mxfp8_wgrad_with_hp)",
+               v.s));
+       }},
+      {"model", "mx_scale_rule", FieldType::kString,
+       [](Config& c, const Value& v) {
+         if (!parse_mx_scale_rule(v.s, &c.model.expert_precision.rule))
+           throw ConfigError(
+               fmt::format("config: model.mx_scale_rule = \"{}\" (valid: rceil, floor)", v.s));
+       }},
+      {"model", "requant_dim1", FieldType::kBool,
+       [](Config& c, const Value& v) { c.model.expert_precision.requant_dim1 = v.b; }},
+      {"parallel", "ep_dispatch_dtype", FieldType::kString,
+       [](Config& c, const Value& v) {
+         if (!ops::parse_dispatch_dtype(v.s, &c.model.expert_precision.dispatch))
+           throw ConfigError(fmt::format(
+               "config: parallel.ep_dispatch_dtype = \"{}\" (valid: bf16, mxfp8)", v.s));
+       }},
       {"model", "hf_config", FieldType::kString,
        [](Config& c, const Value& v) { c.model = model_config_from_hf_json(v.s, c.model); }},
       member("train", "steps", &Config::train, &T::steps),

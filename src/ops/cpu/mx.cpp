@@ -73,6 +73,25 @@ uint8_t quantize_element(float x, float factor) {
   return to_e4m3(scaled);           // clamps to +-448, rounds to nearest even, NaN -> 0x7F
 }
 
+// One block: its 32 elements into q, its scale returned.
+uint8_t quantize_block(const float* v, MxScaleRule rule, uint8_t* q) {
+  float amax = 0.0f;
+  bool nan = false;
+  for (int64_t i = 0; i < kMxBlock; ++i) {
+    nan |= std::isnan(v[i]);
+    amax = std::max(amax, std::fabs(v[i]));
+  }
+  if (nan) amax = std::numeric_limits<float>::quiet_NaN();
+  const uint8_t s = rule == MxScaleRule::kFloor ? floor_scale(amax) : rceil_scale(amax);
+  const float factor = element_factor(rule, s);
+  for (int64_t i = 0; i < kMxBlock; ++i) q[i] = quantize_element(v[i], factor);
+  return s;
+}
+
+double dequantize_element(uint8_t q, uint8_t s) {
+  return static_cast<double>(from_e4m3(q)) * from_e8m0(s);  // exact
+}
+
 // The unquantized side of a conversion: f32, bf16 or f64, of the MX tensor's logical shape, on
 // its device.
 void check_operands(const char* op, const char* role, const Tensor& t, const MxTensor& q) {
@@ -98,21 +117,11 @@ void mx_quantize(const Tensor& x, MxScaleRule rule, MxTensor& out) {
     for (int64_t o = 0; o < l.outer; ++o)
       for (int64_t blk = 0; blk < l.inner / kMxBlock; ++blk) {
         float v[kMxBlock];
-        float amax = 0.0f;
-        bool nan = false;
-        for (int64_t i = 0; i < kMxBlock; ++i) {
-          // Exact for bf16 and f32 inputs; f64 rounds to the nearest f32.
+        for (int64_t i = 0; i < kMxBlock; ++i)  // exact for bf16 and f32; f64 rounds to f32
           v[i] = static_cast<float>(x.item(l.logical(b, o, blk * kMxBlock + i)));
-          nan |= std::isnan(v[i]);
-          amax = std::max(amax, std::fabs(v[i]));
-        }
-        if (nan) amax = std::numeric_limits<float>::quiet_NaN();
-        const uint8_t sc = rule == MxScaleRule::kFloor ? floor_scale(amax) : rceil_scale(amax);
-        const float factor = element_factor(rule, sc);
         const int64_t row = b * l.outer + o;
-        scales[row * (l.inner / kMxBlock) + blk] = sc;
-        for (int64_t i = 0; i < kMxBlock; ++i)
-          q[row * l.inner + blk * kMxBlock + i] = quantize_element(v[i], factor);
+        scales[row * (l.inner / kMxBlock) + blk] =
+            quantize_block(v, rule, q + row * l.inner + blk * kMxBlock);
       }
 }
 
@@ -128,10 +137,55 @@ void mx_dequantize(const MxTensor& q, Tensor& out) {
     for (int64_t o = 0; o < l.outer; ++o)
       for (int64_t j = 0; j < l.inner; ++j) {
         const int64_t row = b * l.outer + o;
-        const double value = static_cast<double>(from_e4m3(data[row * l.inner + j])) *
-                             from_e8m0(scales[row * (l.inner / kMxBlock) + j / kMxBlock]);
+        const double value = dequantize_element(data[row * l.inner + j],
+                                                scales[row * (l.inner / kMxBlock) + j / kMxBlock]);
         out.set_item(l.logical(b, o, j), value);  // rounds once to out's dtype
       }
+}
+
+void mx_round_trip(const Tensor& x, MxAxis axis, MxScaleRule rule, Tensor& out) {
+  MT_CHECK(out.shape() == x.shape() && out.dtype() == x.dtype() && out.device() == x.device(),
+           "mx_round_trip: output {} {} must be the input's {} {}", dtype_name(out.dtype()),
+           shape_str(out.shape()), dtype_name(x.dtype()), shape_str(x.shape()));
+  MxTensor q = MxTensor::empty(x.shape(), axis, x.device());
+  mx_quantize(x, rule, q);
+  mx_dequantize(q, out);
+}
+
+void mx_round_trip_expert_rows(const Tensor& x, const ExpertRows& rows, MxScaleRule rule,
+                               Tensor& out) {
+  MT_CHECK(x.ndim() == 2 && out.shape() == x.shape() && out.dtype() == x.dtype() &&
+               out.device() == x.device(),
+           "mx_round_trip_expert_rows: x must be a matrix and out alike; got {} {} and {} {}",
+           dtype_name(x.dtype()), shape_str(x.shape()), dtype_name(out.dtype()),
+           shape_str(out.shape()));
+  MT_CHECK(x.dtype() == DType::kF32 || x.dtype() == DType::kBF16 || x.dtype() == DType::kF64,
+           "mx_round_trip_expert_rows: x must be f32, bf16 or f64, got {}", dtype_name(x.dtype()));
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(x)) return cuda::mx_round_trip_expert_rows(x, rows, rule, out);
+#endif
+  expect_cpu(rows.offsets, "expert offsets");
+  expect_cpu(rows.segments, "expert segments");
+  const int64_t experts = rows.offsets.numel() - 1, k = x.dim(1);
+  const int64_t* offsets = rows.offsets.data<int64_t>();
+  const int64_t* segments = rows.segments.data<int64_t>();
+  for (int64_t e = 0; e < experts; ++e) {
+    const int64_t first = segments[e], count = offsets[e + 1] - offsets[e];
+    MT_CHECK(first >= 0 && count >= 0 && first + count <= x.dim(0),
+             "mx_round_trip_expert_rows: expert {} has rows [{}, {}) of {}", e, first,
+             first + count, x.dim(0));
+    for (int64_t r0 = 0; r0 < count; r0 += kMxBlock) {
+      const int64_t n = std::min(kMxBlock, count - r0);
+      for (int64_t c = 0; c < k; ++c) {
+        float v[kMxBlock] = {};  // the zero padding of a short last block
+        for (int64_t i = 0; i < n; ++i) v[i] = static_cast<float>(x.item((first + r0 + i) * k + c));
+        uint8_t q[kMxBlock];
+        const uint8_t s = quantize_block(v, rule, q);
+        for (int64_t i = 0; i < n; ++i)
+          out.set_item((first + r0 + i) * k + c, dequantize_element(q[i], s));
+      }
+    }
+  }
 }
 
 }  // namespace mt::ops

@@ -178,6 +178,11 @@ cudaError_t mx_quantize(DType in, const void* x, MxAxis axis, MxScaleRule rule, 
 cudaError_t mx_dequantize(DType out, const uint8_t* data, const uint8_t* scales, MxAxis axis,
                           int64_t batch, int64_t rows, int64_t cols, void* dst,
                           cudaStream_t stream);
+// x (m, k) -> out: each expert's rows quantized and dequantized in 32-row blocks from its first
+// row (ops::mx_round_trip_expert_rows); block_prefix: device scratch of experts + 1 i64.
+cudaError_t mx_round_trip_expert_rows(DType t, const void* x, int64_t m, int64_t k,
+                                      ExpertSegments rows, int experts, int64_t* block_prefix,
+                                      MxScaleRule rule, void* out, cudaStream_t stream);
 cudaError_t convert(DType from, const void* src, void* dst, int64_t n, cudaStream_t stream);
 cudaError_t gather_rows(DType s, const void* src, const int32_t* index, void* dst, int64_t rows,
                         int64_t width, cudaStream_t stream);

@@ -56,4 +56,21 @@ void mx_dequantize(const MxTensor& q, Tensor& out) {
                                        m.batch, m.rows, m.cols, out.raw(), stream()));
 }
 
+void mx_round_trip_expert_rows(const Tensor& x, const ops::ExpertRows& rows, MxScaleRule rule,
+                               Tensor& out) {
+  const profile::Phase phase("gpu.mx_round_trip_expert_rows");
+  const DType dt = storage_of(x, "mx_round_trip_expert_rows input");
+  const int64_t experts = rows.offsets.numel() - 1;
+  for (const Tensor* t : {&rows.offsets, &rows.segments}) {
+    expect_dtype(*t, DType::kI64, "expert rows");
+    MT_CHECK(t->device() == Device::kCUDA && t->numel() == experts + 1,
+             "expert offsets and segments must be {} i64 on the GPU", experts + 1);
+  }
+  Tensor prefix = gpu_empty({experts + 1}, DType::kI64);
+  MT_CUDA_CHECK(kernels::mx_round_trip_expert_rows(
+      dt, x.raw(), x.dim(0), x.dim(1),
+      {rows.offsets.data<int64_t>(), rows.segments.data<int64_t>()}, static_cast<int>(experts),
+      prefix.data<int64_t>(), rule, out.raw(), stream()));
+}
+
 }  // namespace mt::cuda

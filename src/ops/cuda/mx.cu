@@ -307,6 +307,59 @@ __global__ void __launch_bounds__(kQuantizeThreads)
   });
 }
 
+// The weight gradient's operands: blocks of 32 rows from each expert's first row. prefix[e] is
+// the number of blocks before expert e (its last block may be short: zero-padded).
+__global__ void expert_block_prefix_kernel(const int64_t* offsets, int experts, int64_t* prefix) {
+  if (threadIdx.x != 0) return;
+  int64_t total = 0;
+  for (int e = 0; e < experts; ++e) {
+    prefix[e] = total;
+    total += (offsets[e + 1] - offsets[e] + kMxBlock - 1) / kMxBlock;
+  }
+  prefix[experts] = total;
+}
+
+// Thread (block g, column c): the block's 32 values down column c, quantized and dequantized in
+// place of the originals. A warp reads 32 adjacent columns of a row at a time.
+template <class T>
+__global__ void mx_round_trip_expert_rows_kernel(const T* __restrict__ x, int64_t k,
+                                                 kernels::ExpertSegments rows, int experts,
+                                                 const int64_t* __restrict__ prefix,
+                                                 MxScaleRule rule, T* __restrict__ out) {
+  const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  if (c >= k) return;
+  for (int64_t g = blockIdx.y; g < prefix[experts]; g += gridDim.y) {
+    int lo = 0, hi = experts - 1;  // the last expert whose first block is at or before g
+    while (lo < hi) {
+      const int mid = (lo + hi + 1) / 2;
+      if (prefix[mid] <= g)
+        lo = mid;
+      else
+        hi = mid - 1;
+    }
+    const int64_t b = g - prefix[lo];
+    const int64_t first = rows.segments[lo] + b * kMxBlock;
+    const int64_t remaining = rows.offsets[lo + 1] - rows.offsets[lo] - b * kMxBlock;
+    const int n = remaining < kMxBlock ? static_cast<int>(remaining) : kMxBlock;
+    float v[kMxBlock];
+    uint32_t m = 0;
+#pragma unroll
+    for (int i = 0; i < kMxBlock; ++i) {
+      v[i] = i < n ? to_float(x[(first + i) * k + c]) : 0.0f;
+      m = max(m, magnitude_bits(v[i]));
+    }
+    const BlockScale bs = block_scale(rule, m);
+    const float scale = e8m0_value(bs.s);
+#pragma unroll
+    for (int i = 0; i < kMxBlock; ++i) {
+      if (i >= n) break;
+      __nv_fp8_e4m3 q;
+      q.__x = __nv_cvt_float_to_fp8(__fmul_rn(v[i], bs.factor), __NV_SATFINITE, __NV_E4M3);
+      out[(first + i) * k + c] = from_float<T>(__fmul_rn(static_cast<float>(q), scale));
+    }
+  }
+}
+
 }  // namespace
 
 namespace kernels {
@@ -352,6 +405,22 @@ cudaError_t mx_dequantize(DType out, const uint8_t* data, const uint8_t* scales,
           <<<dim1_grid<DequantizeTile<T>>(batch, rows, cols), kQuantizeThreads, 0, stream>>>(
               data, scales, rows, cols, o);
     }
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t mx_round_trip_expert_rows(DType t, const void* x, int64_t m, int64_t k,
+                                      ExpertSegments rows, int experts, int64_t* block_prefix,
+                                      MxScaleRule rule, void* out, cudaStream_t stream) {
+  if (m == 0 || k == 0 || experts == 0) return cudaSuccess;
+  expert_block_prefix_kernel<<<1, 32, 0, stream>>>(rows.offsets, experts, block_prefix);
+  const int64_t max_blocks = (m + kMxBlock - 1) / kMxBlock + experts;  // ceil per expert
+  const dim3 grid(static_cast<unsigned>((k + kBlock - 1) / kBlock),
+                  static_cast<unsigned>(max_blocks < 65535 ? max_blocks : 65535));
+  dispatch_storage(t, [&](auto tag) {
+    using T = decltype(tag);
+    mx_round_trip_expert_rows_kernel<T><<<grid, kBlock, 0, stream>>>(
+        static_cast<const T*>(x), k, rows, experts, block_prefix, rule, static_cast<T*>(out));
   });
   return cudaGetLastError();
 }

@@ -80,6 +80,8 @@ void sum_token_rows(const Tensor& rows, const Tensor& row_of_choice, const Tenso
 // MX conversions (mx.cpp): f32 or bf16 in (quantize) and out (dequantize); checked by ops/mx.h.
 void mx_quantize(const Tensor& x, MxScaleRule rule, MxTensor& out);
 void mx_dequantize(const MxTensor& q, Tensor& out);
+void mx_round_trip_expert_rows(const Tensor& x, const ops::ExpertRows& rows, MxScaleRule rule,
+                               Tensor& out);
 void add(const Tensor& a, const Tensor& b, Tensor& out);
 void convert(const Tensor& src, Tensor& dst);  // f32 <-> bf16 on the GPU
 double sum_of_squares(const Tensor& x);        // deterministic; waits for the GPU

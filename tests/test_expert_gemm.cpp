@@ -1,0 +1,246 @@
+// The experts' GEMM recipes (ops/expert_gemm.h) on the CPU: each recipe's three products against
+// fp64 math on operands quantized independently (whole-tensor mx_quantize / mx_dequantize, and
+// per expert zero-padded matrices for the weight gradient); the expert-rows round trip; the
+// recipe's config keys and the MXFP8 dispatch's coupling rule; and a tiny training run per
+// recipe.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <string>
+#include <vector>
+
+#include "core/mx.h"
+#include "core/rng.h"
+#include "ops/expert_gemm.h"
+#include "ops/mx.h"
+#include "testing.h"
+#include "train/config.h"
+#include "train/trainer.h"
+
+namespace mt {
+namespace {
+
+// Three experts: 45 rows (one short block), none, and 70 rows starting on row 64 of a padded
+// buffer (rows 45..63 and 134..159 are padding).
+struct Layout {
+  Tensor offsets = Tensor::empty({4}, DType::kI64);
+  Tensor segments = Tensor::empty({4}, DType::kI64);
+  int64_t rows = 160;
+  Layout() {
+    const int64_t off[] = {0, 45, 45, 115}, seg[] = {0, 64, 64, 160};
+    for (int i = 0; i < 4; ++i) {
+      offsets.data<int64_t>()[i] = off[i];
+      segments.data<int64_t>()[i] = seg[i];
+    }
+  }
+  ops::ExpertRows expert_rows() const { return {offsets, segments, 32}; }
+  int64_t first(int e) const { return segments.data<int64_t>()[e]; }
+  int64_t count(int e) const { return offsets.data<int64_t>()[e + 1] - offsets.data<int64_t>()[e]; }
+};
+
+// The tensor after an independent quantize + dequantize along axis (f64 out).
+Tensor round_tripped(const Tensor& t, MxAxis axis) {
+  MxTensor q = MxTensor::poisoned(t.shape(), axis);
+  ops::mx_quantize(t, MxScaleRule::kRceil, q);
+  Tensor out = Tensor::poisoned(t.shape(), DType::kF64);
+  ops::mx_dequantize(q, out);
+  return out;
+}
+
+// Expert e's rows of x, zero-padded to whole blocks, quantized down the columns (dim1).
+Tensor expert_rows_round_tripped(const Tensor& x, const Layout& l, int e) {
+  const int64_t n = l.count(e), k = x.dim(1), padded = (n + kMxBlock - 1) / kMxBlock * kMxBlock;
+  Tensor block = Tensor::zeros({padded, k}, DType::kF64);
+  for (int64_t r = 0; r < n; ++r)
+    for (int64_t c = 0; c < k; ++c) block.set_item(r * k + c, x.item((l.first(e) + r) * k + c));
+  return round_tripped(block, MxAxis::kDim1);
+}
+
+double rel(const Tensor& got, const Tensor& want, const Layout& l, int64_t width) {
+  double num = 0, den = 0;
+  for (int e = 0; e < 3; ++e)
+    for (int64_t r = l.first(e); r < l.first(e) + l.count(e); ++r)
+      for (int64_t c = 0; c < width; ++c) {
+        const double d = got.item(r * width + c) - want.item(r * width + c);
+        num += d * d;
+        den += want.item(r * width + c) * want.item(r * width + c);
+      }
+  return std::sqrt(num / den);
+}
+
+class Recipes : public ::testing::TestWithParam<ops::ExpertRecipe> {};
+
+TEST_P(Recipes, ProductsEqualFp64MathOnTheQuantizedOperands) {
+  const ops::ExpertPrecision p{GetParam(), MxScaleRule::kRceil};
+  const Layout l;
+  const int64_t k = 64, n = 96, experts = 3;
+  const Tensor x = testing::randn({l.rows, k}, 21, 1.0);
+  const Tensor w = testing::randn({experts, k, n}, 22, 0.2);
+  const Tensor dy = testing::randn({l.rows, n}, 23, 1.0);
+  const bool mx = p.mx_forward_and_input();
+  // Operands as each product sees them.
+  const Tensor xq = mx ? round_tripped(x, MxAxis::kDim0) : x;     // along K
+  const Tensor wk = mx ? round_tripped(w, MxAxis::kDim1) : w;     // along K
+  const Tensor dyq = mx ? round_tripped(dy, MxAxis::kDim0) : dy;  // along N
+  const Tensor wn = mx ? round_tripped(w, MxAxis::kDim0) : w;     // along N
+
+  Tensor out = Tensor::poisoned({l.rows, n}, DType::kF64), want_out = out.clone();
+  Tensor dx = Tensor::poisoned({l.rows, k}, DType::kF64), want_dx = dx.clone();
+  Tensor dw = Tensor::poisoned({experts, k, n}, DType::kF64);
+  Tensor want_dw = Tensor::zeros({experts, k, n}, DType::kF64);
+  ops::expert_gemm_forward(x, w, l.expert_rows(), p, out);
+  ops::expert_gemm_backward_input(dy, w, l.expert_rows(), p, dx);
+  ops::expert_gemm_backward_weight(x, dy, l.expert_rows(), p, dw, ops::Accumulate::kNo);
+  for (int e = 0; e < experts; ++e) {
+    const Tensor xe = p.mx_weight_gradient() ? expert_rows_round_tripped(x, l, e) : Tensor();
+    const Tensor dye = p.mx_weight_gradient() ? expert_rows_round_tripped(dy, l, e) : Tensor();
+    for (int64_t i = 0; i < l.count(e); ++i) {
+      const int64_t r = l.first(e) + i;
+      for (int64_t c = 0; c < n; ++c) {
+        double s = 0;
+        for (int64_t j = 0; j < k; ++j) s += xq.item(r * k + j) * wk.item((e * k + j) * n + c);
+        want_out.set_item(r * n + c, s);
+      }
+      for (int64_t j = 0; j < k; ++j) {
+        double s = 0;
+        for (int64_t c = 0; c < n; ++c) s += dyq.item(r * n + c) * wn.item((e * k + j) * n + c);
+        want_dx.set_item(r * k + j, s);
+      }
+      for (int64_t j = 0; j < k; ++j)
+        for (int64_t c = 0; c < n; ++c) {
+          const double a = p.mx_weight_gradient() ? xe.item(i * k + j) : x.item(r * k + j);
+          const double b = p.mx_weight_gradient() ? dye.item(i * n + c) : dy.item(r * n + c);
+          want_dw.set_item((e * k + j) * n + c, want_dw.item((e * k + j) * n + c) + a * b);
+        }
+    }
+  }
+  EXPECT_LT(rel(out, want_out, l, n), 1e-12);
+  EXPECT_LT(rel(dx, want_dx, l, k), 1e-12);
+  EXPECT_LT(relative_error(dw, want_dw), 1e-12);
+
+  // The quantization is there, and only where the recipe puts it: against the unquantized
+  // products, MX operands move each product by about E4M3's half step (2^-4) over sqrt(k) terms.
+  Tensor plain_out = Tensor::poisoned({l.rows, n}, DType::kF64);
+  Tensor plain_dw = Tensor::poisoned({experts, k, n}, DType::kF64);
+  ops::grouped_gemm_forward(x, w, l.expert_rows(), plain_out);
+  ops::grouped_gemm_backward_weight(x, dy, l.expert_rows(), plain_dw, ops::Accumulate::kNo);
+  if (mx)
+    EXPECT_GT(rel(out, plain_out, l, n), 1e-3);
+  else
+    EXPECT_LT(rel(out, plain_out, l, n), 1e-15);
+  if (p.mx_weight_gradient())
+    EXPECT_GT(relative_error(dw, plain_dw), 1e-3);
+  else
+    EXPECT_LT(relative_error(dw, plain_dw), 1e-15);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, Recipes,
+                         ::testing::Values(ops::ExpertRecipe::kBf16, ops::ExpertRecipe::kMxfp8,
+                                           ops::ExpertRecipe::kMxfp8WgradWithHp),
+                         [](const auto& info) {
+                           return std::string(ops::expert_recipe_name(info.param));
+                         });
+
+TEST(MxRoundTrip, ExpertRowsBlockFromEachExpertsFirstRowAndLeavePaddingAlone) {
+  const Layout l;
+  const int64_t k = 64;
+  Tensor x = testing::randn({l.rows, k}, 31, 1.0, DType::kF32);
+  // A loud row in expert 2 and NaN in the padding: blocks that crossed experts or read padding
+  // would show it.
+  for (int64_t c = 0; c < k; ++c) {
+    x.set_item((l.first(2) + 3) * k + c, 1e6);
+    x.set_item(50 * k + c, std::nan(""));
+  }
+  Tensor out = Tensor::poisoned({l.rows, k}, DType::kF32);
+  ops::mx_round_trip_expert_rows(x, l.expert_rows(), MxScaleRule::kRceil, out);
+  for (int e = 0; e < 3; ++e) {
+    if (l.count(e) == 0) continue;
+    const Tensor want = expert_rows_round_tripped(x, l, e);
+    for (int64_t i = 0; i < l.count(e); ++i)
+      for (int64_t c = 0; c < k; ++c)
+        ASSERT_EQ(out.item((l.first(e) + i) * k + c), want.item(i * k + c))
+            << "expert " << e << " row " << i << " column " << c;
+  }
+  for (int64_t r : {int64_t{45}, int64_t{50}, int64_t{63}, int64_t{140}})  // padding: untouched
+    EXPECT_TRUE(std::isnan(out.item(r * k)));
+  // In place gives the same.
+  Tensor y = x.clone();
+  ops::mx_round_trip_expert_rows(y, l.expert_rows(), MxScaleRule::kRceil, y);
+  for (int64_t i = 0; i < l.count(2); ++i)
+    EXPECT_EQ(y.item((l.first(2) + i) * k + 5), out.item((l.first(2) + i) * k + 5));
+}
+
+TEST(ExpertRecipeConfig, KeysParseAndBadValuesNameTheValidOnes) {
+  const std::string tiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
+  const Config c =
+      load_config(tiny, {"model.expert_recipe=mxfp8_wgrad_with_hp", "model.mx_scale_rule=floor"});
+  EXPECT_EQ(c.model.expert_precision.recipe, ops::ExpertRecipe::kMxfp8WgradWithHp);
+  EXPECT_EQ(c.model.expert_precision.rule, MxScaleRule::kFloor);
+  EXPECT_EQ(load_config(tiny, {}).model.expert_precision.recipe, ops::ExpertRecipe::kBf16);
+  const std::string bad =
+      testing::error_of([&] { load_config(tiny, {"model.expert_recipe=fp8"}); });
+  EXPECT_NE(bad.find("valid: bf16, mxfp8, mxfp8_wgrad_with_hp"), std::string::npos) << bad;
+  const std::string rule =
+      testing::error_of([&] { load_config(tiny, {"model.mx_scale_rule=up"}); });
+  EXPECT_NE(rule.find("valid: rceil, floor"), std::string::npos) << rule;
+  const std::string dim = testing::error_of([&] {
+    load_config(tiny, {"model.expert_recipe=mxfp8", "model.moe_dim=48"});
+  });
+  EXPECT_NE(dim.find("model.moe_dim = 48 must be a multiple of 32"), std::string::npos) << dim;
+}
+
+TEST(ExpertRecipeConfig, Mxfp8DispatchNeedsAnMxRecipeAndRequantForMxfp8) {
+  const std::string tiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
+  const std::string coupled = testing::error_of([&] {
+    load_config(tiny, {"parallel.ep_dispatch_dtype=mxfp8", "model.expert_recipe=mxfp8"});
+  });
+  EXPECT_NE(coupled.find("model.requant_dim1 = true"), std::string::npos) << coupled;
+  EXPECT_NE(coupled.find("mxfp8_wgrad_with_hp"), std::string::npos) << coupled;
+  const std::string plain =
+      testing::error_of([&] { load_config(tiny, {"parallel.ep_dispatch_dtype=mxfp8"}); });
+  EXPECT_NE(plain.find("needs an MX expert recipe"), std::string::npos) << plain;
+  const std::string stray =
+      testing::error_of([&] { load_config(tiny, {"model.requant_dim1=true"}); });
+  EXPECT_NE(stray.find("applies only with"), std::string::npos) << stray;
+  const std::string bad =
+      testing::error_of([&] { load_config(tiny, {"parallel.ep_dispatch_dtype=fp8"}); });
+  EXPECT_NE(bad.find("valid: bf16, mxfp8"), std::string::npos) << bad;
+  for (const std::vector<std::string>& ok :
+       {std::vector<std::string>{"parallel.ep_dispatch_dtype=mxfp8",
+                                 "model.expert_recipe=mxfp8_wgrad_with_hp"},
+        std::vector<std::string>{"parallel.ep_dispatch_dtype=mxfp8", "model.expert_recipe=mxfp8",
+                                 "model.requant_dim1=true"}})
+    EXPECT_EQ(testing::error_of([&] { load_config(tiny, ok); }), "no error");
+}
+
+// Each recipe trains the tiny model: the loss falls as far as bf16's within a small margin.
+TEST(ExpertRecipeTraining, EveryRecipeLearnsTheTinyLanguages) {
+  const std::string tiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
+  std::vector<double> final_loss;
+  const std::vector<std::vector<std::string>> runs = {
+      {"model.expert_recipe=bf16"},
+      {"model.expert_recipe=mxfp8"},
+      {"model.expert_recipe=mxfp8_wgrad_with_hp"},
+      {"model.expert_recipe=mxfp8_wgrad_with_hp", "parallel.ep_dispatch_dtype=mxfp8"},
+      {"model.expert_recipe=mxfp8", "parallel.ep_dispatch_dtype=mxfp8", "model.requant_dim1=true"}};
+  for (std::vector<std::string> sets : runs) {
+    const std::string recipe = sets.back();
+    sets.push_back("train.steps=60");
+    sets.push_back("train.warmup_steps=5");
+    const Config c = load_config(tiny, sets);
+    Trainer t(c);
+    const auto m = t.run({});
+    ASSERT_EQ(m.size(), 60u);
+    EXPECT_TRUE(std::isfinite(m.back().loss)) << recipe;
+    EXPECT_LT(m.back().loss, m.front().loss - 1.0) << recipe;
+    final_loss.push_back(m.back().loss);
+  }
+  for (size_t i = 1; i < runs.size(); ++i) {
+    EXPECT_NE(final_loss[i], final_loss[0]) << i;  // the recipe changed the arithmetic
+    EXPECT_NEAR(final_loss[i], final_loss[0], 0.1) << i;
+  }
+  EXPECT_NE(final_loss[3], final_loss[2]);  // the wire's quantization reached the GEMMs
+}
+
+}  // namespace
+}  // namespace mt
