@@ -2,6 +2,7 @@
 // the HF config.json reader agrees with the presets; the CLI exits with code 2.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
 #include <cstdio>
@@ -117,9 +118,14 @@ struct CliRun {
   int code;
   std::string err;
 };
-CliRun run_cli(const std::string& args) {
-  const std::string err_path = (std::filesystem::temp_directory_path() / "mt_cli_err.txt").string();
-  const std::string cmd = std::string(MOETRAIN_BINARY) + " " + args + " >/dev/null 2>" + err_path;
+// env: "NAME=value ..." set for the command alone.
+CliRun run_cli(const std::string& args, const std::string& env = "") {
+  // One file per process: ctest runs the Cli tests in parallel processes.
+  const std::string err_path =
+      (std::filesystem::temp_directory_path() / ("mt_cli_err_" + std::to_string(getpid()) + ".txt"))
+          .string();
+  const std::string cmd =
+      env + " " + std::string(MOETRAIN_BINARY) + " " + args + " >/dev/null 2>" + err_path;
   const int status = std::system(cmd.c_str());
   std::ifstream in(err_path);
   std::string err((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
@@ -139,6 +145,69 @@ TEST(Cli, ConfigErrorsExitWithCode2AndOneLine) {
   }
   EXPECT_NE(run_cli("train --config " + tiny + " --set model.colour=3").err.find("model.colour"),
             std::string::npos);
+}
+
+// Issue 17's findings, each of which main accepted silently, crashed on or reported late: one
+// line naming the value and exit code 2, before anything is allocated or trained.
+TEST(Cli, HostileConfigsExitWithCode2NamingTheValue) {
+  const std::string tiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
+  const std::string t = "train --config " + tiny + " --set ";
+  const std::pair<std::string, std::string> cases[] = {
+      {t + "model.n_experts=4611686018427387904", "model.n_experts x model.dim"},  // segfaulted
+      {t + "model.n_heads=4611686018427387904", "model.n_heads x model.head_dim"},
+      {t + "model.vocab_size=2147483647", "GiB for weights"},  // bad_alloc after seconds
+      {t + "model.n_layers=1000000000", "model.n_layers x (experts"},
+      {t + "hardware.threads=100000", "hardware.threads = 100000"},          // aborted
+      {t + "hardware.threads=4294967297", "hardware.threads = 4294967297"},  // became 1
+      {t + "parallel.world=100000", "parallel.world = 100000"},              // aborted
+      {t + "train.eps=nan", "train.eps = nan"},                              // trained on
+      {t + "train.grad_clip=inf", "train.grad_clip = inf"},
+      {t + "model.rms_norm_eps=nan", "model.rms_norm_eps = nan"},
+      {t + "model.rope_theta=-inf", "model.rope_theta = -inf"},
+      {t + "train.beta1=nan", "train.beta1 = nan"},
+      {t + "train.weight_decay=-0.1", "train.weight_decay = -0.1"},
+      {t + "train.seed=-1", "train.seed = -1"},
+      {"train --config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs", "is a directory"},
+      {"train --config " + tiny + " --steps 0", "--steps"},  // ignored before
+      {"train --config " + tiny + " --steps -5", "--steps"},
+  };
+  for (const auto& [args, names] : cases) {
+    const CliRun r = run_cli(args);
+    EXPECT_EQ(r.code, 2) << args << "\n" << r.err;
+    EXPECT_NE(r.err.find(names), std::string::npos) << args << "\n" << r.err;
+    EXPECT_EQ(std::count(r.err.begin(), r.err.end(), '\n'), 1) << args << "\n" << r.err;
+  }
+}
+
+// The launch environment's numbers are checked: a port above 65535 became another port and a
+// timeout of 1e10 s overflowed the deadline (issue 17).
+TEST(Cli, LaunchEnvironmentOutOfRangeExitsWithCode2) {
+  const std::string tiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
+  const std::pair<std::string, std::string> cases[] = {
+      {"WORLD_SIZE=2 RANK=0 MASTER_PORT=70000",
+       "MASTER_PORT='70000' is not an integer in [0, 65535]"},
+      {"WORLD_SIZE=1 RANK=0 MOETRAIN_TIMEOUT_S=1e10", "MOETRAIN_TIMEOUT_S='1e10'"},
+      {"WORLD_SIZE=1 RANK=0 MOETRAIN_TIMEOUT_S=ten", "MOETRAIN_TIMEOUT_S='ten'"},
+      {"WORLD_SIZE=99999999999 RANK=0", "WORLD_SIZE='99999999999'"},
+  };
+  for (const auto& [env, names] : cases) {
+    const CliRun r = run_cli("train --config " + tiny + " --steps 1", env);
+    EXPECT_EQ(r.code, 2) << env << "\n" << r.err;
+    EXPECT_NE(r.err.find(names), std::string::npos) << env << "\n" << r.err;
+  }
+}
+
+// A model whose parameters and AdamW state alone exceed the host stops before allocating, with
+// the estimate and the settings that need less.
+TEST(Cli, AModelLargerThanTheHostIsRefusedWithTheEstimate) {
+  const std::string tiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
+  const CliRun r =
+      run_cli("train --config " + tiny +
+              " --set hardware.device=cpu --set model.dim=4096 --set model.moe_dim=4096 "
+              "--set model.n_experts=256 --set model.n_layers=8");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("GiB for weights, gradients and AdamW moments"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("model.n_layers"), std::string::npos) << r.err;
 }
 
 }  // namespace

@@ -72,6 +72,28 @@ TEST(TokenFile, TruncatedAndCorruptFilesAreNamed) {
   EXPECT_NE(data_error(temp_path("mt_missing.tok")).find("cannot open"), std::string::npos);
 }
 
+// Masks are 0 or 1, and a file must count at least one target (issue 17: a mask of 7 was taken
+// as 1, and an all-zero mask trained with loss 0 and exited 0).
+TEST(TokenFile, MasksMustBeBinaryAndCountATarget) {
+  const std::string path = temp_path("mt_mask.tok");
+  TokenDocuments seven = three_docs(true);
+  seven.loss_mask[6] = 7;  // document 2, its second token
+  write_token_file(path, seven);
+  const std::string e = data_error(path);
+  EXPECT_NE(e.find("document 2 has loss mask value 7 at token 1 (valid: 0 or 1)"),
+            std::string::npos)
+      << e;
+  TokenDocuments none = three_docs(true);
+  none.loss_mask = {1, 0, 0, 1, 0, 1, 0, 0, 0};  // only documents' first tokens: no targets
+  write_token_file(path, none);
+  EXPECT_NE(data_error(path).find("counts no target token"), std::string::npos) << data_error(path);
+  try {
+    read_token_file(path, 100);
+  } catch (const DataError& err) {
+    EXPECT_EQ(err.code(), ExitCode::kData);
+  }
+}
+
 TEST(TokenFile, WrittenByTheScriptReadsBack) {
   // scripts/make_token_file.py is how users make token files; its output must be this format.
   const std::string jsonl = temp_path("mt_docs.jsonl"), out = temp_path("mt_docs.tok");

@@ -72,6 +72,71 @@ std::vector<Tensor> all_state(Trainer& t) {
   return s;
 }
 
+// A safetensors header of the wrong structure, offsets that wrap or run past the data, and
+// negative shapes are exit 4 naming the tensor, checked before anything is allocated (issue
+// 17: they exited 1 with a raw JSON exception, loaded silently, or allocated first).
+TEST(Checkpoint, MalformedSafetensorsHeadersAreNamedWithExitCode4) {
+  const std::string path = fresh_dir("mt_bad_header.safetensors");
+  auto write = [&](const std::string& header, size_t data_bytes) {
+    std::ofstream out(path, std::ios::binary);
+    const uint64_t n = header.size();
+    out.write(reinterpret_cast<const char*>(&n), 8);
+    out << header << std::string(data_bytes, '\0');
+  };
+  const std::pair<std::string, std::string> cases[] = {
+      {"42", "not a JSON object"},
+      {R"({"w": {"shape": [2], "data_offsets": [0, 8]}})", "tensor w needs an object"},
+      {R"({"w": {"dtype": "F32", "shape": 2, "data_offsets": [0, 8]}})", "tensor w has shape 2"},
+      {R"({"w": {"dtype": "F32", "shape": [-2], "data_offsets": [0, 8]}})",
+       "tensor w has shape [-2]"},
+      {R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [18446744073709551608, 0]}})",
+       "tensor w needs 8 bytes at [18446744073709551608, 0)"},
+      {R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}})",
+       "tensor w needs 8 bytes at [8, 16) of 8"},
+      {R"({"w": {"dtype": "F32", "shape": [4611686018427387904, 4], "data_offsets": [0, 8]}})",
+       "larger than the file"},
+      {R"({"w": {"dtype": "Q4", "shape": [2], "data_offsets": [0, 8]}})", "unsupported dtype"},
+      {R"({"__metadata__": {"step": 3}})", "metadata step is not a string"},
+  };
+  for (const auto& [header, names] : cases) {
+    write(header, 8);
+    try {
+      read_safetensors(path);
+      ADD_FAILURE() << header << " was accepted";
+    } catch (const CheckpointError& e) {
+      EXPECT_NE(std::string(e.what()).find(names), std::string::npos) << header << ": " << e.what();
+      EXPECT_EQ(e.code(), ExitCode::kCheckpoint);
+    }
+  }
+  write(R"({"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}})", 8);
+  EXPECT_EQ(read_safetensors(path).tensors.at("w").numel(), 2);  // and a good one loads
+}
+
+// A negative data position (or step) in a checkpoint is refused before the model is touched.
+TEST(Checkpoint, NegativePositionIsRefused) {
+  const std::string dir = fresh_dir("mt_negative_position");
+  std::vector<std::string> sets = short_run();
+  sets.push_back("checkpoint.dir=\"" + dir + "\"");
+  sets.push_back("checkpoint.every=4");
+  const Config c = load_config(kTiny, sets);
+  Trainer(c).run({});
+  const std::string file = dir + "/step_00000004.safetensors";
+  SafetensorsFile f = read_safetensors(file);
+  f.metadata["data_position"] = "-5";
+  write_safetensors(file, f);
+  Trainer t(c);
+  const Tensor before = t.model().units()[0].groups[0].params.clone();
+  RunOptions o;
+  o.resume = file;
+  try {
+    t.run(o);
+    ADD_FAILURE() << "a negative data position was accepted";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("data_position -5"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(relative_error(t.model().units()[0].groups[0].params, before), 0.0);
+}
+
 TEST(Train, ResumeIsBitIdentical) {
   const std::string dir = fresh_dir("mt_resume_ckpt");
   std::vector<std::string> sets = short_run();

@@ -71,14 +71,46 @@ void choose_device(mt::Config& c, const std::optional<mt::dist::Rendezvous>& rdv
   c.hardware.device = gpu_ok ? "cuda" : "cpu";
 #if MOETRAIN_HAS_CUDA
   if (gpu_ok && (!launched || rdv->rank == 0))
-    mt::log::info("running on {} (bf16 compute, fp32 master weights){}",
-                  mt::cuda::device_name(0),
+    mt::log::info("running on {} (bf16 compute, fp32 master weights){}", mt::cuda::device_name(0),
                   c.parallel.world > 1 ? fmt::format(", {} ranks over NCCL", c.parallel.world)
                                        : std::string());
   else if (gpus > 0 && !gpu_ok)
     mt::log::info(
         "GPU present; running on the CPU (in-process ranks, more ranks than GPUs, or f64)");
 #endif
+}
+
+// The memory the parameters and their training state need at the least, against what this
+// machine has, before anything is allocated: a size that cannot fit stops here with the estimate
+// instead of minutes later with bad_alloc. Activations and workspaces come on top, so passing
+// this check is necessary, not sufficient (out of GPU memory later exits 6 with the details).
+void check_memory(const mt::Config& c) {
+  const double params = static_cast<double>(mt::count_params(c.model).total);
+  const double world = static_cast<double>(c.parallel.world);
+  double need = 0, have = 0;
+  const char* where = "";
+  if (c.hardware.device == "cuda") {
+#if MOETRAIN_HAS_CUDA
+    // fp32 master weights, gradients and two AdamW moments sharded over the ranks (16 bytes),
+    // and a bf16 compute copy of at least one unit's worth (counted as nothing here).
+    need = params * 16 / world;
+    have = static_cast<double>(mt::cuda::device_memory_bytes());
+    where = "GPU";
+#endif
+  } else {
+    // Weights, gradients and two AdamW moments in the compute dtype; CPU ranks share one host.
+    need = params * 4 * static_cast<double>(mt::dtype_size(c.model.compute_dtype));
+    have =
+        static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
+    where = "host";
+  }
+  if (have > 0 && need > have)
+    throw mt::ConfigError(fmt::format(
+        "config: {:.3g} parameters need at least {:.1f} GiB for weights, gradients and AdamW "
+        "moments, more than this {}'s {:.1f} GiB; fewer layers (model.n_layers), experts "
+        "(model.n_experts), a smaller model.dim, model.moe_dim or model.vocab_size, or more ranks "
+        "(parallel.world) need less",
+        params, need / (1 << 30), where, have / (1 << 30)));
 }
 
 int run_train(const ConfigArgs& a, int64_t steps, const std::string& metrics,
@@ -96,6 +128,7 @@ int run_train(const ConfigArgs& a, int64_t steps, const std::string& metrics,
     throw mt::ConfigError(fmt::format("config: parallel.world = {} but WORLD_SIZE = {}",
                                       c.parallel.world, rdv->world));
   choose_device(c, rdv);
+  check_memory(c);
   mt::RunOptions opt;
   if (steps > 0) opt.steps = steps;
   opt.metrics_path = metrics;
@@ -150,7 +183,8 @@ int main(int argc, char** argv) {
   std::string metrics, resume;
   CLI::App* train = app.add_subcommand("train", "train a model");
   add_config_options(train, train_cfg);
-  train->add_option("--steps", steps, "stop after this step (the LR schedule keeps train.steps)");
+  train->add_option("--steps", steps, "stop after this step (the LR schedule keeps train.steps)")
+      ->check(CLI::PositiveNumber);
   train->add_option("--metrics", metrics, "append one JSON object per step to this file");
   train->add_option("--resume", resume, "checkpoint file, or a checkpoint directory's latest");
   mt::dist::LaunchOptions launch_opt;

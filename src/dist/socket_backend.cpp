@@ -470,7 +470,11 @@ class SocketComm : public Communicator {
   uint64_t seq_ = 0;
 };
 
-int env_int(const char* name, int fallback, bool required) {
+// The integer in environment variable `name`, which must lie in [0, max].
+constexpr long kMaxWorld = 65536;       // as parallel.world (train/config.h)
+constexpr double kMaxTimeoutS = 86400;  // one day
+
+int env_int(const char* name, int fallback, bool required, long max) {
   const char* v = std::getenv(name);
   if (!v) {
     if (required)
@@ -478,9 +482,10 @@ int env_int(const char* name, int fallback, bool required) {
     return fallback;
   }
   char* end = nullptr;
+  errno = 0;
   const long x = std::strtol(v, &end, 10);
-  if (*v == '\0' || *end != '\0' || x < 0)
-    throw ConfigError(fmt::format("launch: {}='{}' is not a non-negative integer", name, v));
+  if (*v == '\0' || *end != '\0' || errno == ERANGE || x < 0 || x > max)
+    throw ConfigError(fmt::format("launch: {}='{}' is not an integer in [0, {}]", name, v, max));
   return static_cast<int>(x);
 }
 
@@ -536,15 +541,23 @@ bool launched_by_env() {
 
 Rendezvous rendezvous_from_env() {
   Rendezvous r;
-  r.world = env_int("WORLD_SIZE", 1, true);
-  r.rank = env_int("RANK", 0, true);
-  r.local_rank = env_int("LOCAL_RANK", r.rank, false);
-  r.master_port = env_int("MASTER_PORT", 29500, r.world > 1);
+  r.world = env_int("WORLD_SIZE", 1, true, kMaxWorld);
+  r.rank = env_int("RANK", 0, true, kMaxWorld);
+  r.local_rank = env_int("LOCAL_RANK", r.rank, false, kMaxWorld);
+  r.master_port = env_int("MASTER_PORT", 29500, r.world > 1, 65535);
   if (const char* a = std::getenv("MASTER_ADDR")) r.master_addr = a;
-  if (const char* t = std::getenv("MOETRAIN_TIMEOUT_S")) r.timeout_s = std::atof(t);
+  if (const char* t = std::getenv("MOETRAIN_TIMEOUT_S")) {
+    char* end = nullptr;
+    r.timeout_s = std::strtod(t, &end);
+    // A day at most: the deadline arithmetic stays far from overflow, and no collective waits
+    // longer than that on purpose.
+    if (*t == '\0' || *end != '\0' || !(r.timeout_s > 0) || r.timeout_s > kMaxTimeoutS)
+      throw ConfigError(
+          fmt::format("launch: MOETRAIN_TIMEOUT_S='{}' must be a number of seconds in (0, {}]", t,
+                      kMaxTimeoutS));
+  }
   if (r.world < 1 || r.rank >= r.world)
     throw ConfigError(fmt::format("launch: RANK={} must be below WORLD_SIZE={}", r.rank, r.world));
-  if (!(r.timeout_s > 0)) throw ConfigError("launch: MOETRAIN_TIMEOUT_S must be > 0");
   return r;
 }
 

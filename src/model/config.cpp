@@ -52,6 +52,31 @@ void ModelConfig::validate() const {
             "config: model.{} = {} must be a multiple of {} with model.expert_recipe = \"{}\" (the "
             "MX blocks run along it)",
             key, v, kMxBlock, ops::expert_recipe_name(expert_precision.recipe)));
+  for (const auto& [key, v] :
+       {std::pair{"rms_norm_eps", rms_norm_eps}, std::pair{"rope_theta", rope_theta}})
+    if (!(v > 0)) throw ConfigError(fmt::format("config: model.{} = {} must be > 0", key, v));
+  if (init_std < 0 || aux_loss_coef < 0 || bias_update_rate < 0)
+    throw ConfigError(
+        "config: model.init_std, model.aux_loss_coef and model.bias_update_rate must be >= 0");
+  // Sizes whose products the engine forms: none may overflow, and none may ask for more than a
+  // machine could hold (2^40 elements in one parameter tensor is 4 TiB in f32).
+  constexpr long double kMaxElements = 1099511627776.0L;  // 2^40
+  const long double n_exp = n_experts;
+  for (const auto& [what, elems] :
+       {std::pair{"model.vocab_size x model.dim (embedding)",
+                  static_cast<long double>(vocab_size) * dim},
+        std::pair{"model.n_experts x model.dim x model.moe_dim (experts of one layer)",
+                  n_exp * dim * moe_dim * 3},
+        std::pair{"model.n_heads x model.head_dim x model.dim (attention of one layer)",
+                  static_cast<long double>(n_heads) * head_dim * dim},
+        std::pair{
+            "model.n_layers x (experts + attention of one layer)",
+            static_cast<long double>(n_layers) *
+                (n_exp * dim * moe_dim * 3 + static_cast<long double>(n_heads) * head_dim * dim)}})
+    if (elems > kMaxElements)
+      throw ConfigError(fmt::format(
+          "config: {} = {:.3g} elements, more than any machine holds (at most 2^40 per tensor)",
+          what, static_cast<double>(elems)));
   if (n_heads % n_kv_heads != 0)
     throw ConfigError(
         fmt::format("config: model.n_heads = {} is not a multiple of model.n_kv_heads = {}",

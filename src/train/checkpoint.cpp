@@ -79,25 +79,58 @@ SafetensorsFile read_safetensors(const std::string& path) {
   } catch (const std::exception& e) {
     throw CheckpointError(fmt::format("checkpoint: '{}' has a corrupt header: {}", path, e.what()));
   }
+  const auto bad = [&](const std::string& what) {
+    return CheckpointError(fmt::format("checkpoint: '{}' is corrupt: {}", path, what));
+  };
+  if (!header.is_object()) throw bad("its header is not a JSON object");
   SafetensorsFile f;
   const uint64_t data_size = size - 8 - hlen;
   for (const auto& [name, info] : header.items()) {
     if (name == "__metadata__") {
-      for (const auto& [k, v] : info.items()) f.metadata[k] = v.get<std::string>();
+      if (!info.is_object()) throw bad("__metadata__ is not an object");
+      for (const auto& [k, v] : info.items()) {
+        if (!v.is_string()) throw bad(fmt::format("metadata {} is not a string", k));
+        f.metadata[k] = v.get<std::string>();
+      }
       continue;
     }
+    // Every field checked before anything is allocated or read.
+    if (!info.is_object() || !info.contains("dtype") || !info.contains("shape") ||
+        !info.contains("data_offsets"))
+      throw bad(fmt::format("tensor {} needs an object with dtype, shape and data_offsets", name));
+    const auto& jd = info.at("dtype");
     DType dt;
-    if (!parse_safetensors_dtype(info.at("dtype").get<std::string>(), &dt))
+    if (!jd.is_string() || !parse_safetensors_dtype(jd.get<std::string>(), &dt))
       throw CheckpointError(fmt::format("checkpoint: '{}': tensor {} has unsupported dtype {}",
-                                        path, name, info.at("dtype").dump()));
-    const Shape shape = info.at("shape").get<Shape>();
-    const auto offsets = info.at("data_offsets").get<std::vector<uint64_t>>();
-    Tensor t = Tensor::empty(shape, dt);
-    if (offsets.size() != 2 || offsets[1] - offsets[0] != t.nbytes() || offsets[1] > data_size)
+                                        path, name, jd.dump()));
+    const auto& js = info.at("shape");
+    if (!js.is_array())
+      throw bad(fmt::format("tensor {} has shape {}, not a list", name, js.dump()));
+    Shape shape;
+    uint64_t numel = 1;
+    for (const auto& d : js) {
+      if (!d.is_number_unsigned())
+        throw bad(
+            fmt::format("tensor {} has shape {}: sizes must be integers >= 0", name, js.dump()));
+      const uint64_t v = d.get<uint64_t>();
+      if (v != 0 && numel > data_size / v)  // more elements than the file has bytes
+        throw bad(fmt::format("tensor {} has shape {}, larger than the file", name, js.dump()));
+      numel *= v;
+      shape.push_back(static_cast<int64_t>(v));
+    }
+    const auto& jo = info.at("data_offsets");
+    if (!jo.is_array() || jo.size() != 2 || !jo[0].is_number_unsigned() ||
+        !jo[1].is_number_unsigned())
+      throw bad(
+          fmt::format("tensor {} has data_offsets {}, not two integers >= 0", name, jo.dump()));
+    const uint64_t begin = jo[0].get<uint64_t>(), end = jo[1].get<uint64_t>();
+    const uint64_t nbytes = numel * dtype_size(dt);
+    if (begin > end || end > data_size || end - begin != nbytes)
       throw CheckpointError(fmt::format(
-          "checkpoint: '{}' is truncated or corrupt: tensor {} needs bytes [{}, {}) of {}", path,
-          name, offsets.empty() ? 0 : offsets[0], offsets.size() < 2 ? 0 : offsets[1], data_size));
-    in.seekg(static_cast<std::streamoff>(8 + hlen + offsets[0]));
+          "checkpoint: '{}' is truncated or corrupt: tensor {} needs {} bytes at [{}, {}) of {}",
+          path, name, nbytes, begin, end, data_size));
+    Tensor t = Tensor::empty(shape, dt);
+    in.seekg(static_cast<std::streamoff>(8 + hlen + begin));
     in.read(static_cast<char*>(t.raw()), static_cast<std::streamsize>(t.nbytes()));
     if (!in) throw CheckpointError(fmt::format("checkpoint: read error in '{}'", path));
     f.tensors.emplace(name, std::move(t));
@@ -186,10 +219,7 @@ TrainState load_checkpoint(const std::string& path_in, Qwen3Moe& model, AdamW& o
                       dtype_name(it->second.dtype()), shape_str(it->second.shape()),
                       dtype_name(t.dtype()), shape_str(t.shape())));
   });
-  for_each_state(model, opt,
-                 [&](const std::string& name, Tensor t) { t.copy_from(f.tensors.at(name)); });
-  for (auto& u : model.units())
-    for (auto& g : u.groups) g.compute = Tensor();  // stale: the next gather casts again
+  // The metadata first: a checkpoint refused here leaves the model as it was.
   TrainState st;
   try {
     st.step = std::stoll(f.metadata.at("step"));
@@ -197,6 +227,14 @@ TrainState load_checkpoint(const std::string& path_in, Qwen3Moe& model, AdamW& o
   } catch (const std::exception&) {
     throw CheckpointError(fmt::format("checkpoint: '{}' lacks step/data_position metadata", path));
   }
+  if (st.step < 0 || st.data_position < 0)
+    throw CheckpointError(
+        fmt::format("checkpoint: '{}' has step {} and data_position {}; both must be >= 0", path,
+                    st.step, st.data_position));
+  for_each_state(model, opt,
+                 [&](const std::string& name, Tensor t) { t.copy_from(f.tensors.at(name)); });
+  for (auto& u : model.units())
+    for (auto& g : u.groups) g.compute = Tensor();  // stale: the next gather casts again
   return st;
 }
 

@@ -2,9 +2,13 @@
 
 #include <toml++/toml.h>
 
+#include <cmath>
+#include <filesystem>
 #include <fstream>
 #include <functional>
+#include <limits>
 #include <sstream>
+#include <utility>
 
 #include "core/error.h"
 
@@ -56,9 +60,11 @@ Field member(const char* sec, const char* key, S Config::*s, T S::*m) {
   return {sec, key, t, [=](Config& c, const Value& v) {
             if constexpr (std::is_same_v<T, bool>)
               (c.*s).*m = v.b;
-            else if constexpr (std::is_integral_v<T>)
+            else if constexpr (std::is_integral_v<T>) {
+              if (!std::in_range<T>(v.i))
+                throw ConfigError(fmt::format("config: {}.{} = {} is out of range", sec, key, v.i));
               (c.*s).*m = static_cast<T>(v.i);
-            else if constexpr (std::is_floating_point_v<T>)
+            } else if constexpr (std::is_floating_point_v<T>)
               (c.*s).*m = v.f;
             else
               (c.*s).*m = v.s;
@@ -199,6 +205,8 @@ Value read_value(const toml::node& node, const Field& f) {
         v.f = node.as_floating_point()->get();
       else
         throw wrong();
+      if (!std::isfinite(v.f))
+        throw ConfigError(fmt::format("config: {} = {} must be a finite number", where, v.f));
       break;
     case FieldType::kBool:
       if (!node.is_boolean()) throw wrong();
@@ -291,6 +299,9 @@ void validate_config(const Config& c) {
   if (t.beta1 < 0 || t.beta1 >= 1 || t.beta2 < 0 || t.beta2 >= 1)
     throw ConfigError("config: train.beta1 and train.beta2 must be in [0, 1)");
   if (t.grad_clip < 0) throw ConfigError("config: train.grad_clip must be >= 0 (0 disables)");
+  if (!(t.eps > 0)) throw ConfigError(fmt::format("config: train.eps = {} must be > 0", t.eps));
+  if (t.weight_decay < 0)
+    throw ConfigError(fmt::format("config: train.weight_decay = {} must be >= 0", t.weight_decay));
   const DataConfig& d = c.data;
   if (d.source == DataSourceKind::kSynthetic) {
     if (d.languages < 1 || d.branching < 1)
@@ -309,8 +320,9 @@ void validate_config(const Config& c) {
     throw ConfigError("config: data.path must name a token file when data.source is not synthetic");
   }
   const ParallelConfig& p = c.parallel;
-  if (p.world < 1)
-    throw ConfigError(fmt::format("config: parallel.world = {} must be >= 1", p.world));
+  if (p.world < 1 || p.world > kMaxWorld)
+    throw ConfigError(
+        fmt::format("config: parallel.world = {} must be in [1, {}]", p.world, kMaxWorld));
   if (p.ep < 1 || p.world % p.ep != 0)
     throw ConfigError(fmt::format(
         "config: parallel.ep = {} must divide parallel.world = {} (valid: divisors of {})", p.ep,
@@ -323,7 +335,9 @@ void validate_config(const Config& c) {
   if (dev != "auto" && dev != "cpu" && dev != "cuda")
     throw ConfigError(
         fmt::format("config: hardware.device = \"{}\" (valid: auto, cpu, cuda)", dev));
-  if (c.hardware.threads < 0) throw ConfigError("config: hardware.threads must be >= 0");
+  if (c.hardware.threads < 0 || c.hardware.threads > kMaxThreads)
+    throw ConfigError(fmt::format("config: hardware.threads = {} must be in [0, {}] (0: all cores)",
+                                  c.hardware.threads, kMaxThreads));
 }
 
 Config parse_config_string(const std::string& text, const std::vector<std::string>& overrides,
@@ -339,6 +353,10 @@ Config parse_config_string(const std::string& text, const std::vector<std::strin
 Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
   std::string text;
   if (!path.empty()) {
+    std::error_code ec;
+    if (std::filesystem::is_directory(path, ec))
+      throw ConfigError(
+          fmt::format("config: '{}' is a directory; --config takes a TOML file", path));
     std::ifstream in(path);
     if (!in) throw ConfigError(fmt::format("config: cannot open '{}'", path));
     std::stringstream ss;

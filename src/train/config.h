@@ -55,6 +55,10 @@ struct HardwareConfig {
 
 // Ranks and expert parallelism (DESIGN.md §4). world > 1 on the CPU runs the ranks as threads of
 // one process (the in-process backend); ep must divide world and model.n_experts.
+// Upper bounds that catch typos before they allocate: ranks in one job, CPU threads per rank.
+inline constexpr int64_t kMaxWorld = 65536;
+inline constexpr int64_t kMaxThreads = 4096;
+
 struct ParallelConfig {
   int64_t world = 1;
   int64_t ep = 1;

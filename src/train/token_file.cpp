@@ -84,6 +84,23 @@ TokenDocuments read_token_file(const std::string& path, int64_t vocab_size) {
                                   path, d.tokens[i], i, vocab_size));
   if (ntok < 2)
     throw DataError(fmt::format("data: '{}' holds {} tokens; needs at least 2", path, ntok));
+  if (has_mask) {
+    uint64_t counted = 0;
+    for (uint64_t doc = 0; doc < docs; ++doc)
+      for (uint64_t i = d.doc_offsets[doc]; i < d.doc_offsets[doc + 1]; ++i) {
+        if (d.loss_mask[i] > 1)
+          throw DataError(fmt::format(
+              "data: '{}': document {} has loss mask value {} at token {} (valid: 0 or 1)", path,
+              doc, d.loss_mask[i], i - d.doc_offsets[doc]));
+        // A token counts when it is a target: not a document's first.
+        counted += d.loss_mask[i] && i > d.doc_offsets[doc];
+      }
+    if (counted == 0)
+      throw DataError(
+          fmt::format("data: '{}': its loss mask counts no target token (every mask is 0 past each "
+                      "document's first token): there is nothing to learn from",
+                      path));
+  }
   return d;
 }
 

@@ -17,6 +17,15 @@ int device_count() {
   return n;
 }
 
+int64_t device_memory_bytes() {
+  size_t free_bytes = 0, total = 0;
+  if (cudaMemGetInfo(&free_bytes, &total) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return 0;
+  }
+  return static_cast<int64_t>(total);
+}
+
 void synchronize() {
   cudaDeviceSynchronize();
 }

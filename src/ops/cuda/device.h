@@ -1,4 +1,5 @@
 #pragma once
+#include <cstdint>
 #include <string>
 
 namespace mt::cuda {
@@ -6,6 +7,8 @@ namespace mt::cuda {
 // Number of visible CUDA devices; 0 when there is no driver or no GPU (never throws).
 int device_count();
 std::string device_name(int index);
+// Total memory of the current device in bytes; 0 when there is none.
+int64_t device_memory_bytes();
 void synchronize();       // waits for all work on the current device
 void clear_last_error();  // forgets the runtime's last (non-sticky) error
 // profile::Span times device work with CUDA events on the thread's stream.
