@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
@@ -194,6 +195,21 @@ TEST(Cli, LaunchEnvironmentOutOfRangeExitsWithCode2) {
     const CliRun r = run_cli("train --config " + tiny + " --steps 1", env);
     EXPECT_EQ(r.code, 2) << env << "\n" << r.err;
     EXPECT_NE(r.err.find(names), std::string::npos) << env << "\n" << r.err;
+  }
+}
+
+// An unusable checkpoint.dir stops the run before its first step (issue 17: it failed after the
+// last one, losing the run).
+TEST(Cli, UnwritableCheckpointDirStopsBeforeTraining) {
+  const std::string tiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
+  const std::string file = (std::filesystem::temp_directory_path() / "mt_ckpt_is_a_file").string();
+  std::ofstream(file) << "x";
+  for (const std::string& dir : {file, std::string("/proc/moetrain_ckpt")}) {
+    const auto start = std::chrono::steady_clock::now();
+    const CliRun r = run_cli("train --config " + tiny + " --set checkpoint.dir=" + dir);
+    EXPECT_EQ(r.code, 2) << dir << "\n" << r.err;
+    EXPECT_NE(r.err.find("checkpoint.dir = '" + dir + "'"), std::string::npos) << r.err;
+    EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(10));  // not trained
   }
 }
 

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string_view>
@@ -220,8 +221,32 @@ StepMetrics Trainer::train_step() {
   return m;
 }
 
+namespace {
+// checkpoint.dir is created and a file written and removed in it before the first step, so that
+// an unusable directory (a regular file, /proc, no permission) stops the run at once rather than
+// after its last step. Each rank tries its own file: ranks share the directory.
+void check_checkpoint_dir(const std::string& dir, int rank) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  fs::create_directories(dir, ec);
+  if (!fs::is_directory(dir))
+    throw ConfigError(fmt::format("config: checkpoint.dir = '{}' is not a directory{}", dir,
+                                  ec ? ": " + ec.message() : ""));
+  const fs::path probe = fs::path(dir) / fmt::format(".moetrain_write_test_{}", rank);
+  {
+    std::ofstream out(probe);
+    out << "moetrain";
+    out.flush();
+    if (!out) throw ConfigError(fmt::format("config: checkpoint.dir = '{}' is not writable", dir));
+  }
+  fs::remove(probe, ec);
+}
+}  // namespace
+
 std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
   const TrainConfig& t = cfg_.train;
+  if (!cfg_.checkpoint.dir.empty())
+    check_checkpoint_dir(cfg_.checkpoint.dir, world_ ? world_->rank() : 0);
   if (!opt.resume.empty()) {
     const TrainState st = load_checkpoint(opt.resume, *model_, *opt_, world_);
     step_ = st.step;
