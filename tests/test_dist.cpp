@@ -4,6 +4,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -414,6 +415,48 @@ TEST(DistCheckpoint, ShardedResumeIsBitIdenticalAndWorldMismatchIsNamed) {
   } catch (const CheckpointError& e) {
     EXPECT_NE(std::string(e.what()).find("parallel.ep = 2"), std::string::npos) << e.what();
   }
+}
+
+// Rank files that disagree (two steps in one directory, or rank 0's file copied as rank 1's)
+// stop every rank at load with the same error, before any collective of training (issue 17:
+// rank 0 finished and rank 1 waited 300 s).
+TEST(DistCheckpoint, RankFilesThatDisagreeStopEveryRank) {
+  namespace fs = std::filesystem;
+  const std::string dir = (fs::temp_directory_path() / "mt_dist_mixed").string();
+  fs::remove_all(dir);
+  std::vector<std::string> sets = small_model(2);
+  sets.push_back("parallel.world=2");
+  sets.push_back("train.steps=4");
+  sets.push_back("checkpoint.dir=\"" + dir + "\"");
+  sets.push_back("checkpoint.every=2");
+  const Config c = parse_config_string("", sets);
+  run_in_process(2, [&](Communicator& comm) { Trainer(c, &comm).run({}); });
+  const fs::path two = fs::path(dir) / "step_00000002", four = fs::path(dir) / "step_00000004";
+  auto resume_fails_on_every_rank = [&](const std::string& names) {
+    std::atomic<int> refused{0};
+    try {
+      run_in_process(2, [&](Communicator& comm) {
+        Trainer t(c, &comm);
+        RunOptions o;
+        o.resume = two.string();
+        try {
+          t.run(o);
+        } catch (const CheckpointError& e) {
+          EXPECT_NE(std::string(e.what()).find(names), std::string::npos) << e.what();
+          ++refused;
+          throw;
+        }
+      });
+    } catch (const CheckpointError&) {
+    }
+    EXPECT_EQ(refused.load(), 2) << names;
+  };
+  fs::copy_file(four / "rank_1.safetensors", two / "rank_1.safetensors",
+                fs::copy_options::overwrite_existing);
+  resume_fails_on_every_rank("different steps: rank 0's is step 2, rank 1's step 4");
+  fs::copy_file(two / "rank_0.safetensors", two / "rank_1.safetensors",
+                fs::copy_options::overwrite_existing);
+  resume_fails_on_every_rank("rank 1 read a file written by rank 0");
 }
 
 }  // namespace

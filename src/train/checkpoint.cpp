@@ -167,6 +167,7 @@ std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
   f.metadata["step"] = std::to_string(st.step);
   f.metadata["data_position"] = std::to_string(st.data_position);
   f.metadata["world"] = std::to_string(multi_rank(world) ? world->size() : 1);
+  f.metadata["rank"] = std::to_string(multi_rank(world) ? world->rank() : 0);
   f.metadata["ep"] = std::to_string(model.mesh() ? model.mesh()->ep_size() : 1);
   write_safetensors(path, f);
   // `latest` moves only once every rank's file is complete.
@@ -176,6 +177,38 @@ std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
                           (multi_rank(world) ? step_name : step_name + ".safetensors") + "\n");
   return multi_rank(world) ? (fs::path(dir) / step_name).string() : path;
 }
+
+namespace {
+// Every rank read its own file; before any rank touches its model or starts a collective of
+// training, they compare what the files say (one all-gather of [step, recorded rank]): files
+// from two different steps, or one rank's file copied as another's, stop every rank with the
+// same error instead of leaving some waiting for a collective the others never start. Files
+// from before the rank was recorded (-1) are only compared by step.
+void check_ranks_agree(const std::string& path, const SafetensorsFile& f, const TrainState& st,
+                       Qwen3Moe& model, AdamW& opt, dist::Communicator& world) {
+  Device device = Device::kCPU;
+  for_each_state(model, opt, [&](const std::string&, const Tensor& t) { device = t.device(); });
+  const auto recorded = f.metadata.find("rank");
+  Tensor mine = Tensor::empty({2}, DType::kI64);
+  mine.data<int64_t>()[0] = st.step;
+  mine.data<int64_t>()[1] = recorded == f.metadata.end() ? -1 : std::stoll(recorded->second);
+  Tensor all = Tensor::empty({2 * world.size()}, DType::kI64, device);
+  world.all_gather(mine.to(device), all);
+  const Tensor host = all.to(Device::kCPU);
+  const int64_t* v = host.data<int64_t>();
+  for (int r = 0; r < world.size(); ++r) {
+    if (v[2 * r] != v[0])
+      throw CheckpointError(fmt::format(
+          "checkpoint: the ranks' files are from different steps: rank 0's is step {}, rank {}'s "
+          "step {} (this rank read '{}'); every rank must resume from the same checkpoint",
+          v[0], r, v[2 * r], path));
+    if (v[2 * r + 1] >= 0 && v[2 * r + 1] != r)
+      throw CheckpointError(
+          fmt::format("checkpoint: rank {} read a file written by rank {} (this rank read '{}')", r,
+                      v[2 * r + 1], path));
+  }
+}
+}  // namespace
 
 TrainState load_checkpoint(const std::string& path_in, Qwen3Moe& model, AdamW& opt,
                            dist::Communicator* world) {
@@ -231,6 +264,7 @@ TrainState load_checkpoint(const std::string& path_in, Qwen3Moe& model, AdamW& o
     throw CheckpointError(
         fmt::format("checkpoint: '{}' has step {} and data_position {}; both must be >= 0", path,
                     st.step, st.data_position));
+  if (multi_rank(world)) check_ranks_agree(path, f, st, model, opt, *world);
   for_each_state(model, opt,
                  [&](const std::string& name, Tensor t) { t.copy_from(f.tensors.at(name)); });
   for (auto& u : model.units())
