@@ -137,6 +137,41 @@ TEST(Checkpoint, NegativePositionIsRefused) {
   EXPECT_EQ(relative_error(t.model().units()[0].groups[0].params, before), 0.0);
 }
 
+// A state that turned non-finite in the update (the step's loss and gradients still finite) is
+// never written as a checkpoint: exit 5 naming the tensor and the last good checkpoint, which
+// stays `latest` (issue 17: it was written, and the NaN exit's advice then pointed at it).
+TEST(Checkpoint, NonFiniteStateIsNeverWritten) {
+  const std::string dir = fresh_dir("mt_nonfinite_ckpt");
+  std::vector<std::string> sets = short_run();
+  sets.push_back("checkpoint.dir=\"" + dir + "\"");
+  sets.push_back("checkpoint.every=1");
+  const Config c = load_config(kTiny, sets);
+  Trainer t(c);
+  RunOptions two;
+  two.steps = 2;
+  t.run(two);
+  // A NaN first moment: step 3's loss and gradients are finite, its update is not.
+  t.optimizer().state()[0].set_item(0, std::nan(""));
+  RunOptions three;
+  three.steps = 3;
+  try {
+    t.run(three);
+    ADD_FAILURE() << "a non-finite state was checkpointed";
+  } catch (const NumericalError& e) {
+    EXPECT_EQ(e.code(), ExitCode::kNumerical);
+    EXPECT_NE(std::string(e.what()).find("step 3: the model's state is not finite"),
+              std::string::npos)
+        << e.what();
+    EXPECT_NE(std::string(e.what()).find("step_00000002.safetensors"), std::string::npos)
+        << e.what();
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir + "/step_00000003.safetensors"));
+  std::ifstream latest(dir + "/latest");
+  std::string name;
+  latest >> name;
+  EXPECT_EQ(name, "step_00000002.safetensors");
+}
+
 TEST(Train, ResumeIsBitIdentical) {
   const std::string dir = fresh_dir("mt_resume_ckpt");
   std::vector<std::string> sets = short_run();

@@ -475,9 +475,23 @@ double relative_error(const Tensor& a_in, const Tensor& b_in) {
 
 bool all_finite(const Tensor& t_in) {
   const Tensor t = t_in.device() == Device::kCPU ? t_in : t_in.to(Device::kCPU);
-  for (int64_t i = 0; i < t.numel(); ++i)
-    if (!std::isfinite(t.item(i))) return false;
-  return true;
+  const auto finite = [&](auto tag) {  // a tight loop: checkpoints check every tensor
+    using T = decltype(tag);
+    const T* p = static_cast<const T*>(t.raw());
+    bool ok = true;
+    for (int64_t i = 0; i < t.numel(); ++i) ok &= std::isfinite(p[i]);
+    return ok;
+  };
+  switch (t.dtype()) {
+    case DType::kF32:
+      return finite(float{});
+    case DType::kF64:
+      return finite(double{});
+    default:
+      for (int64_t i = 0; i < t.numel(); ++i)
+        if (!std::isfinite(t.item(i))) return false;
+      return true;
+  }
 }
 
 }  // namespace mt

@@ -160,9 +160,32 @@ std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
     path = (fs::path(dir) / (step_name + ".safetensors")).string();
   }
   SafetensorsFile f;
+  std::string non_finite;  // the first tensor holding a NaN or infinity
   for_each_state(model, opt, [&](const std::string& name, const Tensor& t) {
-    f.tensors.emplace(name, t.device() == Device::kCPU ? t : t.to(Device::kCPU));
+    const Tensor host = t.device() == Device::kCPU ? t : t.to(Device::kCPU);
+    if (non_finite.empty() && !all_finite(host)) non_finite = name;
+    f.tensors.emplace(name, host);
   });
+  // Never a poisoned checkpoint: every rank learns whether any rank's state is non-finite (a
+  // sum over the ranks), and all of them stop with the same error, keeping the last good one.
+  Tensor flag = Tensor::empty({1}, DType::kF64);
+  flag.data<double>()[0] = non_finite.empty() ? 0.0 : 1.0;
+  if (multi_rank(world)) {
+    Device device = Device::kCPU;
+    for_each_state(model, opt, [&](const std::string&, const Tensor& t) { device = t.device(); });
+    Tensor shared = flag.to(device);
+    world->all_reduce(shared);
+    flag = shared.to(Device::kCPU);
+  }
+  if (flag.data<double>()[0] > 0) {
+    std::string last = "none";
+    if (std::ifstream latest(fs::path(dir) / "latest"); latest) latest >> last;
+    throw NumericalError(fmt::format(
+        "step {}: the model's state is not finite ({}{}); no checkpoint is written for this "
+        "step, and '{}' (in {}) stays the last good one",
+        st.step, non_finite.empty() ? "on another rank" : "tensor " + non_finite,
+        multi_rank(world) ? fmt::format(", rank {}", world->rank()) : "", last, dir));
+  }
   f.metadata["format"] = "moetrain-checkpoint-1";
   f.metadata["step"] = std::to_string(st.step);
   f.metadata["data_position"] = std::to_string(st.data_position);
