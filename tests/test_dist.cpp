@@ -1,10 +1,13 @@
 // Distributed training on in-process ranks: the collectives, the mesh, the expert exchange, and
 // the proof that any (world, ep) reproduces the single-rank loss, gradients and parameters.
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -12,6 +15,7 @@
 #include <mutex>
 #include <nlohmann/json.hpp>
 #include <sstream>
+#include <thread>
 
 #include "dist/communicator.h"
 #include "dist/mesh.h"
@@ -501,6 +505,60 @@ TEST(Launch, ADeadRankStopsTheJobWithItsName) {
   // dead rank's 17, or rank 0's 1 after it saw rank 1 disconnect).
   EXPECT_TRUE(p.code == 17 || p.code == 1) << p.code << "\n" << p.output;
   EXPECT_NE(p.output.find("rank 1 exited with code 17"), std::string::npos) << p.output;
+}
+
+// The launched ranks of a launcher, from /proc (its children), and whether a process is gone
+// (no such pid, or a zombie nobody reaps in a container).
+std::vector<pid_t> children_of(pid_t parent) {
+  std::vector<pid_t> out;
+  std::ifstream in("/proc/" + std::to_string(parent) + "/task/" + std::to_string(parent) +
+                   "/children");
+  for (pid_t p; in >> p;) out.push_back(p);
+  return out;
+}
+bool gone(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string pid_field, comm, state;
+  if (!(stat >> pid_field >> comm >> state)) return true;
+  return state == "Z" || state == "X";
+}
+
+// Issue 17: killing `moetrain launch` left its ranks training. SIGTERM is forwarded (the
+// launcher exits 143 once its ranks stopped); after SIGKILL, which it cannot forward, the ranks
+// die with it (parent-death signal).
+TEST(Launch, RanksDieWithTheirLauncher) {
+  const std::string long_run = std::string(" train --config ") + MOETRAIN_SOURCE_DIR +
+                               "/configs/tiny.toml --set parallel.ep=2 --set train.steps=100000";
+  for (int sig : {SIGTERM, SIGKILL}) {
+    const pid_t launcher = ::fork();
+    ASSERT_GE(launcher, 0);
+    if (launcher == 0) {
+      const std::string cmd = std::string("exec ") + MOETRAIN_BINARY + " launch -n 2 --" +
+                              long_run + " >/dev/null 2>&1";
+      ::execl("/bin/sh", "sh", "-c", cmd.c_str(), static_cast<char*>(nullptr));
+      std::_Exit(127);
+    }
+    std::vector<pid_t> ranks;
+    for (int i = 0; i < 100 && ranks.size() < 2; ++i) {  // up to 10 s for both ranks to start
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));
+      ranks = children_of(launcher);
+    }
+    ASSERT_EQ(ranks.size(), 2u) << "signal " << sig;
+    std::this_thread::sleep_for(std::chrono::seconds(1));  // training, past the rendezvous
+    ::kill(launcher, sig);
+    int status = 0;
+    ::waitpid(launcher, &status, 0);
+    if (sig == SIGTERM) {
+      EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM) << status;
+    }
+    bool all_gone = false;
+    for (int i = 0; i < 100 && !all_gone; ++i) {  // up to 10 s
+      all_gone = std::all_of(ranks.begin(), ranks.end(), gone);
+      if (!all_gone) std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    }
+    EXPECT_TRUE(all_gone) << "signal " << sig << ": ranks outlived their launcher";
+    for (pid_t p : ranks) ::kill(p, SIGKILL);  // never leave one behind
+  }
 }
 
 TEST(SocketBackend, TheSurvivorsNameTheDeadRank) {

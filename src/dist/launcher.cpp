@@ -2,6 +2,7 @@
 
 #include <netinet/in.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -46,6 +47,12 @@ int exit_code_of(int status) {
   return 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
 }
 
+// SIGINT or SIGTERM received by the launcher (0: none): it is forwarded to every rank.
+volatile sig_atomic_t g_forward_signal = 0;
+void remember_signal(int sig) {
+  g_forward_signal = sig;
+}
+
 }  // namespace
 
 int launch_local(const LaunchOptions& opt) {
@@ -53,12 +60,25 @@ int launch_local(const LaunchOptions& opt) {
   if (opt.args.empty())
     throw ConfigError("launch: nothing to run (usage: launch -n N -- train ...)");
   const int port = opt.master_port ? opt.master_port : free_port();
+  // No SA_RESTART: the signal interrupts waitpid, and the loop below forwards it.
+  struct sigaction forward {};
+  forward.sa_handler = remember_signal;
+  sigemptyset(&forward.sa_mask);
+  ::sigaction(SIGINT, &forward, nullptr);
+  ::sigaction(SIGTERM, &forward, nullptr);
+  const pid_t launcher = ::getpid();
   std::vector<pid_t> pids(opt.nproc, -1);
   for (int r = 0; r < opt.nproc; ++r) {
     const pid_t pid = ::fork();
     if (pid < 0)
       throw Error(ExitCode::kInternal, fmt::format("launch: fork: {}", std::strerror(errno)));
     if (pid == 0) {
+      // A rank dies with its launcher, however the launcher ends (even SIGKILL); if the
+      // launcher is already gone, the rank does not start.
+      ::prctl(PR_SET_PDEATHSIG, SIGTERM);
+      if (::getppid() != launcher) std::_Exit(128 + SIGTERM);
+      ::signal(SIGINT, SIG_DFL);
+      ::signal(SIGTERM, SIG_DFL);
       ::setenv("RANK", std::to_string(r).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
       ::setenv("WORLD_SIZE", std::to_string(opt.nproc).c_str(), 1);
@@ -80,6 +100,17 @@ int launch_local(const LaunchOptions& opt) {
   bool stopping = false;
   auto deadline = std::chrono::steady_clock::now();
   while (running > 0) {
+    if (const int sig = g_forward_signal; sig != 0 && !stopping) {
+      std::fprintf(stderr, "moetrain launch: %s received; stopping %d rank(s)\n", strsignal(sig),
+                   running);
+      result = 128 + sig;
+      stopping = true;
+      deadline = std::chrono::steady_clock::now() +
+                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                     std::chrono::duration<double>(opt.grace_s));
+      for (pid_t p : pids)
+        if (p > 0) ::kill(p, sig);
+    }
     int status = 0;
     const pid_t pid = ::waitpid(-1, &status, stopping ? WNOHANG : 0);
     if (pid == 0) {  // stopping, nobody exited yet
@@ -99,8 +130,9 @@ int launch_local(const LaunchOptions& opt) {
     pids[rank] = -1;
     --running;
     const bool failed = !WIFEXITED(status) || WEXITSTATUS(status) != 0;
-    const bool our_kill = stopping && WIFSIGNALED(status) &&
-                          (WTERMSIG(status) == SIGTERM || WTERMSIG(status) == SIGKILL);
+    const bool our_kill =
+        stopping && WIFSIGNALED(status) &&
+        (WTERMSIG(status) == SIGTERM || WTERMSIG(status) == SIGKILL || WTERMSIG(status) == SIGINT);
     // Every failure is reported: when two ranks die close together, reap order is not cause.
     if (failed && !our_kill)
       std::fprintf(stderr, "moetrain launch: rank %d %s%s\n", rank, describe(status).c_str(),
