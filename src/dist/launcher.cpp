@@ -99,17 +99,21 @@ int launch_local(const LaunchOptions& opt) {
   int result = 0, running = opt.nproc;
   bool stopping = false;
   auto deadline = std::chrono::steady_clock::now();
+  // Sends `sig` to every rank still running; after the grace period they get SIGKILL.
+  const auto stop_all = [&](int sig, int exit_code) {
+    result = exit_code;
+    stopping = true;
+    deadline = std::chrono::steady_clock::now() +
+               std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+                   std::chrono::duration<double>(opt.grace_s));
+    for (pid_t p : pids)
+      if (p > 0) ::kill(p, sig);
+  };
   while (running > 0) {
     if (const int sig = g_forward_signal; sig != 0 && !stopping) {
       std::fprintf(stderr, "moetrain launch: %s received; stopping %d rank(s)\n", strsignal(sig),
                    running);
-      result = 128 + sig;
-      stopping = true;
-      deadline = std::chrono::steady_clock::now() +
-                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                     std::chrono::duration<double>(opt.grace_s));
-      for (pid_t p : pids)
-        if (p > 0) ::kill(p, sig);
+      stop_all(sig, 128 + sig);
     }
     int status = 0;
     const pid_t pid = ::waitpid(-1, &status, stopping ? WNOHANG : 0);
@@ -137,15 +141,7 @@ int launch_local(const LaunchOptions& opt) {
     if (failed && !our_kill)
       std::fprintf(stderr, "moetrain launch: rank %d %s%s\n", rank, describe(status).c_str(),
                    stopping ? "" : fmt::format("; stopping the other {} rank(s)", running).c_str());
-    if (failed && !stopping) {
-      result = exit_code_of(status);
-      stopping = true;
-      deadline = std::chrono::steady_clock::now() +
-                 std::chrono::duration_cast<std::chrono::steady_clock::duration>(
-                     std::chrono::duration<double>(opt.grace_s));
-      for (pid_t p : pids)
-        if (p > 0) ::kill(p, SIGTERM);
-    }
+    if (failed && !stopping) stop_all(SIGTERM, exit_code_of(status));
   }
   return result;
 }
