@@ -561,6 +561,23 @@ TEST(Launch, RanksDieWithTheirLauncher) {
   }
 }
 
+// A WORLD_SIZE larger than the ranks started: rank 0 names the ranks that never arrived when
+// its rendezvous times out (issue 17: it waited and named none).
+TEST(SocketBackend, RendezvousNamesTheRanksThatNeverArrived) {
+  const int port = testing::free_port();
+  const auto start = std::chrono::steady_clock::now();
+  const Proc p =
+      run_cmd("WORLD_SIZE=3 RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
+              " MOETRAIN_TIMEOUT_S=2 timeout 60 " + std::string(MOETRAIN_BINARY) +
+              " train --config " + MOETRAIN_SOURCE_DIR + "/configs/tiny.toml --steps 1");
+  EXPECT_NE(p.code, 0);
+  EXPECT_NE(p.code, 124) << "hung";
+  EXPECT_NE(p.output.find("only 1 of 3 ranks connected within 2 s; rank(s) 1, 2 never did"),
+            std::string::npos)
+      << p.output;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+}
+
 TEST(SocketBackend, TheSurvivorsNameTheDeadRank) {
   // Two ranks started by hand (as torchrun would), no launcher to stop the survivor: rank 0
   // must fail on its own, naming rank 1, long before the collective timeout.

@@ -1,6 +1,7 @@
 #include "dist/socket_backend.h"
 
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -193,10 +194,16 @@ class Hub {
                                              std::chrono::duration<double>(timeout_s_));
     for (int joined = 0; joined < world_;) {
       pollfd pfd{listen_fd_, POLLIN, 0};
-      if (Clock::now() > deadline)
-        throw Error(ExitCode::kInternal,
-                    fmt::format("rendezvous: only {} of {} ranks connected within {:.0f} s", joined,
-                                world_, timeout_s_));
+      if (Clock::now() > deadline) {
+        std::string missing;
+        for (int r = 0; r < world_; ++r)
+          if (fds_[r] < 0) missing += (missing.empty() ? "" : ", ") + std::to_string(r);
+        throw Error(
+            ExitCode::kInternal,
+            fmt::format("rendezvous: only {} of {} ranks connected within {:.0f} s; rank(s) "
+                        "{} never did (WORLD_SIZE={}: were they started?)",
+                        joined, world_, timeout_s_, missing, world_));
+      }
       if (::poll(&pfd, 1, 200) <= 0) continue;
       const int fd = ::accept(listen_fd_, nullptr, nullptr);
       if (fd < 0) continue;
@@ -516,7 +523,22 @@ int connect_to(const Rendezvous& r) {
                                            std::chrono::duration<double>(r.timeout_s));
   while (true) {  // rank 0 may not be listening yet
     const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-    if (::connect(fd, res->ai_addr, res->ai_addrlen) == 0) {
+    // Non-blocking, so that a host that drops the SYNs costs at most the deadline (a blocking
+    // connect waits for the kernel's own retries, minutes).
+    const int flags = ::fcntl(fd, F_GETFL, 0);
+    ::fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+    bool connected = ::connect(fd, res->ai_addr, res->ai_addrlen) == 0;
+    if (!connected && errno == EINPROGRESS) {
+      const auto left =
+          std::chrono::duration_cast<std::chrono::milliseconds>(deadline - Clock::now()).count();
+      pollfd pfd{fd, POLLOUT, 0};
+      int error = 0;
+      socklen_t len = sizeof(error);
+      connected = ::poll(&pfd, 1, static_cast<int>(std::clamp<int64_t>(left, 0, 1000))) == 1 &&
+                  ::getsockopt(fd, SOL_SOCKET, SO_ERROR, &error, &len) == 0 && error == 0;
+    }
+    if (connected) {
+      ::fcntl(fd, F_SETFL, flags);
       ::freeaddrinfo(res);
       const int one = 1;
       ::setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof(one));
@@ -578,7 +600,10 @@ std::unique_ptr<Communicator> connect_socket_world(const Rendezvous& r) {
   send_msg(conn->fd, Header{kMagic, static_cast<uint32_t>(Op::kHello), 0, 0, 0, 0}, hello);
   Header h;
   std::string reply;
-  if (!recv_msg(conn->fd, h, reply, r.timeout_s, "the rendezvous") || h.status != 0)
+  // A little longer than the hub waits for the ranks: when some never come, its message naming
+  // them arrives here first.
+  constexpr double kHubGraceS = 5;
+  if (!recv_msg(conn->fd, h, reply, r.timeout_s + kHubGraceS, "the rendezvous") || h.status != 0)
     throw Error(ExitCode::kInternal, fmt::format("rank {}: rendezvous failed: {}", r.rank,
                                                  reply.empty() ? "closed" : reply));
   return std::make_unique<SocketComm>(conn, 0, r.rank, r.world);
