@@ -213,6 +213,35 @@ TEST(Cli, UnwritableCheckpointDirStopsBeforeTraining) {
   }
 }
 
+// A new run into a directory that holds checkpoints is refused without --resume or --overwrite
+// (issue 17: it silently moved `latest` back and overwrote step files).
+TEST(Cli, ANewRunDoesNotOverwriteCheckpointsUnlessAsked) {
+  const std::string tiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
+  const std::string dir =
+      (std::filesystem::temp_directory_path() / ("mt_existing_" + std::to_string(getpid())))
+          .string();
+  std::filesystem::remove_all(dir);
+  const std::string run = "train --config " + tiny +
+                          " --set train.seq_len=32 --set train.batch_rows=2"
+                          " --set checkpoint.every=2 --set checkpoint.dir=" +
+                          dir + " --steps 2";
+  ASSERT_EQ(run_cli(run).code, 0);
+  const CliRun again = run_cli(run);
+  EXPECT_EQ(again.code, 2) << again.err;
+  EXPECT_NE(again.err.find("already holds checkpoints (latest: step_00000002.safetensors)"),
+            std::string::npos)
+      << again.err;
+  EXPECT_NE(again.err.find("--resume " + dir), std::string::npos) << again.err;
+  EXPECT_EQ(run_cli(run + " --overwrite").code, 0);
+  EXPECT_EQ(run_cli("train --config " + tiny +
+                    " --set train.seq_len=32 --set train.batch_rows=2 --set checkpoint.every=2"
+                    " --set checkpoint.dir=" +
+                    dir + " --steps 4 --resume " + dir)
+                .code,
+            0);
+  std::filesystem::remove_all(dir);
+}
+
 // A model whose parameters and AdamW state alone exceed the host stops before allocating, with
 // the estimate and the settings that need less.
 TEST(Cli, AModelLargerThanTheHostIsRefusedWithTheEstimate) {

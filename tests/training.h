@@ -19,11 +19,15 @@ struct ResumeRuns {
 // c trains its train.steps and checkpoints into `dir` at step `stop` (checkpoint.every).
 inline ResumeRuns straight_and_resumed(const Config& c, const std::string& dir, int64_t stop) {
   ResumeRuns r;
+  // The helper owns `dir`: both fresh runs start over there.
+  RunOptions fresh;
+  fresh.existing = ExistingCheckpoints::kOverwrite;
   r.straight = std::make_unique<Trainer>(c);
-  r.straight_steps = r.straight->run({});
+  r.straight_steps = r.straight->run(fresh);
   Trainer first(c);
   RunOptions stop_early;
   stop_early.steps = stop;
+  stop_early.existing = ExistingCheckpoints::kOverwrite;
   first.run(stop_early);
   r.resumed = std::make_unique<Trainer>(c);
   RunOptions resume;

@@ -1,5 +1,6 @@
 // The moetrain binary. Subcommands:
 //   train  --config F [--set section.key=value ...] [--steps N] [--metrics P] [--resume C]
+//          [--overwrite]
 //   launch -n N -- train ...     : N processes on this host, one rank each (torchrun's env)
 //   flops  --config F [--set ...] : parameter counts and training FLOPs per token
 // Exit codes: 0 ok, 1 internal error, 2 config/usage, 3 data, 4 checkpoint, 5 NaN/Inf.
@@ -113,8 +114,7 @@ void check_memory(const mt::Config& c) {
         params, need / (1 << 30), where, have / (1 << 30)));
 }
 
-int run_train(const ConfigArgs& a, int64_t steps, const std::string& metrics,
-              const std::string& resume) {
+int run_train(const ConfigArgs& a, mt::RunOptions opt) {
   // Started by `moetrain launch` or torchrun: one process per rank, the world from the env.
   std::optional<mt::dist::Rendezvous> rdv;
   std::vector<std::string> overrides = a.overrides;
@@ -129,10 +129,6 @@ int run_train(const ConfigArgs& a, int64_t steps, const std::string& metrics,
                                       c.parallel.world, rdv->world));
   choose_device(c, rdv);
   check_memory(c);
-  mt::RunOptions opt;
-  if (steps > 0) opt.steps = steps;
-  opt.metrics_path = metrics;
-  opt.resume = resume;
   opt.progress_bar = isatty(fileno(stderr));
   auto train = [&](mt::dist::Communicator* world) {
     mt::Trainer trainer(c, world);
@@ -180,13 +176,18 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   ConfigArgs train_cfg, flops_cfg;
   int64_t steps = 0;
-  std::string metrics, resume;
+  bool overwrite = false;
+  mt::RunOptions run_opt;
   CLI::App* train = app.add_subcommand("train", "train a model");
   add_config_options(train, train_cfg);
   train->add_option("--steps", steps, "stop after this step (the LR schedule keeps train.steps)")
       ->check(CLI::PositiveNumber);
-  train->add_option("--metrics", metrics, "append one JSON object per step to this file");
-  train->add_option("--resume", resume, "checkpoint file, or a checkpoint directory's latest");
+  train->add_option("--metrics", run_opt.metrics_path,
+                    "append one JSON object per step to this file");
+  train->add_option("--resume", run_opt.resume,
+                    "checkpoint file, or a checkpoint directory's latest");
+  train->add_flag("--overwrite", overwrite,
+                  "start a new run in a checkpoint.dir that already holds checkpoints");
   mt::dist::LaunchOptions launch_opt;
   CLI::App* launch =
       app.add_subcommand("launch", "start N ranks on this host: launch -n N -- train ...");
@@ -204,7 +205,11 @@ int main(int argc, char** argv) {
     return static_cast<int>(mt::ExitCode::kConfig);
   }
   try {
-    if (*train) return run_train(train_cfg, steps, metrics, resume);
+    if (*train) {
+      if (steps > 0) run_opt.steps = steps;
+      if (overwrite) run_opt.existing = mt::ExistingCheckpoints::kOverwrite;
+      return run_train(train_cfg, run_opt);
+    }
     if (*launch) return mt::dist::launch_local(launch_opt);
     if (*flops) return run_flops(flops_cfg);
   } catch (const mt::Error& e) {

@@ -27,10 +27,15 @@ struct StepMetrics {
   double exchange_ms = 0;
 };
 
+// What a new run does with a checkpoint.dir that already holds checkpoints (a `latest`):
+// refuse (the default: its `latest` and step files would be overwritten), or start over there.
+enum class ExistingCheckpoints { kRefuse, kOverwrite };
+
 struct RunOptions {
   std::optional<int64_t> steps;  // overrides train.steps (the schedule keeps train.steps)
   std::string metrics_path;      // JSON lines
   std::string resume;            // checkpoint file or directory
+  ExistingCheckpoints existing = ExistingCheckpoints::kRefuse;
   bool progress_bar = false;
 };
 
