@@ -3,6 +3,7 @@
 // NaN losses fail with clear errors and the right exit codes.
 #include <gtest/gtest.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <cmath>
 #include <filesystem>
@@ -21,8 +22,9 @@ namespace {
 
 const std::string kTiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
 
+// A path of this process's own (two test runs at once must not share files), emptied.
 std::string fresh_dir(const std::string& name) {
-  const auto p = std::filesystem::temp_directory_path() / name;
+  const auto p = std::filesystem::temp_directory_path() / (std::to_string(getpid()) + "_" + name);
   std::filesystem::remove_all(p);
   return p.string();
 }
