@@ -15,6 +15,7 @@ DEB_PACKAGES=(
   nlohmann-json3-dev    # 3.11.2 safetensors headers, HF config.json
   libfmt-dev            # 9.1.0  formatting
   libspdlog-dev         # 1.10.0 logging
+  libxxhash-dev         # 0.8.1  checkpoint checksums (header-only use)
   libgtest-dev libgmock-dev googletest  # 1.12.1 tests
   libbenchmark-dev      # 1.7.1  micro benchmarks
 )

@@ -114,6 +114,54 @@ TEST(Checkpoint, MalformedSafetensorsHeadersAreNamedWithExitCode4) {
   EXPECT_EQ(read_safetensors(path).tensors.at("w").numel(), 2);  // and a good one loads
 }
 
+// A flipped byte inside a tensor is named by its checksum (issue 17: it loaded silently).
+TEST(Checkpoint, ACorruptTensorFailsItsChecksum) {
+  const std::string dir = fresh_dir("mt_checksum");
+  std::vector<std::string> sets = short_run();
+  sets.push_back("checkpoint.dir=\"" + dir + "\"");
+  sets.push_back("checkpoint.every=4");
+  const Config c = load_config(kTiny, sets);
+  Trainer(c).run({});
+  const std::string file = dir + "/step_00000004.safetensors";
+  // Where layers.0 dense shard's bytes lie: from the header's offsets.
+  std::ifstream in(file, std::ios::binary);
+  uint64_t hlen = 0;
+  in.read(reinterpret_cast<char*>(&hlen), 8);
+  std::string header(hlen, '\0');
+  in.read(header.data(), static_cast<std::streamsize>(hlen));
+  in.close();
+  const auto j = nlohmann::json::parse(header);
+  std::string victim;
+  for (const auto& [name, info] : j.items())
+    if (name != "__metadata__" && info.at("data_offsets")[1].get<uint64_t>() >
+                                      info.at("data_offsets")[0].get<uint64_t>() + 64) {
+      victim = name;
+      break;
+    }
+  ASSERT_FALSE(victim.empty());
+  const uint64_t at = 8 + hlen + j.at(victim).at("data_offsets")[0].get<uint64_t>() + 17;
+  {
+    std::fstream f(file, std::ios::in | std::ios::out | std::ios::binary);
+    f.seekg(static_cast<std::streamoff>(at));
+    char byte = 0;
+    f.read(&byte, 1);
+    byte ^= 0x10;
+    f.seekp(static_cast<std::streamoff>(at));
+    f.write(&byte, 1);
+  }
+  Trainer t(c);
+  RunOptions o;
+  o.resume = file;
+  try {
+    t.run(o);
+    ADD_FAILURE() << "a corrupt tensor was loaded";
+  } catch (const CheckpointError& e) {
+    EXPECT_NE(std::string(e.what()).find("tensor " + victim + " fails its checksum"),
+              std::string::npos)
+        << e.what();
+  }
+}
+
 // A negative data position (or step) in a checkpoint is refused before the model is touched.
 TEST(Checkpoint, NegativePositionIsRefused) {
   const std::string dir = fresh_dir("mt_negative_position");

@@ -6,6 +6,10 @@
 #include <nlohmann/json.hpp>
 #include <sstream>
 
+// Header-only: the checksums need no library at run time (the GPU machine has none).
+#define XXH_INLINE_ALL
+#include <xxhash.h>
+
 #include "core/atomic_file.h"
 #include "core/error.h"
 
@@ -139,6 +143,15 @@ SafetensorsFile read_safetensors(const std::string& path) {
 }
 
 namespace {
+// Each tensor's bytes hashed (XXH3, 64 bits) into the metadata as "xxh3.<name>", checked on load:
+// a flipped bit anywhere in a tensor is named instead of trained on.
+std::string checksum_key(const std::string& name) {
+  return "xxh3." + name;
+}
+std::string checksum(const Tensor& host) {
+  return fmt::format("{:016x}", XXH3_64bits(host.raw(), host.nbytes()));
+}
+
 bool multi_rank(const dist::Communicator* world) {
   return world && world->size() > 1;
 }
@@ -164,6 +177,7 @@ std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
   for_each_state(model, opt, [&](const std::string& name, const Tensor& t) {
     const Tensor host = t.device() == Device::kCPU ? t : t.to(Device::kCPU);
     if (non_finite.empty() && !all_finite(host)) non_finite = name;
+    f.metadata[checksum_key(name)] = checksum(host);
     f.tensors.emplace(name, host);
   });
   // Never a poisoned checkpoint: every rank learns whether any rank's state is non-finite (a
@@ -274,6 +288,15 @@ TrainState load_checkpoint(const std::string& path_in, Qwen3Moe& model, AdamW& o
           fmt::format("checkpoint: '{}': tensor {} is {} {}, the model expects {} {}", path, name,
                       dtype_name(it->second.dtype()), shape_str(it->second.shape()),
                       dtype_name(t.dtype()), shape_str(t.shape())));
+    // Checkpoints written before checksums carry none; theirs is not checked.
+    if (const auto sum = f.metadata.find(checksum_key(name)); sum != f.metadata.end()) {
+      const std::string computed = checksum(it->second);
+      if (computed != sum->second)
+        throw CheckpointError(fmt::format(
+            "checkpoint: '{}': tensor {} fails its checksum (stored {}, computed {}): the file is "
+            "corrupt",
+            path, name, sum->second, computed));
+    }
   });
   // The metadata first: a checkpoint refused here leaves the model as it was.
   TrainState st;

@@ -125,9 +125,9 @@ __global__ void __launch_bounds__(kQuantizeThreads)
 // dim1 tiles: 128 rows (four blocks) x 64 columns of one matrix, staged in shared memory by
 // coalesced 16-byte accesses; then adjacent lanes walk the blocks of one column, so that a
 // column's 128 transposed bytes (one line) are written (quantize) or read (dequantize) by
-// neighbouring lanes. Rows 16 apart map onto the same
-// banks; word columns are XOR-swizzled by 4 * (row / 16) so the lanes of a warp, which walk
-// different 16-row groups, read different banks (the swizzle keeps 16-byte chunks whole).
+// neighbouring lanes. Rows 16 apart map onto the same banks; word columns are XOR-swizzled by
+// 4 * (row / 16) so the lanes of a warp, which walk different 16-row groups, read different
+// banks (the swizzle keeps 16-byte chunks whole).
 template <class T, int kColumns>
 struct Dim1Tile {
   static constexpr int kRows = 4 * kMxBlock;
