@@ -65,6 +65,26 @@ std::vector<std::string> short_run() {
           "model.bias_update_rate=0.001"};
 }
 
+// The short run, checkpointing into `dir` every `every` steps.
+Config checkpointing_run(const std::string& dir, int every) {
+  std::vector<std::string> sets = short_run();
+  sets.push_back("checkpoint.dir=\"" + dir + "\"");
+  sets.push_back("checkpoint.every=" + std::to_string(every));
+  return load_config(kTiny, sets);
+}
+
+// The message of the CheckpointError that resuming `t` from `file` throws, or "no error".
+std::string resume_error(Trainer& t, const std::string& file) {
+  RunOptions o;
+  o.resume = file;
+  try {
+    t.run(o);
+  } catch (const CheckpointError& e) {
+    return e.what();
+  }
+  return "no error";
+}
+
 std::vector<Tensor> all_state(Trainer& t) {
   std::vector<Tensor> s;
   for (auto& u : t.model().units())
@@ -117,13 +137,10 @@ TEST(Checkpoint, MalformedSafetensorsHeadersAreNamedWithExitCode4) {
 // A flipped byte inside a tensor is named by its checksum (issue 17: it loaded silently).
 TEST(Checkpoint, ACorruptTensorFailsItsChecksum) {
   const std::string dir = fresh_dir("mt_checksum");
-  std::vector<std::string> sets = short_run();
-  sets.push_back("checkpoint.dir=\"" + dir + "\"");
-  sets.push_back("checkpoint.every=4");
-  const Config c = load_config(kTiny, sets);
+  const Config c = checkpointing_run(dir, 4);
   Trainer(c).run({});
   const std::string file = dir + "/step_00000004.safetensors";
-  // Where layers.0 dense shard's bytes lie: from the header's offsets.
+  // The first tensor of more than 64 bytes, from the header's offsets.
   std::ifstream in(file, std::ios::binary);
   uint64_t hlen = 0;
   in.read(reinterpret_cast<char*>(&hlen), 8);
@@ -150,25 +167,14 @@ TEST(Checkpoint, ACorruptTensorFailsItsChecksum) {
     f.write(&byte, 1);
   }
   Trainer t(c);
-  RunOptions o;
-  o.resume = file;
-  try {
-    t.run(o);
-    ADD_FAILURE() << "a corrupt tensor was loaded";
-  } catch (const CheckpointError& e) {
-    EXPECT_NE(std::string(e.what()).find("tensor " + victim + " fails its checksum"),
-              std::string::npos)
-        << e.what();
-  }
+  const std::string e = resume_error(t, file);
+  EXPECT_NE(e.find("tensor " + victim + " fails its checksum"), std::string::npos) << e;
 }
 
 // A negative data position (or step) in a checkpoint is refused before the model is touched.
 TEST(Checkpoint, NegativePositionIsRefused) {
   const std::string dir = fresh_dir("mt_negative_position");
-  std::vector<std::string> sets = short_run();
-  sets.push_back("checkpoint.dir=\"" + dir + "\"");
-  sets.push_back("checkpoint.every=4");
-  const Config c = load_config(kTiny, sets);
+  const Config c = checkpointing_run(dir, 4);
   Trainer(c).run({});
   const std::string file = dir + "/step_00000004.safetensors";
   SafetensorsFile f = read_safetensors(file);
@@ -176,14 +182,8 @@ TEST(Checkpoint, NegativePositionIsRefused) {
   write_safetensors(file, f);
   Trainer t(c);
   const Tensor before = t.model().units()[0].groups[0].params.clone();
-  RunOptions o;
-  o.resume = file;
-  try {
-    t.run(o);
-    ADD_FAILURE() << "a negative data position was accepted";
-  } catch (const CheckpointError& e) {
-    EXPECT_NE(std::string(e.what()).find("data_position -5"), std::string::npos) << e.what();
-  }
+  const std::string e = resume_error(t, file);
+  EXPECT_NE(e.find("data_position -5"), std::string::npos) << e;
   EXPECT_EQ(relative_error(t.model().units()[0].groups[0].params, before), 0.0);
 }
 
@@ -192,11 +192,7 @@ TEST(Checkpoint, NegativePositionIsRefused) {
 // stays `latest` (issue 17: it was written, and the NaN exit's advice then pointed at it).
 TEST(Checkpoint, NonFiniteStateIsNeverWritten) {
   const std::string dir = fresh_dir("mt_nonfinite_ckpt");
-  std::vector<std::string> sets = short_run();
-  sets.push_back("checkpoint.dir=\"" + dir + "\"");
-  sets.push_back("checkpoint.every=1");
-  const Config c = load_config(kTiny, sets);
-  Trainer t(c);
+  Trainer t(checkpointing_run(dir, 1));
   RunOptions two;
   two.steps = 2;
   t.run(two);
@@ -216,10 +212,7 @@ TEST(Checkpoint, NonFiniteStateIsNeverWritten) {
         << e.what();
   }
   EXPECT_FALSE(std::filesystem::exists(dir + "/step_00000003.safetensors"));
-  std::ifstream latest(dir + "/latest");
-  std::string name;
-  latest >> name;
-  EXPECT_EQ(name, "step_00000002.safetensors");
+  EXPECT_EQ(latest_checkpoint(dir), "step_00000002.safetensors");
 }
 
 TEST(Train, ResumeIsBitIdentical) {

@@ -10,6 +10,10 @@
 
 namespace mt::dist {
 
+// The most ranks one job may have: a bound that catches a typo in parallel.world or WORLD_SIZE
+// before anything is allocated for it.
+inline constexpr int64_t kMaxWorld = 65536;
+
 // A collective started in the background: wait() orders its completion before whatever the
 // caller queues next (on the GPU, the compute stream waits for it; the host does not). The
 // handle keeps the collective's input alive until then.

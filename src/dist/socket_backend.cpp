@@ -477,10 +477,9 @@ class SocketComm : public Communicator {
   uint64_t seq_ = 0;
 };
 
-// The integer in environment variable `name`, which must lie in [0, max].
-constexpr long kMaxWorld = 65536;       // as parallel.world (train/config.h)
 constexpr double kMaxTimeoutS = 86400;  // one day
 
+// The integer in environment variable `name`, which must lie in [0, max].
 int env_int(const char* name, int fallback, bool required, long max) {
   const char* v = std::getenv(name);
   if (!v) {

@@ -61,18 +61,15 @@ void ModelConfig::validate() const {
   // Sizes whose products the engine forms: none may overflow, and none may ask for more than a
   // machine could hold (2^40 elements in one parameter tensor is 4 TiB in f32).
   constexpr long double kMaxElements = 1099511627776.0L;  // 2^40
-  const long double n_exp = n_experts;
+  const long double experts = static_cast<long double>(n_experts) * dim * moe_dim * 3;
+  const long double attention = static_cast<long double>(n_heads) * head_dim * dim;
   for (const auto& [what, elems] :
        {std::pair{"model.vocab_size x model.dim (embedding)",
                   static_cast<long double>(vocab_size) * dim},
-        std::pair{"model.n_experts x model.dim x model.moe_dim (experts of one layer)",
-                  n_exp * dim * moe_dim * 3},
-        std::pair{"model.n_heads x model.head_dim x model.dim (attention of one layer)",
-                  static_cast<long double>(n_heads) * head_dim * dim},
-        std::pair{
-            "model.n_layers x (experts + attention of one layer)",
-            static_cast<long double>(n_layers) *
-                (n_exp * dim * moe_dim * 3 + static_cast<long double>(n_heads) * head_dim * dim)}})
+        std::pair{"model.n_experts x model.dim x model.moe_dim (experts of one layer)", experts},
+        std::pair{"model.n_heads x model.head_dim x model.dim (attention of one layer)", attention},
+        std::pair{"model.n_layers x (experts + attention of one layer)",
+                  n_layers * (experts + attention)}})
     if (elems > kMaxElements)
       throw ConfigError(fmt::format(
           "config: {} = {:.3g} elements, more than any machine holds (at most 2^40 per tensor)",

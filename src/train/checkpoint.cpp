@@ -142,6 +142,14 @@ SafetensorsFile read_safetensors(const std::string& path) {
   return f;
 }
 
+std::optional<std::string> latest_checkpoint(const std::string& dir) {
+  std::ifstream latest(std::filesystem::path(dir) / "latest");
+  if (!latest) return std::nullopt;
+  std::string name;
+  latest >> name;
+  return name;
+}
+
 namespace {
 // Each tensor's bytes hashed (XXH3, 64 bits) into the metadata as "xxh3.<name>", checked on load:
 // a flipped bit anywhere in a tensor is named instead of trained on.
@@ -182,23 +190,18 @@ std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
   });
   // Never a poisoned checkpoint: every rank learns whether any rank's state is non-finite (a
   // sum over the ranks), and all of them stop with the same error, keeping the last good one.
+  // (Host tensors: every backend takes them, NCCL through a device copy.)
   Tensor flag = Tensor::empty({1}, DType::kF64);
   flag.data<double>()[0] = non_finite.empty() ? 0.0 : 1.0;
-  if (multi_rank(world)) {
-    Device device = Device::kCPU;
-    for_each_state(model, opt, [&](const std::string&, const Tensor& t) { device = t.device(); });
-    Tensor shared = flag.to(device);
-    world->all_reduce(shared);
-    flag = shared.to(Device::kCPU);
-  }
+  if (multi_rank(world)) world->all_reduce(flag);
   if (flag.data<double>()[0] > 0) {
-    std::string last = "none";
-    if (std::ifstream latest(fs::path(dir) / "latest"); latest) latest >> last;
+    const std::string last = latest_checkpoint(dir).value_or("");
     throw NumericalError(fmt::format(
         "step {}: the model's state is not finite ({}{}); no checkpoint is written for this "
         "step, and '{}' (in {}) stays the last good one",
         st.step, non_finite.empty() ? "on another rank" : "tensor " + non_finite,
-        multi_rank(world) ? fmt::format(", rank {}", world->rank()) : "", last, dir));
+        multi_rank(world) ? fmt::format(", rank {}", world->rank()) : "",
+        last.empty() ? "none" : last, dir));
   }
   f.metadata["format"] = "moetrain-checkpoint-1";
   f.metadata["step"] = std::to_string(st.step);
@@ -222,17 +225,14 @@ namespace {
 // same error instead of leaving some waiting for a collective the others never start. Files
 // from before the rank was recorded (-1) are only compared by step.
 void check_ranks_agree(const std::string& path, const SafetensorsFile& f, const TrainState& st,
-                       Qwen3Moe& model, AdamW& opt, dist::Communicator& world) {
-  Device device = Device::kCPU;
-  for_each_state(model, opt, [&](const std::string&, const Tensor& t) { device = t.device(); });
+                       dist::Communicator& world) {
   const auto recorded = f.metadata.find("rank");
   Tensor mine = Tensor::empty({2}, DType::kI64);
   mine.data<int64_t>()[0] = st.step;
   mine.data<int64_t>()[1] = recorded == f.metadata.end() ? -1 : std::stoll(recorded->second);
-  Tensor all = Tensor::empty({2 * world.size()}, DType::kI64, device);
-  world.all_gather(mine.to(device), all);
-  const Tensor host = all.to(Device::kCPU);
-  const int64_t* v = host.data<int64_t>();
+  Tensor all = Tensor::empty({2 * world.size()}, DType::kI64);  // host: NCCL copies it over
+  world.all_gather(mine, all);
+  const int64_t* v = all.data<int64_t>();
   for (int r = 0; r < world.size(); ++r) {
     if (v[2 * r] != v[0])
       throw CheckpointError(fmt::format(
@@ -251,13 +251,12 @@ TrainState load_checkpoint(const std::string& path_in, Qwen3Moe& model, AdamW& o
                            dist::Communicator* world) {
   namespace fs = std::filesystem;
   std::string path = path_in;
-  if (fs::is_directory(path) && fs::exists(fs::path(path) / "latest")) {
-    std::ifstream latest(fs::path(path) / "latest");
-    std::string name;
-    if (!(latest >> name))
-      throw CheckpointError(fmt::format("checkpoint: '{}/latest' is empty", path));
-    path = (fs::path(path) / name).string();
-  }
+  if (fs::is_directory(path))
+    if (const std::optional<std::string> name = latest_checkpoint(path)) {
+      if (name->empty())
+        throw CheckpointError(fmt::format("checkpoint: '{}/latest' is empty", path));
+      path = (fs::path(path) / *name).string();
+    }
   if (fs::is_directory(path)) {
     if (!multi_rank(world))
       throw CheckpointError(fmt::format(
@@ -310,7 +309,7 @@ TrainState load_checkpoint(const std::string& path_in, Qwen3Moe& model, AdamW& o
     throw CheckpointError(
         fmt::format("checkpoint: '{}' has step {} and data_position {}; both must be >= 0", path,
                     st.step, st.data_position));
-  if (multi_rank(world)) check_ranks_agree(path, f, st, model, opt, *world);
+  if (multi_rank(world)) check_ranks_agree(path, f, st, *world);
   for_each_state(model, opt,
                  [&](const std::string& name, Tensor t) { t.copy_from(f.tensors.at(name)); });
   for (auto& u : model.units())

@@ -9,6 +9,7 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <optional>
 #include <string>
 
 #include "model/qwen3_moe.h"
@@ -28,6 +29,10 @@ std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
 // with the model's shape and dtype; errors are CheckpointErrors naming the tensor.
 TrainState load_checkpoint(const std::string& path, Qwen3Moe& model, AdamW& opt,
                            dist::Communicator* world = nullptr);
+
+// The checkpoint <dir>/latest names (a file or a step folder in dir): nullopt when there is no
+// `latest`, empty when it names nothing.
+std::optional<std::string> latest_checkpoint(const std::string& dir);
 
 // safetensors primitives (also used by tests and converters).
 struct SafetensorsFile {

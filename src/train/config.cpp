@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "core/error.h"
+#include "dist/communicator.h"
 
 namespace mt {
 
@@ -320,9 +321,9 @@ void validate_config(const Config& c) {
     throw ConfigError("config: data.path must name a token file when data.source is not synthetic");
   }
   const ParallelConfig& p = c.parallel;
-  if (p.world < 1 || p.world > kMaxWorld)
+  if (p.world < 1 || p.world > dist::kMaxWorld)
     throw ConfigError(
-        fmt::format("config: parallel.world = {} must be in [1, {}]", p.world, kMaxWorld));
+        fmt::format("config: parallel.world = {} must be in [1, {}]", p.world, dist::kMaxWorld));
   if (p.ep < 1 || p.world % p.ep != 0)
     throw ConfigError(fmt::format(
         "config: parallel.ep = {} must divide parallel.world = {} (valid: divisors of {})", p.ep,

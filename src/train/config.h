@@ -53,12 +53,12 @@ struct HardwareConfig {
   bool cuda_graphs = true;      // replay each training pass as a CUDA graph (not with ep > 1)
 };
 
-// Ranks and expert parallelism (DESIGN.md §4). world > 1 on the CPU runs the ranks as threads of
-// one process (the in-process backend); ep must divide world and model.n_experts.
-// Upper bounds that catch typos before they allocate: ranks in one job, CPU threads per rank.
-inline constexpr int64_t kMaxWorld = 65536;
+// The most CPU threads per rank: a bound that catches typos before they allocate.
 inline constexpr int64_t kMaxThreads = 4096;
 
+// Ranks and expert parallelism (DESIGN.md §4). world > 1 on the CPU runs the ranks as threads of
+// one process (the in-process backend); ep must divide world and model.n_experts; world is at
+// most dist::kMaxWorld.
 struct ParallelConfig {
   int64_t world = 1;
   int64_t ep = 1;

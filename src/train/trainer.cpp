@@ -247,16 +247,12 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
   const TrainConfig& t = cfg_.train;
   if (!cfg_.checkpoint.dir.empty()) {
     check_checkpoint_dir(cfg_.checkpoint.dir, world_ ? world_->rank() : 0);
-    const std::filesystem::path latest = std::filesystem::path(cfg_.checkpoint.dir) / "latest";
-    if (step_ == 0 && opt.resume.empty() && opt.existing == ExistingCheckpoints::kRefuse &&
-        std::filesystem::exists(latest)) {
-      std::string name;
-      std::ifstream(latest) >> name;
-      throw ConfigError(fmt::format(
-          "config: checkpoint.dir = '{}' already holds checkpoints (latest: {}); continue them "
-          "with --resume {}, or pass --overwrite to start a new run there",
-          cfg_.checkpoint.dir, name, cfg_.checkpoint.dir));
-    }
+    if (step_ == 0 && opt.resume.empty() && opt.existing == ExistingCheckpoints::kRefuse)
+      if (const std::optional<std::string> latest = latest_checkpoint(cfg_.checkpoint.dir))
+        throw ConfigError(fmt::format(
+            "config: checkpoint.dir = '{}' already holds checkpoints (latest: {}); continue them "
+            "with --resume {}, or pass --overwrite to start a new run there",
+            cfg_.checkpoint.dir, *latest, cfg_.checkpoint.dir));
   }
   if (!opt.resume.empty()) {
     const TrainState st = load_checkpoint(opt.resume, *model_, *opt_, world_);

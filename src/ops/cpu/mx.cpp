@@ -92,14 +92,18 @@ double dequantize_element(uint8_t q, uint8_t s) {
   return static_cast<double>(from_e4m3(q)) * from_e8m0(s);  // exact
 }
 
-// The unquantized side of a conversion: f32, bf16 or f64, of the MX tensor's logical shape, on
-// its device.
+// The unquantized side of a conversion is f32, bf16 or f64.
+void check_unquantized_dtype(const char* op, const char* role, const Tensor& t) {
+  MT_CHECK(t.dtype() == DType::kF32 || t.dtype() == DType::kBF16 || t.dtype() == DType::kF64,
+           "{}: {} must be f32, bf16 or f64, got {}", op, role, dtype_name(t.dtype()));
+}
+
+// ... of the MX tensor's logical shape, on its device.
 void check_operands(const char* op, const char* role, const Tensor& t, const MxTensor& q) {
   MT_CHECK(q.defined(), "{}: the MX tensor is not allocated", op);
   MT_CHECK(t.shape() == q.shape(), "{}: {} {} does not match the MX tensor's {}", op, role,
            shape_str(t.shape()), shape_str(q.shape()));
-  MT_CHECK(t.dtype() == DType::kF32 || t.dtype() == DType::kBF16 || t.dtype() == DType::kF64,
-           "{}: {} must be f32, bf16 or f64, got {}", op, role, dtype_name(t.dtype()));
+  check_unquantized_dtype(op, role, t);
   MT_CHECK(t.device() == q.device(), "{}: {} and MX tensor on different devices", op, role);
 }
 
@@ -159,8 +163,7 @@ void mx_round_trip_expert_rows(const Tensor& x, const ExpertRows& rows, MxScaleR
            "mx_round_trip_expert_rows: x must be a matrix and out alike; got {} {} and {} {}",
            dtype_name(x.dtype()), shape_str(x.shape()), dtype_name(out.dtype()),
            shape_str(out.shape()));
-  MT_CHECK(x.dtype() == DType::kF32 || x.dtype() == DType::kBF16 || x.dtype() == DType::kF64,
-           "mx_round_trip_expert_rows: x must be f32, bf16 or f64, got {}", dtype_name(x.dtype()));
+  check_unquantized_dtype("mx_round_trip_expert_rows", "x", x);
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(x)) return cuda::mx_round_trip_expert_rows(x, rows, rule, out);
 #endif
