@@ -1,80 +1,158 @@
-// Expert-parallel dispatch + combine over NCCL against the raw NCCL all-to-all of the same bytes,
-// on the GPUs of one machine (ranks as threads, one GPU each, ep = all of them): 16384 tokens
-// per rank, top-8 of 128 experts with random routing, rows of 2048 bf16. Dispatch + combine is
-// what the MoE layer pays: the count exchange (through the host), both row all-to-alls and the
-// regrouping gathers. The raw all-to-all moves the same rows with the counts known in advance.
-// JSON lines from rank 0.
+// Expert-parallel dispatch + combine over NCCL on the GPUs of one machine: one process per GPU
+// (this binary launches itself, as `moetrain launch` does), ep = all of them; 16384 tokens per
+// rank, top-8 of 128 experts with random routing, rows of 2048 bf16. "exchange" is what the MoE
+// layer's forward pays: the plan (counts, the send layout, the choices), dispatch and combine,
+// for each mode (moe/expert_exchange.h): host counts, device counts (rows written into the
+// peers' memory by a kernel), and device counts replayed as a CUDA graph; and with the MXFP8
+// wire on the dispatch. Comparators in the same job: the raw NCCL all-to-all of the same
+// deduplicated rows with the counts known in advance, and the raw all-to-all of one row per
+// (token, expert), the bytes the exchange sent before it was deduplicated. GB/s: the bytes that
+// this GPU sends to the others in dispatch and combine, over the time. JSON lines from rank 0.
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
+#include <cstdlib>
 
 #include "bench/bench_util.h"
+#include "dist/launcher.h"
 #include "dist/nccl_backend.h"
+#include "dist/socket_backend.h"
 #include "moe/expert_exchange.h"
 #include "ops/cuda/device.h"
+#include "ops/cuda/graph.h"
 #include "ops/permute.h"
 
-int main() {
-  using mt::Device;
-  using mt::DType;
-  using mt::Tensor;
-  const int world = mt::cuda::device_count();
-  if (world < 2) {
-    std::printf("{\"bench\":\"expert_exchange\",\"error\":\"needs 2 or more GPUs, found %d\"}\n",
-                world);
-    return 0;
-  }
-  const int64_t tokens = 16384, top_k = 8, experts = 128, dim = 2048;
-  mt::dist::run_in_process(world, [&](mt::dist::Communicator& boot) {
-    mt::dist::Rendezvous r;
-    r.rank = boot.rank();
-    r.world = world;
-    r.local_rank = boot.rank();
-    const auto ep = mt::dist::connect_nccl_world(r, boot);
-    // Random routing: the expert of (token, choice), as the router's output.
-    Tensor index = Tensor::empty({tokens, top_k}, DType::kI32);
-    const mt::CounterRng rng{7, static_cast<uint64_t>(r.rank)};
-    for (int64_t i = 0; i < tokens * top_k; ++i)
-      index.data<int32_t>()[i] = static_cast<int32_t>(rng.below(i, experts));
-    mt::ops::ExpertPermutation perm;
-    mt::ops::make_expert_permutation(index.to(Device::kCUDA), experts, perm);
-    const Tensor rows = mt::bench::random_bf16({tokens * top_k, dim}, 3 + r.rank, 1.0);
+namespace {
 
-    const double exchange_ms = mt::bench::median_ms([&] {
-      const mt::moe::ExpertExchange exchange(*ep, perm.expert_offsets);
-      const Tensor there = exchange.dispatch(rows);
-      const Tensor back = exchange.combine(there);
-    });
-    // The raw all-to-all of the same rows, counts fixed beforehand, there and back.
-    const mt::moe::ExpertExchange plan(*ep, perm.expert_offsets);
-    const Tensor offsets = perm.expert_offsets.to(Device::kCPU);
-    const int64_t local = experts / world;
-    std::vector<int64_t> send_rows(world), recv_rows(world);
-    for (int p = 0; p < world; ++p)
-      send_rows[p] = offsets.data<int64_t>()[(p + 1) * local] - offsets.data<int64_t>()[p * local];
+using mt::Device;
+using mt::DType;
+using mt::Tensor;
+
+constexpr int64_t kTokens = 16384, kTopK = 8, kExperts = 128, kDim = 2048;
+
+// Random routing: k distinct experts per token, as the router's output.
+Tensor random_routing(int rank) {
+  Tensor index = Tensor::empty({kTokens, kTopK}, DType::kI32);
+  const mt::CounterRng rng{7, static_cast<uint64_t>(rank)};
+  for (int64_t t = 0; t < kTokens; ++t)
+    for (int64_t j = 0; j < kTopK; ++j) {
+      int32_t e = 0;
+      bool fresh = false;
+      for (uint64_t draw = 0; !fresh; ++draw) {
+        e = static_cast<int32_t>(rng.below((t * kTopK + j) * 64 + draw, kExperts));
+        fresh = true;
+        for (int64_t i = 0; i < j; ++i) fresh &= index.data<int32_t>()[t * kTopK + i] != e;
+      }
+      index.data<int32_t>()[t * kTopK + j] = e;
+    }
+  return index;
+}
+
+void run(int rank, int world, mt::dist::Communicator& boot, mt::dist::Communicator& ep) {
+  using mt::moe::ExchangeMode;
+  const Tensor index = random_routing(rank);
+  const Tensor gindex = index.to(Device::kCUDA);
+  const Tensor x = mt::bench::random_bf16({kTokens, kDim}, 3 + rank, 1.0);
+  Tensor y = Tensor::empty({kTokens, kDim}, DType::kBF16, Device::kCUDA);
+  std::string why;
+  const size_t reserved =
+      ep.reserve_scatter(static_cast<size_t>(world * kTokens * kDim * 2), 32, &why);
+
+  // Rows crossing to other GPUs per rank and direction, deduplicated and per choice.
+  const int64_t local = kExperts / world;
+  std::vector<int64_t> token_rows(world, 0), choice_rows(world, 0);
+  for (int64_t t = 0; t < kTokens; ++t) {
+    std::vector<bool> to(world, false);
+    for (int64_t j = 0; j < kTopK; ++j) {
+      const int p = index.data<int32_t>()[t * kTopK + j] / static_cast<int>(local);
+      ++choice_rows[p];
+      to[p] = true;
+    }
+    for (int p = 0; p < world; ++p) token_rows[p] += to[p];
+  }
+  int64_t crossing = 0, crossing_per_choice = 0;
+  for (int p = 0; p < world; ++p)
+    if (p != rank) crossing += token_rows[p], crossing_per_choice += choice_rows[p];
+
+  auto line = [&](const char* what, const char* wire, double ms, int64_t rows) {
+    if (rank != 0) return;
+    // Bytes this GPU sends to the others: the dispatch's rows on the wire, the combine's bf16.
+    const double wire_bytes = wire[0] == 'm' ? 1.0 + 1.0 / 32 : 2.0;
+    const double gb = static_cast<double>(rows) * kDim * (wire_bytes + 2.0) / 1e9;
+    std::printf(
+        "{\"bench\":\"expert_exchange\",\"what\":\"%s\",\"gpus\":%d,\"tokens_per_rank\":%lld,"
+        "\"top_k\":%lld,\"experts\":%lld,\"dim\":%lld,\"wire\":\"%s\",\"ms\":%.3f,"
+        "\"rows_crossing\":%lld,\"gb_s_out\":%.1f,\"nvlink_gb_s\":450}\n",
+        what, world, static_cast<long long>(kTokens), static_cast<long long>(kTopK),
+        static_cast<long long>(kExperts), static_cast<long long>(kDim), wire, ms,
+        static_cast<long long>(rows), gb / (ms * 1e-3));
+    std::fflush(stdout);
+  };
+
+  mt::ops::ExpertPrecision mx;
+  mx.recipe = mt::ops::ExpertRecipe::kMxfp8WgradWithHp;
+  mx.dispatch = mt::ops::DispatchDtype::kMxfp8;
+  for (const ExchangeMode mode : {ExchangeMode::kHostCounts, ExchangeMode::kDeviceCounts})
+    for (const bool mxfp8 : {false, true}) {
+      const mt::ops::ExpertPrecision wire = mxfp8 ? mx : mt::ops::ExpertPrecision{};
+      auto body = [&] {
+        const mt::moe::ExpertExchange exchange(ep, gindex, kExperts, mode);
+        const Tensor there = exchange.dispatch(x, wire);
+        exchange.combine(there, y);
+      };
+      const std::string name =
+          std::string("dispatch_combine_") + std::string(mt::moe::exchange_mode_name(mode));
+      line(name.c_str(), mxfp8 ? "mxfp8" : "bf16", mt::bench::median_ms(body), crossing);
+      if (mode != ExchangeMode::kDeviceCounts || reserved == 0) continue;
+      auto graph = mt::cuda::Graph::capture(body);
+      line((name + "_graphed").c_str(), mxfp8 ? "mxfp8" : "bf16",
+           mt::bench::median_ms([&] { graph->launch(); }), crossing);
+    }
+  if (rank == 0 && reserved == 0)
+    std::printf("{\"bench\":\"expert_exchange\",\"note\":\"no device path: %s\"}\n", why.c_str());
+
+  // The raw all-to-alls, there and back.
+  auto raw = [&](const std::vector<int64_t>& send_rows) {
     Tensor counts = Tensor::empty({world}, DType::kI64),
            all = Tensor::empty({world * world}, DType::kI64);
     for (int p = 0; p < world; ++p) counts.data<int64_t>()[p] = send_rows[p];
     boot.all_gather(counts, all);
-    int64_t received = 0;
-    for (int p = 0; p < world; ++p)
-      received += recv_rows[p] = all.data<int64_t>()[p * world + r.rank];
-    Tensor there = Tensor::empty({received, dim}, DType::kBF16, Device::kCUDA);
-    Tensor back = Tensor::empty({tokens * top_k, dim}, DType::kBF16, Device::kCUDA);
-    const double raw_ms = mt::bench::median_ms([&] {
-      ep->all_to_all(rows, send_rows, there, recv_rows);
-      ep->all_to_all(there, recv_rows, back, send_rows);
-    });
-    if (r.rank == 0) {
-      const double gib = 2.0 * tokens * top_k * dim * 2 / (1 << 30);
-      std::printf(
-          "{\"bench\":\"expert_exchange\",\"gpus\":%d,\"tokens_per_rank\":%lld,\"top_k\":%lld,"
-          "\"experts\":%lld,\"dim\":%lld,\"dispatch_combine_ms\":%.3f,\"raw_all_to_all_ms\":%.3f,"
-          "\"ratio\":%.3f,\"gib_moved_per_rank\":%.2f}\n",
-          world, static_cast<long long>(tokens), static_cast<long long>(top_k),
-          static_cast<long long>(experts), static_cast<long long>(dim), exchange_ms, raw_ms,
-          exchange_ms / raw_ms, gib);
-      std::fflush(stdout);
+    std::vector<int64_t> recv_rows(world);
+    int64_t sent = 0, received = 0;
+    for (int p = 0; p < world; ++p) {
+      sent += send_rows[p];
+      received += recv_rows[p] = all.data<int64_t>()[p * world + rank];
     }
-  });
+    Tensor src = mt::bench::random_bf16({sent, kDim}, 5, 1.0);
+    Tensor dst = Tensor::empty({received, kDim}, DType::kBF16, Device::kCUDA);
+    Tensor back = Tensor::empty({sent, kDim}, DType::kBF16, Device::kCUDA);
+    return mt::bench::median_ms([&] {
+      ep.all_to_all(src, send_rows, dst, recv_rows);
+      ep.all_to_all(dst, recv_rows, back, send_rows);
+    });
+  };
+  line("raw_all_to_all_per_token", "bf16", raw(token_rows), crossing);
+  line("raw_all_to_all_per_choice", "bf16", raw(choice_rows), crossing_per_choice);
+}
+
+}  // namespace
+
+int main() {
+  if (!std::getenv("RANK")) {
+    const int world = mt::cuda::device_count();
+    if (world < 2) {
+      std::printf("{\"bench\":\"expert_exchange\",\"error\":\"needs 2 or more GPUs, found %d\"}\n",
+                  world);
+      return 0;
+    }
+    mt::dist::LaunchOptions o;
+    o.nproc = world;
+    o.args = {"rank"};
+    return mt::dist::launch_local(o);
+  }
+  const mt::dist::Rendezvous r = mt::dist::rendezvous_from_env();
+  const auto boot = mt::dist::connect_socket_world(r);
+  const auto ep = mt::dist::connect_nccl_world(r, *boot);
+  run(r.rank, r.world, *boot, *ep);
+  return 0;
 }

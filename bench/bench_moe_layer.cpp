@@ -19,6 +19,7 @@
 #include "core/cuda_check.h"
 #include "core/log.h"
 #include "core/profile.h"
+#include "model/config.h"
 #include "moe/moe_layer.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/graph.h"
@@ -68,12 +69,12 @@ int main() {
     };
     mt::moe::MoeActivations act;
     mark(0);
-    mt::moe::moe_fill(w, c, {}, Tensor(), hn, act);
+    mt::moe::moe_fill(w, c.moe(), {}, Tensor(), hn, act);
     mark(1);
     Tensor layer_out = Tensor::empty({n, d}, DType::kBF16, Device::kCUDA);
-    mt::moe::moe_combine(w, c, act, layer_out);
+    mt::moe::moe_combine(w, c.moe(), act, layer_out);
     mark(2);
-    (void)mt::moe::moe_backward(w, g, c, hn, act, dout, 0.001, first_write);
+    (void)mt::moe::moe_backward(w, g, c.moe(), hn, act, dout, 0.001, first_write);
     mark(3);
   };
   const auto layer = [&] { marked_layer(nullptr); };
@@ -107,24 +108,26 @@ int main() {
                                  mt::bench::median(ms[2])};
   };
   for (bool balanced : {false, true}) {
-    c.force_balanced_routing = balanced;
+    c.routing = balanced ? mt::ops::RoutingMode::kBalanced : mt::ops::RoutingMode::kLearned;
     c.pad_expert_rows = true;
     // Stages, each timed on its own with the earlier stages' outputs ready (where the time goes).
     const double router_ms = mt::bench::median_ms([&] {
       mt::moe::MoeActivations act;
       act.xe = act.row_weight = act.gate_up = act.act =
-          hn;                                          // present: moe_fill stops after routing
-      mt::moe::moe_fill(w, c, {}, Tensor(), hn, act);  // router GEMM, top-k, stats, permutation
+          hn;  // present: moe_fill stops after routing
+      mt::moe::moe_fill(w, c.moe(), {}, Tensor(), hn,
+                        act);  // router GEMM, top-k, stats, permutation
     });
     mt::moe::MoeActivations full;
     const double fill_ms = mt::bench::median_ms([&] {
       full = mt::moe::MoeActivations();
-      mt::moe::moe_fill(w, c, {}, Tensor(), hn, full);
+      mt::moe::moe_fill(w, c.moe(), {}, Tensor(), hn, full);
     });
     Tensor out = Tensor::empty({n, d}, DType::kBF16, Device::kCUDA);
-    const double combine_ms = mt::bench::median_ms([&] { mt::moe::moe_combine(w, c, full, out); });
+    const double combine_ms =
+        mt::bench::median_ms([&] { mt::moe::moe_combine(w, c.moe(), full, out); });
     const double backward_ms = mt::bench::median_ms(
-        [&] { (void)mt::moe::moe_backward(w, g, c, hn, full, dout, 0.001, first_write); });
+        [&] { (void)mt::moe::moe_backward(w, g, c.moe(), hn, full, dout, 0.001, first_write); });
     const std::array<double, 3> in_layer = stages_in_layer_ms();
     std::printf(
         "{\"bench\": \"moe_layer_stages\", \"routing\": \"%s\", \"router_topk_permutation_ms\": "
@@ -156,7 +159,7 @@ int main() {
   // The experts' precision recipes (ops/expert_gemm.h), balanced routing, alternating three
   // times; peak: the layer's device memory high-water mark, one eager run.
   {
-    c.force_balanced_routing = true;
+    c.routing = mt::ops::RoutingMode::kBalanced;
     c.pad_expert_rows = true;
     const mt::ops::ExpertRecipe recipes[] = {mt::ops::ExpertRecipe::kBf16,
                                              mt::ops::ExpertRecipe::kMxfp8WgradWithHp,
@@ -192,7 +195,7 @@ int main() {
   // both ends of each), as one JSON line of milliseconds per op.
   if (mt::profile::enabled()) {
     mt::profile::set_device_sync(&mt::cuda::synchronize);
-    c.force_balanced_routing = false;
+    c.routing = mt::ops::RoutingMode::kLearned;
     c.pad_expert_rows = true;
     for (int pass = 0; pass < 2; ++pass) {  // the first pass warms the caches, the second counts
       (void)mt::profile::take();

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Expert-parallel scaling on one host (issue 5's table): the full-model step of
 # configs/qwen3-30b-a3b-bench.toml on W GPUs (16384 tokens per GPU) for every ep that divides W
-# (W, W/2, ..., 1), with real and with forced-balanced routing; one JSON line per case from
+# (W, W/2, ..., 1), with learned, skewed and balanced routing (model.routing); one JSON line per case from
 # scripts/bench-model.sh (tokens/s per GPU, MFU, peak memory, time in dispatch/combine).
 # Usage: scripts/bench-scaling.sh [moetrain binary] [W (default: every visible GPU)] [layers];
 # BENCH_SET adds overrides to every case, BENCH_CONFIG picks another config (see bench-model.sh).
@@ -17,8 +17,8 @@ fi
 export NCCL_NVLS_ENABLE=0
 for ((ep = world; ep >= 1; ep /= 2)); do
   (( world % ep == 0 )) || continue
-  for balanced in false true; do
-    BENCH_RANKS=$world BENCH_SET="${BENCH_SET:-} parallel.ep=$ep model.force_balanced_routing=$balanced" \
+  for routing in learned skewed balanced; do
+    BENCH_RANKS=$world BENCH_SET="${BENCH_SET:-} parallel.ep=$ep model.routing=$routing" \
       scripts/bench-model.sh "$bin" $layers
   done
 done

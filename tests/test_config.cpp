@@ -156,7 +156,7 @@ TEST(Cli, HostileConfigsExitWithCode2NamingTheValue) {
   const std::pair<std::string, std::string> cases[] = {
       {t + "model.n_experts=4611686018427387904", "model.n_experts x model.dim"},  // segfaulted
       {t + "model.n_heads=4611686018427387904", "model.n_heads x model.head_dim"},
-      {t + "model.vocab_size=2147483647", "GiB for weights"},  // bad_alloc after seconds
+      {t + "model.vocab_size=2147483647", "weights, gradients and AdamW moments"},  // bad_alloc
       {t + "model.n_layers=1000000000", "model.n_layers x (experts"},
       {t + "hardware.threads=100000", "hardware.threads = 100000"},          // aborted
       {t + "hardware.threads=4294967297", "hardware.threads = 4294967297"},  // became 1
@@ -251,8 +251,23 @@ TEST(Cli, AModelLargerThanTheHostIsRefusedWithTheEstimate) {
               " --set hardware.device=cpu --set model.dim=4096 --set model.moe_dim=4096 "
               "--set model.n_experts=256 --set model.n_layers=8");
   EXPECT_EQ(r.code, 2) << r.err;
-  EXPECT_NE(r.err.find("GiB for weights, gradients and AdamW moments"), std::string::npos) << r.err;
+  EXPECT_NE(r.err.find("weights, gradients and AdamW moments"), std::string::npos) << r.err;
   EXPECT_NE(r.err.find("model.n_layers"), std::string::npos) << r.err;
+}
+
+// A model that fits but whose activations do not (a long micro-batch with every activation
+// kept) is refused the same way, naming the activations and the policy that keeps less.
+TEST(Cli, ActivationsLargerThanTheHostAreRefusedWithTheEstimate) {
+  const std::string tiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
+  const CliRun r = run_cli("train --config " + tiny +
+                           " --set hardware.device=cpu --set model.checkpoint=none"
+                           " --set train.seq_len=1048576 --set train.batch_rows=64");
+  EXPECT_EQ(r.code, 2) << r.err;
+  EXPECT_NE(r.err.find("activations of 67108864 tokens per micro-batch with model.checkpoint = "
+                       "\"none\""),
+            std::string::npos)
+      << r.err;
+  EXPECT_NE(r.err.find("train.batch_rows"), std::string::npos) << r.err;
 }
 
 }  // namespace

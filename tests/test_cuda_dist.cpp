@@ -147,7 +147,7 @@ TEST(Nccl, TwoGpuTrainingMatchesOneGpu) {
   if (cuda::device_count() < 2) GTEST_SKIP() << "needs two GPUs (the nvidia-h200-x2 machine)";
   const std::string bin = testing::moetrain_binary();
   const std::string common = tiny_on_gpu() +
-                             " --set model.force_balanced_routing=true"
+                             " --set model.routing=balanced"
                              " --set train.warmup_steps=1 --steps 3";
   const std::string one = testing::unique_temp_path("one_gpu.jsonl");
   const testing::Proc single =
@@ -210,6 +210,43 @@ TEST(Nccl, TwoGpuGraphedPassesMatchEager) {
   }
 }
 
+// The device-initiated exchange (rows written into the peer's memory by a kernel, counts never
+// on the host) against the host-count reference, with ep 2 and the untrained router's uneven
+// routing: the same rows reach the same experts in the same order and come back summed in the
+// same order, so the losses, load-balancing losses and gradient norms of six steps agree to the
+// bit; and captured as one CUDA graph per pass, replayed, it gives the eager run's numbers.
+TEST(Nccl, TwoGpuDeviceExchangeMatchesTheHostCountReference) {
+  if (cuda::device_count() < 2) GTEST_SKIP() << "needs two GPUs (the nvidia-h200-x2 machine)";
+  const std::string bin = testing::moetrain_binary();
+  const std::string common =
+      " launch -n 2 --" + tiny_on_gpu() + " --set parallel.ep=2 --set train.batch_rows=8 --steps 6";
+  const std::vector<std::pair<std::string, std::string>> runs = {
+      {"host", " --set parallel.ep_exchange=host --set hardware.cuda_graphs=false"},
+      {"device", " --set parallel.ep_exchange=device --set hardware.cuda_graphs=false"},
+      {"device_graphed", " --set parallel.ep_exchange=device --set hardware.cuda_graphs=true"}};
+  std::map<std::string, std::string> metrics, logs;
+  for (const auto& [name, set] : runs) {
+    metrics[name] = testing::unique_temp_path(name + ".jsonl");
+    const testing::Proc run = testing::run_cmd(bin + common + set + " --metrics " + metrics[name]);
+    ASSERT_EQ(run.code, 0) << name << "\n" << run.output;
+    logs[name] = run.output;
+  }
+  EXPECT_NE(logs["device"].find("expert exchange: device-initiated"), std::string::npos)
+      << logs["device"];
+  EXPECT_NE(logs["device_graphed"].find("captured the training pass"), std::string::npos)
+      << logs["device_graphed"];
+  for (const char* key : {"loss", "aux_loss", "grad_norm"}) {
+    const auto h = testing::metric(metrics["host"], key);
+    ASSERT_EQ(h.size(), 6u);
+    for (const char* other : {"device", "device_graphed"}) {
+      const auto d = testing::metric(metrics[other], key);
+      ASSERT_EQ(d.size(), 6u) << other;
+      for (size_t s = 0; s < d.size(); ++s)
+        EXPECT_EQ(d[s], h[s]) << other << " " << key << " step " << s + 1;
+    }
+  }
+}
+
 // A peer dying mid-run, with the survivor's passes replayed as CUDA graphs (their collectives
 // were captured: nothing on the host waits in a collective call) and eager: the rank's NCCL
 // watchdog (handed each replay, `watch_queued`) must stop it with the cause, well before the
@@ -218,13 +255,14 @@ TEST(Nccl, TwoGpuGraphedPassesMatchEager) {
 TEST(Nccl, ADeadPeerStopsTheSurvivor) {
   if (cuda::device_count() < 2) GTEST_SKIP() << "needs two GPUs (the nvidia-h200-x2 machine)";
   const std::string bin = testing::moetrain_binary();
-  for (const bool graphs : {true, false}) {
-    SCOPED_TRACE(graphs ? "graphed passes" : "eager passes");
+  for (const auto& [graphs, ep] : {std::pair{true, 1}, std::pair{false, 1}, std::pair{true, 2}}) {
+    SCOPED_TRACE(std::string(graphs ? "graphed passes" : "eager passes") + ", ep " +
+                 std::to_string(ep));
     const std::string env =
         "WORLD_SIZE=2 MASTER_ADDR=127.0.0.1 MOETRAIN_TIMEOUT_S=20 MASTER_PORT=" +
         std::to_string(testing::free_port());
-    const std::string args = tiny_on_gpu() +
-                             " --set parallel.ep=1 --set train.batch_rows=8 --set train.log_every=1"
+    const std::string args = tiny_on_gpu() + " --set parallel.ep=" + std::to_string(ep) +
+                             " --set train.batch_rows=8 --set train.log_every=1"
                              " --steps 12 --set hardware.cuda_graphs=" +
                              (graphs ? "true" : "false");
     const std::string out0 = testing::unique_temp_path("survivor_rank0.txt");

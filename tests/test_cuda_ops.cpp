@@ -5,12 +5,14 @@
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <numeric>
 #include <random>
 #include <tuple>
 
-#include "moe/expert_exchange.h"
+#include "model/config.h"
 #include "moe/moe_layer.h"
 #include "ops/activation.h"
 #include "ops/attention.h"
@@ -335,15 +337,17 @@ TEST_P(GpuCase, GroupedGemmWithDeviceOffsets) {
 // sums and the router backward to f32 rounding.
 struct RoutingCase {
   int64_t n, e, k;
-  bool norm_topk, bias, balanced;
+  bool norm_topk, bias;
+  ops::RoutingMode mode;
   bool ties;  // logits (and bias) on a coarse grid: equal scores, so the tie order is checked
 };
 
 void check_routing(const RoutingCase& rc, uint64_t seed, ops::Routing& cr, ops::Routing& gr) {
-  const std::string what = fmt::format("routing n {} e {} top-{}{}{}{}{}", rc.n, rc.e, rc.k,
-                                       rc.norm_topk ? " renormalised" : "", rc.bias ? " bias" : "",
-                                       rc.balanced ? " balanced" : "", rc.ties ? " ties" : "");
-  const ops::RouterOptions opt{static_cast<int>(rc.k), rc.norm_topk, rc.balanced};
+  const std::string what =
+      fmt::format("routing n {} e {} top-{}{}{}{}{}", rc.n, rc.e, rc.k,
+                  rc.norm_topk ? " renormalised" : "", rc.bias ? " bias" : "",
+                  rc.mode == ops::RoutingMode::kLearned ? "" : " fixed", rc.ties ? " ties" : "");
+  const ops::RouterOptions opt{static_cast<int>(rc.k), rc.norm_topk, rc.mode};
   Tensor logits = testing::randn({rc.n, rc.e}, seed + 11, 2.0, DType::kF32);
   Tensor bias = rc.bias ? testing::randn({rc.e}, seed + 13, 0.01, DType::kF32) : Tensor();
   if (rc.ties) {
@@ -376,16 +380,20 @@ TEST_P(GpuCase, RouterPermutationAndCombine) {
   const int64_t n = 4096, e = 128, k = 8, d = 256;
   // Both register layouts of the kernels (up to 128 experts, up to 1024), widths that are not
   // multiples of the warp, bias, no renormalisation, forced balance and exact ties.
-  for (const RoutingCase& rc : {RoutingCase{333, 160, 6, false, true, false, false},
-                                RoutingCase{257, 1000, 16, true, true, false, false},
-                                RoutingCase{300, 40, 4, true, false, false, true},
-                                RoutingCase{200, 128, 8, true, false, true, false},
-                                RoutingCase{5, 8, 2, true, false, false, false}}) {
+  using ops::RoutingMode;
+  for (const RoutingCase& rc :
+       {RoutingCase{333, 160, 6, false, true, RoutingMode::kLearned, false},
+        RoutingCase{257, 1000, 16, true, true, RoutingMode::kLearned, false},
+        RoutingCase{300, 40, 4, true, false, RoutingMode::kLearned, true},
+        RoutingCase{200, 128, 8, true, false, RoutingMode::kBalanced, false},
+        RoutingCase{301, 128, 8, true, true, RoutingMode::kSkewed, false},
+        RoutingCase{77, 40, 7, false, false, RoutingMode::kSkewed, false},
+        RoutingCase{5, 8, 2, true, false, RoutingMode::kLearned, false}}) {
     ops::Routing cr, gr;
     check_routing(rc, seed, cr, gr);
   }
   ops::Routing cr, gr;
-  check_routing({n, e, k, true, false, false, false}, seed, cr, gr);
+  check_routing({n, e, k, true, false, ops::RoutingMode::kLearned, false}, seed, cr, gr);
   if (HasFatalFailure()) return;
 
   // The padded layout (the GPU layer's): every expert's rows from a multiple of 128, the same
@@ -477,7 +485,7 @@ TEST_P(GpuCase, MoeLayerForwardBackwardMatchesCpu) {
   c.moe_dim = 128;
   c.n_experts = 16;
   c.top_k = 4;
-  c.force_balanced_routing = true;  // fixed choices: bf16 vs f32 logits cannot flip a top-k
+  c.routing = ops::RoutingMode::kBalanced;  // fixed choices: bf16 vs f32 logits cannot flip a top-k
   const int64_t n = 512, e = c.n_experts, d = c.dim, f = c.moe_dim;
   moe::MoeWeights cw{input({d, e}, 0.1), input({e, d, 2 * f}, 0.06), input({e, f, d}, 0.09)};
   moe::MoeWeights gw{gpu(cw.router), gpu(cw.w_gate_up), gpu(cw.w_down)};
@@ -487,13 +495,13 @@ TEST_P(GpuCase, MoeLayerForwardBackwardMatchesCpu) {
                      cg.w_down.to(Device::kCUDA)};
   const Tensor hn = input({n, d}), dout = input({n, d});
   moe::MoeActivations ca, ga;
-  moe::moe_fill(cw, c, {}, Tensor(), hn, ca);
-  moe::moe_fill(gw, c, {}, Tensor(), gpu(hn), ga);
+  moe::moe_fill(cw, c.moe(), {}, Tensor(), hn, ca);
+  moe::moe_fill(gw, c.moe(), {}, Tensor(), gpu(hn), ga);
   Tensor cout_ = Tensor::empty({n, d}, DType::kF32), gout = gpu_out({n, d});
-  moe::moe_combine(cw, c, ca, cout_);
-  moe::moe_combine(gw, c, ga, gout);
-  const Tensor cdh = moe::moe_backward(cw, cg, c, hn, ca, dout, 0.01);
-  const Tensor gdh = moe::moe_backward(gw, gg, c, gpu(hn), ga, gpu(dout), 0.01);
+  moe::moe_combine(cw, c.moe(), ca, cout_);
+  moe::moe_combine(gw, c.moe(), ga, gout);
+  const Tensor cdh = moe::moe_backward(cw, cg, c.moe(), hn, ca, dout, 0.01);
+  const Tensor gdh = moe::moe_backward(gw, gg, c.moe(), gpu(hn), ga, gpu(dout), 0.01);
   // A chain of bf16 GEMMs and activations: each stage rounds, so 2e-2 end to end.
   const double tol = 2e-2;
   EXPECT_LT(relative_error(gout.to(DType::kF32), cout_), tol) << "layer output";
@@ -717,48 +725,92 @@ TEST(GpuTensor, OutOfMemoryReleasesTheGraphPoolAndWorkIsCapturedAgain) {
   EXPECT_EQ(out.to(Device::kCPU).item(5), 3.0);
 }
 
-// The expert-parallel exchange plan on the device against the host reference: per-expert counts
-// from offsets, and the regrouping maps for random received counts (empty segments included),
-// over 1, 2, 4 and 8 peers; outputs poisoned first.
-TEST(ExchangeMaps, MatchTheHostReference) {
+// The expert-parallel choices on the device against the host reference, bit for bit, outputs
+// poisoned first: peer_choices, peer_counts and local_choices over 1, 2, 4 and 8 ranks, then the
+// receiving rank's permutation with the other ranks' choices skipped (dense with the exact count
+// and more rows than routed, padded to 128) and the row moves and sums over it. Routings:
+// random, every token's first choice on one expert, and every choice on rank 0's experts (the
+// other ranks route nothing).
+TEST(ExpertChoices, MatchTheHostReference) {
   if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU: run this test on the GPU machine";
   const uint64_t seed = fresh_seed();
   std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
   std::mt19937_64 gen(seed);
-  const int64_t experts = 32;
-  for (const int peers : {1, 2, 4, 8}) {
-    const int64_t local = experts / peers;
-    Tensor host_counts = Tensor::empty({experts}, DType::kI64);
-    std::vector<int64_t> counts(experts);
-    for (int64_t s = 0; s < experts; ++s) {
-      counts[s] = gen() % 5 == 0 ? 0 : static_cast<int64_t>(gen() % 700);
-      host_counts.set_item(s, static_cast<double>(counts[s]));
+  const int64_t n = 3000, k = 8, experts = 128, width = 200;
+  auto same = [](const Tensor& gpu_t, const Tensor& cpu_t, const std::string& what) {
+    const Tensor host = gpu_t.to(Device::kCPU);
+    ASSERT_EQ(host.nbytes(), cpu_t.nbytes()) << what;
+    EXPECT_EQ(std::memcmp(host.raw(), cpu_t.raw(), cpu_t.nbytes()), 0) << what;
+  };
+  for (const std::string routing : {"random", "one_expert", "one_rank"}) {
+    Tensor index = Tensor::empty({n, k}, DType::kI32);
+    for (int64_t t = 0; t < n; ++t) {
+      std::vector<int32_t> pool(experts);
+      std::iota(pool.begin(), pool.end(), 0);
+      std::shuffle(pool.begin(), pool.end(), gen);
+      if (routing == "one_expert")
+        std::swap(pool[0], pool[std::find(pool.begin(), pool.end(), 5) - pool.begin()]);
+      if (routing == "one_rank") std::sort(pool.begin(), pool.end());  // experts 0..k-1
+      for (int64_t j = 0; j < k; ++j) index.data<int32_t>()[t * k + j] = pool[j];
     }
-    // Counts from offsets: the prefix sums of `counts` back to counts.
-    Tensor offsets = Tensor::empty({experts + 1}, DType::kI64);
-    offsets.set_item(0, 0);
-    for (int64_t e = 0; e < experts; ++e) offsets.set_item(e + 1, offsets.item(e) + counts[e]);
-    Tensor got_counts = Tensor::poisoned({experts}, DType::kI64, Device::kCUDA);
-    cuda::expert_counts(offsets.to(Device::kCUDA), got_counts);
-    const Tensor gc = got_counts.to(Device::kCPU);
-    for (int64_t e = 0; e < experts; ++e) ASSERT_EQ(gc.item(e), counts[e]) << "count " << e;
-
-    const moe::ExchangeMaps want = moe::exchange_maps_reference(counts, peers);
-    const int64_t rows = static_cast<int64_t>(want.expert_major_source.size());
-    Tensor em = Tensor::poisoned({rows}, DType::kI32, Device::kCUDA);
-    Tensor sm = Tensor::poisoned({rows}, DType::kI32, Device::kCUDA);
-    Tensor off = Tensor::poisoned({local + 1}, DType::kI64, Device::kCUDA);
-    cuda::exchange_maps(host_counts.to(Device::kCUDA), peers, em, sm, off);
-    const Tensor em_h = em.to(Device::kCPU), sm_h = sm.to(Device::kCPU),
-                 off_h = off.to(Device::kCPU);
-    for (int64_t i = 0; i < rows; ++i) {
-      ASSERT_EQ(em_h.data<int32_t>()[i], want.expert_major_source[i])
-          << peers << " peers, row " << i;
-      ASSERT_EQ(sm_h.data<int32_t>()[i], want.source_major_source[i])
-          << peers << " peers, row " << i;
+    const Tensor gindex = index.to(Device::kCUDA);
+    for (const int peers : {1, 2, 4, 8}) {
+      const std::string what = routing + ", " + std::to_string(peers) + " ranks";
+      const int64_t local = experts / peers;
+      Tensor cp = Tensor::empty({n, peers}, DType::kI32);
+      Tensor gp = Tensor::poisoned({n, peers}, DType::kI32, Device::kCUDA);
+      ops::peer_choices(index, peers, local, cp);
+      ops::peer_choices(gindex, peers, local, gp);
+      same(gp, cp, what + ": peer choices");
+      Tensor cc = Tensor::empty({peers, local + 1}, DType::kI64);
+      Tensor gc = Tensor::poisoned({peers, local + 1}, DType::kI64, Device::kCUDA);
+      ops::peer_counts(index, peers, local, cc);
+      ops::peer_counts(gindex, peers, local, gc);
+      same(gc, cc, what + ": peer counts");
+      const int rank = peers - 1;
+      Tensor cl = Tensor::empty({n, k}, DType::kI32);
+      Tensor gl = Tensor::poisoned({n, k}, DType::kI32, Device::kCUDA);
+      ops::local_choices(index, rank, local, cl);
+      ops::local_choices(gindex, rank, local, gl);
+      same(gl, cl, what + ": local choices");
+      int64_t routed = 0;
+      for (int64_t e = 0; e < local; ++e) routed += cc.data<int64_t>()[rank * (local + 1) + e];
+      for (const auto& [align, rows] :
+           {std::pair<int64_t, int64_t>{1, routed}, {1, routed + 77}, {128, routed}}) {
+        const std::string w =
+            what + ", align " + std::to_string(align) + ", " + std::to_string(rows) + " rows";
+        ops::ExpertPermutation c, g;
+        ops::make_expert_permutation(cl, local, c, align, rows);
+        ops::make_expert_permutation(gl, local, g, align, rows);
+        same(g.source_token, c.source_token, w + ": source tokens");
+        same(g.row_of_choice, c.row_of_choice, w + ": rows of choices");
+        same(g.expert_offsets, c.expert_offsets, w + ": offsets");
+        if (align > 1) same(g.segments, c.segments, w + ": segments");
+        // Moves are copies (bit for bit); the sums run in f32 over the same order.
+        const Tensor x = testing::randn({n, width}, seed + 1, 1.0, DType::kF32);
+        Tensor cx = Tensor::zeros({c.rows(), width}, DType::kF32);
+        Tensor gx = Tensor::zeros({g.rows(), width}, DType::kF32, Device::kCUDA);
+        ops::permute_rows(x, c, cx);
+        ops::permute_rows(x.to(Device::kCUDA), g, gx);
+        same(gx, cx, w + ": permute");
+        Tensor cu = Tensor::empty({n, k, width}, DType::kF32);
+        Tensor gu = Tensor::poisoned({n, k, width}, DType::kF32, Device::kCUDA);
+        ops::unpermute_rows(cx, c, cu);
+        ops::unpermute_rows(gx, g, gu);
+        same(gu, cu, w + ": unpermute (zeros for the other ranks' choices)");
+        Tensor cs = Tensor::empty({n, width}, DType::kF32);
+        Tensor gs = Tensor::poisoned({n, width}, DType::kF32, Device::kCUDA);
+        ops::combine_forward(cx, c, cs);
+        ops::combine_forward(gx, g, gs);
+        same(gs, cs, w + ": sum of each token's rows");
+        const Tensor wt = testing::randn({n, k, 1}, seed + 2, 1.0, DType::kF32);
+        Tensor cw = Tensor::zeros({c.rows(), 1}, DType::kF32);
+        Tensor gw = Tensor::zeros({g.rows(), 1}, DType::kF32, Device::kCUDA);
+        ops::unpermute_rows_backward(wt, c, cw);
+        ops::unpermute_rows_backward(wt.to(Device::kCUDA), g, gw);
+        same(gw, cw, w + ": weights into rows");
+      }
     }
-    for (int64_t e = 0; e <= local; ++e)
-      ASSERT_EQ(off_h.data<int64_t>()[e], want.local_offsets[e]) << peers << " peers, offset " << e;
   }
 }
 

@@ -34,7 +34,7 @@ std::vector<Tensor> grads_on_host(Trainer& t) {
 TEST(GpuTrain, OneStepMatchesTheCpuEngine) {
   require_gpu();
   // Forced-balanced routing: bf16 and f32 logits must not pick different experts.
-  const std::vector<std::string> sets = {"model.force_balanced_routing=true", "train.steps=4"};
+  const std::vector<std::string> sets = {"model.routing=balanced", "train.steps=4"};
   std::vector<std::string> gpu_sets = sets;
   gpu_sets.push_back("hardware.device=cuda");
   Trainer cpu(load_config(kTiny, sets)), gpu(load_config(kTiny, gpu_sets));

@@ -11,6 +11,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <mutex>
 #include <nlohmann/json.hpp>
@@ -22,6 +23,7 @@
 #include "fsdp/fsdp.h"
 #include "moe/expert_exchange.h"
 #include "processes.h"
+#include "testing.h"
 #include "train/checkpoint.h"
 #include "train/trainer.h"
 
@@ -161,43 +163,150 @@ TEST(Fsdp, MixedPrecisionGathersTheBf16CopyOnly) {
   });
 }
 
-// Hand-checked: 2 peers, 2 local experts, received counts (p0: 1, 1; p1: 2, 1). Receive rows:
-// p0e0 0, p0e1 1, p1e0 2 3, p1e1 4; expert-major: e0 <- 0, 2, 3; e1 <- 1, 4.
-TEST(ExpertExchange, MapsRegroupPeerMajorRowsExpertMajor) {
-  const moe::ExchangeMaps m = moe::exchange_maps_reference({1, 1, 2, 1}, 2);
-  EXPECT_EQ(m.expert_major_source, (std::vector<int32_t>{0, 2, 3, 1, 4}));
-  EXPECT_EQ(m.source_major_source, (std::vector<int32_t>{0, 3, 1, 2, 4}));
-  EXPECT_EQ(m.local_offsets, (std::vector<int64_t>{0, 3, 5}));
+// Routings of 6 tokens, top-2 over 4 experts on 2 ranks (experts 0, 1 on rank 0; 2, 3 on rank
+// 1), by name: each rank's tokens differ (rank r's token t chooses by (t + r)).
+Tensor exchange_routing(const std::string& kind, int rank) {
+  const int64_t n = 6, k = 2;
+  Tensor index = Tensor::empty({n, k}, DType::kI32);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      int32_t e = 0;
+      if (kind == "spread")  // some tokens on one rank only, some on both
+        e = static_cast<int32_t>((t + rank + j * (1 + t % 2)) % 4);
+      else if (kind == "one_rank")  // every choice on rank 0: rank 1 receives nothing
+        e = static_cast<int32_t>(j);
+      else if (kind == "one_expert")  // every token's first choice is expert 3
+        e = j == 0 ? 3 : static_cast<int32_t>((t + rank) % 3);
+      index.data<int32_t>()[t * k + j] = e;
+    }
+  return index;
 }
 
-TEST(ExpertExchange, DispatchDeliversRowsToOwnersAndCombineInverts) {
+// The exchange against its definition, computed on the host from both ranks' routings: rank q
+// receives, from each source p in order, the tokens of p with a choice on q, in token order,
+// with their choices as q's experts (-1 elsewhere): packed (host counts) or from place p * N of
+// p's region (device counts, the places past a region's tokens marked -1). Combine sums, for
+// each token, the rows of the ranks it went to, and is dispatch's adjoint.
+TEST(ExpertExchange, SendsEachTokenOncePerRankAndCombineIsItsAdjoint) {
   const int world = 2;
-  const int64_t experts = 4;  // experts 0,1 on rank 0; 2,3 on rank 1
+  const int64_t n = 6, k = 2, experts = 4, width = 3;
+  for (const moe::ExchangeMode mode :
+       {moe::ExchangeMode::kHostCounts, moe::ExchangeMode::kDeviceCounts})
+    for (const std::string kind : {"spread", "one_rank", "one_expert"}) {
+      const std::string what = kind + " " + std::string(moe::exchange_mode_name(mode));
+      run_in_process(world, [&](Communicator& c) {
+        const int r = c.rank();
+        const Tensor index = exchange_routing(kind, r);
+        moe::ExpertExchange ex(c, index, experts, mode);
+        const bool packed = mode == moe::ExchangeMode::kHostCounts;
+        // The expected arrivals: (source, token) at a receive row, and their local choices.
+        std::vector<std::pair<int, int64_t>> want;
+        std::vector<int64_t> at;
+        std::vector<int32_t> want_local;
+        int64_t want_rows = 0;
+        for (int p = 0; p < world; ++p) {
+          const Tensor theirs = exchange_routing(kind, p);
+          int64_t slot = 0;
+          for (int64_t t = 0; t < n; ++t) {
+            bool here = false;
+            for (int64_t j = 0; j < k; ++j) here |= theirs.data<int32_t>()[t * k + j] / 2 == r;
+            if (!here) continue;
+            want.emplace_back(p, t);
+            at.push_back(packed ? static_cast<int64_t>(at.size()) : p * n + slot++);
+            for (int64_t j = 0; j < k; ++j) {
+              const int32_t e = theirs.data<int32_t>()[t * k + j];
+              want_local.push_back(e / 2 == r ? e % 2 : -1);
+              want_rows += e / 2 == r;
+            }
+          }
+        }
+        ASSERT_EQ(ex.received_tokens(), packed ? static_cast<int64_t>(want.size()) : world * n)
+            << what;
+        if (packed)
+          EXPECT_EQ(ex.local_rows(), want_rows) << what;
+        else
+          EXPECT_GE(ex.local_rows(), want_rows) << what;
+        std::vector<bool> arrived(ex.received_tokens(), false);
+        for (size_t i = 0; i < want.size(); ++i) {
+          arrived[at[i]] = true;
+          for (int64_t j = 0; j < k; ++j)
+            EXPECT_EQ(ex.local_index().data<int32_t>()[at[i] * k + j], want_local[i * k + j])
+                << what << " " << i;
+        }
+        for (int64_t i = 0; i < ex.received_tokens(); ++i) {
+          if (arrived[i]) continue;
+          for (int64_t j = 0; j < k; ++j)
+            EXPECT_EQ(ex.local_index().data<int32_t>()[i * k + j], -1) << what << " place " << i;
+        }
+        // Rows named by their source: 100 * rank + token.
+        Tensor x = Tensor::empty({n, width}, DType::kF64);
+        for (int64_t t = 0; t < n; ++t)
+          for (int64_t d = 0; d < width; ++d) x.set_item(t * width + d, 100 * r + t + 0.25 * d);
+        const Tensor got = ex.dispatch(x);
+        for (size_t i = 0; i < want.size(); ++i)
+          EXPECT_EQ(got.item(at[i] * width),
+                    100.0 * want[i].first + static_cast<double>(want[i].second))
+              << what << " row " << i;
+        // Adjoint: <dispatch(x), y> summed over ranks equals <x, combine(y)> summed over ranks
+        // (over the places that hold a token: the others are undefined).
+        const Tensor xr = testing::randn({n, width}, 10 + r);
+        Tensor yr = testing::randn({ex.received_tokens(), width}, 20 + r);
+        Tensor dx = ex.dispatch(xr);
+        for (int64_t i = 0; i < ex.received_tokens(); ++i) {
+          if (arrived[i]) continue;
+          for (int64_t d = 0; d < width; ++d) dx.set_item(i * width + d, 0.0);
+        }
+        Tensor cy = Tensor::poisoned({n, width}, DType::kF64);
+        ex.combine(yr, cy);
+        Tensor dots = Tensor::empty({2}, DType::kF64);
+        dots.set_item(0, testing::dot(dx, yr));
+        dots.set_item(1, testing::dot(xr, cy));
+        c.all_reduce(dots);
+        EXPECT_NEAR(dots.item(0), dots.item(1), 1e-12 * (1 + std::abs(dots.item(0)))) << what;
+        // Combine with a residual adds it.
+        const Tensor res = testing::randn({n, width}, 30 + r);
+        Tensor with = Tensor::poisoned({n, width}, DType::kF64);
+        ex.combine(yr, with, &res);
+        for (int64_t i = 0; i < n * width; ++i)
+          EXPECT_NEAR(with.item(i), cy.item(i) + res.item(i), 1e-14) << what;
+      });
+    }
+}
+
+// scatter_rows' default path (all_to_all): every row at rank * capacity + its slot in each
+// peer's buffer, rows with slot -1 nowhere; i32 rows of 3 as well as f64. Slots that do not run
+// 0, 1, ... are refused.
+TEST(InProcess, ScatterRowsPlacesEveryRowAtItsSlot) {
+  const int world = 3;
+  const int64_t n = 5, capacity = 7;
   run_in_process(world, [&](Communicator& c) {
     const int r = c.rank();
-    // Rank r routes (r + 1) rows to every expert; row value = 100 * source + expert.
-    Tensor off = Tensor::empty({experts + 1}, DType::kI64);
-    for (int64_t e = 0; e <= experts; ++e) off.set_item(e, e * (r + 1));
-    const int64_t m = experts * (r + 1);
-    Tensor rows = Tensor::empty({m, 2}, DType::kF64);
-    for (int64_t i = 0; i < m; ++i) {
-      rows.set_item(2 * i, 100 * r + i / (r + 1));
-      rows.set_item(2 * i + 1, i);
-    }
-    moe::ExpertExchange ex(c, off);
-    const Tensor got = ex.dispatch(rows);
-    ASSERT_EQ(got.dim(0), 2 * (1 + 2));  // 2 local experts x (1 + 2) rows from the 2 sources
-    const Tensor& lo = ex.local_offsets();
-    for (int64_t e = 0; e < 2; ++e)
-      for (int64_t i = lo.item(e); i < lo.item(e + 1); ++i) {
-        const int expert = static_cast<int>(got.item(2 * i)) % 100;
-        EXPECT_EQ(expert, 2 * r + e) << "row " << i;
+    // Row t goes to peer p when (t + p + r) % 3 != 0, at the count of earlier rows to p.
+    Tensor slot = Tensor::empty({n, world}, DType::kI32);
+    std::vector<int32_t> next(world, 0);
+    for (int64_t t = 0; t < n; ++t)
+      for (int p = 0; p < world; ++p)
+        slot.data<int32_t>()[t * world + p] = (t + p + r) % 3 != 0 ? next[p]++ : -1;
+    Tensor rows = Tensor::empty({n, 3}, DType::kI32);
+    for (int64_t i = 0; i < n * 3; ++i)
+      rows.data<int32_t>()[i] = static_cast<int32_t>(1000 * r + i);
+    Tensor recv = Tensor::empty({world * capacity, 3}, DType::kI32);
+    std::fill(recv.data<int32_t>(), recv.data<int32_t>() + recv.numel(), -7);
+    c.scatter_rows(rows, slot, capacity, recv);
+    for (int q = 0; q < world; ++q) {
+      int64_t s = 0;
+      for (int64_t t = 0; t < n; ++t) {
+        if ((t + r + q) % 3 == 0) continue;  // q's row t to this rank
+        for (int64_t d = 0; d < 3; ++d)
+          EXPECT_EQ(recv.data<int32_t>()[(q * capacity + s) * 3 + d], 1000 * q + t * 3 + d)
+              << "from " << q << " row " << t;
+        ++s;
       }
-    // Expert-major, then source order inside an expert: source 0's row comes first.
-    EXPECT_EQ(static_cast<int>(got.item(0)) / 100, 0);
-    EXPECT_EQ(static_cast<int>(got.item(2)) / 100, 1);
-    const Tensor back = ex.combine(got);
-    for (int64_t i = 0; i < 2 * m; ++i) EXPECT_EQ(back.item(i), rows.item(i));
+    }
+    Tensor bad = slot.clone();
+    bad.data<int32_t>()[0] = bad.data<int32_t>()[0] < 0 ? 3 : bad.data<int32_t>()[0] + 3;
+    const std::string e = testing::error_of([&] { c.scatter_rows(rows, bad, capacity, recv); });
+    EXPECT_NE(e.find("slots must run 0, 1, ..."), std::string::npos) << e;
   });
 }
 
@@ -258,7 +367,19 @@ void collect(Qwen3Moe& model, int64_t n_experts, Snapshot& out, std::mutex& mu) 
     }
 }
 
-Snapshot train(int world, int ep, int64_t steps, const std::vector<std::string>& extra = {}) {
+// Routing that a config cannot ask for: a router bias of 10 on experts 0 and 1 (the bias only
+// steers the choice), so every token chooses both (top-2) and experts 2..7 receive nothing; with
+// ep > 1 every rank but the first receives no token.
+void concentrate_routing(Trainer& t) {
+  for (Tensor& b : t.model().router_biases()) {
+    b.zero_();
+    b.set_item(0, 10.0);
+    b.set_item(1, 10.0);
+  }
+}
+
+Snapshot train(int world, int ep, int64_t steps, const std::vector<std::string>& extra = {},
+               const std::function<void(Trainer&)>& prepare = {}) {
   const int64_t rows = 2;
   std::vector<std::string> sets = small_model(world == 0 ? 0 : rows);
   sets.insert(sets.end() - 1, extra.begin(), extra.end());  // the last one is replaced below
@@ -268,6 +389,7 @@ Snapshot train(int world, int ep, int64_t steps, const std::vector<std::string>&
     sets.back() = "train.log_every=100";
     sets.push_back("train.batch_rows=" + std::to_string(rows * 4));
     Trainer t(parse_config_string("", sets));
+    if (prepare) prepare(t);
     RunOptions o;
     o.steps = steps;
     snap.metrics = t.run(o);
@@ -281,6 +403,7 @@ Snapshot train(int world, int ep, int64_t steps, const std::vector<std::string>&
   const Config c = parse_config_string("", sets);
   run_in_process(world, [&](Communicator& comm) {
     Trainer t(c, &comm);
+    if (prepare) prepare(t);
     RunOptions o;
     o.steps = steps;
     const auto m = t.run(o);
@@ -299,11 +422,28 @@ void expect_same(const std::map<std::string, Tensor>& a, const std::map<std::str
   }
 }
 
-class Equivalence : public ::testing::TestWithParam<std::pair<int, int>> {};
+// (W, ep) against one rank holding the whole batch, with each routing: the router's (learned),
+// the benchmarks' fixed patterns, and every token on experts 0 and 1 (concentrate_routing).
+struct EquivalenceCase {
+  int world, ep;
+  const char* routing = "learned";  // model.routing, or "concentrated"
+  const char* exchange = "device";  // parallel.ep_exchange
+};
+class Equivalence : public ::testing::TestWithParam<EquivalenceCase> {};
 
 TEST_P(Equivalence, OneStepLossAndGradientsThenThreeStepsParameters) {
-  const auto [world, ep] = GetParam();
-  const Snapshot ref1 = train(0, 1, 1), got1 = train(world, ep, 1);
+  const auto [world, ep, routing, exchange] = GetParam();
+  const bool concentrated = std::string(routing) == "concentrated";
+  std::vector<std::string> sets = {
+      std::string("model.routing=") + (concentrated ? "learned" : routing),
+      std::string("parallel.ep_exchange=") + exchange};
+  // The fixed patterns run over each rank's token positions: skewed's cold round-robin has period
+  // 6 (E = 8: 6 cold experts), so micro-batches of a multiple of 6 tokens route as the whole
+  // batch does.
+  if (std::string(routing) == "skewed") sets.push_back("train.seq_len=24");
+  const std::function<void(Trainer&)> prepare =
+      concentrated ? std::function<void(Trainer&)>(concentrate_routing) : nullptr;
+  const Snapshot ref1 = train(0, 1, 1, sets, prepare), got1 = train(world, ep, 1, sets, prepare);
   EXPECT_NEAR(got1.metrics[0].loss, ref1.metrics[0].loss, 1e-10 * ref1.metrics[0].loss);
   EXPECT_NEAR(got1.metrics[0].aux_loss, ref1.metrics[0].aux_loss, 1e-10 * ref1.metrics[0].aux_loss);
   EXPECT_NEAR(got1.metrics[0].grad_norm, ref1.metrics[0].grad_norm,
@@ -315,7 +455,15 @@ TEST_P(Equivalence, OneStepLossAndGradientsThenThreeStepsParameters) {
   else
     EXPECT_EQ(got1.metrics[0].exchange_ms, 0.0);
   EXPECT_EQ(ref1.metrics[0].exchange_ms, 0.0);
-  const Snapshot ref3 = train(0, 1, 3), got3 = train(world, ep, 3);
+  if (concentrated)  // experts 2..7 had no rows: their gradients are zero, the others' not
+    for (int64_t e = 0; e < 8; ++e) {
+      const Tensor& g = ref1.grads.at("layers.0.moe.w_down");
+      const int64_t per = g.numel() / 8;
+      double sum = 0;
+      for (int64_t i = e * per; i < (e + 1) * per; ++i) sum += std::abs(g.item(i));
+      EXPECT_EQ(sum == 0.0, e >= 2) << "expert " << e;
+    }
+  const Snapshot ref3 = train(0, 1, 3, sets, prepare), got3 = train(world, ep, 3, sets, prepare);
   for (int s = 0; s < 3; ++s)
     EXPECT_NEAR(got3.metrics[s].loss, ref3.metrics[s].loss, 1e-10 * ref3.metrics[s].loss);
   expect_same(got3.params, ref3.params, 1e-10, "parameter");
@@ -366,13 +514,19 @@ INSTANTIATE_TEST_SUITE_P(WorldEpRecipe, EquivalenceMx,
                                   "_dispatch_" + info.param.dispatch;
                          });
 
-INSTANTIATE_TEST_SUITE_P(WorldAndEp, Equivalence,
-                         ::testing::Values(std::pair{1, 1}, std::pair{2, 1}, std::pair{2, 2},
-                                           std::pair{4, 2}, std::pair{4, 4}),
-                         [](const auto& info) {
-                           return "W" + std::to_string(info.param.first) + "_ep" +
-                                  std::to_string(info.param.second);
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    WorldEpRouting, Equivalence,
+    ::testing::Values(EquivalenceCase{1, 1}, EquivalenceCase{2, 1}, EquivalenceCase{2, 2},
+                      EquivalenceCase{4, 2}, EquivalenceCase{4, 4}, EquivalenceCase{2, 2, "skewed"},
+                      EquivalenceCase{4, 4, "skewed"}, EquivalenceCase{4, 2, "balanced"},
+                      EquivalenceCase{2, 2, "concentrated"}, EquivalenceCase{4, 4, "concentrated"},
+                      EquivalenceCase{2, 2, "learned", "host"},
+                      EquivalenceCase{4, 2, "skewed", "host"},
+                      EquivalenceCase{4, 4, "concentrated", "host"}),
+    [](const auto& info) {
+      return "W" + std::to_string(info.param.world) + "_ep" + std::to_string(info.param.ep) + "_" +
+             info.param.routing + "_" + info.param.exchange;
+    });
 
 }  // namespace
 }  // namespace mt
@@ -461,6 +615,18 @@ TEST(DistCheckpoint, RankFilesThatDisagreeStopEveryRank) {
   fs::copy_file(two / "rank_0.safetensors", two / "rank_1.safetensors",
                 fs::copy_options::overwrite_existing);
   resume_fails_on_every_rank("rank 1 read a file written by rank 0");
+  // The same step and rank from another run (same config, its own run id).
+  const std::string other_dir = dir + "_other";
+  fs::remove_all(other_dir);
+  std::vector<std::string> other_sets = sets;
+  other_sets.push_back("checkpoint.dir=\"" + other_dir + "\"");
+  const Config other = parse_config_string("", other_sets);
+  run_in_process(2, [&](Communicator& comm) { Trainer(other, &comm).run({}); });
+  fs::copy_file(fs::path(other_dir) / "step_00000002" / "rank_1.safetensors",
+                two / "rank_1.safetensors", fs::copy_options::overwrite_existing);
+  resume_fails_on_every_rank("the ranks' files are from different runs");
+  fs::remove_all(other_dir);
+  fs::remove_all(dir);
 }
 
 }  // namespace
@@ -614,7 +780,7 @@ TEST(Launch, ScalingScriptReportsEveryEpAndRouting) {
     ASSERT_FALSE(j.contains("error")) << line;
     cases[j.at("overrides").get<std::string>()] = j;
   }
-  ASSERT_EQ(cases.size(), 4u) << p.output;
+  ASSERT_EQ(cases.size(), 6u) << p.output;  // ep 2 and 1, three routings each
   for (const auto& [overrides, j] : cases) {
     EXPECT_EQ(j.at("gpus").get<int>(), 2) << overrides;
     EXPECT_EQ(j.at("preset").get<std::string>(), "tiny") << overrides;

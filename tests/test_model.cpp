@@ -90,7 +90,7 @@ TEST(Model, GradientsMatchFiniteDifferencesChunkedLoss) {
 
 TEST(Model, GradientsMatchFiniteDifferencesForcedBalanced) {
   ModelConfig c = small_config();
-  c.force_balanced_routing = true;
+  c.routing = ops::RoutingMode::kBalanced;
   check_model_gradients(c);
 }
 

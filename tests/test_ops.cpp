@@ -247,17 +247,17 @@ TEST(Router, HandCheckedChoiceAndWeights) {
   Tensor logits = Tensor::empty({1, 4}, DType::kF64);
   for (int e = 0; e < 4; ++e) logits.set_item(e, std::log(std::vector<double>{1, 4, 2, 3}[e]));
   ops::Routing r;
-  ops::router_forward(logits, Tensor(), {2, true, false}, r);
+  ops::router_forward(logits, Tensor(), {2, true, ops::RoutingMode::kLearned}, r);
   EXPECT_EQ(r.expert_index.item(0), 1);
   EXPECT_EQ(r.expert_index.item(1), 3);
   EXPECT_NEAR(r.expert_weight.item(0), 0.4 / 0.7, 1e-14);
   EXPECT_NEAR(r.expert_weight.item(1), 0.3 / 0.7, 1e-14);
-  ops::router_forward(logits, Tensor(), {2, false, false}, r);
+  ops::router_forward(logits, Tensor(), {2, false, ops::RoutingMode::kLearned}, r);
   EXPECT_NEAR(r.expert_weight.item(0), 0.4, 1e-14);
   // The bias steers the choice but never the weights.
   Tensor bias = Tensor::zeros({4}, DType::kF64);
   bias.set_item(0, 0.35);
-  ops::router_forward(logits, bias, {2, false, false}, r);
+  ops::router_forward(logits, bias, {2, false, ops::RoutingMode::kLearned}, r);
   EXPECT_EQ(r.expert_index.item(0), 0);
   EXPECT_EQ(r.expert_index.item(1), 1);
   EXPECT_NEAR(r.expert_weight.item(0), 0.1, 1e-14);
@@ -268,15 +268,40 @@ TEST(Router, HandCheckedChoiceAndWeights) {
 TEST(Router, ForcedBalancedRoutingSpreadsEvenly) {
   Tensor logits = randn({8, 4}, 1);
   ops::Routing r;
-  ops::router_forward(logits, Tensor(), {2, true, true}, r);
+  ops::router_forward(logits, Tensor(), {2, true, ops::RoutingMode::kBalanced}, r);
   for (int e = 0; e < 4; ++e) EXPECT_EQ(r.tokens_per_expert.item(e), 4);
   EXPECT_EQ(r.expert_index.item(2 * 3 + 1), (3 * 2 + 1) % 4);
 }
 
+// Skewed routing: each token's choices distinct, the first E/4 experts at twice the mean load,
+// the others within one row of 2/3 of it; odd k alternates ceil/floor of k/2 hot choices.
+TEST(Router, SkewedRoutingPutsTwiceTheMeanOnTheHotQuarter) {
+  for (const auto& [e, k] : {std::pair<int64_t, int64_t>{16, 4}, {8, 3}, {128, 8}, {4, 1}}) {
+    const int64_t n = 96;
+    Tensor logits = randn({n, e}, 1);
+    ops::Routing r;
+    ops::router_forward(logits, Tensor(), {static_cast<int>(k), true, ops::RoutingMode::kSkewed},
+                        r);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t j = 0; j < k; ++j)
+        for (int64_t i = 0; i < j; ++i)
+          ASSERT_NE(r.expert_index.item(t * k + i), r.expert_index.item(t * k + j))
+              << "token " << t << " E " << e << " k " << k;
+    const double mean = static_cast<double>(n * k) / static_cast<double>(e);
+    for (int64_t x = 0; x < e; ++x) {
+      const double load = r.tokens_per_expert.item(x);
+      if (x < e / 4)
+        EXPECT_EQ(load, 2 * mean) << "hot expert " << x << " E " << e << " k " << k;
+      else
+        EXPECT_NEAR(load, 2 * mean / 3, 1.0) << "cold expert " << x << " E " << e << " k " << k;
+    }
+  }
+}
+
 TEST(Router, Gradients) {
   for (bool norm : {true, false}) {
-    for (bool balanced : {false, true}) {
-      const ops::RouterOptions opt{3, norm, balanced};
+    for (const ops::RoutingMode mode : {ops::RoutingMode::kLearned, ops::RoutingMode::kBalanced}) {
+      const ops::RouterOptions opt{3, norm, mode};
       Tensor logits = randn({6, 5}, 1), g = randn({6, 3}, 2);
       const double aux_grad = 0.7;
       ops::Routing r;
@@ -289,7 +314,7 @@ TEST(Router, Gradients) {
       Tensor dl = like(logits);
       ops::router_backward(r, opt, ops::router_aux_stats(r), g, aux_grad, dl);
       EXPECT_LT(gradcheck(loss, logits, dl), kGradTol)
-          << "norm " << norm << " balanced " << balanced;
+          << "norm " << norm << " mode " << ops::routing_mode_name(mode);
     }
   }
 }
@@ -370,6 +395,71 @@ TEST(Combine, SumsTheCopiesAndGradients) {
   const Tensor short_residual = randn({4, 3}, 5);
   const std::string e = error_of([&] { ops::combine_forward(yp, c.p, with, &short_residual); });
   EXPECT_NE(e.find("combine residual"), std::string::npos) << e;
+}
+
+// Choices of another rank (-1) get no row: the layout holds the routed ones in the same stable
+// order, unpermute gives them zeros, the sums skip them; a larger `routed` leaves rows that name
+// no token, a smaller one is refused.
+TEST(Permute, ChoicesNotRoutedHereGetNoRow) {
+  Tensor index = i32({3, -1, -1, 1, 0, 1, -1, -1, 0, 3});
+  index = index.reshape({5, 2});
+  ops::ExpertPermutation p;
+  ops::make_expert_permutation(index, 4, p, 1, 6);
+  ASSERT_EQ(p.rows(), 6);
+  const std::vector<int64_t> offsets = {0, 2, 4, 4, 6};
+  for (int e = 0; e < 5; ++e) EXPECT_EQ(p.expert_offsets.item(e), offsets[e]);
+  const std::vector<int> source = {2, 4, 1, 2, 0, 4};
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(p.source_token.item(i), source[i]) << i;
+  const std::vector<int> rows = {4, -1, -1, 2, 0, 3, -1, -1, 1, 5};
+  for (int i = 0; i < 10; ++i) EXPECT_EQ(p.row_of_choice.item(i), rows[i]) << i;
+  // Gradients of the moves with skipped choices (the sums' adjoints).
+  Tensor x = randn({5, 3}, 1), g = randn({6, 3}, 2), xp = like(g);
+  auto loss = [&] {
+    ops::permute_rows(x, p, xp);
+    return dot(xp, g);
+  };
+  Tensor dx = Tensor::poisoned({5, 3}, DType::kF64);
+  ops::permute_rows_backward(g, p, dx);
+  EXPECT_LT(gradcheck(loss, x, dx), kGradTol);
+  for (int d = 0; d < 3; ++d) EXPECT_EQ(dx.item(3 * 3 + d), 0.0);  // token 3: no choice here
+  Tensor yp = randn({6, 3}, 3), gy = randn({5, 2, 3}, 4),
+         y = Tensor::poisoned({5, 2, 3}, DType::kF64);
+  auto uloss = [&] {
+    ops::unpermute_rows(yp, p, y);
+    return dot(y, gy);
+  };
+  Tensor dyp = Tensor::poisoned({6, 3}, DType::kF64);
+  ops::unpermute_rows_backward(gy, p, dyp);
+  EXPECT_LT(gradcheck(uloss, yp, dyp), kGradTol);
+  ops::unpermute_rows(yp, p, y);
+  for (int d = 0; d < 3; ++d) EXPECT_EQ(y.item(1 * 3 + d), 0.0);  // (token 0, choice 1)
+  // More rows than routed choices: the extra rows name no token.
+  ops::ExpertPermutation wide;
+  ops::make_expert_permutation(index, 4, wide, 1, 9);
+  ASSERT_EQ(wide.rows(), 9);
+  for (int64_t i = 6; i < 9; ++i) EXPECT_EQ(wide.source_token.item(i), -1) << i;
+  ops::ExpertPermutation narrow;
+  const std::string e = error_of([&] { ops::make_expert_permutation(index, 4, narrow, 1, 5); });
+  EXPECT_NE(e.find("6 routed choices of 10"), std::string::npos) << e;
+}
+
+// Two ranks of two experts: the tokens each rank receives and the choices as its experts.
+TEST(Permute, PeerAndLocalChoices) {
+  Tensor index = i32({3, 0, 1, 0, 2, 3, 1, 2});
+  index = index.reshape({4, 2});
+  Tensor peers = Tensor::poisoned({4, 2}, DType::kI32);
+  ops::peer_choices(index, 2, 2, peers);
+  const std::vector<int> want = {0, 1, 0, -1, -1, 1, 0, 1};
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(peers.item(i), want[i]) << i;
+  Tensor counts = Tensor::poisoned({2, 3}, DType::kI64);
+  ops::peer_counts(index, 2, 2, counts);
+  // Rank 0: expert 0 twice, expert 1 twice, 3 tokens; rank 1: expert 2 twice, 3 twice, 3 tokens.
+  const std::vector<int> want_counts = {2, 2, 3, 2, 2, 3};
+  for (int i = 0; i < 6; ++i) EXPECT_EQ(counts.item(i), want_counts[i]) << i;
+  Tensor local = Tensor::poisoned({4, 2}, DType::kI32);
+  ops::local_choices(index, 1, 2, local);
+  const std::vector<int> want_local = {1, -1, -1, -1, 0, 1, -1, 0};
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(local.item(i), want_local[i]) << i;
 }
 
 // Segments aligned to 4 rows: each expert's rows from a multiple of 4, in the dense order, the

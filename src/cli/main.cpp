@@ -1,6 +1,7 @@
 // The moetrain binary. Subcommands:
 //   train  --config F [--set section.key=value ...] [--steps N] [--metrics P] [--resume C]
-//          [--overwrite]
+//          [--overwrite] [--init-from HF_DIR]
+//   export-hf --config F --resume C --out DIR [--dtype bf16|f32] : a Hugging Face directory
 //   launch -n N -- train ...     : N processes on this host, one rank each (torchrun's env)
 //   flops  --config F [--set ...] : parameter counts and training FLOPs per token
 // Exit codes: 0 ok, 1 internal error, 2 config/usage, 3 data, 4 checkpoint, 5 NaN/Inf.
@@ -8,6 +9,7 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <functional>
 #include <optional>
 
 #include "core/log.h"
@@ -16,6 +18,8 @@
 #include "dist/socket_backend.h"
 #include "model/flops.h"
 #include "train/config.h"
+#include "train/hf_export.h"
+#include "train/hf_import.h"
 #include "train/trainer.h"
 #if MOETRAIN_HAS_CUDA
 #include "ops/cuda/device.h"
@@ -88,73 +92,126 @@ void choose_device(mt::Config& c, const std::optional<mt::dist::Rendezvous>& rdv
 void check_memory(const mt::Config& c) {
   const double params = static_cast<double>(mt::count_params(c.model).total);
   const double world = static_cast<double>(c.parallel.world);
-  double need = 0, have = 0;
+  mt::ModelConfig m = c.model;
+  double states = 0, have = 0;
   const char* where = "";
   if (c.hardware.device == "cuda") {
 #if MOETRAIN_HAS_CUDA
     // fp32 master weights, gradients and two AdamW moments sharded over the ranks (16 bytes),
     // and a bf16 compute copy of at least one unit's worth (counted as nothing here).
-    need = params * 16 / world;
+    states = params * 16 / world;
     have = static_cast<double>(mt::cuda::device_memory_bytes());
     where = "GPU";
+    m.device = mt::Device::kCUDA;
 #endif
   } else {
     // Weights, gradients and two AdamW moments in the compute dtype; CPU ranks share one host.
-    need = params * 4 * static_cast<double>(mt::dtype_size(c.model.compute_dtype));
+    states = params * 4 * static_cast<double>(mt::dtype_size(c.model.compute_dtype));
     have =
         static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
     where = "host";
   }
+  // The device exchange's expert rows are sized for ep times a balanced share.
+  const double rows_factor =
+      c.parallel.ep > 1 && c.model.ep_exchange == mt::moe::ExchangeMode::kDeviceCounts
+          ? static_cast<double>(c.parallel.ep)
+          : 1.0;
+  double activations = mt::activation_bytes(m, c.train.batch_rows * c.train.seq_len, rows_factor);
+  if (c.hardware.device != "cuda") activations *= world;  // CPU ranks share the host
+  const double need = states + activations;
   if (have > 0 && need > have)
     throw mt::ConfigError(fmt::format(
-        "config: {:.3g} parameters need at least {:.1f} GiB for weights, gradients and AdamW "
-        "moments, more than this {}'s {:.1f} GiB; fewer layers (model.n_layers), experts "
-        "(model.n_experts), a smaller model.dim, model.moe_dim or model.vocab_size, or more ranks "
-        "(parallel.world) need less",
-        params, need / (1 << 30), where, have / (1 << 30)));
+        "config: this run needs at least {:.1f} GiB on the {} ({:.3g} parameters' weights, "
+        "gradients and AdamW moments {:.1f} GiB; activations of {} tokens per micro-batch with "
+        "model.checkpoint = \"{}\" {:.1f} GiB), more than its {:.1f} GiB. Less: "
+        "model.checkpoint = \"selective\" or \"full\", fewer tokens per micro-batch "
+        "(train.batch_rows, train.seq_len), model.loss_chunk_tokens, fewer layers "
+        "(model.n_layers) or experts (model.n_experts), a smaller model.dim, model.moe_dim or "
+        "model.vocab_size, or more ranks (parallel.world)",
+        need / (1 << 30), where, params, states / (1 << 30), c.train.batch_rows * c.train.seq_len,
+        mt::policy_name(c.model.checkpoint), activations / (1 << 30), have / (1 << 30)));
+}
+
+// The config with the launch's world and the device chosen, and the ranks to run `fn` on: one
+// (null), the launched processes (TCP, then NCCL on the GPUs), or threads of this process.
+struct Ranks {
+  mt::Config config;
+  std::optional<mt::dist::Rendezvous> rdv;
+};
+
+Ranks prepare_ranks(const ConfigArgs& a, const std::string& init_from) {
+  // Started by `moetrain launch` or torchrun: one process per rank, the world from the env.
+  Ranks r;
+  std::vector<std::string> overrides = a.overrides;
+  if (mt::dist::launched_by_env()) {
+    r.rdv = mt::dist::rendezvous_from_env();
+    mt::log::set_rank(r.rdv->rank);
+    overrides.insert(overrides.begin(), fmt::format("parallel.world={}", r.rdv->world));
+  }
+  r.config = mt::load_config(a.path, overrides);
+  mt::Config& c = r.config;
+  if (!init_from.empty()) c.model = mt::hf_architecture(init_from, c.model);
+  if (r.rdv && c.parallel.world != r.rdv->world)
+    throw mt::ConfigError(fmt::format("config: parallel.world = {} but WORLD_SIZE = {}",
+                                      c.parallel.world, r.rdv->world));
+  choose_device(c, r.rdv);
+  return r;
+}
+
+void on_ranks(const Ranks& r, const std::function<void(mt::dist::Communicator*)>& fn) {
+  const mt::Config& c = r.config;
+  if (c.parallel.world == 1) {
+    fn(nullptr);
+  } else if (r.rdv) {
+    const auto world = mt::dist::connect_socket_world(*r.rdv);
+#if MOETRAIN_HAS_NCCL
+    if (c.hardware.device == "cuda") {  // NCCL on the GPUs; TCP carried its id
+      const auto gpus = mt::dist::connect_nccl_world(*r.rdv, *world);
+      fn(gpus.get());
+      return;
+    }
+#endif
+    fn(world.get());
+  } else {
+    // CPU ranks as threads of this process (the in-process backend).
+    mt::dist::run_in_process(static_cast<int>(c.parallel.world),
+                             [&](mt::dist::Communicator& world) { fn(&world); });
+  }
 }
 
 int run_train(const ConfigArgs& a, mt::RunOptions opt) {
-  // Started by `moetrain launch` or torchrun: one process per rank, the world from the env.
-  std::optional<mt::dist::Rendezvous> rdv;
-  std::vector<std::string> overrides = a.overrides;
-  if (mt::dist::launched_by_env()) {
-    rdv = mt::dist::rendezvous_from_env();
-    mt::log::set_rank(rdv->rank);
-    overrides.insert(overrides.begin(), fmt::format("parallel.world={}", rdv->world));
-  }
-  mt::Config c = mt::load_config(a.path, overrides);
-  if (rdv && c.parallel.world != rdv->world)
-    throw mt::ConfigError(fmt::format("config: parallel.world = {} but WORLD_SIZE = {}",
-                                      c.parallel.world, rdv->world));
-  choose_device(c, rdv);
-  check_memory(c);
+  const Ranks r = prepare_ranks(a, opt.init_from);
+  check_memory(r.config);
   opt.progress_bar = isatty(fileno(stderr));
-  auto train = [&](mt::dist::Communicator* world) {
-    mt::Trainer trainer(c, world);
+  on_ranks(r, [&](mt::dist::Communicator* world) {
+    mt::Trainer trainer(r.config, world);
     const auto m = trainer.run(opt);
     if (!m.empty() && (!world || world->rank() == 0))
       mt::log::info("done: {} steps, final loss {:.4f} (data floor {:.4f}, unigram {:.4f})",
                     m.back().step, m.back().loss, trainer.data_stats().loss_floor,
                     trainer.data_stats().unigram_entropy);
-  };
-  if (c.parallel.world == 1) {
-    train(nullptr);
-  } else if (rdv) {
-    const auto world = mt::dist::connect_socket_world(*rdv);
-#if MOETRAIN_HAS_NCCL
-    if (c.hardware.device == "cuda") {  // NCCL on the GPUs; TCP carried its id
-      const auto gpus = mt::dist::connect_nccl_world(*rdv, *world);
-      train(gpus.get());
-      return 0;
-    }
-#endif
-    train(world.get());
-  } else {
-    // CPU ranks as threads of this process (the in-process backend).
-    mt::dist::run_in_process(static_cast<int>(c.parallel.world),
-                             [&](mt::dist::Communicator& world) { train(&world); });
-  }
+  });
+  return 0;
+}
+
+// export-hf: the checkpoint's parameters as a Hugging Face directory (train/hf_export.h), from
+// as many ranks as wrote it.
+int run_export_hf(const ConfigArgs& a, const std::string& resume, const std::string& out,
+                  const std::string& dtype_name) {
+  mt::DType dtype;
+  if (!mt::parse_dtype(dtype_name, &dtype) ||
+      (dtype != mt::DType::kBF16 && dtype != mt::DType::kF32))
+    throw mt::ConfigError(fmt::format("export-hf: --dtype {} (valid: bf16, f32)", dtype_name));
+  const Ranks r = prepare_ranks(a, "");
+  check_memory(r.config);
+  on_ranks(r, [&](mt::dist::Communicator* world) {
+    mt::Trainer trainer(r.config, world);
+    trainer.resume(resume);
+    mt::export_hf(trainer.model(), out, dtype, world);
+    if (!world || world->rank() == 0)
+      mt::log::info("exported '{}' (step {}) to '{}' as {}", resume, trainer.step(), out,
+                    dtype_name);
+  });
   return 0;
 }
 
@@ -188,6 +245,8 @@ int main(int argc, char** argv) {
                     "checkpoint file, or a checkpoint directory's latest");
   train->add_flag("--overwrite", overwrite,
                   "start a new run in a checkpoint.dir that already holds checkpoints");
+  train->add_option("--init-from", run_opt.init_from,
+                    "start from a Hugging Face Qwen3-MoE directory (config.json + safetensors)");
   mt::dist::LaunchOptions launch_opt;
   CLI::App* launch =
       app.add_subcommand("launch", "start N ranks on this host: launch -n N -- train ...");
@@ -195,6 +254,14 @@ int main(int argc, char** argv) {
   launch->add_option("--master-port", launch_opt.master_port,
                      "rendezvous port (default: a free one)");
   launch->add_option("args", launch_opt.args, "the moetrain command of every rank")->required();
+  ConfigArgs export_cfg;
+  std::string export_resume, export_out, export_dtype = "bf16";
+  CLI::App* export_hf =
+      app.add_subcommand("export-hf", "write a checkpoint as a Hugging Face Qwen3-MoE directory");
+  add_config_options(export_hf, export_cfg);
+  export_hf->add_option("--resume", export_resume, "checkpoint file or directory")->required();
+  export_hf->add_option("--out", export_out, "the directory to write")->required();
+  export_hf->add_option("--dtype", export_dtype, "bf16 (default) or f32");
   CLI::App* flops = app.add_subcommand("flops", "parameter counts and FLOPs per token");
   add_config_options(flops, flops_cfg);
   try {
@@ -211,6 +278,7 @@ int main(int argc, char** argv) {
       return run_train(train_cfg, run_opt);
     }
     if (*launch) return mt::dist::launch_local(launch_opt);
+    if (*export_hf) return run_export_hf(export_cfg, export_resume, export_out, export_dtype);
     if (*flops) return run_flops(flops_cfg);
   } catch (const mt::Error& e) {
     std::fprintf(stderr, "moetrain: %s\n", e.what());

@@ -5,11 +5,7 @@
 #include <cmath>
 #include <cstdint>
 
-#if defined(__CUDACC__)
-#define MT_HOST_DEVICE __host__ __device__
-#else
-#define MT_HOST_DEVICE
-#endif
+#include "core/host_device.h"
 
 namespace mt {
 

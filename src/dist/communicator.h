@@ -4,6 +4,7 @@
 #pragma once
 #include <functional>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "core/tensor.h"
@@ -46,6 +47,24 @@ class Communicator {
   // recv_rows[p] rows arrive from peer p, in peer order.
   virtual void all_to_all(const Tensor& send, const std::vector<int64_t>& send_rows, Tensor& recv,
                           const std::vector<int64_t>& recv_rows) = 0;
+  // Rows to peers into fixed places, for exchanges whose counts stay on the device: send (n, W)
+  // rows of any dtype; slot i32 (n, size): row t goes to peer p's recv at row
+  // rank * capacity + slot[t, p], or nowhere for -1. A peer's slots are distinct, below
+  // `capacity` and increase with t. recv (size * capacity, W): rows no peer wrote are undefined.
+  // The default sends through all_to_all (it reads the slots on the host); NCCL within one node
+  // writes the rows into the peers' buffers from a kernel (symmetric memory over NVLink, nothing
+  // on the host: a CUDA graph can hold it).
+  virtual void scatter_rows(const Tensor& send, const Tensor& slot, int64_t capacity, Tensor& recv);
+  // Reserves the device path's buffer for scatter_rows of up to `bytes` of recv, moved by `ctas`
+  // thread blocks, once, before any capture (registering it is collective); returns the bytes
+  // reserved, 0 when this backend has no device path (scatter_rows then takes the default;
+  // *why says why).
+  virtual size_t reserve_scatter(size_t bytes, int ctas, std::string* why) {
+    (void)bytes;
+    (void)ctas;
+    *why = "this backend has no device path";
+    return 0;
+  }
   virtual void barrier() = 0;
   // Hands the work queued so far on the compute stream to the failure watchdog, named `what`:
   // a replayed CUDA graph's collectives, which were captured once and never issued as such.

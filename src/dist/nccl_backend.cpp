@@ -18,6 +18,7 @@
 #include "core/cuda_check.h"
 #include "core/error.h"
 #include "core/log.h"
+#include "dist/nccl_lsa.h"
 
 namespace mt::dist {
 
@@ -76,10 +77,12 @@ class NcclCommunicator final : public Communicator {
     wake_.notify_all();
     if (failed) {          // aborted: nothing of NCCL's is safe to call, and the watchdog ends the
       watchdog_.detach();  // process if it outlives the grace period (it no longer reads `this`)
+      (void)lsa_.release();
       return;
     }
     watchdog_.join();
     cudaDeviceSynchronize();
+    lsa_.reset();  // its window and device communicator belong to comm_
     ncclCommDestroy(comm_);
     cudaStreamDestroy(stream_);
     cudaEventDestroy(ready_);
@@ -160,6 +163,36 @@ class NcclCommunicator final : public Communicator {
       MT_NCCL_CHECK(ncclGroupEnd());
     }));
     finish_on_host("all_to_all", r, recv);
+  }
+
+  size_t reserve_scatter(size_t bytes, int ctas, std::string* why) override {
+    begin("reserve_scatter");
+    if (lsa_ && lsa_->bytes() >= bytes) return lsa_->bytes();
+    lsa_.reset();
+    lsa_ = LsaScatter::create(comm_, bytes, ctas, why);
+    return lsa_ ? lsa_->bytes() : 0;
+  }
+
+  void scatter_rows(const Tensor& send, const Tensor& slot, int64_t capacity,
+                    Tensor& recv) override {
+    if (!lsa_ || lsa_->bytes() < recv.nbytes() || send.device() != Device::kCUDA)
+      return Communicator::scatter_rows(send, slot, capacity, recv);
+    MT_CHECK(send.ndim() == 2 && recv.ndim() == 2 && send.dtype() == recv.dtype() &&
+                 recv.dim(0) == size_ * capacity && recv.dim(1) == send.dim(1) &&
+                 slot.numel() == send.dim(0) * size_ && slot.dtype() == DType::kI32 &&
+                 slot.device() == Device::kCUDA,
+             "scatter_rows of {} {} with slots {} into {} {} ({} places per rank)",
+             dtype_name(send.dtype()), shape_str(send.shape()), shape_str(slot.shape()),
+             dtype_name(recv.dtype()), shape_str(recv.shape()), capacity);
+    begin("scatter_rows");
+    const int64_t row_bytes = send.dim(1) * static_cast<int64_t>(dtype_size(send.dtype()));
+    MT_CUDA_CHECK(lsa_->scatter(send.numel() ? send.raw() : nullptr, send.dim(0), row_bytes,
+                                slot.data<int32_t>(), capacity, recv.raw(), cuda::stream()));
+    // A peer that never arrives at the kernel's barriers leaves it spinning: the watchdog sees
+    // it unfinished and ends the rank (a replayed graph's copy is watched by watch_queued).
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    MT_CUDA_CHECK(cudaStreamIsCapturing(cuda::stream(), &capturing));
+    if (capturing == cudaStreamCaptureStatusNone) hand_to_watchdog("scatter_rows", cuda::stream());
   }
 
   void barrier() override {
@@ -349,8 +382,9 @@ class NcclCommunicator final : public Communicator {
   static constexpr std::chrono::seconds kAbortGrace{15};
 
   ncclComm_t comm_;
-  cudaStream_t stream_ = nullptr;  // this communicator's collectives
-  cudaEvent_t ready_ = nullptr;    // the compute stream's point a collective starts after
+  std::unique_ptr<LsaScatter> lsa_;  // scatter_rows' device path, once reserved
+  cudaStream_t stream_ = nullptr;    // this communicator's collectives
+  cudaEvent_t ready_ = nullptr;      // the compute stream's point a collective starts after
   int device_;
   int rank_ = 0, size_ = 1;
   double timeout_s_;

@@ -118,4 +118,51 @@ void finish_reduction(ParamUnit& u) {
   for (auto& g : u.groups) finish_reduction(g);
 }
 
+UnitSchedule::UnitSchedule(std::vector<ParamUnit>& units, double grad_divide_factor,
+                           std::vector<bool> backward_reads_params)
+    : units_(&units),
+      divide_(grad_divide_factor),
+      reads_(std::move(backward_reads_params)),
+      gathered_(units.size(), false),
+      gradients_(units.size(), false) {
+  MT_CHECK(reads_.size() == units.size(), "{} backward flags for {} units", reads_.size(),
+           units.size());
+}
+
+void UnitSchedule::forward_begin(size_t i) {
+  gather((*units_)[i]);
+  gathered_[i] = true;
+  if (i + 1 < units_->size()) prefetch((*units_)[i + 1]);
+}
+
+void UnitSchedule::forward_end(size_t i) {
+  release((*units_)[i]);
+  gathered_[i] = false;
+}
+
+void UnitSchedule::begin_gradients(size_t i) {
+  if (gradients_[i]) return;
+  begin_backward((*units_)[i]);
+  gradients_[i] = true;
+}
+
+void UnitSchedule::backward_begin(size_t i) {
+  if (reads_[i] && !gathered_[i]) {
+    gather((*units_)[i]);
+    gathered_[i] = true;
+  }
+  begin_gradients(i);
+  if (i > 0 && reads_[i - 1] && !gathered_[i - 1]) prefetch((*units_)[i - 1]);
+}
+
+void UnitSchedule::backward_end(size_t i) {
+  reduce_gradients((*units_)[i], divide_);
+  if (i + 1 < units_->size()) finish_reduction((*units_)[i + 1]);
+  forward_end(i);
+}
+
+void UnitSchedule::backward_done() {
+  for (ParamUnit& u : *units_) finish_reduction(u);
+}
+
 }  // namespace mt::fsdp

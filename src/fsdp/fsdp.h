@@ -2,8 +2,10 @@
 // before a unit is used, release after, reduce-scatter its gradients after its backward.
 // Every function is a no-op on an unsharded group, so the model calls them unconditionally.
 #pragma once
+#include <vector>
+
 #include "dist/communicator.h"
-#include "model/params.h"
+#include "fsdp/params.h"
 
 namespace mt::fsdp {
 
@@ -33,6 +35,35 @@ void finish_reduction(ParamGroup& g);
 // Forgets the group's gathered buffers and the collectives started for it without waiting for
 // them: after a CUDA graph capture failed mid-pass, whose collectives were recorded, never run.
 void abandon_in_flight(ParamGroup& g);
+
+// The order a model runs its units in, with FSDP's communication around each: units 0..n-1
+// forward, then n-1..0 backward; made for one pass (every unit released at its start).
+// Forward: a unit is gathered just before it runs, the next unit's gather started behind it
+// (NCCL: overlapping this unit's compute), and released after. Backward: a unit is gathered
+// (unless still held from its forward), its gradients allocated and the gather of the unit below
+// started (when that unit's backward reads its parameters); once its backward is queued, its
+// reduce-scatter starts in the background and the reduction of the unit above is finished, so
+// (NCCL) each reduction overlaps the next unit's backward and at most two units' full gradients
+// live. Unsharded units only get their compute copies, as with the functions above.
+class UnitSchedule {
+ public:
+  // backward_reads_params[i]: unit i's backward needs its parameters (an embedding's does not).
+  UnitSchedule(std::vector<ParamUnit>& units, double grad_divide_factor,
+               std::vector<bool> backward_reads_params);
+  void forward_begin(size_t i);
+  void forward_end(size_t i);
+  // Allocates unit i's full gradients (once per pass): before its backward_begin when another
+  // unit's backward writes them first (tied embeddings).
+  void begin_gradients(size_t i);
+  void backward_begin(size_t i);
+  void backward_end(size_t i);
+  void backward_done();  // every reduction finished: the optimizer may read the gradients
+
+ private:
+  std::vector<ParamUnit>* units_;
+  double divide_;
+  std::vector<bool> reads_, gathered_, gradients_;
+};
 
 void gather(ParamUnit& u);
 void prefetch(ParamUnit& u);

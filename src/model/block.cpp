@@ -42,10 +42,8 @@ void drop_for_policy(BlockActivations& a, CheckpointPolicy policy) {
   if (policy == CheckpointPolicy::kNone) return;
   a.xn = a.attn_rstd = a.qn = a.q_rstd = a.kn = a.k_rstd = a.qr = a.kr = Tensor();
   a.h = a.hn = a.mlp_rstd = Tensor();
-  a.moe.xp = a.moe.act = Tensor();
-  // The exchange's outputs (xe, row_weight) stay: no re-sending. Without an exchange they are
-  // the permutation's own rows (xe is xp), rebuilt like it.
-  if (!a.moe.exchange) a.moe.xe = a.moe.row_weight = Tensor();
+  // The gathers are rebuilt; the exchange's outputs (xr, wr) stay: no re-sending.
+  a.moe.xe = a.moe.row_weight = a.moe.act = Tensor();
   if (policy == CheckpointPolicy::kSelective) return;
   a.q = a.k = a.v = Tensor();
   a.moe = moe::MoeActivations();
@@ -107,7 +105,7 @@ void block_fill(const BlockParams& p, const ModelConfig& c, const BlockInputs& i
     ops::rmsnorm_forward(a.h, p.mlp_norm, c.rms_norm_eps, a.hn, a.mlp_rstd);
   }
   phase.emplace("moe.fill");
-  moe::moe_fill(p.moe, c, in.comms, in.router_bias, a.hn, a.moe);
+  moe::moe_fill(p.moe, c.moe(), in.comms, in.router_bias, a.hn, a.moe);
 }
 
 }  // namespace
@@ -151,7 +149,7 @@ Tensor block_forward(const BlockParams& p, const ModelConfig& c, const BlockInpu
   block_fill(p, c, in, a);
   Tensor out = new_like(x);
   const profile::Phase phase("moe.combine");
-  moe::moe_combine(p.moe, c, a.moe, out, &a.h);  // the residual add in the combine's pass
+  moe::moe_combine(p.moe, c.moe(), a.moe, out, &a.h);  // the residual add in the combine's pass
   a.tokens_per_expert = a.moe.routing.tokens_per_expert;
   a.aux_loss = a.moe.aux_loss;
   drop_for_policy(a, c.checkpoint);
@@ -169,7 +167,7 @@ Tensor block_backward(const BlockParams& p, BlockParams& g, const ModelConfig& c
   // MoE half: out = h + moe(rmsnorm(h)).
   std::optional<profile::Phase> phase(std::in_place, "moe.backward");
   Tensor dh = dout.clone();
-  Tensor dhn = moe::moe_backward(p.moe, g.moe, c, a.hn, a.moe, dout, aux_grad, expert_grads);
+  Tensor dhn = moe::moe_backward(p.moe, g.moe, c.moe(), a.hn, a.moe, dout, aux_grad, expert_grads);
   Tensor tmp = new_like(a.x);
   ops::rmsnorm_backward(a.h, p.mlp_norm, a.mlp_rstd, dhn, tmp, g.mlp_norm);
   ops::add_(dh, tmp);

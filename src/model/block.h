@@ -2,9 +2,9 @@
 // Attention: q, k, v projections, per-head RMSNorm on q and k (before RoPE, as HF), RoPE,
 // causal packed-document GQA attention, output projection.
 #pragma once
+#include "fsdp/params.h"
 #include "model/batch.h"
 #include "model/config.h"
-#include "model/params.h"
 #include "moe/moe_layer.h"
 
 namespace mt {
@@ -41,8 +41,7 @@ struct BlockActivations {
   Tensor qn, q_rstd, kn, k_rstd;  // (N*H, hd), (N*H), (N*KV, hd), (N*KV)  [none]
   Tensor qr, kr;                  // after RoPE (N, H, hd), (N, KV, hd)  [none]
   Tensor h, hn, mlp_rstd;         // (N, D), (N, D), (N)                 [none]
-  moe::MoeActivations
-      moe;  // routing, logits, gate_up (+ EP: xe, row_weight) [selective]; rest [none]
+  moe::MoeActivations moe;  // routing, logits, gate_up (+ EP: xr, wr) [selective]; rest [none]
   // Step statistics, always kept, on the activations' device: i64 (E) rows routed to each
   // expert, and the aux loss (one f64).
   Tensor tokens_per_expert;

@@ -1,5 +1,6 @@
 #include "model/config.h"
 
+#include <algorithm>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <utility>
@@ -85,6 +86,15 @@ void ModelConfig::validate() const {
     throw ConfigError(
         fmt::format("config: model.loss_chunk_tokens = {} must be >= 0 (0 = all tokens at once)",
                     loss_chunk_tokens));
+  if (routing == ops::RoutingMode::kSkewed &&
+      std::min(ops::skewed_hot_experts(n_experts), n_experts - ops::skewed_hot_experts(n_experts)) <
+          (top_k + 1) / 2)
+    throw ConfigError(fmt::format(
+        "config: model.routing = \"skewed\" puts ceil(top_k / 2) = {} choices of a token on the "
+        "{} hot experts (model.n_experts / 4) and the rest on the {} cold ones: needs "
+        "model.n_experts >= {}",
+        (top_k + 1) / 2, ops::skewed_hot_experts(n_experts),
+        n_experts - ops::skewed_hot_experts(n_experts), 4 * ((top_k + 1) / 2)));
   if (top_k > n_experts)
     throw ConfigError(
         fmt::format("config: model.top_k = {} exceeds model.n_experts = {}", top_k, n_experts));
@@ -129,13 +139,19 @@ ModelConfig model_config_from_hf_json(const std::string& path, ModelConfig base)
       throw ConfigError(fmt::format("config: '{}': \"{}\" must be true or false", path, key));
     *out = j[key].get<bool>();
   };
+  // Only Qwen3-MoE: another architecture's config.json would map onto the wrong fields.
+  if (j.contains("model_type") && j["model_type"] != "qwen3_moe")
+    throw ConfigError(fmt::format(
+        "config: '{}' is model_type {}, not a Qwen3-MoE (model_type \"qwen3_moe\")", path,
+        j["model_type"].dump()));
   ModelConfig c = base;
   get_int("vocab_size", &c.vocab_size);
   get_int("hidden_size", &c.dim);
   get_int("num_hidden_layers", &c.n_layers);
   get_int("num_attention_heads", &c.n_heads);
   get_int("num_key_value_heads", &c.n_kv_heads);
-  get_int("num_experts", &c.n_experts);
+  // transformers 4 and the published checkpoints: num_experts; transformers 5: num_local_experts.
+  get_int(j.contains("num_experts") ? "num_experts" : "num_local_experts", &c.n_experts);
   get_int("num_experts_per_tok", &c.top_k);
   get_int("moe_intermediate_size", &c.moe_dim);
   if (j.contains("head_dim"))
@@ -143,6 +159,18 @@ ModelConfig model_config_from_hf_json(const std::string& path, ModelConfig base)
   else
     c.head_dim = c.dim / c.n_heads;
   get_num("rope_theta", &c.rope_theta);
+  if (j.contains("rope_parameters") && j["rope_parameters"].is_object()) {  // transformers 5
+    const nlohmann::json& rp = j["rope_parameters"];
+    if (rp.contains("rope_type") && rp["rope_type"] != "default")
+      throw ConfigError(fmt::format("config: '{}': rope_parameters.rope_type {} is not supported",
+                                    path, rp["rope_type"].dump()));
+    if (rp.contains("rope_theta")) {
+      if (!rp["rope_theta"].is_number())
+        throw ConfigError(
+            fmt::format("config: '{}': rope_parameters.rope_theta must be a number", path));
+      c.rope_theta = rp["rope_theta"].get<double>();
+    }
+  }
   get_num("rms_norm_eps", &c.rms_norm_eps);
   get_num("router_aux_loss_coef", &c.aux_loss_coef);
   get_num("initializer_range", &c.init_std);

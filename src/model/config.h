@@ -7,7 +7,10 @@
 
 #include "core/dtype.h"
 #include "core/tensor.h"
+#include "moe/expert_exchange.h"
+#include "moe/moe_layer.h"
 #include "ops/expert_gemm.h"
+#include "ops/routing_mode.h"
 
 namespace mt {
 
@@ -33,11 +36,15 @@ struct ModelConfig {
   // --- routing and balancing ---
   double aux_loss_coef = 0.001;   // router_aux_loss_coef; 0 disables
   double bias_update_rate = 0.0;  // aux-loss-free balancing (0 = off)
-  bool force_balanced_routing = false;
-  // On one GPU without expert parallelism: each expert's rows start on a 128-row boundary, so the
-  // forward and input-gradient expert GEMMs run on fixed TMA descriptors; false: dense rows (up to
-  // E x 127 fewer rows in each of the layer's row buffers).
+  // learned, or a fixed pattern for benchmarks (balanced, skewed: ops/routing_mode.h).
+  ops::RoutingMode routing = ops::RoutingMode::kLearned;
+  // On the GPU: each expert's rows start on a 128-row boundary, so the forward and
+  // input-gradient expert GEMMs run on fixed TMA descriptors; false: dense rows (up to E x 127
+  // fewer rows in each of the layer's row buffers).
   bool pad_expert_rows = true;
+  // How the expert-parallel exchange sizes its rows (moe/expert_exchange.h): "device" (fixed
+  // capacity, counts on the device, graph-capturable) or "host" (counts read on the host).
+  moe::ExchangeMode ep_exchange = moe::ExchangeMode::kDeviceCounts;
   // --- numerics and memory ---
   // The experts' GEMMs (ops/expert_gemm.h): bf16, mxfp8 or mxfp8_wgrad_with_hp, with the MX
   // scale rule; MX recipes need dim and moe_dim to be multiples of 32.
@@ -60,6 +67,10 @@ struct ModelConfig {
   DType activation_dtype() const { return on_gpu() ? DType::kBF16 : compute_dtype; }
   DType stat_dtype() const { return on_gpu() ? DType::kF32 : compute_dtype; }
 
+  moe::MoeConfig moe() const {
+    return {dim,     moe_dim,          n_experts,      top_k, norm_topk_prob,
+            routing, expert_precision, pad_expert_rows};
+  }
   int64_t q_dim() const { return n_heads * head_dim; }
   int64_t kv_dim() const { return n_kv_heads * head_dim; }
   // Throws ConfigError naming the first impossible field ("model.<key>").

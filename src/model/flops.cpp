@@ -1,5 +1,7 @@
 #include "model/flops.h"
 
+#include <algorithm>
+
 namespace mt {
 
 ParamCounts count_params(const ModelConfig& c) {
@@ -21,6 +23,39 @@ ParamCounts count_params(const ModelConfig& c) {
 double train_flops_per_token(const ModelConfig& c, int64_t seq_len) {
   const double attention = 6.0 * c.n_layers * c.n_heads * (2.0 * c.head_dim) * seq_len;
   return 6.0 * count_params(c).active + attention;
+}
+
+double activation_bytes(const ModelConfig& c, int64_t tokens, double expert_rows_factor) {
+  const double act = static_cast<double>(dtype_size(c.activation_dtype()));
+  const double stat = static_cast<double>(dtype_size(c.stat_dtype()));
+  const double d = static_cast<double>(c.dim), q = static_cast<double>(c.q_dim()),
+               kv = static_cast<double>(c.kv_dim()), k = static_cast<double>(c.top_k),
+               f = static_cast<double>(c.moe_dim), e = static_cast<double>(c.n_experts);
+  // Per token and layer.
+  const double inputs = d * act;                            // the block's input
+  const double attention = (d + 3 * q + 4 * kv + d) * act;  // xn, q/qn/qr/out, k/v/kn/kr, h
+  const double router = 2 * e * stat;                       // logits, scores
+  const double experts = expert_rows_factor * k * (d + 3 * f) * act;  // rows, gate/up, SwiGLU
+  double per_layer = 0;
+  switch (c.checkpoint) {
+    case CheckpointPolicy::kNone:
+      per_layer = inputs + attention + router + experts;
+      break;
+    case CheckpointPolicy::kSelective:  // q, k, v, attention, routing, gate/up products
+      per_layer = inputs + (2 * q + 2 * kv) * act + router + expert_rows_factor * k * 2 * f * act;
+      break;
+    case CheckpointPolicy::kFull:  // inputs and attention; one block's worth while it reruns
+      per_layer = inputs + q * act;
+      break;
+  }
+  const double n = static_cast<double>(tokens);
+  double total = n * per_layer * static_cast<double>(c.n_layers);
+  if (c.checkpoint == CheckpointPolicy::kFull)
+    total += n * (attention + router + experts);  // the block being recomputed
+  const double chunk =
+      c.loss_chunk_tokens > 0 ? std::min(n, static_cast<double>(c.loss_chunk_tokens)) : n;
+  total += 2 * chunk * static_cast<double>(c.vocab_size) * stat;  // logits and their gradient
+  return total;
 }
 
 }  // namespace mt

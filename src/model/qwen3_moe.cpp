@@ -111,6 +111,7 @@ Qwen3Moe::Qwen3Moe(const ModelConfig& c, uint64_t seed, dist::DeviceMesh* mesh)
     first_expert = mesh->first_local_expert();
     local_experts = mesh->experts_per_rank();
     if (mesh->ep_size() > 1) comms_.ep = &mesh->ep();
+    comms_.exchange = c.ep_exchange;
     if (mesh->world().size() > 1) comms_.batch = &mesh->world();
   }
   const DType dt = cfg_.master_dtype();
@@ -184,11 +185,12 @@ int64_t Qwen3Moe::graph_replays() const {
 
 bool Qwen3Moe::use_graphs(const LossScale* scale) const {
 #if MOETRAIN_HAS_CUDA
-  // Training passes with no host round trip: one GPU, or several over NCCL without expert
-  // parallelism (FSDP's collectives are captured with the pass). The expert exchange reads its
-  // row counts on the host, and they change every step: ep > 1 runs eagerly. Never under the
-  // profiler (its phases wait for the device).
-  return scale && cfg_.on_gpu() && cfg_.cuda_graphs && !comms_.ep && !profile::enabled();
+  // Training passes with no host round trip: one GPU, or several over NCCL (FSDP's collectives
+  // are captured with the pass), with ep > 1 when the expert exchange keeps its counts on the
+  // device (the host-count reference reads them every layer). Never under the profiler (its
+  // phases wait for the device).
+  const bool exchange_on_device = !comms_.ep || comms_.exchange == moe::ExchangeMode::kDeviceCounts;
+  return scale && cfg_.on_gpu() && cfg_.cuda_graphs && exchange_on_device && !profile::enabled();
 #else
   (void)scale;
   return false;
@@ -297,12 +299,17 @@ void Qwen3Moe::pass(const Batch& b, const LossScale* scale) {
   losses_.zero_();
   Tensor loss_sum = losses_.view(0, {1});
 
-  // Forward. Each unit is gathered just before it runs and released right after; the next one's
-  // gather starts before this one's compute is queued, so that (NCCL) they overlap.
-  fsdp::gather(embed);
+  // Units: the embedding (0), the blocks (1..L), the head (L + 1); the embedding's backward
+  // reads no parameters (a scatter-add of the gradient).
+  std::vector<bool> reads(units_.size(), true);
+  reads[0] = false;
+  fsdp::UnitSchedule schedule(units_, kGradDivideFactor, std::move(reads));
+  const size_t head_unit = units_.size() - 1;
+
+  schedule.forward_begin(0);
   Tensor x = Tensor::empty({n, c.dim}, dt, dev);
   ops::embedding_forward(b.tokens, embed.groups[0].weight(0), x);
-  if (!tied) fsdp::release(embed);  // tied: the head reads the table too
+  if (!tied) schedule.forward_end(0);  // tied: the head reads the table too
   std::vector<BlockActivations> acts(L);
   std::vector<BlockInputs> inputs(L);
   for (int64_t l = 0; l < L; ++l) {
@@ -312,50 +319,43 @@ void Qwen3Moe::pass(const Batch& b, const LossScale* scale) {
     if (c.bias_update_rate > 0) inputs[l].router_bias = router_bias_[l];
     {
       const profile::Phase phase("fsdp.gather");
-      fsdp::gather(unit);
-      fsdp::prefetch(units_[l + 2]);  // the next layer, or the head after the last
+      schedule.forward_begin(l + 1);
     }
     if (l == 0 && host_wait_injected()) (void)losses_.to(Device::kCPU);
     x = block_forward(bind_block_params(unit.groups), c, inputs[l], x, acts[l]);
-    fsdp::release(unit);
+    schedule.forward_end(l + 1);
     losses_.view(1 + l, {1}).copy_from(acts[l].aux_loss);
     routed_.view(l * c.n_experts, {c.n_experts}).copy_from(acts[l].tokens_per_expert);
   }
   std::optional<profile::Phase> head_phase(std::in_place, "head");
-  fsdp::gather(head);
+  schedule.forward_begin(head_unit);
   const Tensor norm_w = head.groups[0].weight(0);
   Tensor xf = Tensor::empty({n, c.dim}, dt, dev), rstd = Tensor::empty({n}, st, dev);
   ops::rmsnorm_forward(x, norm_w, c.rms_norm_eps, xf, rstd);
   if (!scale) {
     head_and_loss(b, xf, nullptr, loss_sum);
-    fsdp::release(head);
-    fsdp::release(embed);
+    schedule.forward_end(head_unit);
+    schedule.forward_end(0);
     return;
   }
 
-  // Backward: the head's (inside head_and_loss, chunk by chunk), blocks in reverse, embedding;
-  // each unit's gradients are reduce-scattered as soon as its backward is done, in the
-  // background: the reduction of the unit above is finished only after this unit's backward is
-  // queued, so (NCCL) it overlaps that backward, and at most two units' full gradients live.
-  fsdp::begin_backward(head);
-  fsdp::begin_backward(embed);
+  // Backward: the head's (inside head_and_loss, chunk by chunk), blocks in reverse, embedding.
+  schedule.backward_begin(head_unit);
+  schedule.begin_gradients(0);  // tied: the head's backward writes the table's gradient
   Tensor dxf = Tensor::empty({n, c.dim}, dt, dev);
   HeadGradients hg{&ce_scale_, &dxf, tied ? embed.groups[0].grad(0) : head.groups[0].grad(1)};
   head_and_loss(b, xf, &hg, loss_sum);
   Tensor dx = Tensor::empty({n, c.dim}, dt, dev);
   Tensor dnorm = head.groups[0].grad(0);
   ops::rmsnorm_backward(x, norm_w, rstd, dxf, dx, dnorm);
-  fsdp::reduce_gradients(head, kGradDivideFactor);
-  fsdp::release(head);
-  fsdp::release(embed);
+  schedule.backward_end(head_unit);
+  schedule.forward_end(0);  // tied: held for the head until now
   head_phase.reset();
   for (int64_t l = L - 1; l >= 0; --l) {
     ParamUnit& unit = units_[l + 1];
     {
       const profile::Phase phase("fsdp.gather");
-      fsdp::gather(unit);
-      fsdp::begin_backward(unit);
-      if (l > 0) fsdp::prefetch(units_[l]);  // the layer below
+      schedule.backward_begin(l + 1);
     }
     BlockParams g = bind_block_grads(unit.groups);
     ParamGroup& experts = unit.groups[1];
@@ -364,16 +364,14 @@ void Qwen3Moe::pass(const Batch& b, const LossScale* scale) {
                         experts.grads_unwritten ? ops::Accumulate::kNo : ops::Accumulate::kYes);
     experts.grads_unwritten = false;
     const profile::Phase phase("fsdp.reduce");
-    fsdp::reduce_gradients(unit, kGradDivideFactor);
-    fsdp::finish_reduction(units_[l + 2]);  // the unit above: the next layer, or the head
-    fsdp::release(unit);
+    schedule.backward_end(l + 1);
   }
   const profile::Phase phase("embedding.backward");
+  schedule.backward_begin(0);
   Tensor dtable = embed.groups[0].grad(0);
   ops::embedding_backward(b.tokens, dx, dtable);
-  fsdp::reduce_gradients(embed, kGradDivideFactor);
-  fsdp::finish_reduction(units_[1]);  // the first layer (the head when there is none)
-  fsdp::finish_reduction(embed);
+  schedule.backward_end(0);
+  schedule.backward_done();
 }
 
 MicroBatchLosses Qwen3Moe::collect() {

@@ -11,10 +11,10 @@
 #include <vector>
 
 #include "dist/mesh.h"
+#include "fsdp/params.h"
 #include "model/batch.h"
 #include "model/block.h"
 #include "model/config.h"
-#include "model/params.h"
 
 namespace mt {
 

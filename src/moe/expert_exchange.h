@@ -1,56 +1,85 @@
-// Expert-parallel dispatch and combine. Rows leave the router in local expert-major order (all E
-// experts); experts [p*E/ep, (p+1)*E/ep) live on EP rank p, so each peer's rows are one
-// contiguous range. Dispatch sends them, then regroups what arrived (source-major) into
-// expert-major order over this rank's experts; combine is the exact inverse. Both are linear
-// maps and each is the other's backward.
+// Expert-parallel dispatch and combine, deduplicated: experts [p*L, (p+1)*L) live on EP rank p
+// (L = E/ep), and a token crosses to each rank that holds one of its experts once, with its
+// choices, whatever the number of them there. The receiving rank expands its tokens into
+// expert-major rows itself (ops::make_expert_permutation over local_index(), whose entries for
+// the other ranks' experts are -1) and, on the way back, sums each token's expert outputs before
+// sending one row per (token, rank); the sender adds the ranks' rows in rank order. At top-8 of
+// 128 experts over 2 ranks this moves a quarter of the rows a row per (token, expert) would.
 //
-// Counts: an all-to-all of E/ep counts per peer (on the GPU, device to device), then one read of
-// the sent and received counts on the host, which NCCL needs for the row all-to-all's sizes (the
-// layer's one wait for the device, as in torchtitan). The regrouping maps are built where the
-// rows are (a kernel on the GPU; exchange_maps_reference on the host).
+// Rank q's tokens for rank p are sent in token order (their slot: a permutation over the ranks,
+// ops::peer_choices); what arrives is grouped by source rank, so the expert-major rows are the
+// order a row per (token, expert) exchange gives (source rank, then token). Dispatch and combine
+// are linear and each is the other's adjoint. Two modes, the same rows in the same order:
+//
+// - kHostCounts (the reference): an all-to-all of (L + 1) counts per rank, one read of them on
+//   the host, then all-to-alls of exactly the rows sent (the layer's one wait for the device, as
+//   in torchtitan); every buffer has its exact size.
+// - kDeviceCounts: nothing is read on the host, so a CUDA graph can hold the layer. Every rank
+//   owns a region of N places (its micro-batch's tokens: the most it can send) in each peer's
+//   receive buffer; rows go straight to their place (Communicator::scatter_rows: a kernel over
+//   NVLink with NCCL's symmetric memory within a node); the counts travel device to device and
+//   mark which places hold a token. Buffers have the worst case's size: ep * N tokens received,
+//   ep * N * min(k, L) expert rows (rows past the routed ones name no token and are skipped).
+//
+// The MXFP8 wire (dispatch's `wire`) sends 1 + 1/32 bytes per element instead of 2.
 #pragma once
 #include <vector>
 
 #include "core/tensor.h"
 #include "dist/communicator.h"
+#include "ops/expert_gemm.h"
+#include "ops/permute.h"
 
 namespace mt::moe {
 
-// The regrouping of received rows: recv_counts[p * local + e] rows arrive from peer p for local
-// expert e, laid out peer-major (peer 0's rows for expert 0, 1, ..., then peer 1's, ...).
-// Expert-major row i is receive row expert_major_source[i]; receive row j is expert-major row
-// source_major_source[j]; expert e's rows are [local_offsets[e], local_offsets[e + 1]).
-struct ExchangeMaps {
-  std::vector<int32_t> expert_major_source, source_major_source;
-  std::vector<int64_t> local_offsets;
-};
-ExchangeMaps exchange_maps_reference(const std::vector<int64_t>& recv_counts, int peers);
+enum class ExchangeMode : uint8_t { kHostCounts, kDeviceCounts };
+std::string_view exchange_mode_name(ExchangeMode m);  // "host", "device"
+bool parse_exchange_mode(std::string_view name, ExchangeMode* out);
 
 class ExpertExchange {
  public:
-  // expert_offsets: i64 (E + 1) of the local permutation, on the rows' device. Collective over
-  // `ep`; waits once for the device (the exchanged counts, read on the host).
-  ExpertExchange(dist::Communicator& ep, const Tensor& expert_offsets);
+  // expert_index i32 (N, k): the choices of this rank's N tokens over all `experts`, on the
+  // rows' device (every rank of the group has the same N). Collective over `ep`.
+  ExpertExchange(dist::Communicator& ep, const Tensor& expert_index, int64_t experts,
+                 ExchangeMode mode = ExchangeMode::kHostCounts);
 
-  int64_t received_rows() const { return expert_major_source_.numel(); }
-  // i64 (E/ep + 1): rows of local expert e are [off[e], off[e+1]) of dispatch's output.
-  const Tensor& local_offsets() const { return local_offsets_; }
+  int64_t tokens() const { return tokens_; }  // N
+  // Rows of dispatch's output: the tokens received (Rt), or with device counts ep * N places.
+  int64_t received_tokens() const { return received_tokens_; }
+  // Expert rows the receiving permutation needs: the choices of this rank's experts among the
+  // received tokens (R <= Rt * k), or with device counts the most there can be.
+  int64_t local_rows() const { return local_rows_; }
+  // i32 (Rt, k): the received tokens' choices as this rank's experts numbered from 0, -1 where a
+  // choice is another rank's expert (and for every place no token arrived at).
+  const Tensor& local_index() const { return local_index_; }
 
-  // rows (M, D) in local expert-major order -> (R, D) rows for this rank's experts.
-  Tensor dispatch(const Tensor& rows) const;
-  // (R, D) -> (M, D) back in local expert-major order.
-  Tensor combine(const Tensor& rows) const;
+  // rows (N, W) in token order, any dtype -> (Rt, W): each token to every rank holding one of
+  // its experts, grouped by source rank, token order within a source. With wire.dispatch =
+  // kMxfp8 the rows travel as MXFP8 (E4M3 data + E8M0 scales, 1 x 32 blocks along the row, the
+  // wire's scale rule), dequantized on arrival into the rows' dtype: they arrive as
+  // ops::dispatched_rows makes them (W a multiple of 32).
+  Tensor dispatch(const Tensor& rows, const ops::ExpertPrecision& wire = {}) const;
+  // rows (Rt, W) -> out (N, W): each token's rows from the ranks it went to, summed in rank
+  // order, plus residual[t] when given (float dtypes). The adjoint of dispatch.
+  void combine(const Tensor& rows, Tensor& out, const Tensor* residual = nullptr) const;
 
  private:
+  void plan_host_counts(const Tensor& expert_index, const Tensor& to_peer, int64_t local);
+  void plan_device_counts(const Tensor& expert_index, const Tensor& to_peer, int64_t local);
+  // Rows to their places: (N, W) -> (Rt, W) (device counts) or the host path's all-to-all.
+  Tensor send_rows(const Tensor& rows) const;
+
   dist::Communicator* ep_;
-  std::vector<int64_t> send_rows_;  // per peer
-  std::vector<int64_t> recv_rows_;  // per peer
-  // Layout of the receive buffer: peer 0's rows (its rows for local expert 0, then 1, ...), then
-  // peer 1's, ... Expert-major row i is receive-buffer row expert_major_source_[i], and
-  // receive-buffer row j is expert-major row source_major_source_[j] (i32, on the rows' device).
-  Tensor expert_major_source_;
-  Tensor source_major_source_;
-  Tensor local_offsets_;
+  ExchangeMode mode_;
+  int64_t tokens_ = 0, received_tokens_ = 0, local_rows_ = 0;
+  // The send layout: a permutation over the EP ranks (host counts: its rows are sent as they
+  // are; device counts: each token's row of it gives the token's place in the peer's region).
+  ops::ExpertPermutation to_peers_;
+  std::vector<int64_t> send_tokens_, recv_tokens_;  // host counts: per rank
+  Tensor send_slot_;    // device counts: i32 (N, ep), the token's place in rank p's region
+  Tensor return_slot_;  // device counts: i32 (ep * N, ep), where combine sends each place back
+  ops::ExpertPermutation from_peers_;  // device counts: row_of_choice (N, ep) into combine's rows
+  Tensor local_index_;
 };
 
 }  // namespace mt::moe

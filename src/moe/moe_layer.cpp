@@ -8,8 +8,8 @@
 
 namespace mt::moe {
 
-ops::RouterOptions router_options(const ModelConfig& c) {
-  return {static_cast<int>(c.top_k), c.norm_topk_prob, c.force_balanced_routing};
+ops::RouterOptions router_options(const MoeConfig& c) {
+  return {static_cast<int>(c.top_k), c.norm_topk_prob, c.routing};
 }
 
 namespace {
@@ -20,9 +20,9 @@ DType router_dtype(const Tensor& hn) {
 }
 
 // The padding marks of the expert rows (ops::swiglu_forward): the permutation's, when its layout
-// is padded and the rows are this rank's own.
+// is padded.
 const Tensor* padding_marks(const MoeActivations& a) {
-  return !a.exchange && a.perm.align > 1 ? &a.perm.source_token : nullptr;
+  return a.perm.align > 1 ? &a.perm.source_token : nullptr;
 }
 
 // What SwiGLU needs of the expert rows: their padding marks and routing weights.
@@ -30,20 +30,28 @@ ops::SwigluRows swiglu_rows(const MoeActivations& a) {
   return {padding_marks(a), &a.row_weight};
 }
 
-// The local experts' rows: the exchange's dense layout, or the permutation's own.
 ops::ExpertRows expert_rows(const MoeActivations& a) {
-  return a.exchange ? ops::ExpertRows(a.exchange->local_offsets()) : a.perm.expert_rows();
+  return a.perm.expert_rows();
 }
 
-// On one GPU (no exchange) every expert's rows start on a 128-row boundary: the forward and
-// input-gradient GEMMs then run whole row tiles per expert with one TMA descriptor per operand
+// The tokens the experts here take their rows from, and their routing weights (N, k): this
+// rank's own, or with EP the ones received.
+const Tensor& tokens_here(const MoeActivations& a, const Tensor& hn) {
+  return a.exchange ? a.xr : hn;
+}
+const Tensor& weights_here(const MoeActivations& a) {
+  return a.exchange ? a.wr : a.routing.expert_weight;
+}
+
+// On the GPU every expert's rows start on a 128-row boundary: the forward and input-gradient
+// GEMMs then run whole row tiles per expert with one TMA descriptor per operand
 // (ops/grouped_gemm.h), at the price of up to 127 rows of padding per expert.
-int64_t segment_align(const ModelConfig& c, const Tensor& hn, const MoeComms& comms) {
-  return c.pad_expert_rows && hn.device() == Device::kCUDA && !comms.ep ? 128 : 1;
+int64_t segment_align(const MoeConfig& c, const Tensor& hn) {
+  return c.pad_expert_rows && hn.device() == Device::kCUDA ? 128 : 1;
 }
 }  // namespace
 
-void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, const Tensor& bias,
+void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, const Tensor& bias,
               const Tensor& hn, MoeActivations& a) {
   const DType dt = hn.dtype();
   const Device dev = hn.device();
@@ -64,26 +72,32 @@ void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, 
       a.aux_stats.tokens.data<int64_t>()[0] *= comms.batch->size();
     }
     a.aux_loss = ops::router_aux_loss(a.aux_stats);
-    ops::make_expert_permutation(a.routing.expert_index, c.n_experts, a.perm,
-                                 segment_align(c, hn, comms));
-    if (comms.ep) a.exchange = std::make_shared<ExpertExchange>(*comms.ep, a.perm.expert_offsets);
-  }
-  if (!a.xe.defined()) {
-    if (!a.xp.defined()) {
-      a.xp = Tensor::empty({a.perm.rows(), c.dim}, dt, dev);
-      ops::permute_rows(hn, a.perm, a.xp);
+    if (comms.ep) {
+      a.exchange = std::make_shared<ExpertExchange>(*comms.ep, a.routing.expert_index, c.n_experts,
+                                                    comms.exchange);
+      ops::make_expert_permutation(a.exchange->local_index(), c.n_experts / comms.ep->size(),
+                                   a.perm, segment_align(c, hn), a.exchange->local_rows());
+    } else {
+      ops::make_expert_permutation(a.routing.expert_index, c.n_experts, a.perm,
+                                   segment_align(c, hn));
     }
-    a.xe = a.exchange ? a.exchange->dispatch(a.xp) : a.xp;
-    ops::dispatched_rows(c.expert_precision, a.xe);  // with ep 1: the permuted rows, once
+  }
+  if (a.exchange && !a.xr.defined()) a.xr = a.exchange->dispatch(hn, c.expert_precision);
+  if (a.exchange && !a.wr.defined()) a.wr = a.exchange->dispatch(a.routing.expert_weight);
+  if (!a.xe.defined()) {
+    a.xe = Tensor::empty({a.perm.rows(), c.dim}, dt, dev);
+    ops::permute_rows(tokens_here(a, hn), a.perm, a.xe);
+    // With ep 1 the permuted rows, as an MXFP8 dispatch would deliver them (once, after the
+    // permutation); with EP the exchange's wire did it.
+    if (!a.exchange) ops::dispatched_rows(c.expert_precision, a.xe);
   }
   if (!a.row_weight.defined()) {
-    // Each choice's routing weight moved to its expert row: the scatter (N, k, 1) -> (M, 1) that
+    // Each choice's routing weight moved to its expert row: the scatter (Rt, k, 1) -> (R, 1) that
     // is unpermute_rows' backward.
-    const Tensor& weight = a.routing.expert_weight;
-    Tensor local = Tensor::empty({a.perm.rows(), 1}, weight.dtype(), dev);
-    ops::unpermute_rows_backward(weight.reshape({weight.dim(0), weight.dim(1), 1}), a.perm, local);
-    const Tensor rows = a.exchange ? a.exchange->dispatch(local) : local;
-    a.row_weight = rows.reshape({rows.dim(0)});
+    const Tensor& weight = weights_here(a);
+    Tensor rows = Tensor::empty({a.perm.rows(), 1}, weight.dtype(), dev);
+    ops::unpermute_rows_backward(weight.reshape({weight.dim(0), weight.dim(1), 1}), a.perm, rows);
+    a.row_weight = rows.reshape({a.perm.rows()});
   }
   const int64_t r = a.xe.dim(0);
   if (!a.gate_up.defined()) {
@@ -96,27 +110,31 @@ void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, 
   }
 }
 
-void moe_combine(const MoeWeights& w, const ModelConfig& c, const MoeActivations& a, Tensor& out,
+void moe_combine(const MoeWeights& w, const MoeConfig& c, const MoeActivations& a, Tensor& out,
                  const Tensor* residual) {
   Tensor ye = Tensor::empty({a.act.dim(0), c.dim}, a.act.dtype(), a.act.device());
   ops::expert_gemm_forward(a.act, w.w_down, expert_rows(a), c.expert_precision, ye);
-  const Tensor y = a.exchange ? a.exchange->combine(ye) : ye;
-  ops::combine_forward(y, a.perm, out, residual);
+  if (!a.exchange) return ops::combine_forward(ye, a.perm, out, residual);
+  // Each received token's expert outputs summed here, then one row back per (token, rank).
+  Tensor partial = Tensor::empty({a.xr.dim(0), c.dim}, ye.dtype(), ye.device());
+  ops::combine_forward(ye, a.perm, partial);
+  a.exchange->combine(partial, out, residual);
 }
 
-Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const ModelConfig& c, const Tensor& hn,
+Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, const Tensor& hn,
                     const MoeActivations& a, const Tensor& dout, double aux_grad,
                     ops::Accumulate expert_grads) {
-  const int64_t n = hn.dim(0), r = a.xe.dim(0);
+  const int64_t n = hn.dim(0), r = a.xe.dim(0), here = tokens_here(a, hn).dim(0);
   const DType dt = hn.dtype();
   const Device dev = hn.device();
   const ops::ExpertRows rows = expert_rows(a);
   // The combine's backward: every expert row receives its token's gradient (the routing weights
   // are in the rows' activations).
-  Tensor dy = Tensor::empty({a.perm.rows(), c.dim}, dt, dev);
-  ops::permute_rows(dout, a.perm, dy);
-  Tensor dye = a.exchange ? a.exchange->dispatch(dy) : dy;
-  ops::dispatched_rows(c.expert_precision, dye);  // the combine's backward sends dY
+  const Tensor dy_here = a.exchange ? a.exchange->dispatch(dout, c.expert_precision) : dout;
+  Tensor dye = Tensor::empty({a.perm.rows(), c.dim}, dt, dev);
+  ops::permute_rows(dy_here, a.perm, dye);
+  if (!a.exchange)
+    ops::dispatched_rows(c.expert_precision, dye);  // the combine's backward sends dY
 
   Tensor dact = Tensor::empty({r, c.moe_dim}, dt, dev);
   ops::expert_gemm_backward_input(dye, w.w_down, rows, c.expert_precision, dact);
@@ -126,19 +144,24 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const ModelConfig& c, co
   Tensor drow_weight = Tensor::empty({r, 1}, a.row_weight.dtype(), dev);
   Tensor drow_weight_flat = drow_weight.reshape({r});
   ops::swiglu_backward(a.gate_up, dact, dgate_up, swiglu_rows(a), &drow_weight_flat);
-  // The routing weights' gradient, back from the expert rows to the choices (N, k).
-  const Tensor drows = a.exchange ? a.exchange->combine(drow_weight) : drow_weight;
-  Tensor dweight = Tensor::empty({n, c.top_k}, a.routing.expert_weight.dtype(), dev);
-  Tensor dweight_rows = dweight.reshape({n, c.top_k, 1});
-  ops::unpermute_rows(drows, a.perm, dweight_rows);
+  // The routing weights' gradient, back from the expert rows to the choices (N, k); with EP a
+  // choice's gradient comes from its expert's rank, zeros from the others.
+  const DType wt = a.routing.expert_weight.dtype();
+  Tensor dweight = Tensor::empty({n, c.top_k}, wt, dev);
+  Tensor dweight_here = a.exchange ? Tensor::empty({here, c.top_k}, wt, dev) : dweight;
+  Tensor dweight_rows = dweight_here.reshape({here, c.top_k, 1});
+  ops::unpermute_rows(drow_weight, a.perm, dweight_rows);
+  if (a.exchange) a.exchange->combine(dweight_here, dweight);
   Tensor dxe = Tensor::empty({r, c.dim}, dt, dev);
   ops::expert_gemm_backward_input(dgate_up, w.w_gate_up, rows, c.expert_precision, dxe);
   ops::expert_gemm_backward_weight(a.xe, dgate_up, rows, c.expert_precision, g.w_gate_up,
                                    expert_grads);
-  const Tensor dxp = a.exchange ? a.exchange->combine(dxe) : dxe;  // dispatch's backward
 
+  // The dispatch's backward: each token's rows summed where they are, then across the ranks.
   Tensor dhn = Tensor::empty({n, c.dim}, dt, dev);
-  ops::permute_rows_backward(dxp, a.perm, dhn);
+  Tensor dx_here = a.exchange ? Tensor::empty({here, c.dim}, dt, dev) : dhn;
+  ops::permute_rows_backward(dxe, a.perm, dx_here);
+  if (a.exchange) a.exchange->combine(dx_here, dhn);
 
   Tensor dlogits = Tensor::empty({n, c.n_experts}, a.routing.scores.dtype(), dev);
   ops::router_backward(a.routing, router_options(c), a.aux_stats, dweight, aux_grad, dlogits);

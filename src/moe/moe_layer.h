@@ -10,13 +10,23 @@
 
 #include "core/tensor.h"
 #include "dist/communicator.h"
-#include "model/config.h"
 #include "moe/expert_exchange.h"
+#include "ops/expert_gemm.h"
 #include "ops/gemm.h"
 #include "ops/permute.h"
 #include "ops/route.h"
 
 namespace mt::moe {
+
+// What the layer needs of the model's configuration (model/config.h makes it: ModelConfig::moe).
+struct MoeConfig {
+  int64_t dim = 0, moe_dim = 0, n_experts = 0, top_k = 1;
+  bool norm_topk_prob = true;
+  ops::RoutingMode routing = ops::RoutingMode::kLearned;
+  ops::ExpertPrecision expert_precision;
+  // On the GPU, expert segments start on 128-row boundaries (ops/grouped_gemm.h).
+  bool pad_expert_rows = true;
+};
 
 struct MoeWeights {
   Tensor router;     // (D, E), the router's logits are hn @ router
@@ -28,38 +38,41 @@ struct MoeWeights {
 struct MoeComms {
   dist::Communicator* ep = nullptr;     // EP group: experts are spread over it
   dist::Communicator* batch = nullptr;  // every rank holding part of the batch (aux statistics)
+  ExchangeMode exchange = ExchangeMode::kDeviceCounts;  // how the EP exchange sizes its rows
 };
 
 // What the forward leaves for the backward. A field left undefined is recomputed by moe_fill.
-// N local tokens, M = N*k routed rows, R rows received for this rank's experts (R = M w/o EP).
+// N local tokens, Rt tokens here (with EP: the tokens received; without: Rt = N), R rows for
+// this rank's experts (R = N*k without EP; a padded layout has more, see ops/permute.h).
 struct MoeActivations {
   Tensor logits;                             // (N, E)       GEMM output
   ops::Routing routing;                      // scores, choices, weights, counts
   ops::AuxStats aux_stats;                   // of the whole batch (all ranks)
-  ops::ExpertPermutation perm;               // local expert-major layout
-  std::shared_ptr<ExpertExchange> exchange;  // EP layout (null without EP)
-  Tensor xp;                                 // (M, D)       permuted input rows (a gather)
-  Tensor xe;          // (R, D)       rows for this rank's experts (comm output)
-  Tensor row_weight;  // (R)          routing weight of each of those rows (comm output)
+  std::shared_ptr<ExpertExchange> exchange;  // EP: who sends what where (null without EP)
+  ops::ExpertPermutation perm;               // the tokens here -> this rank's experts' rows
+  Tensor xr;                                 // (Rt, D)      EP: the tokens received (comm output)
+  Tensor wr;                                 // (Rt, k)      EP: their routing weights (comm output)
+  Tensor xe;                                 // (R, D)       the experts' input rows (a gather)
+  Tensor row_weight;  // (R)          routing weight of each of those rows (a gather)
   Tensor gate_up;     // (R, 2F)      GEMM output
   Tensor act;         // (R, F)       row_weight * SwiGLU (elementwise)
   Tensor aux_loss;    // per-layer load-balancing loss (no coefficient): one f64 on the device
 };
 
-ops::RouterOptions router_options(const ModelConfig& c);
+ops::RouterOptions router_options(const MoeConfig& c);
 
 // Computes every undefined field of `a` from hn (N, D). bias: (E) or undefined.
-void moe_fill(const MoeWeights& w, const ModelConfig& c, const MoeComms& comms, const Tensor& bias,
+void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, const Tensor& bias,
               const Tensor& hn, MoeActivations& a);
 // out (N, D) = the experts' down projection of a.act, back in token order and summed over each
 // token's choices (+ residual, in the same pass); requires a filled `a`. The expert outputs are
 // not kept.
-void moe_combine(const MoeWeights& w, const ModelConfig& c, const MoeActivations& a, Tensor& out,
+void moe_combine(const MoeWeights& w, const MoeConfig& c, const MoeActivations& a, Tensor& out,
                  const Tensor* residual = nullptr);
 // Returns d hn (N, D); weight gradients accumulate into g. aux_grad = d(total) / d(aux_loss).
 // expert_grads: kYes adds to g's expert gradients, kNo overwrites them (their first write of a
 // step); the router gradient always accumulates.
-Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const ModelConfig& c, const Tensor& hn,
+Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, const Tensor& hn,
                     const MoeActivations& a, const Tensor& dout, double aux_grad,
                     ops::Accumulate expert_grads = ops::Accumulate::kYes);
 

@@ -28,15 +28,46 @@ inline int64_t permuted_rows(int64_t choices, int64_t experts, int64_t align) {
 }
 
 // expert_index i32 (N, k) -> permutation over E experts, segments aligned to `align` rows.
+// A negative index is a choice not routed here (expert parallelism: another rank's expert): it
+// gets no row and row_of_choice -1, and every op below skips it (unpermute_rows writes zeros).
+// `routed`: the number of non-negative indices, or more: the dense layout then has that many
+// rows (padded: permuted_rows(routed, ...)), those past the routed ones naming no token; -1 when
+// every index is routed (the GPU cannot count them without waiting for the device).
 void make_expert_permutation(const Tensor& expert_index, int64_t num_experts,
-                             ExpertPermutation& out, int64_t align = 1);
+                             ExpertPermutation& out, int64_t align = 1, int64_t routed = -1);
+
+// The choices of expert parallelism (experts [p*L, (p+1)*L) on rank p of `peers`), i32:
+// peer_choices: (N, k) experts -> (N, peers): entry p is p when any of the token's choices is on
+// rank p, else -1 (a permutation over the peers then sends each token once per rank).
+void peer_choices(const Tensor& expert_index, int64_t peers, int64_t experts_per_peer, Tensor& out);
+// peer_counts: (N, k) experts -> i64 (peers, L + 1): for each rank, the choices of each of its
+// experts, then the number of tokens with a choice there (what peer_choices sends it).
+void peer_counts(const Tensor& expert_index, int64_t peers, int64_t experts_per_peer, Tensor& out);
+// local_choices: (R, k) experts -> (R, k) experts of rank `rank` numbered from 0, -1 for the
+// other ranks' experts. With received_counts (i64 (peers, L + 1), ops::peer_counts' layout as
+// each peer sent it): the rows are peers' regions of R / peers rows, and rows of region p past
+// its received_counts[p, L] tokens (never written) get -1 throughout.
+void local_choices(const Tensor& expert_index, int64_t rank, int64_t experts_per_peer, Tensor& out,
+                   const Tensor* received_counts = nullptr);
+
+// Fixed-capacity exchanges (Communicator::scatter_rows) place rows by slot:
+// slots_within_experts: out i32 (N, k) = the choice's position among its expert's rows of the
+// dense permutation p of expert_index (its row minus the expert's first), plus
+// expert * region_rows; -1 where the index is.
+void slots_within_experts(const Tensor& expert_index, const ExpertPermutation& p,
+                          int64_t region_rows, Tensor& out);
+// region_slots: out i32 (peers * capacity, peers): row j = p * capacity + s (the s-th token
+// received from peer p) goes back to peer p at slot s, when s is below received_counts[p, L]
+// (ops::peer_counts' layout); every other entry -1.
+void region_slots(const Tensor& received_counts, int64_t capacity, Tensor& out);
 
 // xp (M, D) = x (N, D) rows gathered into expert-major order; padding rows are left as they are.
+// The row moves copy any dtype; the sums (permute_rows_backward, combine_forward) need a float.
 void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp);
 // dx (N, D) overwritten: each token sums the gradients of its k copies.
 void permute_rows_backward(const Tensor& dxp, const ExpertPermutation& p, Tensor& dx);
 
-// Back to token order: y (N, k, D) with y[t, j] = yp[row_of_choice[t*k + j]].
+// Back to token order: y (N, k, D) with y[t, j] = yp[row_of_choice[t*k + j]] (0: not routed).
 void unpermute_rows(const Tensor& yp, const ExpertPermutation& p, Tensor& y);
 // dyp (M, D) overwritten (padding rows: left as they are).
 void unpermute_rows_backward(const Tensor& dy, const ExpertPermutation& p, Tensor& dyp);

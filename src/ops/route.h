@@ -4,14 +4,20 @@
 // balancing, DeepSeek-V3) only steers the choice, never the weights. Forced-balanced routing
 // (benchmarks) sends token t's choice j to expert (t*k + j) mod E with the scores gathered there.
 #pragma once
+#include <string_view>
+
 #include "core/tensor.h"
+#include "ops/routing_mode.h"
 
 namespace mt::ops {
+
+std::string_view routing_mode_name(RoutingMode m);  // "learned", "balanced", "skewed"
+bool parse_routing_mode(std::string_view name, RoutingMode* out);
 
 struct RouterOptions {
   int top_k = 1;
   bool norm_topk_prob = true;
-  bool force_balanced = false;
+  RoutingMode mode = RoutingMode::kLearned;
 };
 
 // N tokens, E experts, k choices.

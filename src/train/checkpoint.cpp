@@ -209,6 +209,7 @@ std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
   f.metadata["world"] = std::to_string(multi_rank(world) ? world->size() : 1);
   f.metadata["rank"] = std::to_string(multi_rank(world) ? world->rank() : 0);
   f.metadata["ep"] = std::to_string(model.mesh() ? model.mesh()->ep_size() : 1);
+  f.metadata["run_id"] = std::to_string(st.run_id);
   write_safetensors(path, f);
   // `latest` moves only once every rank's file is complete.
   if (multi_rank(world)) world->barrier();
@@ -220,29 +221,35 @@ std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
 
 namespace {
 // Every rank read its own file; before any rank touches its model or starts a collective of
-// training, they compare what the files say (one all-gather of [step, recorded rank]): files
-// from two different steps, or one rank's file copied as another's, stop every rank with the
-// same error instead of leaving some waiting for a collective the others never start. Files
-// from before the rank was recorded (-1) are only compared by step.
+// training, they compare what the files say (one all-gather of [step, recorded rank, run id]):
+// files from two different steps or runs, or one rank's file copied as another's, stop every
+// rank with the same error instead of leaving some waiting for a collective the others never
+// start. Files from before the rank or the run was recorded (-1, 0) skip that comparison.
 void check_ranks_agree(const std::string& path, const SafetensorsFile& f, const TrainState& st,
                        dist::Communicator& world) {
   const auto recorded = f.metadata.find("rank");
-  Tensor mine = Tensor::empty({2}, DType::kI64);
+  Tensor mine = Tensor::empty({3}, DType::kI64);
   mine.data<int64_t>()[0] = st.step;
   mine.data<int64_t>()[1] = recorded == f.metadata.end() ? -1 : std::stoll(recorded->second);
-  Tensor all = Tensor::empty({2 * world.size()}, DType::kI64);  // host: NCCL copies it over
+  mine.data<int64_t>()[2] = st.run_id;
+  Tensor all = Tensor::empty({3 * world.size()}, DType::kI64);  // host: NCCL copies it over
   world.all_gather(mine, all);
   const int64_t* v = all.data<int64_t>();
   for (int r = 0; r < world.size(); ++r) {
-    if (v[2 * r] != v[0])
+    if (v[3 * r] != v[0])
       throw CheckpointError(fmt::format(
           "checkpoint: the ranks' files are from different steps: rank 0's is step {}, rank {}'s "
           "step {} (this rank read '{}'); every rank must resume from the same checkpoint",
-          v[0], r, v[2 * r], path));
-    if (v[2 * r + 1] >= 0 && v[2 * r + 1] != r)
+          v[0], r, v[3 * r], path));
+    if (v[3 * r + 1] >= 0 && v[3 * r + 1] != r)
       throw CheckpointError(
           fmt::format("checkpoint: rank {} read a file written by rank {} (this rank read '{}')", r,
-                      v[2 * r + 1], path));
+                      v[3 * r + 1], path));
+    if (v[3 * r + 2] != 0 && v[2] != 0 && v[3 * r + 2] != v[2])
+      throw CheckpointError(fmt::format(
+          "checkpoint: the ranks' files are from different runs: rank 0's run {:016x}, rank {}'s "
+          "{:016x} (this rank read '{}'); every rank must resume from the same checkpoint",
+          static_cast<uint64_t>(v[2]), r, static_cast<uint64_t>(v[3 * r + 2]), path));
   }
 }
 }  // namespace
@@ -302,6 +309,8 @@ TrainState load_checkpoint(const std::string& path_in, Qwen3Moe& model, AdamW& o
   try {
     st.step = std::stoll(f.metadata.at("step"));
     st.data_position = std::stoll(f.metadata.at("data_position"));
+    if (const auto id = f.metadata.find("run_id"); id != f.metadata.end())
+      st.run_id = std::stoll(id->second);
   } catch (const std::exception&) {
     throw CheckpointError(fmt::format("checkpoint: '{}' lacks step/data_position metadata", path));
   }

@@ -20,6 +20,9 @@ namespace mt {
 struct TrainState {
   int64_t step = 0;           // optimizer steps completed
   int64_t data_position = 0;  // the loader's position after that step
+  // The run the state belongs to (drawn by rank 0 when a run starts, kept across resumes; 0 in
+  // files from before it was recorded): every rank's file must carry the same.
+  int64_t run_id = 0;
 };
 
 // Writes <dir>/step_<step>.safetensors and <dir>/latest; returns the checkpoint's path.

@@ -12,6 +12,7 @@
 
 #include "core/error.h"
 #include "dist/communicator.h"
+#include "ops/route.h"
 
 namespace mt {
 
@@ -98,7 +99,12 @@ const std::vector<Field>& fields() {
       member("model", "tie_word_embeddings", &Config::model, &M::tie_word_embeddings),
       member("model", "aux_loss_coef", &Config::model, &M::aux_loss_coef),
       member("model", "bias_update_rate", &Config::model, &M::bias_update_rate),
-      member("model", "force_balanced_routing", &Config::model, &M::force_balanced_routing),
+      {"model", "routing", FieldType::kString,
+       [](Config& c, const Value& v) {
+         if (!ops::parse_routing_mode(v.s, &c.model.routing))
+           throw ConfigError(fmt::format(
+               "config: model.routing = \"{}\" (valid: learned, balanced, skewed)", v.s));
+       }},
       member("model", "pad_expert_rows", &Config::model, &M::pad_expert_rows),
       member("model", "loss_chunk_tokens", &Config::model, &M::loss_chunk_tokens),
       member("model", "init_std", &Config::model, &M::init_std),
@@ -129,6 +135,12 @@ const std::vector<Field>& fields() {
        }},
       {"model", "requant_dim1", FieldType::kBool,
        [](Config& c, const Value& v) { c.model.expert_precision.requant_dim1 = v.b; }},
+      {"parallel", "ep_exchange", FieldType::kString,
+       [](Config& c, const Value& v) {
+         if (!moe::parse_exchange_mode(v.s, &c.model.ep_exchange))
+           throw ConfigError(
+               fmt::format("config: parallel.ep_exchange = \"{}\" (valid: device, host)", v.s));
+       }},
       {"parallel", "ep_dispatch_dtype", FieldType::kString,
        [](Config& c, const Value& v) {
          if (!ops::parse_dispatch_dtype(v.s, &c.model.expert_precision.dispatch))
@@ -173,6 +185,7 @@ const std::vector<Field>& fields() {
       member("checkpoint", "every", &Config::checkpoint, &CheckpointConfig::every),
       member("parallel", "world", &Config::parallel, &ParallelConfig::world),
       member("parallel", "ep", &Config::parallel, &ParallelConfig::ep),
+      member("parallel", "ep_exchange_ctas", &Config::parallel, &ParallelConfig::ep_exchange_ctas),
       member("hardware", "device", &Config::hardware, &HardwareConfig::device),
       member("hardware", "peak_tflops", &Config::hardware, &HardwareConfig::peak_tflops),
       member("hardware", "threads", &Config::hardware, &HardwareConfig::threads),
@@ -331,6 +344,9 @@ void validate_config(const Config& c) {
   if (c.model.n_experts % p.ep != 0)
     throw ConfigError(fmt::format("config: parallel.ep = {} must divide model.n_experts = {}", p.ep,
                                   c.model.n_experts));
+  if (p.ep_exchange_ctas < 1 || p.ep_exchange_ctas > 1024)
+    throw ConfigError(fmt::format("config: parallel.ep_exchange_ctas = {} must be in [1, 1024]",
+                                  p.ep_exchange_ctas));
   if (c.checkpoint.every < 0) throw ConfigError("config: checkpoint.every must be >= 0");
   const std::string& dev = c.hardware.device;
   if (dev != "auto" && dev != "cpu" && dev != "cuda")

@@ -62,6 +62,8 @@ inline constexpr int64_t kMaxThreads = 4096;
 struct ParallelConfig {
   int64_t world = 1;
   int64_t ep = 1;
+  // Thread blocks of the expert exchange's device kernels (each one an SM while it runs).
+  int64_t ep_exchange_ctas = 32;
 };
 
 struct Config {

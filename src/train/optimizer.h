@@ -4,7 +4,7 @@
 #include <memory>
 #include <vector>
 
-#include "model/params.h"
+#include "fsdp/params.h"
 #include "ops/optim.h"
 #include "train/config.h"
 

@@ -10,12 +10,14 @@
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <random>
 #include <string_view>
 
 #include "core/log.h"
 #include "core/profile.h"
 #include "model/flops.h"
 #include "train/checkpoint.h"
+#include "train/hf_import.h"
 #if MOETRAIN_HAS_CUDA
 #include "ops/cuda/device.h"
 #endif
@@ -89,14 +91,17 @@ Trainer::Trainer(const Config& c, dist::Communicator* world) : cfg_(c), world_(w
         dist::MeshShape{static_cast<int>(c.parallel.world), static_cast<int>(c.parallel.ep)},
         c.model.n_experts);
   }
+  draw_run_id();
+  if (mesh_ && c.parallel.ep > 1 && c.model.ep_exchange == moe::ExchangeMode::kDeviceCounts)
+    reserve_exchange(c);
   model_ = std::make_unique<Qwen3Moe>(cfg_.model, c.train.seed, mesh_.get());
   opt_ = std::make_unique<AdamW>(model_->units(), c.train, world_);
   opt_->use_cuda_graphs(cfg_.model.on_gpu() && c.hardware.cuda_graphs);
-  if (cfg_.model.on_gpu() && c.hardware.cuda_graphs && c.parallel.ep > 1 && is_rank0())
+  if (cfg_.model.on_gpu() && c.hardware.cuda_graphs && c.parallel.ep > 1 &&
+      c.model.ep_exchange == moe::ExchangeMode::kHostCounts && is_rank0())
     log::info(
         "CUDA graphs: the optimizer step only; the training passes run eagerly with "
-        "parallel.ep = {} (the expert exchange reads its row counts on the host)",
-        c.parallel.ep);
+        "parallel.ep_exchange = \"host\" (the expert exchange reads its row counts on the host)");
   data_ = make_data_loader(c);
   stats_ = data_->stats(c.train.seq_len);
   flops_per_token_ = train_flops_per_token(c.model, c.train.seq_len);
@@ -105,6 +110,48 @@ Trainer::Trainer(const Config& c, dist::Communicator* world) : cfg_(c), world_(w
   peak_flops_ = cfg_.model.on_gpu() && c.hardware.peak_tflops <= 0
                     ? 989e12
                     : peak_flops(c.hardware) / world_size();
+}
+
+void Trainer::resume(const std::string& path) {
+  const TrainState st = load_checkpoint(path, *model_, *opt_, world_);
+  step_ = st.step;
+  if (st.run_id != 0) run_id_ = st.run_id;
+  data_->set_position(st.data_position);
+  if (is_rank0()) log::info("resumed from '{}' at step {}", path, step_);
+}
+
+// A run's id: rank 0 draws 63 random bits (never 0), every rank gets them (a resume takes the
+// checkpoint's instead).
+void Trainer::draw_run_id() {
+  Tensor id = Tensor::zeros({1}, DType::kI64);
+  if (!world_ || world_->rank() == 0) {
+    std::random_device rd;
+    const uint64_t bits = (uint64_t{rd()} << 32 | rd()) >> 1;
+    id.data<int64_t>()[0] = static_cast<int64_t>(bits == 0 ? 1 : bits);
+  }
+  if (world_ && world_->size() > 1) world_->all_reduce(id);
+  run_id_ = id.data<int64_t>()[0];
+}
+
+// The device exchange's receive buffer, for its widest rows: a micro-batch's tokens from every
+// EP rank, dim activations each (its metadata rows are narrower), registered now, before any
+// pass is captured.
+void Trainer::reserve_exchange(const Config& c) {
+  const int64_t tokens = c.train.batch_rows * c.train.seq_len;
+  const size_t bytes = static_cast<size_t>(c.parallel.ep * tokens * c.model.dim) *
+                       dtype_size(cfg_.model.activation_dtype());
+  std::string why;
+  const size_t got =
+      mesh_->ep().reserve_scatter(bytes, static_cast<int>(c.parallel.ep_exchange_ctas), &why);
+  if (!is_rank0()) return;
+  if (got > 0)
+    log::info(
+        "expert exchange: device-initiated, {:.1f} MiB receive buffer per rank ({} ranks x "
+        "{} tokens x dim {}), {} thread blocks",
+        static_cast<double>(got) / (1 << 20), c.parallel.ep, tokens, c.model.dim,
+        c.parallel.ep_exchange_ctas);
+  else
+    log::info("expert exchange: counts on the device, rows through all-to-all ({})", why);
 }
 
 // Rank r takes rows [r * rows, (r + 1) * rows) of each global micro-batch of world * rows rows,
@@ -254,12 +301,11 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
             "with --resume {}, or pass --overwrite to start a new run there",
             cfg_.checkpoint.dir, *latest, cfg_.checkpoint.dir));
   }
-  if (!opt.resume.empty()) {
-    const TrainState st = load_checkpoint(opt.resume, *model_, *opt_, world_);
-    step_ = st.step;
-    data_->set_position(st.data_position);
-    if (is_rank0()) log::info("resumed from '{}' at step {}", opt.resume, step_);
+  if (!opt.init_from.empty() && opt.resume.empty()) {
+    load_hf_weights(opt.init_from, *model_);
+    if (is_rank0()) log::info("initialised from the Hugging Face weights in '{}'", opt.init_from);
   }
+  if (!opt.resume.empty()) resume(opt.resume);
   const int64_t last = opt.steps ? std::min(*opt.steps, t.steps) : t.steps;
   std::ofstream metrics;
   if (!opt.metrics_path.empty() && is_rank0()) {
@@ -310,8 +356,8 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
     }
     const bool at_interval = cfg_.checkpoint.every > 0 && m.step % cfg_.checkpoint.every == 0;
     if (!cfg_.checkpoint.dir.empty() && (at_interval || m.step == last)) {
-      const std::string path =
-          save_checkpoint(cfg_.checkpoint.dir, *model_, *opt_, {step_, data_->position()}, world_);
+      const std::string path = save_checkpoint(cfg_.checkpoint.dir, *model_, *opt_,
+                                               {step_, data_->position(), run_id_}, world_);
       if (is_rank0()) log::info("checkpoint: {}", path);
     }
   }

@@ -35,6 +35,7 @@ struct RunOptions {
   std::optional<int64_t> steps;  // overrides train.steps (the schedule keeps train.steps)
   std::string metrics_path;      // JSON lines
   std::string resume;            // checkpoint file or directory
+  std::string init_from;         // a Hugging Face Qwen3-MoE directory's weights (fresh run)
   ExistingCheckpoints existing = ExistingCheckpoints::kRefuse;
   bool progress_bar = false;
 };
@@ -47,6 +48,8 @@ class Trainer {
   // Runs until the configured (or overridden) step; returns the metrics of every step run.
   std::vector<StepMetrics> run(const RunOptions& opt);
 
+  // Loads a checkpoint (file or directory): parameters, AdamW moments, step, data position.
+  void resume(const std::string& path);
   Qwen3Moe& model() { return *model_; }
   AdamW& optimizer() { return *opt_; }
   const DataStats& data_stats() const { return stats_; }
@@ -58,6 +61,8 @@ class Trainer {
   bool is_rank0() const { return !world_ || world_->rank() == 0; }
   int world_size() const { return world_ ? world_->size() : 1; }
   Batch next_local_batch();
+  void reserve_exchange(const Config& c);
+  void draw_run_id();
 
   Config cfg_;
   dist::Communicator* world_ = nullptr;
@@ -69,6 +74,7 @@ class Trainer {
   double flops_per_token_ = 0;
   double peak_flops_ = 0;
   int64_t step_ = 0;
+  int64_t run_id_ = 0;  // rank 0's draw, the same on every rank (TrainState::run_id)
 };
 
 // FLOP/s the MFU is measured against: hardware.peak_tflops when set, else an estimate for the

@@ -1,5 +1,6 @@
 #include "ops/permute.h"
 
+#include <cstring>
 #include <vector>
 
 #include "ops/dispatch.h"
@@ -16,23 +17,29 @@ int64_t choices_per_token(const ExpertPermutation& p, int64_t n) {
 }  // namespace
 
 void make_expert_permutation(const Tensor& expert_index, int64_t num_experts,
-                             ExpertPermutation& out, int64_t align) {
+                             ExpertPermutation& out, int64_t align, int64_t routed) {
   expect_dtype(expert_index, DType::kI32, "expert_index");
   MT_CHECK(align >= 1, "expert segments aligned to {} rows", align);
+  const int64_t n = expert_index.dim(0), k = expert_index.dim(1), m = n * k;
+  MT_CHECK(routed >= -1, "{} routed choices", routed);
   out.align = align;
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(expert_index))
-    return cuda::make_expert_permutation(expert_index, num_experts, align, out);
+    return cuda::make_expert_permutation(expert_index, num_experts, align, routed, out);
 #endif
-  const int64_t n = expert_index.dim(0), k = expert_index.dim(1), m = n * k;
   const int32_t* idx = expert_index.data<int32_t>();
   out.expert_offsets = Tensor::zeros({num_experts + 1}, DType::kI64);
   int64_t* off = out.expert_offsets.data<int64_t>();
+  int64_t valid = 0;
   for (int64_t i = 0; i < m; ++i) {
-    MT_CHECK(idx[i] >= 0 && idx[i] < num_experts, "expert index {} outside [0, {})", idx[i],
-             num_experts);
+    MT_CHECK(idx[i] < num_experts, "expert index {} outside [0, {})", idx[i], num_experts);
+    if (idx[i] < 0) continue;
     off[idx[i] + 1] += 1;
+    ++valid;
   }
+  MT_CHECK(routed < 0 ? valid == m : valid <= routed,
+           "{} routed choices of {}, more than the {} the permutation was sized for", valid, m,
+           routed < 0 ? m : routed);
   out.segments = Tensor::zeros({num_experts + 1}, DType::kI64);
   int64_t* seg = out.segments.data<int64_t>();
   for (int64_t e = 0; e < num_experts; ++e) {
@@ -42,35 +49,159 @@ void make_expert_permutation(const Tensor& expert_index, int64_t num_experts,
   if (align == 1) out.segments = out.expert_offsets;  // dense: the same rows
   const int64_t* first = out.segments.data<int64_t>();
   std::vector<int64_t> fill(first, first + num_experts);
-  out.source_token = Tensor::empty({permuted_rows(m, num_experts, align)}, DType::kI32);
+  out.source_token =
+      Tensor::empty({permuted_rows(routed < 0 ? m : routed, num_experts, align)}, DType::kI32);
   std::fill(out.source_token.data<int32_t>(),
             out.source_token.data<int32_t>() + out.source_token.numel(), -1);
   out.row_of_choice = Tensor::empty({m}, DType::kI32);
   for (int64_t i = 0; i < m; ++i) {  // i = t*k + j in token order: stable within an expert
+    if (idx[i] < 0) {
+      out.row_of_choice.data<int32_t>()[i] = -1;
+      continue;
+    }
     const int64_t row = fill[idx[i]]++;
     out.source_token.data<int32_t>()[row] = static_cast<int32_t>(i / k);
     out.row_of_choice.data<int32_t>()[i] = static_cast<int32_t>(row);
   }
 }
 
+void peer_choices(const Tensor& expert_index, int64_t peers, int64_t experts_per_peer,
+                  Tensor& out) {
+  expect_dtype(expert_index, DType::kI32, "expert_index");
+  const int64_t n = expert_index.dim(0), k = expert_index.dim(1);
+  MT_CHECK(peers >= 1 && experts_per_peer >= 1, "{} peers of {} experts", peers, experts_per_peer);
+  expect_shape(out, {n, peers}, "peer choices");
+  expect_dtype(out, DType::kI32, "peer choices");
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(expert_index)) return cuda::peer_choices(expert_index, peers, experts_per_peer, out);
+#endif
+  const int32_t* idx = expert_index.data<int32_t>();
+  int32_t* o = out.data<int32_t>();
+  std::fill(o, o + n * peers, -1);
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t p = idx[t * k + j] / experts_per_peer;
+      MT_CHECK(idx[t * k + j] >= 0 && p < peers, "expert index {} outside [0, {})", idx[t * k + j],
+               peers * experts_per_peer);
+      o[t * peers + p] = static_cast<int32_t>(p);
+    }
+}
+
+void peer_counts(const Tensor& expert_index, int64_t peers, int64_t experts_per_peer, Tensor& out) {
+  expect_dtype(expert_index, DType::kI32, "expert_index");
+  expect_shape(out, {peers, experts_per_peer + 1}, "peer counts");
+  expect_dtype(out, DType::kI64, "peer counts");
+  const int64_t n = expert_index.dim(0), k = expert_index.dim(1);
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(expert_index)) return cuda::peer_counts(expert_index, peers, experts_per_peer, out);
+#endif
+  Tensor to_peer = Tensor::empty({n, peers}, DType::kI32);
+  peer_choices(expert_index, peers, experts_per_peer, to_peer);
+  int64_t* c = out.data<int64_t>();
+  std::fill(c, c + out.numel(), int64_t{0});
+  const int32_t* idx = expert_index.data<int32_t>();
+  for (int64_t i = 0; i < n * k; ++i)
+    ++c[idx[i] / experts_per_peer * (experts_per_peer + 1) + idx[i] % experts_per_peer];
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t p = 0; p < peers; ++p)
+      c[p * (experts_per_peer + 1) + experts_per_peer] +=
+          to_peer.data<int32_t>()[t * peers + p] >= 0;
+}
+
+void local_choices(const Tensor& expert_index, int64_t rank, int64_t experts_per_peer, Tensor& out,
+                   const Tensor* received_counts) {
+  expect_dtype(expert_index, DType::kI32, "expert_index");
+  expect_shape(out, expert_index.shape(), "local choices");
+  expect_dtype(out, DType::kI32, "local choices");
+  const int64_t rows = expert_index.dim(0), k = expert_index.dim(1);
+  int64_t region = rows;
+  if (received_counts) {
+    expect_dtype(*received_counts, DType::kI64, "received counts");
+    const int64_t peers = received_counts->dim(0);
+    MT_CHECK(received_counts->ndim() == 2 && received_counts->dim(1) == experts_per_peer + 1 &&
+                 rows % peers == 0,
+             "received counts {} for {} rows of {} experts per rank",
+             shape_str(received_counts->shape()), rows, experts_per_peer);
+    region = rows / peers;
+  }
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(expert_index))
+    return cuda::local_choices(expert_index, rank, experts_per_peer, out, received_counts);
+#endif
+  const int64_t first = rank * experts_per_peer;
+  const int32_t* idx = expert_index.data<int32_t>();
+  int32_t* o = out.data<int32_t>();
+  for (int64_t r = 0; r < rows; ++r) {
+    const bool written =
+        !received_counts ||
+        r % region <
+            received_counts
+                ->data<int64_t>()[(r / region) * (experts_per_peer + 1) + experts_per_peer];
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t local = idx[r * k + j] - first;
+      o[r * k + j] =
+          written && local >= 0 && local < experts_per_peer ? static_cast<int32_t>(local) : -1;
+    }
+  }
+}
+
+void slots_within_experts(const Tensor& expert_index, const ExpertPermutation& p,
+                          int64_t region_rows, Tensor& out) {
+  expect_dtype(expert_index, DType::kI32, "expert_index");
+  expect_shape(out, expert_index.shape(), "slots");
+  expect_dtype(out, DType::kI32, "slots");
+  MT_CHECK(p.align == 1 && p.row_of_choice.numel() == expert_index.numel(),
+           "slots of {} choices from a permutation of {} (align {}): needs the dense one",
+           expert_index.numel(), p.row_of_choice.numel(), p.align);
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(expert_index)) return cuda::slots_within_experts(expert_index, p, region_rows, out);
+#endif
+  const int32_t* idx = expert_index.data<int32_t>();
+  const int32_t* row = p.row_of_choice.data<int32_t>();
+  const int64_t* off = p.expert_offsets.data<int64_t>();
+  int32_t* o = out.data<int32_t>();
+  for (int64_t i = 0; i < expert_index.numel(); ++i)
+    o[i] = idx[i] < 0 ? -1 : static_cast<int32_t>(row[i] - off[idx[i]] + idx[i] * region_rows);
+}
+
+void region_slots(const Tensor& received_counts, int64_t capacity, Tensor& out) {
+  expect_dtype(received_counts, DType::kI64, "received counts");
+  const int64_t peers = received_counts.dim(0), width = received_counts.dim(1);
+  expect_shape(out, {peers * capacity, peers}, "region slots");
+  expect_dtype(out, DType::kI32, "region slots");
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(received_counts)) return cuda::region_slots(received_counts, capacity, out);
+#endif
+  int32_t* o = out.data<int32_t>();
+  std::fill(o, o + out.numel(), -1);
+  for (int64_t p = 0; p < peers; ++p) {
+    const int64_t tokens = received_counts.data<int64_t>()[p * width + width - 1];
+    MT_CHECK(tokens >= 0 && tokens <= capacity, "{} tokens from rank {} for {} places", tokens, p,
+             capacity);
+    for (int64_t s = 0; s < tokens; ++s)
+      o[(p * capacity + s) * peers + p] = static_cast<int32_t>(s);
+  }
+}
+
 void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp) {
   const int64_t d = x.dim(1), m = p.rows();
   expect_shape(xp, {m, d}, "permuted rows");
+  MT_CHECK(x.dtype() == xp.dtype(), "permute of {} rows into {}", dtype_name(x.dtype()),
+           dtype_name(xp.dtype()));
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(x)) {
     if (x.dim(0) == 0) return;
     return cuda::scatter_token_rows(x, p.row_of_choice, choices_per_token(p, x.dim(0)), xp);
   }
 #endif
-  dispatch_float(x.dtype(), [&](auto tag) {
-    using T = decltype(tag);
-    for (int64_t r = 0; r < m; ++r) {
-      const int32_t token = p.source_token.data<int32_t>()[r];
-      if (token < 0) continue;  // padding
-      const T* src = x.data<T>() + static_cast<int64_t>(token) * d;
-      std::copy(src, src + d, xp.data<T>() + r * d);
-    }
-  });
+  const size_t row_bytes = static_cast<size_t>(d) * dtype_size(x.dtype());
+  const char* src = static_cast<const char*>(x.raw());
+  char* dst = static_cast<char*>(xp.raw());
+  for (int64_t r = 0; r < m; ++r) {
+    const int32_t token = p.source_token.data<int32_t>()[r];
+    if (token < 0) continue;  // padding
+    std::memcpy(dst + r * row_bytes, src + token * row_bytes, row_bytes);
+  }
 }
 
 namespace {
@@ -93,8 +224,9 @@ void sum_token_rows(const Tensor& rows, const ExpertPermutation& p, const Tensor
       else
         std::fill(o, o + d, T(0));
       for (int64_t j = 0; j < k; ++j) {
-        const T* g =
-            rows.data<T>() + static_cast<int64_t>(p.row_of_choice.data<int32_t>()[t * k + j]) * d;
+        const int32_t row = p.row_of_choice.data<int32_t>()[t * k + j];
+        if (row < 0) continue;  // not routed here
+        const T* g = rows.data<T>() + static_cast<int64_t>(row) * d;
         for (int64_t c = 0; c < d; ++c) o[c] += g[c];
       }
     }
@@ -108,37 +240,41 @@ void permute_rows_backward(const Tensor& dxp, const ExpertPermutation& p, Tensor
 
 void unpermute_rows(const Tensor& yp, const ExpertPermutation& p, Tensor& y) {
   const int64_t d = yp.dim(1), m = p.row_of_choice.numel();
-  MT_CHECK(y.numel() == m * d, "unpermuted rows {} for {} rows of {}", shape_str(y.shape()), m, d);
+  MT_CHECK(y.numel() == m * d && y.dtype() == yp.dtype(), "unpermuted {} rows {} for {} rows of {}",
+           dtype_name(y.dtype()), shape_str(y.shape()), m, d);
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(yp)) {
     Tensor rows = y.reshape({m, d});
     return cuda::gather_rows(yp, p.row_of_choice, rows);
   }
 #endif
-  dispatch_float(yp.dtype(), [&](auto tag) {
-    using T = decltype(tag);
-    for (int64_t i = 0; i < m; ++i) {
-      const T* src = yp.data<T>() + static_cast<int64_t>(p.row_of_choice.data<int32_t>()[i]) * d;
-      std::copy(src, src + d, y.data<T>() + i * d);
-    }
-  });
+  const size_t row_bytes = static_cast<size_t>(d) * dtype_size(yp.dtype());
+  const char* src = static_cast<const char*>(yp.raw());
+  char* dst = static_cast<char*>(y.raw());
+  for (int64_t i = 0; i < m; ++i) {
+    const int32_t row = p.row_of_choice.data<int32_t>()[i];
+    if (row < 0)
+      std::memset(dst + i * row_bytes, 0, row_bytes);  // not routed here
+    else
+      std::memcpy(dst + i * row_bytes, src + row * row_bytes, row_bytes);
+  }
 }
 
 void unpermute_rows_backward(const Tensor& dy, const ExpertPermutation& p, Tensor& dyp) {
   const int64_t d = dyp.dim(1), m = p.row_of_choice.numel();
-  MT_CHECK(dy.numel() == m * d, "unpermuted gradient {} for {} rows of {}", shape_str(dy.shape()),
-           m, d);
+  MT_CHECK(dy.numel() == m * d && dy.dtype() == dyp.dtype(),
+           "unpermuted {} gradient {} for {} rows of {}", dtype_name(dy.dtype()),
+           shape_str(dy.shape()), m, d);
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(dyp)) return cuda::scatter_token_rows(dy.reshape({m, d}), p.row_of_choice, 1, dyp);
 #endif
-  dispatch_float(dyp.dtype(), [&](auto tag) {
-    using T = decltype(tag);
-    for (int64_t i = 0; i < m; ++i) {
-      const T* g = dy.data<T>() + i * d;
-      std::copy(g, g + d,
-                dyp.data<T>() + static_cast<int64_t>(p.row_of_choice.data<int32_t>()[i]) * d);
-    }
-  });
+  const size_t row_bytes = static_cast<size_t>(d) * dtype_size(dyp.dtype());
+  const char* src = static_cast<const char*>(dy.raw());
+  char* dst = static_cast<char*>(dyp.raw());
+  for (int64_t i = 0; i < m; ++i) {
+    const int32_t row = p.row_of_choice.data<int32_t>()[i];
+    if (row >= 0) std::memcpy(dst + row * row_bytes, src + i * row_bytes, row_bytes);
+  }
 }
 
 void combine_forward(const Tensor& yp, const ExpertPermutation& p, Tensor& out,

@@ -5,12 +5,29 @@
 #include <numeric>
 #include <vector>
 
+#include "core/enum_names.h"
 #include "ops/dispatch.h"
 #if MOETRAIN_HAS_CUDA
 #include "ops/cuda/ops.h"
 #endif
 
 namespace mt::ops {
+
+namespace {
+constexpr std::array<EnumName<RoutingMode>, 3> kRoutingModes = {{
+    {RoutingMode::kLearned, "learned"},
+    {RoutingMode::kBalanced, "balanced"},
+    {RoutingMode::kSkewed, "skewed"},
+}};
+}  // namespace
+
+std::string_view routing_mode_name(RoutingMode m) {
+  return enum_name(kRoutingModes, m);
+}
+
+bool parse_routing_mode(std::string_view name, RoutingMode* out) {
+  return parse_enum(kRoutingModes, name, out);
+}
 
 void router_forward(const Tensor& logits, const Tensor& bias, const RouterOptions& opt,
                     Routing& out) {
@@ -20,8 +37,7 @@ void router_forward(const Tensor& logits, const Tensor& bias, const RouterOption
   if (bias.defined()) expect_shape(bias, {e}, "router bias");
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(logits))
-    return cuda::router_forward(logits, bias, opt.top_k, opt.norm_topk_prob, opt.force_balanced,
-                                out);
+    return cuda::router_forward(logits, bias, opt.top_k, opt.norm_topk_prob, opt.mode, out);
 #endif
   out.scores = Tensor::empty({n, e}, logits.dtype());
   out.expert_index = Tensor::empty({n, k}, DType::kI32);
@@ -39,8 +55,8 @@ void router_forward(const Tensor& logits, const Tensor& bias, const RouterOption
       for (int64_t c = 0; c < e; ++c) sum += std::exp(static_cast<double>(l[c]) - m);
       for (int64_t c = 0; c < e; ++c) s[c] = static_cast<T>(std::exp(l[c] - m) / sum);
       int32_t* idx = out.expert_index.data<int32_t>() + t * k;
-      if (opt.force_balanced) {
-        for (int64_t j = 0; j < k; ++j) idx[j] = static_cast<int32_t>((t * k + j) % e);
+      if (opt.mode != RoutingMode::kLearned) {
+        for (int64_t j = 0; j < k; ++j) idx[j] = fixed_choice(opt.mode, t, j, k, e);
       } else {
         for (int64_t c = 0; c < e; ++c)
           biased[c] = s[c] + (bias.defined() ? bias.data<T>()[c] : T(0));

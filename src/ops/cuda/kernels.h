@@ -8,6 +8,7 @@
 
 #include "core/dtype.h"
 #include "core/mx_format.h"
+#include "ops/routing_mode.h"
 
 namespace mt::cuda::kernels {
 
@@ -139,7 +140,7 @@ constexpr int kMaxRoutedTopK = 16;
 cudaError_t router_aux_loss(const int64_t* counts, const float* score_sum, int e, double scale,
                             double* out, cudaStream_t stream);
 cudaError_t router_forward(const float* logits, const float* bias, int64_t n, int e, int k,
-                           bool norm_topk, bool balanced, float* scores, int32_t* index,
+                           bool norm_topk, ops::RoutingMode mode, float* scores, int32_t* index,
                            float* weight, int64_t* counts, cudaStream_t stream);
 // out (e) = column sums of scores (n, e); partial: column_sum_workspace(e) bytes.
 size_t column_sum_workspace(int e);
@@ -153,21 +154,27 @@ size_t permutation_workspace(int64_t m, int e);
 // Stable expert-major layout of m = n*k choices: row_of_choice i32 (m), offsets i64 (e + 1).
 // align 1: dense, source_token i32 (m), segments unused. align > 1: each expert's segment
 // starts at a multiple of align rows (segments i64 (e + 1)), source_token i32 (rows, the
-// caller's ops::permuted_rows) with -1 on the padding rows.
+// caller's ops::permuted_rows) with -1 on the padding rows. skips: negative indices (choices
+// not routed here) get row_of_choice -1, and rows past the routed ones name no token.
 cudaError_t expert_permutation(const int32_t* expert_index, int64_t m, int k, int e, int64_t align,
-                               void* workspace, size_t workspace_bytes, int64_t rows,
+                               bool skips, void* workspace, size_t workspace_bytes, int64_t rows,
                                int32_t* source_token, int32_t* row_of_choice, int64_t* offsets,
                                int64_t* segments, cudaStream_t stream);
-// Expert-parallel exchange plans. counts[e] = offsets[e + 1] - offsets[e] for e < experts.
-cudaError_t expert_counts(const int64_t* offsets, int experts, int64_t* counts,
+// ops::peer_choices (out i32 (n, peers)) and ops::local_choices (n entries).
+cudaError_t peer_choices(const int32_t* index, int64_t n, int k, int peers, int per_peer,
+                         int32_t* out, cudaStream_t stream);
+// received: null, or i64 (peers, per_peer + 1) counts whose last column masks each region of
+// `region` rows (k entries each) past its count.
+cudaError_t local_choices(const int32_t* index, int64_t n, int k, int first, int per_peer,
+                          const int64_t* received, int64_t region, int32_t* out,
                           cudaStream_t stream);
-// recv_counts i64 (peers, local): rows received from peer p for local expert e, laid out
-// peer-major in the receive buffer. Writes the regrouping maps (see moe/expert_exchange.h):
-// expert_major_source[i] = receive row of expert-major row i, source_major_source its inverse
-// (i32, sum(recv_counts) each), and local_offsets i64 (local + 1).
-cudaError_t exchange_maps(const int64_t* recv_counts, int peers, int local,
-                          int32_t* expert_major_source, int32_t* source_major_source,
-                          int64_t* local_offsets, cudaStream_t stream);
+cudaError_t slots_within_experts(const int32_t* index, const int32_t* row, const int64_t* offsets,
+                                 int64_t n, int64_t region_rows, int32_t* out, cudaStream_t stream);
+cudaError_t region_slots(const int64_t* received, int peers, int width, int64_t capacity,
+                         int32_t* out, cudaStream_t stream);
+// ops::peer_counts: counts i64 (peers, per_peer + 1); peers * (per_peer + 1) ints of shared memory.
+cudaError_t peer_counts(const int32_t* index, int64_t n, int k, int peers, int per_peer,
+                        int64_t* counts, cudaStream_t stream);
 // f32 -> bf16 (round to nearest even) or bf16 -> f32; `from` names the source type.
 // MX quantization (ops/mx.h): x (batch, rows, cols), f32 or bf16, 16-byte aligned -> E4M3 data
 // and E8M0 scales in core/mx.h's layout for `axis`, and back to f32 or bf16 in the logical

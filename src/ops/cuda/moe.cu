@@ -53,7 +53,7 @@ __device__ __forceinline__ void flush_block_histogram(const int* hist, int e, in
 // block instead of one per choice (128k choices on 128 addresses serialise).
 template <int kPerLane>
 __global__ void router_kernel(const float* logits, const float* bias, int64_t n, int e, int k,
-                              bool norm_topk, bool balanced, float* scores, int32_t* index,
+                              bool norm_topk, ops::RoutingMode mode, float* scores, int32_t* index,
                               float* weight, int64_t* counts) {
   extern __shared__ int hist[];
   zero_block_histogram(hist, e);
@@ -89,8 +89,8 @@ __global__ void router_kernel(const float* logits, const float* bias, int64_t n,
     for (int j = 0; j < k; ++j) {
       int best = -1;
       float best_key = 0.f, best_score = 0.f;
-      if (balanced) {
-        best = static_cast<int>((t * k + j) % e);
+      if (mode != ops::RoutingMode::kLearned) {
+        best = ops::fixed_choice(mode, t, j, k, e);
         best_score = __shfl_sync(0xffffffffu, select(s, best / 32), best % 32);
       } else {
 #pragma unroll
@@ -222,11 +222,13 @@ __global__ void permutation_kernel(const int32_t* sorted_choice, const int32_t* 
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
   if (i >= m) return;
   const int32_t choice = sorted_choice[i];
-  int64_t row = i;
-  if (segments) {
-    const int32_t e = sorted_expert[i];
-    row += segments[e] - offsets[e];
+  const int32_t e = sorted_expert[i];
+  if (e < 0) {  // not routed here: sorted after every expert's choices
+    row_of_choice[choice] = -1;
+    return;
   }
+  int64_t row = i;
+  if (segments) row += segments[e] - offsets[e];
   source_token[row] = choice / k;
   row_of_choice[choice] = static_cast<int32_t>(row);
 }
@@ -240,7 +242,8 @@ __global__ void align_counts_kernel(const int64_t* counts, int e, int64_t align,
 
 __global__ void histogram_kernel(const int32_t* expert_index, int64_t m, int64_t* counts) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (i < m) atomicAdd(reinterpret_cast<unsigned long long*>(counts + expert_index[i]), 1ull);
+  if (i < m && expert_index[i] >= 0)
+    atomicAdd(reinterpret_cast<unsigned long long*>(counts + expert_index[i]), 1ull);
 }
 
 // The same for few bins (experts, not the vocabulary): a shared histogram per block, then one
@@ -251,7 +254,7 @@ __global__ void histogram_shared_kernel(const int32_t* expert_index, int64_t m, 
   zero_block_histogram(hist, e);
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < m;
        i += int64_t{gridDim.x} * blockDim.x)
-    atomicAdd(&hist[expert_index[i]], 1);
+    if (expert_index[i] >= 0) atomicAdd(&hist[expert_index[i]], 1);
   flush_block_histogram(hist, e, counts);
 }
 
@@ -273,8 +276,12 @@ __global__ void gather_rows_kernel(const T* src, const int32_t* index, T* dst, i
                                    int64_t width) {
   const int64_t row = blockIdx.x;
   if (row >= rows) return;
-  const T* s = src + static_cast<int64_t>(index[row]) * width;
   T* d = dst + row * width;
+  if (index[row] < 0) {  // a choice not routed here
+    for (int64_t c = threadIdx.x; c < width; c += blockDim.x) d[c] = T{};
+    return;
+  }
+  const T* s = src + static_cast<int64_t>(index[row]) * width;
   for (int64_t c = threadIdx.x; c < width; c += blockDim.x) d[c] = s[c];
 }
 
@@ -288,7 +295,8 @@ __global__ void gather_narrow_rows_kernel(const T* src, const int32_t* index, T*
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < rows * width;
        i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t row = i / width;
-    dst[i] = src[static_cast<int64_t>(index[row]) * width + (i - row * width)];
+    const int32_t from = index[row];
+    dst[i] = from < 0 ? T{} : src[static_cast<int64_t>(from) * width + (i - row * width)];
   }
 }
 
@@ -299,7 +307,10 @@ __global__ void scatter_narrow_rows_kernel(const T* src, const int32_t* row_of_c
        i += int64_t{gridDim.x} * blockDim.x) {
     const int64_t t = i / width, c = i - t * width;
     const T v = src[i];
-    for (int j = 0; j < k; ++j) dst[static_cast<int64_t>(row_of_choice[t * k + j]) * width + c] = v;
+    for (int j = 0; j < k; ++j) {
+      const int32_t row = row_of_choice[t * k + j];
+      if (row >= 0) dst[static_cast<int64_t>(row) * width + c] = v;
+    }
   }
 }
 
@@ -313,7 +324,8 @@ __global__ void scatter_token_rows_kernel(const T* src, const int32_t* row_of_ch
   const int32_t* rows = row_of_choice + t * k;
   for (int64_t c = threadIdx.x; c < width; c += blockDim.x) {
     const T v = src[t * width + c];
-    for (int j = 0; j < k; ++j) dst[static_cast<int64_t>(rows[j]) * width + c] = v;
+    for (int j = 0; j < k; ++j)
+      if (rows[j] >= 0) dst[static_cast<int64_t>(rows[j]) * width + c] = v;
   }
 }
 
@@ -327,8 +339,10 @@ __global__ void token_sum_kernel(const T* rows, const int32_t* row_of_choice, co
     float acc[P] = {};
     if (residual) load_n<T, P>(residual + t * width + c, acc);
     for (int j = 0; j < k; ++j) {
+      const int32_t row = row_of_choice[t * k + j];
+      if (row < 0) continue;  // not routed here
       float x[P];
-      load_n<T, P>(rows + static_cast<int64_t>(row_of_choice[t * k + j]) * width + c, x);
+      load_n<T, P>(rows + static_cast<int64_t>(row) * width + c, x);
 #pragma unroll
       for (int i = 0; i < P; ++i) acc[i] += x[i];
     }
@@ -401,40 +415,66 @@ __global__ void add_kernel(const T* a, const T* b, T* out, int64_t n, int64_t pa
     out[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
 }
 
-__global__ void expert_counts_kernel(const int64_t* offsets, int experts, int64_t* counts) {
-  for (int e = threadIdx.x; e < experts; e += blockDim.x) counts[e] = offsets[e + 1] - offsets[e];
+// One thread per token: entry p of its row is p when a choice lies in [p*L, (p+1)*L), else -1.
+__global__ void peer_choices_kernel(const int32_t* index, int64_t n, int k, int peers, int per_peer,
+                                    int32_t* out) {
+  const int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (t >= n) return;
+  for (int p = 0; p < peers; ++p) out[t * peers + p] = -1;
+  for (int j = 0; j < k; ++j) {
+    const int p = index[t * k + j] / per_peer;
+    out[t * peers + p] = p;
+  }
 }
 
-// One block per segment (peer p, local expert e) of the receive buffer, which holds peer 0's
-// rows (its rows for local expert 0, then 1, ...), then peer 1's, ...; expert-major order holds
-// expert 0's rows (from peer 0, then 1, ...), then expert 1's, ... Thread 0 finds the segment's
-// start in both orders (at most peers x local counts: small), then the block writes its rows.
-__global__ void exchange_maps_kernel(const int64_t* recv_counts, int peers, int local,
-                                     int32_t* expert_major_source, int32_t* source_major_source,
-                                     int64_t* local_offsets) {
-  const int p = blockIdx.x / local, e = blockIdx.x % local;
-  __shared__ int64_t source_start, expert_start;
-  if (threadIdx.x == 0) {
-    int64_t s = 0, x = 0;
-    for (int i = 0; i < p * local + e; ++i) s += recv_counts[i];
-    for (int e2 = 0; e2 < e; ++e2)
-      for (int p2 = 0; p2 < peers; ++p2) x += recv_counts[p2 * local + e2];
-    if (p == 0) {  // the first segment of each expert writes the expert's end
-      int64_t end = x;
-      for (int p2 = 0; p2 < peers; ++p2) end += recv_counts[p2 * local + e];
-      local_offsets[e + 1] = end;
-      if (e == 0) local_offsets[0] = 0;
+// counts (peers, L + 1): per peer, its experts' choices, then the tokens with a choice there.
+// A shared histogram per block, flushed with one atomic per bin.
+__global__ void peer_counts_kernel(const int32_t* index, int64_t n, int k, int peers, int per_peer,
+                                   int64_t* counts) {
+  extern __shared__ int hist[];
+  const int bins = peers * (per_peer + 1);
+  zero_block_histogram(hist, bins);
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; t < n;
+       t += int64_t{gridDim.x} * blockDim.x) {
+    const int32_t* row = index + t * k;
+    for (int j = 0; j < k; ++j) {
+      const int p = row[j] / per_peer;
+      atomicAdd(&hist[p * (per_peer + 1) + row[j] - p * per_peer], 1);
+      bool first = true;  // the token's first choice on rank p counts the token
+      for (int i = 0; i < j; ++i) first &= row[i] / per_peer != p;
+      if (first) atomicAdd(&hist[p * (per_peer + 1) + per_peer], 1);
     }
-    for (int p2 = 0; p2 < p; ++p2) x += recv_counts[p2 * local + e];
-    source_start = s;
-    expert_start = x;
   }
-  __syncthreads();
-  const int64_t n = recv_counts[p * local + e];
-  for (int64_t i = threadIdx.x; i < n; i += blockDim.x) {
-    source_major_source[source_start + i] = static_cast<int32_t>(expert_start + i);
-    expert_major_source[expert_start + i] = static_cast<int32_t>(source_start + i);
-  }
+  flush_block_histogram(hist, bins, counts);
+}
+
+__global__ void local_choices_kernel(const int32_t* index, int64_t n, int k, int first,
+                                     int per_peer, const int64_t* received, int64_t region,
+                                     int32_t* out) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i >= n) return;
+  const int64_t r = i / k;
+  const bool written = !received || r % region < received[(r / region) * (per_peer + 1) + per_peer];
+  const int local = index[i] - first;
+  out[i] = written && local >= 0 && local < per_peer ? local : -1;
+}
+
+__global__ void slots_kernel(const int32_t* index, const int32_t* row, const int64_t* offsets,
+                             int64_t n, int64_t region_rows, int32_t* out) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i >= n) return;
+  const int32_t e = index[i];
+  out[i] = e < 0 ? -1 : static_cast<int32_t>(row[i] - offsets[e] + e * region_rows);
+}
+
+__global__ void region_slots_kernel(const int64_t* received, int peers, int width, int64_t capacity,
+                                    int32_t* out) {
+  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
+  if (i >= peers * capacity * peers) return;
+  const int64_t j = i / peers;
+  const int q = static_cast<int>(i % peers), p = static_cast<int>(j / capacity);
+  const int64_t s = j % capacity;
+  out[i] = q == p && s < received[p * width + width - 1] ? static_cast<int32_t>(s) : -1;
 }
 
 }  // namespace
@@ -442,7 +482,7 @@ __global__ void exchange_maps_kernel(const int64_t* recv_counts, int peers, int 
 namespace kernels {
 
 cudaError_t router_forward(const float* logits, const float* bias, int64_t n, int e, int k,
-                           bool norm_topk, bool balanced, float* scores, int32_t* index,
+                           bool norm_topk, ops::RoutingMode mode, float* scores, int32_t* index,
                            float* weight, int64_t* counts, cudaStream_t stream) {
   if (k > kMaxTopK || e > kMaxExperts) return cudaErrorInvalidValue;
   if (cudaError_t err = cudaMemsetAsync(counts, 0, sizeof(int64_t) * e, stream); err != cudaSuccess)
@@ -454,10 +494,10 @@ cudaError_t router_forward(const float* logits, const float* bias, int64_t n, in
   const size_t smem = sizeof(int) * e;
   if (per_lane_for(e) == 4)
     router_kernel<4><<<grid, 32 * kRouterWarps, smem, stream>>>(
-        logits, bias, n, e, k, norm_topk, balanced, scores, index, weight, counts);
+        logits, bias, n, e, k, norm_topk, mode, scores, index, weight, counts);
   else
     router_kernel<kMaxExperts / 32><<<grid, 32 * kRouterWarps, smem, stream>>>(
-        logits, bias, n, e, k, norm_topk, balanced, scores, index, weight, counts);
+        logits, bias, n, e, k, norm_topk, mode, scores, index, weight, counts);
   return cudaGetLastError();
 }
 
@@ -516,7 +556,7 @@ size_t permutation_workspace(int64_t m, int e) {
 }
 
 cudaError_t expert_permutation(const int32_t* expert_index, int64_t m, int k, int e, int64_t align,
-                               void* workspace, size_t workspace_bytes, int64_t rows,
+                               bool skips, void* workspace, size_t workspace_bytes, int64_t rows,
                                int32_t* source_token, int32_t* row_of_choice, int64_t* offsets,
                                int64_t* segments, cudaStream_t stream) {
   char* p = static_cast<char*>(workspace);
@@ -550,15 +590,18 @@ cudaError_t expert_permutation(const int32_t* expert_index, int64_t m, int k, in
             cub::DeviceScan::ExclusiveSum(sort_ws, sort_bytes, aligned, segments, e + 1, stream);
         err != cudaSuccess)
       return err;
-    // Padding rows name no token.
+  }
+  if (padded || skips) {  // padding rows (and rows past the routed ones) name no token
     if (cudaError_t err = cudaMemsetAsync(source_token, 0xFF, sizeof(int32_t) * rows, stream);
         err != cudaSuccess)
       return err;
   }
   if (m == 0) return cudaGetLastError();
   iota_kernel<<<(m + 255) / 256, 256, 0, stream>>>(choice, m);
+  // Negative indices (not routed here) sort after every expert: their low bits are all ones,
+  // above e - 1 once the key has a bit to spare.
   int bits = 1;
-  while ((1 << bits) < e) ++bits;
+  while ((1 << bits) < e || (skips && (1 << bits) <= e)) ++bits;
   // LSD radix sort is stable: within an expert, choices stay in token order.
   if (cudaError_t err =
           cub::DeviceRadixSort::SortPairs(sort_ws, sort_bytes, expert_index, keys_out, choice,
@@ -628,17 +671,50 @@ cudaError_t sum_token_rows(DType s, const void* rows, const int32_t* row_of_choi
   return cudaGetLastError();
 }
 
-cudaError_t expert_counts(const int64_t* offsets, int experts, int64_t* counts,
-                          cudaStream_t stream) {
-  expert_counts_kernel<<<1, kBlock, 0, stream>>>(offsets, experts, counts);
+cudaError_t peer_choices(const int32_t* index, int64_t n, int k, int peers, int per_peer,
+                         int32_t* out, cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  peer_choices_kernel<<<grid_for(n), kBlock, 0, stream>>>(index, n, k, peers, per_peer, out);
   return cudaGetLastError();
 }
 
-cudaError_t exchange_maps(const int64_t* recv_counts, int peers, int local,
-                          int32_t* expert_major_source, int32_t* source_major_source,
-                          int64_t* local_offsets, cudaStream_t stream) {
-  exchange_maps_kernel<<<peers * local, kBlock, 0, stream>>>(
-      recv_counts, peers, local, expert_major_source, source_major_source, local_offsets);
+cudaError_t peer_counts(const int32_t* index, int64_t n, int k, int peers, int per_peer,
+                        int64_t* counts, cudaStream_t stream) {
+  const int bins = peers * (per_peer + 1);
+  if (cudaError_t err = cudaMemsetAsync(counts, 0, sizeof(int64_t) * bins, stream);
+      err != cudaSuccess)
+    return err;
+  if (n == 0) return cudaSuccess;
+  const int grid = static_cast<int>(std::min<int64_t>((n + 255) / 256, 2 * sm_count()));
+  peer_counts_kernel<<<grid, 256, sizeof(int) * bins, stream>>>(index, n, k, peers, per_peer,
+                                                                counts);
+  return cudaGetLastError();
+}
+
+cudaError_t local_choices(const int32_t* index, int64_t n, int k, int first, int per_peer,
+                          const int64_t* received, int64_t region, int32_t* out,
+                          cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  local_choices_kernel<<<(n + kBlock - 1) / kBlock, kBlock, 0, stream>>>(
+      index, n, k, first, per_peer, received, region, out);
+  return cudaGetLastError();
+}
+
+cudaError_t slots_within_experts(const int32_t* index, const int32_t* row, const int64_t* offsets,
+                                 int64_t n, int64_t region_rows, int32_t* out,
+                                 cudaStream_t stream) {
+  if (n == 0) return cudaSuccess;
+  slots_kernel<<<(n + kBlock - 1) / kBlock, kBlock, 0, stream>>>(index, row, offsets, n,
+                                                                 region_rows, out);
+  return cudaGetLastError();
+}
+
+cudaError_t region_slots(const int64_t* received, int peers, int width, int64_t capacity,
+                         int32_t* out, cudaStream_t stream) {
+  const int64_t n = peers * capacity * peers;
+  if (n == 0) return cudaSuccess;
+  region_slots_kernel<<<(n + kBlock - 1) / kBlock, kBlock, 0, stream>>>(received, peers, width,
+                                                                        capacity, out);
   return cudaGetLastError();
 }
 

@@ -9,7 +9,7 @@
 namespace mt::cuda {
 
 void router_forward(const Tensor& logits, const Tensor& bias, int top_k, bool norm_topk,
-                    bool balanced, ops::Routing& out) {
+                    ops::RoutingMode mode, ops::Routing& out) {
   const profile::Phase phase("gpu.router_forward");
   expect_dtype(logits, DType::kF32, "router logits (GPU: f32)");
   const int64_t n = logits.dim(0), e = logits.dim(1);
@@ -22,7 +22,7 @@ void router_forward(const Tensor& logits, const Tensor& bias, int top_k, bool no
   out.tokens_per_expert = gpu_empty({e}, DType::kI64);
   MT_CUDA_CHECK(kernels::router_forward(
       logits.data<float>(), bias.defined() ? bias.data<float>() : nullptr, n, static_cast<int>(e),
-      top_k, norm_topk, balanced, out.scores.data<float>(), out.expert_index.data<int32_t>(),
+      top_k, norm_topk, mode, out.scores.data<float>(), out.expert_index.data<int32_t>(),
       out.expert_weight.data<float>(), out.tokens_per_expert.data<int64_t>(), stream()));
 }
 
@@ -64,10 +64,11 @@ void router_backward(const ops::Routing& r, int top_k, bool norm_topk, const ops
 }
 
 void make_expert_permutation(const Tensor& expert_index, int64_t experts, int64_t align,
-                             ops::ExpertPermutation& out) {
+                             int64_t routed, ops::ExpertPermutation& out) {
   const profile::Phase phase("gpu.make_expert_permutation");
   const int64_t n = expert_index.dim(0), k = expert_index.dim(1), m = n * k;
-  out.source_token = gpu_empty({ops::permuted_rows(m, experts, align)}, DType::kI32);
+  out.source_token =
+      gpu_empty({ops::permuted_rows(routed < 0 ? m : routed, experts, align)}, DType::kI32);
   out.row_of_choice = gpu_empty({m}, DType::kI32);
   out.expert_offsets = gpu_empty({experts + 1}, DType::kI64);
   out.segments = align > 1 ? gpu_empty({experts + 1}, DType::kI64) : out.expert_offsets;
@@ -76,7 +77,7 @@ void make_expert_permutation(const Tensor& expert_index, int64_t experts, int64_
   Tensor ws = gpu_empty({static_cast<int64_t>(bytes)}, DType::kU8);
   MT_CUDA_CHECK(kernels::expert_permutation(
       expert_index.data<int32_t>(), m, static_cast<int>(k), static_cast<int>(experts), align,
-      ws.raw(), bytes, out.rows(), out.source_token.data<int32_t>(),
+      routed >= 0, ws.raw(), bytes, out.rows(), out.source_token.data<int32_t>(),
       out.row_of_choice.data<int32_t>(), out.expert_offsets.data<int64_t>(),
       out.segments.data<int64_t>(), stream()));
 }
@@ -85,45 +86,62 @@ void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst) {
   const profile::Phase phase("gpu.gather_rows");
   MT_CHECK(src.dtype() == dst.dtype(), "gather of {} rows into {}", dtype_name(src.dtype()),
            dtype_name(dst.dtype()));
-  MT_CUDA_CHECK(kernels::gather_rows(storage_of(src), src.raw(), index.data<int32_t>(), dst.raw(),
-                                     dst.dim(0), dst.dim(1), stream()));
+  const CopyUnits u = copy_units(src, dst.dim(1));
+  MT_CUDA_CHECK(kernels::gather_rows(u.storage, src.raw(), index.data<int32_t>(), dst.raw(),
+                                     dst.dim(0), u.per_row, stream()));
 }
 
-void expert_counts(const Tensor& offsets, Tensor& counts) {
-  expect_dtype(offsets, DType::kI64, "expert offsets");
-  expect_dtype(counts, DType::kI64, "expert counts");
-  MT_CHECK(counts.numel() + 1 == offsets.numel(), "{} counts for {} offsets", counts.numel(),
-           offsets.numel());
-  MT_CUDA_CHECK(kernels::expert_counts(offsets.data<int64_t>(), static_cast<int>(counts.numel()),
-                                       counts.data<int64_t>(), stream()));
+void peer_choices(const Tensor& expert_index, int64_t peers, int64_t per_peer, Tensor& out) {
+  MT_CUDA_CHECK(kernels::peer_choices(
+      expert_index.data<int32_t>(), expert_index.dim(0), static_cast<int>(expert_index.dim(1)),
+      static_cast<int>(peers), static_cast<int>(per_peer), out.data<int32_t>(), stream()));
 }
 
-void exchange_maps(const Tensor& recv_counts, int64_t peers, Tensor& expert_major_source,
-                   Tensor& source_major_source, Tensor& local_offsets) {
-  expect_dtype(recv_counts, DType::kI64, "received counts");
-  const int64_t local = recv_counts.numel() / peers;
-  MT_CHECK(peers > 0 && local * peers == recv_counts.numel() &&
-               local_offsets.numel() == local + 1 &&
-               expert_major_source.numel() == source_major_source.numel(),
-           "exchange maps: {} counts over {} peers, {} local offsets, maps of {} and {} rows",
-           recv_counts.numel(), peers, local_offsets.numel(), expert_major_source.numel(),
-           source_major_source.numel());
-  MT_CUDA_CHECK(kernels::exchange_maps(recv_counts.data<int64_t>(), static_cast<int>(peers),
-                                       static_cast<int>(local), expert_major_source.data<int32_t>(),
-                                       source_major_source.data<int32_t>(),
-                                       local_offsets.data<int64_t>(), stream()));
+void peer_counts(const Tensor& expert_index, int64_t peers, int64_t per_peer, Tensor& out) {
+  MT_CHECK(out.numel() <= 8192, "{} exchange counts: more than one block's shared histogram",
+           out.numel());
+  MT_CUDA_CHECK(kernels::peer_counts(expert_index.data<int32_t>(), expert_index.dim(0),
+                                     static_cast<int>(expert_index.dim(1)), static_cast<int>(peers),
+                                     static_cast<int>(per_peer), out.data<int64_t>(), stream()));
+}
+
+void local_choices(const Tensor& expert_index, int64_t rank, int64_t per_peer, Tensor& out,
+                   const Tensor* received_counts) {
+  const int64_t rows = expert_index.dim(0);
+  const Tensor received = received_counts ? on_device(*received_counts) : Tensor();
+  MT_CUDA_CHECK(kernels::local_choices(
+      expert_index.data<int32_t>(), expert_index.numel(), static_cast<int>(expert_index.dim(1)),
+      static_cast<int>(rank * per_peer), static_cast<int>(per_peer),
+      received_counts ? received.data<int64_t>() : nullptr,
+      received_counts ? rows / received.dim(0) : rows, out.data<int32_t>(), stream()));
+}
+
+void slots_within_experts(const Tensor& expert_index, const ops::ExpertPermutation& p,
+                          int64_t region_rows, Tensor& out) {
+  MT_CUDA_CHECK(
+      kernels::slots_within_experts(expert_index.data<int32_t>(), p.row_of_choice.data<int32_t>(),
+                                    p.expert_offsets.data<int64_t>(), expert_index.numel(),
+                                    region_rows, out.data<int32_t>(), stream()));
+}
+
+void region_slots(const Tensor& received_counts, int64_t capacity, Tensor& out) {
+  const Tensor received = on_device(received_counts);
+  MT_CUDA_CHECK(kernels::region_slots(received.data<int64_t>(), static_cast<int>(received.dim(0)),
+                                      static_cast<int>(received.dim(1)), capacity,
+                                      out.data<int32_t>(), stream()));
 }
 
 void scatter_token_rows(const Tensor& src, const Tensor& row_of_choice, int64_t k, Tensor& dst) {
   const profile::Phase phase("gpu.scatter_token_rows");
-  // dst may hold padding rows (a padded expert layout), which the scatter leaves as they are.
-  MT_CHECK(src.dtype() == dst.dtype() && row_of_choice.numel() == src.dim(0) * k &&
-               dst.dim(0) >= src.dim(0) * k,
+  // dst may hold padding rows (a padded expert layout), which the scatter leaves as they are,
+  // and fewer rows than choices (choices not routed here have none).
+  MT_CHECK(src.dtype() == dst.dtype() && row_of_choice.numel() == src.dim(0) * k,
            "scatter of {} {} rows (top-{}) into {} {}", dtype_name(src.dtype()),
            shape_str(src.shape()), k, dtype_name(dst.dtype()), shape_str(dst.shape()));
-  MT_CUDA_CHECK(kernels::scatter_token_rows(storage_of(src), src.raw(),
-                                            row_of_choice.data<int32_t>(), src.dim(0),
-                                            static_cast<int>(k), dst.raw(), dst.dim(1), stream()));
+  const CopyUnits u = copy_units(src, dst.dim(1));
+  MT_CUDA_CHECK(kernels::scatter_token_rows(u.storage, src.raw(), row_of_choice.data<int32_t>(),
+                                            src.dim(0), static_cast<int>(k), dst.raw(), u.per_row,
+                                            stream()));
 }
 
 void sum_token_rows(const Tensor& rows, const Tensor& row_of_choice, const Tensor* residual,
@@ -152,7 +170,7 @@ void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
            dtype_name(dout.dtype()), dtype_name(dtable.dtype()));
   // Token positions sorted by id (stable), then each id's rows summed in token order.
   ops::ExpertPermutation by_id;
-  cuda::make_expert_permutation(ids.reshape({ids.numel(), 1}), dtable.dim(0), 1, by_id);
+  cuda::make_expert_permutation(ids.reshape({ids.numel(), 1}), dtable.dim(0), 1, -1, by_id);
   MT_CUDA_CHECK(
       kernels::segment_sum_rows(storage_of(dout), dout.raw(), by_id.source_token.data<int32_t>(),
                                 by_id.expert_offsets.data<int64_t>(), dtable.dim(0), dtable.dim(1),

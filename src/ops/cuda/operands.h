@@ -14,6 +14,21 @@ inline DType storage_of(const Tensor& t, const char* name = "operand") {
   return t.dtype();
 }
 
+// How rows of `width` elements of t move unchanged through the row kernels: as f32 or bf16 bits
+// (4- or 2-byte units), 1-byte dtypes (MX data and scales) in groups of 4 or 2 of a row.
+struct CopyUnits {
+  DType storage;
+  int64_t per_row;
+};
+inline CopyUnits copy_units(const Tensor& t, int64_t width) {
+  MT_CHECK(t.device() == Device::kCUDA, "rows must be on the GPU");
+  const int64_t bytes = width * static_cast<int64_t>(dtype_size(t.dtype()));
+  if (bytes % 4 == 0) return {DType::kF32, bytes / 4};
+  MT_CHECK(bytes % 2 == 0, "rows of {} x {} ({} bytes) cannot be moved on the GPU (even bytes)",
+           width, dtype_name(t.dtype()), bytes);
+  return {DType::kBF16, bytes / 2};
+}
+
 inline Tensor gpu_empty(const Shape& s, DType d) {
   return Tensor::empty(s, d, Device::kCUDA);
 }

@@ -59,19 +59,23 @@ void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable);
 
 // MoE layer (moe_ops.cpp): logits, scores, weights f32; rows f32 or bf16.
 void router_forward(const Tensor& logits, const Tensor& bias, int top_k, bool norm_topk,
-                    bool balanced, ops::Routing& out);
+                    ops::RoutingMode mode, ops::Routing& out);
 ops::AuxStats router_aux_stats(const ops::Routing& r);  // counts and sums stay on the GPU
 Tensor router_aux_loss(const ops::AuxStats& s);         // one f64 on the GPU
 void router_backward(const ops::Routing& r, int top_k, bool norm_topk, const ops::AuxStats& stats,
                      const Tensor& dweight, double aux_grad, Tensor& dlogits);
 void make_expert_permutation(const Tensor& expert_index, int64_t experts, int64_t align,
-                             ops::ExpertPermutation& out);
+                             int64_t routed, ops::ExpertPermutation& out);
+// Row moves copy 2- and 4-byte elements of any dtype; a negative index gives a zero row.
 void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst);
-// Expert-parallel exchange (moe/expert_exchange.h): per-expert row counts of a permutation's
-// offsets (i64 E + 1 -> E), and the regrouping maps from the received counts (i64 peers x local).
-void expert_counts(const Tensor& offsets, Tensor& counts);
-void exchange_maps(const Tensor& recv_counts, int64_t peers, Tensor& expert_major_source,
-                   Tensor& source_major_source, Tensor& local_offsets);
+// The choices of expert parallelism (ops/permute.h), i32 index tensors on the GPU.
+void peer_choices(const Tensor& expert_index, int64_t peers, int64_t per_peer, Tensor& out);
+void peer_counts(const Tensor& expert_index, int64_t peers, int64_t per_peer, Tensor& out);
+void local_choices(const Tensor& expert_index, int64_t rank, int64_t per_peer, Tensor& out,
+                   const Tensor* received_counts);
+void slots_within_experts(const Tensor& expert_index, const ops::ExpertPermutation& p,
+                          int64_t region_rows, Tensor& out);
+void region_slots(const Tensor& received_counts, int64_t capacity, Tensor& out);
 // dst[row_of_choice[t * k + j]] = src[t]: the expert-major permutation, each token read once.
 void scatter_token_rows(const Tensor& src, const Tensor& row_of_choice, int64_t k, Tensor& dst);
 // out[t] = residual[t] + sum_j rows[row_of_choice[t * k + j]] (residual optional).

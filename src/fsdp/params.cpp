@@ -1,4 +1,4 @@
-#include "model/params.h"
+#include "fsdp/params.h"
 
 #include "core/rng.h"
 #include "ops/dispatch.h"
