@@ -9,6 +9,7 @@
 #include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <functional>
@@ -534,7 +535,7 @@ INSTANTIATE_TEST_SUITE_P(
 namespace mt {
 namespace {
 
-TEST(DistCheckpoint, ShardedResumeIsBitIdenticalAndWorldMismatchIsNamed) {
+TEST(DistCheckpoint, ShardedResumeIsBitIdenticalAndAnotherEpIsResharded) {
   const std::string dir = (std::filesystem::temp_directory_path() / "mt_dist_ckpt").string();
   std::filesystem::remove_all(dir);
   std::vector<std::string> sets = small_model(2);
@@ -560,24 +561,71 @@ TEST(DistCheckpoint, ShardedResumeIsBitIdenticalAndWorldMismatchIsNamed) {
   });
   expect_same(resumed.params, straight.params, 0.0, "parameter");  // bit-identical
 
+  // Another ep: the checkpoint is resharded, and the run goes on to the same parameters (to the
+  // rounding of the other summation order, as the equivalence suite).
   sets.push_back("parallel.ep=4");
   const Config other = parse_config_string("", sets);
-  try {
-    run_in_process(4, [&](Communicator& comm) {
-      Trainer t(other, &comm);
-      RunOptions o;
-      o.resume = dir;
-      t.run(o);
-    });
-    FAIL() << "a checkpoint of another ep must be refused";
-  } catch (const CheckpointError& e) {
-    EXPECT_NE(std::string(e.what()).find("parallel.ep = 2"), std::string::npos) << e.what();
-  }
+  Snapshot resharded;
+  run_in_process(4, [&](Communicator& comm) {
+    Trainer t(other, &comm);
+    RunOptions o;
+    o.resume = dir + "/step_00000002";
+    o.existing = ExistingCheckpoints::kOverwrite;
+    t.run(o);
+    collect(t.model(), 8, resharded, mu);
+  });
+  expect_same(resharded.params, straight.params, 1e-10, "parameter after resharding");
 }
 
 // Rank files that disagree (two steps in one directory, or rank 0's file copied as rank 1's)
 // stop every rank at load with the same error, before any collective of training (issue 17:
 // rank 0 finished and rank 1 waited 300 s).
+// Resharding: a checkpoint written at (1, 1) resumes at (4, 2), whose checkpoint resumes at
+// (2, 2), whose checkpoint resumes at (1, 1): the last file holds every parameter, moment and
+// router bias of the first bit for bit, with its step, data position and run.
+TEST(DistCheckpoint, ReshardingOverWorldsAndEpKeepsEveryTensor) {
+  namespace fs = std::filesystem;
+  const std::string root = testing::unique_temp_path("reshard");
+  auto config = [&](int world, int ep, const std::string& dir) {
+    std::vector<std::string> sets = small_model(8 / world);
+    sets.push_back("train.steps=2");
+    sets.push_back("checkpoint.every=2");
+    sets.push_back("checkpoint.dir=\"" + dir + "\"");
+    sets.push_back("parallel.world=" + std::to_string(world));
+    sets.push_back("parallel.ep=" + std::to_string(ep));
+    return parse_config_string("", sets);
+  };
+  const std::string first = root + "/w1";
+  Trainer(config(1, 1, first)).run({});
+  std::string from = first;
+  for (const auto& [world, ep] : {std::pair{4, 2}, std::pair{2, 2}}) {
+    const std::string to = root + "/w" + std::to_string(world) + "ep" + std::to_string(ep);
+    run_in_process(world, [&](Communicator& comm) {
+      Trainer t(config(world, ep, to), &comm);
+      t.resume(from);
+      EXPECT_EQ(t.step(), 2);
+      t.save(to);
+    });
+    from = to;
+  }
+  const std::string last = root + "/back";
+  Trainer t(config(1, 1, last));
+  t.resume(from);
+  const std::string written = t.save(last);
+  const SafetensorsFile a = read_safetensors(first + "/step_00000002.safetensors");
+  const SafetensorsFile b = read_safetensors(written);
+  ASSERT_EQ(a.tensors.size(), b.tensors.size());
+  for (const auto& [name, ta] : a.tensors) {
+    ASSERT_TRUE(b.tensors.count(name)) << name;
+    const Tensor& tb = b.tensors.at(name);
+    ASSERT_EQ(ta.nbytes(), tb.nbytes()) << name;
+    EXPECT_EQ(std::memcmp(ta.raw(), tb.raw(), ta.nbytes()), 0) << name;
+  }
+  for (const char* key : {"step", "data_position", "run_id"})
+    EXPECT_EQ(a.metadata.at(key), b.metadata.at(key)) << key;
+  fs::remove_all(root);
+}
+
 TEST(DistCheckpoint, RankFilesThatDisagreeStopEveryRank) {
   namespace fs = std::filesystem;
   const std::string dir = (fs::temp_directory_path() / "mt_dist_mixed").string();

@@ -1,5 +1,6 @@
 #include "train/checkpoint.h"
 
+#include <array>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -142,6 +143,27 @@ SafetensorsFile read_safetensors(const std::string& path) {
   return f;
 }
 
+std::map<std::string, std::string> read_safetensors_metadata(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  if (!in) throw CheckpointError(fmt::format("checkpoint: cannot open '{}'", path));
+  const uint64_t size = std::filesystem::file_size(path);
+  uint64_t hlen = 0;
+  if (size < 8 || !in.read(reinterpret_cast<char*>(&hlen), 8) || hlen > size - 8)
+    throw CheckpointError(fmt::format("checkpoint: '{}' is truncated or not safetensors", path));
+  std::string h(hlen, '\0');
+  in.read(h.data(), static_cast<std::streamsize>(hlen));
+  std::map<std::string, std::string> out;
+  try {
+    const nlohmann::json header = nlohmann::json::parse(h);
+    if (header.contains("__metadata__") && header["__metadata__"].is_object())
+      for (const auto& [k, v] : header["__metadata__"].items())
+        if (v.is_string()) out[k] = v.get<std::string>();
+  } catch (const std::exception& e) {
+    throw CheckpointError(fmt::format("checkpoint: '{}' has a corrupt header: {}", path, e.what()));
+  }
+  return out;
+}
+
 std::optional<std::string> latest_checkpoint(const std::string& dir) {
   std::ifstream latest(std::filesystem::path(dir) / "latest");
   if (!latest) return std::nullopt;
@@ -254,6 +276,205 @@ void check_ranks_agree(const std::string& path, const SafetensorsFile& f, const 
 }
 }  // namespace
 
+namespace {
+
+// --- resharding: a checkpoint written at another (W, ep) -------------------------------------
+
+// The three flat buffers a group's state lives in: parameters, and AdamW's two moments, as the
+// files name them ("" for the parameters).
+constexpr std::array<const char*, 3> kStates = {"", "optim.exp_avg.", "optim.exp_avg_sq."};
+
+// Writes `value` (a spec's whole tensor as this rank holds it) into the part of `flat` this rank
+// has: flat holds elements [flat_begin, flat_begin + flat.numel()) of the group's buffer.
+void write_spec(Tensor& flat, int64_t flat_begin, const ParamSpec& s, const Tensor& value) {
+  const int64_t n = shape_numel(s.shape), end = flat_begin + flat.numel();
+  const int64_t lo = std::max(flat_begin, s.offset), hi = std::min(end, s.offset + n);
+  if (lo >= hi) return;
+  Tensor dst = flat.view(lo - flat_begin, {hi - lo});
+  dst.copy_from(value.view(lo - s.offset, {hi - lo}).to(flat.dtype()));
+}
+
+// Every rank file of a checkpoint written by `world` ranks (one file when world is 1), checked
+// to be one checkpoint: the same step and run, each file its rank's.
+std::vector<SafetensorsFile> read_all_ranks(const std::string& path, int64_t* world, int64_t* ep) {
+  namespace fs = std::filesystem;
+  std::vector<SafetensorsFile> files;
+  if (!fs::is_directory(path)) {
+    files.push_back(read_safetensors(path));
+  } else {
+    files.push_back(read_safetensors((fs::path(path) / rank_file(0)).string()));
+  }
+  const auto meta = [&](const SafetensorsFile& f, const char* key) -> int64_t {
+    const auto it = f.metadata.find(key);
+    try {
+      if (it != f.metadata.end()) return std::stoll(it->second);
+    } catch (const std::exception&) {
+    }
+    throw CheckpointError(
+        fmt::format("checkpoint: '{}' lacks {} metadata (an integer)", path, key));
+  };
+  *world = meta(files[0], "world");
+  *ep = meta(files[0], "ep");
+  if (*world < 1 || *ep < 1 || *world % *ep != 0 || *world > dist::kMaxWorld ||
+      (*world > 1) != fs::is_directory(path))
+    throw CheckpointError(fmt::format("checkpoint: '{}' says world {}, ep {}", path, *world, *ep));
+  for (int64_t r = 1; r < *world; ++r)
+    files.push_back(read_safetensors((fs::path(path) / rank_file(static_cast<int>(r))).string()));
+  for (int64_t r = 0; r < *world; ++r) {
+    const SafetensorsFile& f = files[r];
+    for (const auto& [name, t] : f.tensors)
+      if (const auto sum = f.metadata.find(checksum_key(name)); sum != f.metadata.end())
+        if (checksum(t) != sum->second)
+          throw CheckpointError(fmt::format(
+              "checkpoint: '{}': rank {}'s tensor {} fails its checksum: the file is corrupt", path,
+              r, name));
+    if (meta(f, "step") != meta(files[0], "step") ||
+        meta(f, "run_id") != meta(files[0], "run_id") || meta(f, "data_position") < 0 ||
+        meta(f, "rank") != r)
+      throw CheckpointError(fmt::format(
+          "checkpoint: '{}': rank {}'s file is not of the same checkpoint as rank 0's (step, run "
+          "or rank differ)",
+          path, r));
+  }
+  return files;
+}
+
+const Tensor& file_tensor(const std::vector<SafetensorsFile>& files, int64_t rank,
+                          const std::string& name, const std::string& path) {
+  const auto it = files[rank].tensors.find(name);
+  if (it == files[rank].tensors.end())
+    throw CheckpointError(fmt::format(
+        "checkpoint: '{}': rank {}'s file lacks tensor {} (written for another model config?)",
+        path, rank, name));
+  return it->second;
+}
+
+// A group's flat buffer (one of kStates) as rank `holder`'s view of it in the old layout: the
+// shards of `members` laid end to end, or the unsharded specs of `holder` (old_specs: the specs
+// with their old shapes and offsets).
+Tensor old_flat(const std::vector<SafetensorsFile>& files, const std::vector<int64_t>& members,
+                const std::string& shard_name, const std::vector<ParamSpec>& old_specs,
+                const std::string& prefix, const std::string& path) {
+  if (members.size() > 1) {
+    std::vector<Tensor> parts;
+    int64_t total = 0;
+    for (const int64_t r : members) {
+      parts.push_back(file_tensor(files, r, prefix + shard_name, path).to(DType::kF64));
+      total += parts.back().numel();
+    }
+    Tensor flat = Tensor::empty({total}, DType::kF64);
+    int64_t at = 0;
+    for (const Tensor& t : parts) {
+      Tensor dst = flat.view(at, {t.numel()});
+      dst.copy_from(t);
+      at += t.numel();
+    }
+    return flat;
+  }
+  int64_t numel = 0;
+  for (const ParamSpec& s : old_specs) numel = std::max(numel, s.offset + shape_numel(s.shape));
+  Tensor flat = Tensor::zeros({numel}, DType::kF64);
+  for (const ParamSpec& s : old_specs) {
+    const Tensor& t = file_tensor(files, members[0], prefix + s.name, path);
+    if (t.shape() != s.shape)
+      throw CheckpointError(fmt::format("checkpoint: '{}': tensor {} is {}, expected {}", path,
+                                        prefix + s.name, shape_str(t.shape()), shape_str(s.shape)));
+    Tensor dst = flat.view(s.offset, {t.numel()});
+    dst.copy_from(t.to(DType::kF64));
+  }
+  return flat;
+}
+
+// Loads a checkpoint of another (W, ep) into this rank's shards: every rank reads every file,
+// rebuilds each parameter and moment whole (every expert), and keeps its part.
+TrainState load_resharded(const std::string& path, Qwen3Moe& model, AdamW& opt) {
+  int64_t old_world = 1, old_ep = 1;
+  const std::vector<SafetensorsFile> files = read_all_ranks(path, &old_world, &old_ep);
+  TrainState st;  // integers, checked by read_all_ranks
+  st.step = std::stoll(files[0].metadata.at("step"));
+  st.data_position = std::stoll(files[0].metadata.at("data_position"));
+  st.run_id = std::stoll(files[0].metadata.at("run_id"));
+  if (st.step < 0)
+    throw CheckpointError(
+        fmt::format("checkpoint: '{}' has step {}; it must be >= 0", path, st.step));
+  const ModelConfig& c = model.config();
+  if (c.n_experts % old_ep != 0)
+    throw CheckpointError(
+        fmt::format("checkpoint: '{}' has ep {} for {} experts", path, old_ep, c.n_experts));
+  const int64_t old_local = c.n_experts / old_ep, old_dp = old_world / old_ep;
+  std::vector<int64_t> everyone(old_world);
+  for (int64_t r = 0; r < old_world; ++r) everyone[r] = r;
+  size_t group_index = 0;
+  // Every value first, the writes after: a missing tensor leaves the model as it was.
+  struct Write {
+    Tensor* flat;
+    int64_t begin;
+    const ParamSpec* spec;
+    Tensor value;
+  };
+  std::vector<Write> writes;
+  for (auto& u : model.units())
+    for (auto& g : u.groups) {
+      const bool experts = g.kind == ParamKind::kExpert;
+      const std::string shard_name = u.name + (experts ? ".experts" : ".dense") + ".shard";
+      // The old layout of this group's specs: expert specs hold old_local experts.
+      std::vector<ParamSpec> old_specs = g.specs;
+      int64_t offset = 0;
+      for (ParamSpec& s : old_specs) {
+        if (experts) s.shape[0] = old_local;
+        s.offset = offset;
+        offset += shape_numel(s.shape);
+      }
+      Tensor* targets[3] = {&g.shard, &opt.state()[2 * group_index],
+                            &opt.state()[2 * group_index + 1]};
+      for (size_t k = 0; k < kStates.size(); ++k) {
+        // The whole value of each spec: dense from every rank (or rank 0 alone, unsharded);
+        // experts from each old EP rank p's dp group (ranks p, p + ep, ...), blocks laid end to
+        // end over p.
+        std::vector<Tensor> whole(g.specs.size());
+        if (!experts) {
+          const Tensor flat = old_flat(files, old_world > 1 ? everyone : std::vector<int64_t>{0},
+                                       shard_name, old_specs, kStates[k], path);
+          for (size_t i = 0; i < g.specs.size(); ++i)
+            whole[i] = flat.view(old_specs[i].offset, old_specs[i].shape);
+        } else {
+          for (size_t i = 0; i < g.specs.size(); ++i) {
+            Shape all = g.specs[i].shape;
+            all[0] = c.n_experts;
+            whole[i] = Tensor::empty(all, DType::kF64);
+          }
+          for (int64_t p = 0; p < old_ep; ++p) {
+            std::vector<int64_t> members;
+            for (int64_t j = 0; j < old_dp; ++j) members.push_back(p + j * old_ep);
+            const Tensor flat = old_flat(files, members, shard_name, old_specs, kStates[k], path);
+            for (size_t i = 0; i < g.specs.size(); ++i) {
+              const int64_t n = shape_numel(old_specs[i].shape);
+              Tensor dst = whole[i].view(p * n, {n});
+              dst.copy_from(flat.view(old_specs[i].offset, {n}));
+            }
+          }
+        }
+        for (size_t i = 0; i < g.specs.size(); ++i) {
+          const ParamSpec& s = g.specs[i];
+          // This rank's experts: the spec's init_offset counts the experts before them.
+          const Tensor mine = experts ? whole[i].view(s.init_offset, s.shape) : whole[i];
+          writes.push_back({targets[k], g.shard_begin(), &s, mine.clone()});
+        }
+      }
+      ++group_index;
+    }
+  for (const Write& w : writes) write_spec(*w.flat, w.begin, *w.spec, w.value);
+  for (size_t l = 0; l < model.router_biases().size(); ++l) {
+    Tensor& b = model.router_biases()[l];
+    b.copy_from(file_tensor(files, 0, fmt::format("buffers.layers.{}.router_bias", l), path));
+  }
+  for (auto& u : model.units())
+    for (auto& g : u.groups) g.compute = Tensor();
+  return st;
+}
+
+}  // namespace
+
 TrainState load_checkpoint(const std::string& path_in, Qwen3Moe& model, AdamW& opt,
                            dist::Communicator* world) {
   namespace fs = std::filesystem;
@@ -264,24 +485,32 @@ TrainState load_checkpoint(const std::string& path_in, Qwen3Moe& model, AdamW& o
         throw CheckpointError(fmt::format("checkpoint: '{}/latest' is empty", path));
       path = (fs::path(path) / *name).string();
     }
-  if (fs::is_directory(path)) {
-    if (!multi_rank(world))
-      throw CheckpointError(fmt::format(
-          "checkpoint: '{}' holds per-rank shards; resume it with the parallel.world it was "
-          "written with",
-          path));
-    path = (fs::path(path) / rank_file(world->rank())).string();
+  const std::string world_now = std::to_string(multi_rank(world) ? world->size() : 1);
+  const std::string ep_now = std::to_string(model.mesh() ? model.mesh()->ep_size() : 1);
+  const std::string first =
+      fs::is_directory(path) ? (fs::path(path) / rank_file(0)).string() : path;
+  {
+    // Written at another (W, ep): rebuilt whole from every rank's file, then re-sliced.
+    SafetensorsFile head;
+    head.metadata = read_safetensors_metadata(first);
+    if (head.metadata["format"] != "moetrain-checkpoint-1")
+      throw CheckpointError(fmt::format("checkpoint: '{}' is not a moetrain checkpoint", first));
+    if (head.metadata["world"] != world_now || head.metadata["ep"] != ep_now) {
+      if (!head.metadata.count("run_id"))
+        throw CheckpointError(fmt::format(
+            "checkpoint: '{}' was written with parallel.world = {}, parallel.ep = {} before "
+            "checkpoints could be resharded; resume it with those (this run has world = {}, ep "
+            "= {})",
+            path, head.metadata["world"], head.metadata["ep"], world_now, ep_now));
+      TrainState st = load_resharded(path, model, opt);
+      if (multi_rank(world)) world->barrier();
+      return st;
+    }
   }
+  if (fs::is_directory(path)) path = (fs::path(path) / rank_file(world->rank())).string();
   SafetensorsFile f = read_safetensors(path);
   if (f.metadata["format"] != "moetrain-checkpoint-1")
     throw CheckpointError(fmt::format("checkpoint: '{}' is not a moetrain checkpoint", path));
-  const std::string world_now = std::to_string(multi_rank(world) ? world->size() : 1);
-  const std::string ep_now = std::to_string(model.mesh() ? model.mesh()->ep_size() : 1);
-  if (f.metadata["world"] != world_now || f.metadata["ep"] != ep_now)
-    throw CheckpointError(fmt::format(
-        "checkpoint: '{}' was written with parallel.world = {}, parallel.ep = {}; this run has "
-        "world = {}, ep = {}",
-        path, f.metadata["world"], f.metadata["ep"], world_now, ep_now));
   // Check everything before touching the model: a mismatch leaves the model as it was.
   for_each_state(model, opt, [&](const std::string& name, const Tensor& t) {
     auto it = f.tensors.find(name);

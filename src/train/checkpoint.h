@@ -44,5 +44,7 @@ struct SafetensorsFile {
 };
 void write_safetensors(const std::string& path, const SafetensorsFile& f);
 SafetensorsFile read_safetensors(const std::string& path);
+// The __metadata__ of a safetensors file, reading its header only.
+std::map<std::string, std::string> read_safetensors_metadata(const std::string& path);
 
 }  // namespace mt

@@ -120,6 +120,10 @@ void Trainer::resume(const std::string& path) {
   if (is_rank0()) log::info("resumed from '{}' at step {}", path, step_);
 }
 
+std::string Trainer::save(const std::string& dir) {
+  return save_checkpoint(dir, *model_, *opt_, {step_, data_->position(), run_id_}, world_);
+}
+
 // A run's id: rank 0 draws 63 random bits (never 0), every rank gets them (a resume takes the
 // checkpoint's instead).
 void Trainer::draw_run_id() {

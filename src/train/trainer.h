@@ -50,6 +50,8 @@ class Trainer {
 
   // Loads a checkpoint (file or directory): parameters, AdamW moments, step, data position.
   void resume(const std::string& path);
+  // Writes a checkpoint of the current state into `dir` (collective); returns its path.
+  std::string save(const std::string& dir);
   Qwen3Moe& model() { return *model_; }
   AdamW& optimizer() { return *opt_; }
   const DataStats& data_stats() const { return stats_; }
