@@ -69,15 +69,26 @@ void write_safetensors(const std::string& path, const SafetensorsFile& f) {
   write_file_atomically(path, bytes);
 }
 
-SafetensorsFile read_safetensors(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
+namespace {
+// Opens a safetensors file and reads its header's JSON text: the stream then stands at the data,
+// `size` is the file's and `hlen` the header's length.
+std::string open_safetensors(const std::string& path, std::ifstream& in, uint64_t& size,
+                             uint64_t& hlen) {
+  in.open(path, std::ios::binary);
   if (!in) throw CheckpointError(fmt::format("checkpoint: cannot open '{}'", path));
-  const uint64_t size = std::filesystem::file_size(path);
-  uint64_t hlen = 0;
+  size = std::filesystem::file_size(path);
   if (size < 8 || !in.read(reinterpret_cast<char*>(&hlen), 8) || hlen > size - 8)
     throw CheckpointError(fmt::format("checkpoint: '{}' is truncated or not safetensors", path));
   std::string h(hlen, '\0');
   in.read(h.data(), static_cast<std::streamsize>(hlen));
+  return h;
+}
+}  // namespace
+
+SafetensorsFile read_safetensors(const std::string& path) {
+  std::ifstream in;
+  uint64_t size = 0, hlen = 0;
+  const std::string h = open_safetensors(path, in, size, hlen);
   nlohmann::json header;
   try {
     header = nlohmann::json::parse(h);
@@ -144,14 +155,9 @@ SafetensorsFile read_safetensors(const std::string& path) {
 }
 
 std::map<std::string, std::string> read_safetensors_metadata(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw CheckpointError(fmt::format("checkpoint: cannot open '{}'", path));
-  const uint64_t size = std::filesystem::file_size(path);
-  uint64_t hlen = 0;
-  if (size < 8 || !in.read(reinterpret_cast<char*>(&hlen), 8) || hlen > size - 8)
-    throw CheckpointError(fmt::format("checkpoint: '{}' is truncated or not safetensors", path));
-  std::string h(hlen, '\0');
-  in.read(h.data(), static_cast<std::streamsize>(hlen));
+  std::ifstream in;
+  uint64_t size = 0, hlen = 0;
+  const std::string h = open_safetensors(path, in, size, hlen);
   std::map<std::string, std::string> out;
   try {
     const nlohmann::json header = nlohmann::json::parse(h);
