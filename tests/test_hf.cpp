@@ -6,14 +6,18 @@
 // reference). Bad directories are exit-4 errors naming the tensor or file.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 
+#include "dist/communicator.h"
+#include "dist/mesh.h"
 #include "model/qwen3_moe.h"
 #include "processes.h"
 #include "testing.h"
 #include "train/checkpoint.h"
+#include "train/evaluate.h"
 #include "train/hf_export.h"
 #include "train/hf_import.h"
 
@@ -21,6 +25,7 @@ namespace mt {
 namespace {
 
 namespace fs = std::filesystem;
+using dist::run_in_process;
 
 std::string fixture(const std::string& name) {
   return std::string(MOETRAIN_SOURCE_DIR) + "/tests/fixtures/hf_qwen3moe/" + name;
@@ -300,6 +305,93 @@ TEST(HfExport, TwoRankCheckpointExportsLikeOneRank) {
   EXPECT_EQ(bad.code, 2) << bad.output;
   EXPECT_NE(bad.output.find("--dtype e4m3 (valid: bf16, f32)"), std::string::npos) << bad.output;
   for (const auto& [_, dir] : exported) std::filesystem::remove_all(dir);
+}
+
+// Evaluation over a token file holding the fixture's batch as one document: with rows long enough
+// for the whole document (and padded past it) the loss is transformers'; over two in-process
+// ranks with shorter rows it is one rank's with the same rows. Through the CLI: one JSON line.
+TEST(Eval, TokenFileLossIsTransformersAndRankIndependent) {
+  const std::string dir = fixture("base");
+  const ModelConfig c = hf_model(dir);
+  const SafetensorsFile ref = read_safetensors(dir + "/reference.safetensors");
+  const Tensor& tokens = ref.tensors.at("tokens");
+  TokenDocuments docs;
+  docs.doc_offsets = {0, static_cast<uint64_t>(tokens.numel())};
+  for (int64_t i = 0; i < tokens.numel(); ++i)
+    docs.tokens.push_back(static_cast<uint32_t>(tokens.data<int64_t>()[i]));
+  Qwen3Moe model(c, 1);
+  load_hf_weights(dir, model);
+  const double want = ref.tensors.at("loss").item(0);
+  for (const int64_t seq_len : {19, 32}) {
+    const EvalResult e = evaluate_tokens(model, docs, 1, seq_len, nullptr);
+    EXPECT_EQ(e.tokens, 19) << seq_len;
+    EXPECT_NEAR(e.mean(), want, 1e-5 * want) << seq_len;
+  }
+  const EvalResult one = evaluate_tokens(model, docs, 1, 8, nullptr);
+  EXPECT_EQ(one.tokens, 19);
+  EXPECT_GT(std::abs(one.mean() - want), 1e-3);  // rows of 8 cut the context
+  run_in_process(2, [&](dist::Communicator& comm) {
+    ModelConfig c2 = c;
+    dist::DeviceMesh mesh(comm, {2, 2}, c2.n_experts);
+    Qwen3Moe m2(c2, 1, &mesh);
+    load_hf_weights(dir, m2);
+    const EvalResult two = evaluate_tokens(m2, docs, 1, 8, &comm);
+    EXPECT_EQ(two.tokens, 19);
+    EXPECT_NEAR(two.mean(), one.mean(), 1e-12 * one.mean());
+  });
+  // The CLI.
+  const std::string data = testing::unique_temp_path("eval.tokens");
+  write_token_file(data, docs);
+  const std::string cfg = testing::unique_temp_path("eval.toml");
+  std::ofstream(cfg) << "[train]\nseq_len = 32\nbatch_rows = 1\n[hardware]\ndevice = \"cpu\"\n"
+                        "[model]\ncompute_dtype = \"f64\"\n";
+  const testing::Proc p = testing::run_cmd(std::string(MOETRAIN_BINARY) + " eval --config " + cfg +
+                                           " --init-from " + dir + " --data " + data);
+  ASSERT_EQ(p.code, 0) << p.output;
+  const auto at = p.output.rfind("{\"eval\"");
+  ASSERT_NE(at, std::string::npos) << p.output;
+  const nlohmann::json j = nlohmann::json::parse(p.output.substr(at));
+  EXPECT_EQ(j.at("tokens"), 19);
+  EXPECT_NEAR(j.at("loss").get<double>(), want, 1e-5 * want);
+  const testing::Proc both =
+      testing::run_cmd(std::string(MOETRAIN_BINARY) + " eval --config " + cfg + " --data " + data);
+  EXPECT_EQ(both.code, 2) << both.output;
+  std::filesystem::remove(data);
+  std::filesystem::remove(cfg);
+}
+
+// Validation during training: eval.every steps (and the last) the metrics carry eval_loss, a
+// finite loss below the uniform distribution's; eval.every without eval.data is exit 2.
+TEST(Eval, TrainingReportsTheValidationLoss) {
+  TokenDocuments docs;
+  docs.doc_offsets = {0, 40, 100};
+  for (int i = 0; i < 100; ++i) docs.tokens.push_back(static_cast<uint32_t>((i * 37) % 200));
+  const std::string data = testing::unique_temp_path("val.tokens");
+  write_token_file(data, docs);
+  const std::string metrics = testing::unique_temp_path("val.jsonl");
+  const std::string tiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
+  const std::string bin = MOETRAIN_BINARY;
+  const testing::Proc p = testing::run_cmd(
+      bin + " train --config " + tiny + " --set hardware.device=cpu --set train.steps=3" +
+      " --set eval.every=2 --set eval.data=\"" + data + "\" --metrics " + metrics);
+  ASSERT_EQ(p.code, 0) << p.output;
+  std::ifstream in(metrics);
+  std::string line;
+  std::vector<int64_t> evaluated;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);
+    if (!j.contains("eval_loss")) continue;
+    evaluated.push_back(j.at("step").get<int64_t>());
+    EXPECT_GT(j.at("eval_loss").get<double>(), 0.0);
+    EXPECT_LT(j.at("eval_loss").get<double>(), std::log(256.0) + 1.0);
+  }
+  EXPECT_EQ(evaluated, (std::vector<int64_t>{2, 3}));
+  const testing::Proc bad =
+      testing::run_cmd(bin + " train --config " + tiny + " --set eval.every=2");
+  EXPECT_EQ(bad.code, 2) << bad.output;
+  EXPECT_NE(bad.output.find("eval.every > 0 needs eval.data"), std::string::npos) << bad.output;
+  std::filesystem::remove(data);
+  std::filesystem::remove(metrics);
 }
 
 }  // namespace

@@ -1,6 +1,7 @@
 // The moetrain binary. Subcommands:
 //   train  --config F [--set section.key=value ...] [--steps N] [--metrics P] [--resume C]
 //          [--overwrite] [--init-from HF_DIR]
+//   eval --config F (--resume C | --init-from HF_DIR) --data TOKENS : forward-only mean loss
 //   export-hf --config F --resume C --out DIR [--dtype bf16|f32] : a Hugging Face directory
 //   launch -n N -- train ...     : N processes on this host, one rank each (torchrun's env)
 //   flops  --config F [--set ...] : parameter counts and training FLOPs per token
@@ -10,6 +11,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <functional>
+#include <nlohmann/json.hpp>
 #include <optional>
 
 #include "core/log.h"
@@ -18,8 +20,10 @@
 #include "dist/socket_backend.h"
 #include "model/flops.h"
 #include "train/config.h"
+#include "train/evaluate.h"
 #include "train/hf_export.h"
 #include "train/hf_import.h"
+#include "train/token_file.h"
 #include "train/trainer.h"
 #if MOETRAIN_HAS_CUDA
 #include "ops/cuda/device.h"
@@ -194,6 +198,33 @@ int run_train(const ConfigArgs& a, mt::RunOptions opt) {
   return 0;
 }
 
+// eval: the mean loss over every counted target of a token file, from a checkpoint or an HF
+// directory; one JSON line last.
+int run_eval(const ConfigArgs& a, const std::string& resume, const std::string& init_from,
+             const std::string& data) {
+  if (resume.empty() == init_from.empty())
+    throw mt::ConfigError("eval: give one of --resume CKPT or --init-from HF_DIR");
+  const Ranks r = prepare_ranks(a, init_from);
+  check_memory(r.config);
+  const mt::TokenDocuments docs = mt::read_token_file(data, r.config.model.vocab_size);
+  on_ranks(r, [&](mt::dist::Communicator* world) {
+    mt::Trainer trainer(r.config, world);
+    if (!resume.empty()) trainer.resume(resume);
+    if (!init_from.empty()) mt::load_hf_weights(init_from, trainer.model());
+    const mt::EvalResult e = mt::evaluate_tokens(trainer.model(), docs, r.config.train.batch_rows,
+                                                 r.config.train.seq_len, world);
+    if (!world || world->rank() == 0) {
+      nlohmann::ordered_json j{{"eval", data},
+                               {"from", resume.empty() ? init_from : resume},
+                               {"loss", e.mean()},
+                               {"tokens", e.tokens}};
+      std::printf("%s\n", j.dump().c_str());
+      std::fflush(stdout);
+    }
+  });
+  return 0;
+}
+
 // export-hf: the checkpoint's parameters as a Hugging Face directory (train/hf_export.h), from
 // as many ranks as wrote it.
 int run_export_hf(const ConfigArgs& a, const std::string& resume, const std::string& out,
@@ -262,6 +293,13 @@ int main(int argc, char** argv) {
   export_hf->add_option("--resume", export_resume, "checkpoint file or directory")->required();
   export_hf->add_option("--out", export_out, "the directory to write")->required();
   export_hf->add_option("--dtype", export_dtype, "bf16 (default) or f32");
+  ConfigArgs eval_cfg;
+  std::string eval_resume, eval_init, eval_data;
+  CLI::App* eval = app.add_subcommand("eval", "the mean loss over a token file (forward only)");
+  add_config_options(eval, eval_cfg);
+  eval->add_option("--resume", eval_resume, "checkpoint file or directory");
+  eval->add_option("--init-from", eval_init, "a Hugging Face Qwen3-MoE directory");
+  eval->add_option("--data", eval_data, "token file (docs/data_format.md)")->required();
   CLI::App* flops = app.add_subcommand("flops", "parameter counts and FLOPs per token");
   add_config_options(flops, flops_cfg);
   try {
@@ -278,6 +316,7 @@ int main(int argc, char** argv) {
       return run_train(train_cfg, run_opt);
     }
     if (*launch) return mt::dist::launch_local(launch_opt);
+    if (*eval) return run_eval(eval_cfg, eval_resume, eval_init, eval_data);
     if (*export_hf) return run_export_hf(export_cfg, export_resume, export_out, export_dtype);
     if (*flops) return run_flops(flops_cfg);
   } catch (const mt::Error& e) {

@@ -183,6 +183,8 @@ const std::vector<Field>& fields() {
       member("data", "seed", &Config::data, &D::seed),
       member("checkpoint", "dir", &Config::checkpoint, &CheckpointConfig::dir),
       member("checkpoint", "every", &Config::checkpoint, &CheckpointConfig::every),
+      member("eval", "data", &Config::eval, &EvalConfig::data),
+      member("eval", "every", &Config::eval, &EvalConfig::every),
       member("parallel", "world", &Config::parallel, &ParallelConfig::world),
       member("parallel", "ep", &Config::parallel, &ParallelConfig::ep),
       member("parallel", "ep_exchange_ctas", &Config::parallel, &ParallelConfig::ep_exchange_ctas),
@@ -235,13 +237,14 @@ Value read_value(const toml::node& node, const Field& f) {
 }
 
 void apply_table(const toml::table& root, Config& c) {
-  static const char* kSections[] = {"model", "train", "data", "parallel", "checkpoint", "hardware"};
+  static const char* kSections[] = {"model",      "train", "data",    "parallel",
+                                    "checkpoint", "eval",  "hardware"};
   for (const auto& [k, node] : root) {
     const std::string section(k.str());
     if (std::find(std::begin(kSections), std::end(kSections), section) == std::end(kSections))
       throw ConfigError(fmt::format(
           "config: unknown section [{}] (valid: {})", section,
-          quoted_list({"model", "train", "data", "parallel", "checkpoint", "hardware"})));
+          quoted_list({"model", "train", "data", "parallel", "checkpoint", "eval", "hardware"})));
     if (!node.is_table())
       throw ConfigError(fmt::format("config: {} must be a table [{}]", section, section));
     const toml::table& t = *node.as_table();
@@ -348,6 +351,10 @@ void validate_config(const Config& c) {
     throw ConfigError(fmt::format("config: parallel.ep_exchange_ctas = {} must be in [1, 1024]",
                                   p.ep_exchange_ctas));
   if (c.checkpoint.every < 0) throw ConfigError("config: checkpoint.every must be >= 0");
+  if (c.eval.every < 0)
+    throw ConfigError(fmt::format("config: eval.every = {} must be >= 0", c.eval.every));
+  if (c.eval.every > 0 && c.eval.data.empty())
+    throw ConfigError("config: eval.every > 0 needs eval.data (a token file)");
   const std::string& dev = c.hardware.device;
   if (dev != "auto" && dev != "cpu" && dev != "cuda")
     throw ConfigError(

@@ -46,6 +46,13 @@ struct CheckpointConfig {
   int64_t every = 0;  // steps between checkpoints; 0: only at the end
 };
 
+// Validation during training: every `every` steps (0: never), the loss over every token of the
+// token file `data` (train/evaluate.h).
+struct EvalConfig {
+  std::string data;
+  int64_t every = 0;
+};
+
 struct HardwareConfig {
   std::string device = "auto";  // auto (the CLI picks the GPU when it can) | cpu | cuda
   double peak_tflops = 0;       // for MFU; 0: estimate for the device
@@ -72,6 +79,7 @@ struct Config {
   TrainConfig train;
   DataConfig data;
   CheckpointConfig checkpoint;
+  EvalConfig eval;
   HardwareConfig hardware;
   std::string source;  // where it came from, for logs
 };

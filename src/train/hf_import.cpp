@@ -121,12 +121,14 @@ Tensor hf_value(const ParamSpec& s, const ModelConfig& c, Source& src) {
   if (what == "mlp_norm") return src.take(p + "post_attention_layernorm.weight", {d});
   if (what == "attn.q_norm") return src.take(p + "self_attn.q_norm.weight", {c.head_dim});
   if (what == "attn.k_norm") return src.take(p + "self_attn.k_norm.weight", {c.head_dim});
-  if (what == "attn.wq") return transposed_f64(src.take(p + "self_attn.q_proj.weight", {c.q_dim(), d}));
+  if (what == "attn.wq")
+    return transposed_f64(src.take(p + "self_attn.q_proj.weight", {c.q_dim(), d}));
   if (what == "attn.wk")
     return transposed_f64(src.take(p + "self_attn.k_proj.weight", {c.kv_dim(), d}));
   if (what == "attn.wv")
     return transposed_f64(src.take(p + "self_attn.v_proj.weight", {c.kv_dim(), d}));
-  if (what == "attn.wo") return transposed_f64(src.take(p + "self_attn.o_proj.weight", {d, c.q_dim()}));
+  if (what == "attn.wo")
+    return transposed_f64(src.take(p + "self_attn.o_proj.weight", {d, c.q_dim()}));
   if (what == "moe.router") return transposed_f64(src.take(p + "mlp.gate.weight", {e, d}));
   const bool gate_up = what == "moe.w_gate_up";
   MT_CHECK(gate_up || what == "moe.w_down", "parameter {} has no HF name", s.name);
@@ -138,8 +140,8 @@ Tensor hf_value(const ParamSpec& s, const ModelConfig& c, Source& src) {
   if (src.has(merged)) {  // transformers 5: [E, 2F, D] and [E, D, F], each expert (out, in)
     const Tensor all = src.take(merged, gate_up ? Shape{e, 2 * f, d} : Shape{e, d, f});
     for (int64_t x = 0; x < local; ++x) {
-      const Tensor one =
-          transposed_f64(all.view((first + x) * per, gate_up ? Shape{2 * f, d} : Shape{d, f}).clone());
+      const Tensor one = transposed_f64(
+          all.view((first + x) * per, gate_up ? Shape{2 * f, d} : Shape{d, f}).clone());
       std::copy(one.data<double>(), one.data<double>() + per, o + x * per);
     }
     return out;

@@ -17,6 +17,7 @@
 #include "core/profile.h"
 #include "model/flops.h"
 #include "train/checkpoint.h"
+#include "train/evaluate.h"
 #include "train/hf_import.h"
 #if MOETRAIN_HAS_CUDA
 #include "ops/cuda/device.h"
@@ -103,6 +104,8 @@ Trainer::Trainer(const Config& c, dist::Communicator* world) : cfg_(c), world_(w
         "CUDA graphs: the optimizer step only; the training passes run eagerly with "
         "parallel.ep_exchange = \"host\" (the expert exchange reads its row counts on the host)");
   data_ = make_data_loader(c);
+  if (c.eval.every > 0)
+    eval_docs_ = std::make_unique<TokenDocuments>(read_token_file(c.eval.data, c.model.vocab_size));
   stats_ = data_->stats(c.train.seq_len);
   flops_per_token_ = train_flops_per_token(c.model, c.train.seq_len);
   // In-process CPU ranks share one host: each rank's share of the host's peak. A GPU without
@@ -327,7 +330,14 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
   std::vector<StepMetrics> all;
   bool first_line = true;
   while (step_ < last) {
-    const StepMetrics m = train_step();
+    StepMetrics m = train_step();
+    if (eval_docs_ && (m.step % cfg_.eval.every == 0 || m.step == last)) {
+      const EvalResult e = evaluate_tokens(*model_, *eval_docs_, t.batch_rows, t.seq_len, world_);
+      m.eval_loss = e.mean();
+      if (is_rank0())
+        log::info("eval at step {}: loss {:.4f} over {} tokens of '{}'", m.step, m.eval_loss,
+                  e.tokens, cfg_.eval.data);
+    }
     all.push_back(m);
     maybe_inject_fault(world_ ? world_->rank() : 0, m.step, FaultPoint::kAfterStep);
     if (metrics.is_open()) {
@@ -340,6 +350,7 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
                                {"mfu", m.mfu},
                                {"peak_bytes", m.peak_bytes}};
       if (cfg_.parallel.ep > 1) j["exchange_ms"] = m.exchange_ms;
+      if (!std::isnan(m.eval_loss)) j["eval_loss"] = m.eval_loss;
       if (first_line) {
         j["loss_floor"] = finite_or_null(stats_.loss_floor);
         j["unigram_entropy"] = finite_or_null(stats_.unigram_entropy);

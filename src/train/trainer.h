@@ -1,6 +1,7 @@
 // The training loop: micro-batches -> forward/backward -> clip -> AdamW -> router bias update ->
 // metrics -> checkpoints.
 #pragma once
+#include <limits>
 #include <memory>
 #include <optional>
 #include <string>
@@ -10,6 +11,7 @@
 #include "train/config.h"
 #include "train/data_loader.h"
 #include "train/optimizer.h"
+#include "train/token_file.h"
 
 namespace mt {
 
@@ -25,6 +27,8 @@ struct StepMetrics {
   // Device time in expert-parallel dispatch and combine (count exchange, row all-to-alls,
   // regrouping), forward and backward; 0 without expert parallelism.
   double exchange_ms = 0;
+  // Validation loss over eval.data after this step (eval.every); NaN when not evaluated.
+  double eval_loss = std::numeric_limits<double>::quiet_NaN();
 };
 
 // What a new run does with a checkpoint.dir that already holds checkpoints (a `latest`):
@@ -65,6 +69,7 @@ class Trainer {
   Batch next_local_batch();
   void reserve_exchange(const Config& c);
   void draw_run_id();
+  std::unique_ptr<TokenDocuments> eval_docs_;  // eval.data, when eval.every > 0
 
   Config cfg_;
   dist::Communicator* world_ = nullptr;
