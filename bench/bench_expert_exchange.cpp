@@ -55,8 +55,10 @@ void run(int rank, int world, mt::dist::Communicator& boot, mt::dist::Communicat
   const Tensor x = mt::bench::random_bf16({kTokens, kDim}, 3 + rank, 1.0);
   Tensor y = Tensor::empty({kTokens, kDim}, DType::kBF16, Device::kCUDA);
   std::string why;
+  const char* ctas_env = std::getenv("BENCH_CTAS");  // the exchange kernel's blocks
+  const int ctas = ctas_env ? std::atoi(ctas_env) : 32;
   const size_t reserved =
-      ep.reserve_scatter(static_cast<size_t>(world * kTokens * kDim * 2), 32, &why);
+      ep.reserve_scatter(static_cast<size_t>(world * kTokens * kDim * 2), ctas, &why);
 
   // Rows crossing to other GPUs per rank and direction, deduplicated and per choice.
   const int64_t local = kExperts / world;
@@ -82,10 +84,10 @@ void run(int rank, int world, mt::dist::Communicator& boot, mt::dist::Communicat
     std::printf(
         "{\"bench\":\"expert_exchange\",\"what\":\"%s\",\"gpus\":%d,\"tokens_per_rank\":%lld,"
         "\"top_k\":%lld,\"experts\":%lld,\"dim\":%lld,\"wire\":\"%s\",\"ms\":%.3f,"
-        "\"rows_crossing\":%lld,\"gb_s_out\":%.1f,\"nvlink_gb_s\":450}\n",
+        "\"rows_crossing\":%lld,\"gb_s_out\":%.1f,\"nvlink_gb_s\":450,\"ctas\":%d}\n",
         what, world, static_cast<long long>(kTokens), static_cast<long long>(kTopK),
         static_cast<long long>(kExperts), static_cast<long long>(kDim), wire, ms,
-        static_cast<long long>(rows), gb / (ms * 1e-3));
+        static_cast<long long>(rows), gb / (ms * 1e-3), ctas);
     std::fflush(stdout);
   };
 

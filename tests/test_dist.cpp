@@ -1,7 +1,9 @@
 // Distributed training on in-process ranks: the collectives, the mesh, the expert exchange, and
 // the proof that any (world, ep) reproduces the single-rank loss, gradients and parameters.
 #include <gtest/gtest.h>
+#include <netinet/in.h>
 #include <signal.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -790,6 +792,43 @@ TEST(SocketBackend, RendezvousNamesTheRanksThatNeverArrived) {
             std::string::npos)
       << p.output;
   EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(30));
+}
+
+// A master whose SYNs are dropped: a listening socket on this host whose accept queue is full
+// (Linux then drops new SYNs, as a firewall would). The rank gives up at MOETRAIN_TIMEOUT_S,
+// naming the address, instead of waiting out the kernel's own connect retries (134 s with a 10 s
+// timeout, issue 17).
+TEST(SocketBackend, AMasterThatDropsSynsFailsAtTheDeadline) {
+  const int listener = ::socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in addr{};
+  addr.sin_family = AF_INET;
+  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(addr);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(listener, 0), 0);
+  ASSERT_EQ(::getsockname(listener, reinterpret_cast<sockaddr*>(&addr), &len), 0);
+  std::vector<int> fillers;  // never accepted: they fill the queue
+  for (int i = 0; i < 4; ++i) {
+    const int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+    (void)::connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+    fillers.push_back(fd);
+  }
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));
+  const int port = ntohs(addr.sin_port);
+  const auto start = std::chrono::steady_clock::now();
+  const Proc p =
+      run_cmd("WORLD_SIZE=2 RANK=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
+              " MOETRAIN_TIMEOUT_S=3 timeout 60 " + std::string(MOETRAIN_BINARY) +
+              " train --config " + MOETRAIN_SOURCE_DIR + "/configs/tiny.toml --steps 1");
+  EXPECT_NE(p.code, 0);
+  EXPECT_NE(p.code, 124) << "hung";
+  EXPECT_NE(p.output.find("rank 1: cannot reach rank 0 at 127.0.0.1:" + std::to_string(port) +
+                          " within 3 s"),
+            std::string::npos)
+      << p.output;
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(15));
+  for (int fd : fillers) ::close(fd);
+  ::close(listener);
 }
 
 TEST(SocketBackend, TheSurvivorsNameTheDeadRank) {

@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <random>
 #include <thread>
 
 #include "core/error.h"
@@ -20,18 +21,26 @@ namespace mt::dist {
 
 namespace {
 
+// A port for the rendezvous hub, below Linux's ephemeral range (32768-60999 by default): a port
+// the kernel handed out may be taken again, between this check and rank 0's bind, by any
+// outgoing connection (NCCL opens many), and rank 0 then fails with "address in use". Ports
+// tried from a random start (two launches at once pick different ones); bind checks each.
 int free_port() {
-  const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in addr{};
-  addr.sin_family = AF_INET;
-  addr.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  addr.sin_port = 0;
-  socklen_t len = sizeof(addr);
-  if (fd < 0 || ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
-      ::getsockname(fd, reinterpret_cast<sockaddr*>(&addr), &len) != 0)
-    throw Error(ExitCode::kInternal, "launch: cannot find a free port");
-  ::close(fd);
-  return ntohs(addr.sin_port);
+  std::random_device rd;
+  const int first = 20000, count = 12000, start = static_cast<int>(rd() % count);
+  for (int i = 0; i < count; ++i) {
+    const int port = first + (start + i) % count;
+    const int fd = ::socket(AF_INET, SOCK_STREAM, 0);
+    if (fd < 0) break;
+    sockaddr_in addr{};
+    addr.sin_family = AF_INET;
+    addr.sin_addr.s_addr = htonl(INADDR_ANY);
+    addr.sin_port = htons(static_cast<uint16_t>(port));
+    const bool ok = ::bind(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) == 0;
+    ::close(fd);
+    if (ok) return port;
+  }
+  throw Error(ExitCode::kInternal, "launch: cannot find a free port in [20000, 32000)");
 }
 
 std::string describe(int status) {

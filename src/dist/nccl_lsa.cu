@@ -6,8 +6,9 @@ namespace mt::dist {
 
 namespace {
 
-// One CTA per LSA barrier; CTA b moves rows b, b + grid, ... Rows travel as U units (16 bytes
-// when row_bytes allows, else 4 or 1).
+// One CTA per LSA barrier; each warp moves whole rows (rows w, w + warps, ... for warp w of the
+// grid), its lanes striding over the row's U units (16 bytes when row_bytes allows, else 4 or 1):
+// many rows in flight at once, each store a coalesced warp-wide write over NVLink.
 template <class U>
 __global__ void lsa_scatter_kernel(ncclDevComm comm, ncclWindow_t window, const U* send, int64_t n,
                                    int64_t units, const int32_t* slot, int64_t capacity) {
@@ -15,14 +16,16 @@ __global__ void lsa_scatter_kernel(ncclDevComm comm, ncclWindow_t window, const 
                                              comm.lsaBarrier, blockIdx.x};
   barrier.sync(ncclCoopCta(), cuda::memory_order_acq_rel);  // every peer is done with its buffer
   const int ranks = comm.nRanks;
-  for (int64_t t = blockIdx.x; t < n; t += gridDim.x)
+  const int lane = threadIdx.x % 32;
+  const int64_t warps = int64_t{gridDim.x} * (blockDim.x / 32);
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x / 32} + threadIdx.x / 32; t < n; t += warps)
     for (int p = 0; p < ranks; ++p) {
       const int32_t s = slot[t * ranks + p];
       if (s < 0) continue;
       const size_t row = static_cast<size_t>(comm.rank) * capacity + s;
       U* dst = static_cast<U*>(ncclGetLsaPointer(window, row * units * sizeof(U), p));
       const U* src = send + t * units;
-      for (int64_t c = threadIdx.x; c < units; c += blockDim.x) dst[c] = src[c];
+      for (int64_t c = lane; c < units; c += 32) dst[c] = src[c];
     }
   barrier.sync(ncclCoopCta(), cuda::memory_order_acq_rel);  // every row has landed
 }

@@ -76,7 +76,10 @@ std::string open_safetensors(const std::string& path, std::ifstream& in, uint64_
                              uint64_t& hlen) {
   in.open(path, std::ios::binary);
   if (!in) throw CheckpointError(fmt::format("checkpoint: cannot open '{}'", path));
-  size = std::filesystem::file_size(path);
+  std::error_code ec;
+  size = std::filesystem::is_regular_file(path, ec) ? std::filesystem::file_size(path, ec) : 0;
+  if (ec || !std::filesystem::is_regular_file(path, ec))
+    throw CheckpointError(fmt::format("checkpoint: '{}' is not a regular file", path));
   if (size < 8 || !in.read(reinterpret_cast<char*>(&hlen), 8) || hlen > size - 8)
     throw CheckpointError(fmt::format("checkpoint: '{}' is truncated or not safetensors", path));
   std::string h(hlen, '\0');

@@ -70,7 +70,7 @@ struct ParallelConfig {
   int64_t world = 1;
   int64_t ep = 1;
   // Thread blocks of the expert exchange's device kernels (each one an SM while it runs).
-  int64_t ep_exchange_ctas = 32;
+  int64_t ep_exchange_ctas = 132;
 };
 
 struct Config {

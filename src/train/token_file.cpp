@@ -27,7 +27,12 @@ T read_le(const char* p) {
 TokenDocuments read_token_file(const std::string& path, int64_t vocab_size) {
   std::ifstream in(path, std::ios::binary);
   if (!in) throw DataError(fmt::format("data: cannot open token file '{}'", path));
-  const uint64_t size = std::filesystem::file_size(path);
+  std::error_code ec;
+  const uint64_t size = std::filesystem::is_regular_file(path, ec)
+                            ? std::filesystem::file_size(path, ec)
+                            : static_cast<uint64_t>(-1);
+  if (ec || size == static_cast<uint64_t>(-1))
+    throw DataError(fmt::format("data: '{}' is not a regular file", path));
   if (size < kHeaderBytes)
     throw DataError(fmt::format("data: '{}' is truncated: {} bytes, the header alone is {}", path,
                                 size, kHeaderBytes));
