@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
+#include <algorithm>
 #include <cstdio>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -122,18 +123,37 @@ void check_memory(const mt::Config& c) {
           : 1.0;
   double activations = mt::activation_bytes(m, c.train.batch_rows * c.train.seq_len, rows_factor);
   if (c.hardware.device != "cuda") activations *= world;  // CPU ranks share the host
-  const double need = states + activations;
+  // Workspaces on the GPU: the bf16 compute copies (every unit's on one rank, where they persist;
+  // a unit and the prefetched next one when sharded), the expert exchange's receive buffer, and
+  // 1 GiB for the libraries (cuBLASLt, cuDNN, NCCL).
+  double workspaces = 0;
+  if (c.hardware.device == "cuda") {
+    const mt::ModelConfig& mc = c.model;
+    const double layer = static_cast<double>(mc.dim * mc.q_dim() * 2 + mc.dim * mc.kv_dim() * 2 +
+                                             mc.dim * mc.n_experts) +
+                         static_cast<double>(mc.n_experts) *
+                             static_cast<double>(3 * mc.dim * mc.moe_dim) /
+                             static_cast<double>(c.parallel.ep);
+    const double table = static_cast<double>(mc.vocab_size * mc.dim);
+    workspaces = (world > 1 ? 2 * std::max(layer, table) : params) * 2 + double{1 << 30};
+    if (c.parallel.ep > 1 && mc.ep_exchange == mt::moe::ExchangeMode::kDeviceCounts)
+      workspaces +=
+          static_cast<double>(c.parallel.ep * c.train.batch_rows * c.train.seq_len * mc.dim * 2);
+  }
+  const double need = states + activations + workspaces;
   if (have > 0 && need > have)
     throw mt::ConfigError(fmt::format(
         "config: this run needs at least {:.1f} GiB on the {} ({:.3g} parameters' weights, "
         "gradients and AdamW moments {:.1f} GiB; activations of {} tokens per micro-batch with "
-        "model.checkpoint = \"{}\" {:.1f} GiB), more than its {:.1f} GiB. Less: "
+        "model.checkpoint = \"{}\" {:.1f} GiB; workspaces {:.1f} GiB), more than its {:.1f} "
+        "GiB. Less: "
         "model.checkpoint = \"selective\" or \"full\", fewer tokens per micro-batch "
         "(train.batch_rows, train.seq_len), model.loss_chunk_tokens, fewer layers "
         "(model.n_layers) or experts (model.n_experts), a smaller model.dim, model.moe_dim or "
         "model.vocab_size, or more ranks (parallel.world)",
         need / (1 << 30), where, params, states / (1 << 30), c.train.batch_rows * c.train.seq_len,
-        mt::policy_name(c.model.checkpoint), activations / (1 << 30), have / (1 << 30)));
+        mt::policy_name(c.model.checkpoint), activations / (1 << 30), workspaces / (1 << 30),
+        have / (1 << 30)));
 }
 
 // The config with the launch's world and the device chosen, and the ranks to run `fn` on: one

@@ -54,7 +54,7 @@ double activation_bytes(const ModelConfig& c, int64_t tokens, double expert_rows
     total += n * (attention + router + experts);  // the block being recomputed
   const double chunk =
       c.loss_chunk_tokens > 0 ? std::min(n, static_cast<double>(c.loss_chunk_tokens)) : n;
-  total += 2 * chunk * static_cast<double>(c.vocab_size) * stat;  // logits and their gradient
+  total += chunk * static_cast<double>(c.vocab_size) * stat;  // the logits (counted once)
   return total;
 }
 

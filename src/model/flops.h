@@ -19,8 +19,8 @@ double train_flops_per_token(const ModelConfig& c, int64_t seq_len);
 // A lower bound of the activations one training pass of `tokens` tokens keeps on one rank, in
 // bytes, under the model's checkpoint policy (block.h says what each policy keeps): the large
 // tensors only (per layer, the attention projections and the expert rows, gate/up products and
-// SwiGLU outputs, the router's f32 logits and scores), plus the LM head's logits and their
-// gradient for one chunk of model.loss_chunk_tokens. `expert_rows_factor` scales the expert
+// SwiGLU outputs, the router's f32 logits and scores), plus the LM head's logits for one chunk of
+// model.loss_chunk_tokens. `expert_rows_factor` scales the expert
 // rows a rank holds (1 without expert parallelism; the device exchange's buffers hold ep times
 // the balanced share).
 double activation_bytes(const ModelConfig& c, int64_t tokens, double expert_rows_factor = 1.0);
