@@ -158,6 +158,9 @@ TEST(Cli, HostileConfigsExitWithCode2NamingTheValue) {
       {t + "model.n_heads=4611686018427387904", "model.n_heads x model.head_dim"},
       {t + "model.vocab_size=2147483647", "weights, gradients and AdamW moments"},  // bad_alloc
       {t + "model.n_layers=1000000000", "model.n_layers x (experts"},
+      {t + "train.seq_len=4611686018427387904", "tokens per micro-batch exceeds 2147483647"},
+      {t + "train.batch_rows=4611686018427387904", "tokens per micro-batch exceeds 2147483647"},
+      {t + "train.grad_accum=1099511627776", "exceeds 1048576 micro-batches per step"},
       {t + "hardware.threads=100000", "hardware.threads = 100000"},          // aborted
       {t + "hardware.threads=4294967297", "hardware.threads = 4294967297"},  // became 1
       {t + "parallel.world=100000", "parallel.world = 100000"},              // aborted

@@ -308,6 +308,17 @@ void validate_config(const Config& c) {
   positive("batch_rows", t.batch_rows);
   positive("grad_accum", t.grad_accum);
   positive("log_every", t.log_every);
+  // A micro-batch's tokens are indexed in 32 bits (positions, document bounds); a step holds at
+  // most 2^20 micro-batches. Products in long double: no overflow on the way.
+  const long double micro = static_cast<long double>(t.batch_rows) * t.seq_len;
+  if (micro > static_cast<long double>(std::numeric_limits<int32_t>::max()))
+    throw ConfigError(fmt::format(
+        "config: train.batch_rows x train.seq_len = {} x {} tokens per micro-batch exceeds "
+        "2147483647 (token indices are 32-bit); use fewer rows or shorter sequences",
+        t.batch_rows, t.seq_len));
+  if (t.grad_accum > (int64_t{1} << 20))
+    throw ConfigError(fmt::format(
+        "config: train.grad_accum = {} exceeds 1048576 micro-batches per step", t.grad_accum));
   if (!(t.lr > 0)) throw ConfigError(fmt::format("config: train.lr = {} must be > 0", t.lr));
   if (t.warmup_steps < 0) throw ConfigError("config: train.warmup_steps must be >= 0");
   if (t.min_lr_ratio < 0 || t.min_lr_ratio > 1)
