@@ -161,6 +161,13 @@ TEST(Cli, HostileConfigsExitWithCode2NamingTheValue) {
       {t + "train.seq_len=4611686018427387904", "tokens per micro-batch exceeds 2147483647"},
       {t + "train.batch_rows=4611686018427387904", "tokens per micro-batch exceeds 2147483647"},
       {t + "train.grad_accum=1099511627776", "exceeds 1048576 micro-batches per step"},
+      {t + "model.routing=random", "model.routing = \"random\" (valid: learned, balanced, skewed)"},
+      {t + "model.routing=skewed --set model.n_experts=4 --set model.top_k=4",
+       "needs model.n_experts >= 8"},
+      {t + "parallel.ep_exchange=nvshmem",
+       "parallel.ep_exchange = \"nvshmem\" (valid: device, host)"},
+      {t + "parallel.ep_exchange_ctas=0", "parallel.ep_exchange_ctas = 0 must be in [1, 1024]"},
+      {t + "eval.every=-1", "eval.every = -1 must be >= 0"},
       {t + "hardware.threads=100000", "hardware.threads = 100000"},          // aborted
       {t + "hardware.threads=4294967297", "hardware.threads = 4294967297"},  // became 1
       {t + "parallel.world=100000", "parallel.world = 100000"},              // aborted

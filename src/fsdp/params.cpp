@@ -1,5 +1,7 @@
 #include "fsdp/params.h"
 
+#include <algorithm>
+
 #include "core/rng.h"
 #include "ops/dispatch.h"
 
@@ -58,6 +60,14 @@ void init_params(ParamGroup& g, uint64_t seed, double std) {
       for (int64_t j = 0; j < p.numel(); ++j) out[j] = T(std * rng.normal(base + j));
     });
   }
+}
+
+void write_spec_slice(Tensor& flat, int64_t flat_begin, const ParamSpec& s, const Tensor& value) {
+  const int64_t n = shape_numel(s.shape), end = flat_begin + flat.numel();
+  const int64_t lo = std::max(flat_begin, s.offset), hi = std::min(end, s.offset + n);
+  if (lo >= hi) return;
+  Tensor dst = flat.view(lo - flat_begin, {hi - lo});
+  dst.copy_from(value.view(lo - s.offset, {hi - lo}).to(flat.dtype()));
 }
 
 }  // namespace mt

@@ -81,5 +81,9 @@ void place_group(ParamGroup& g, Device device, DType compute_dtype);
 // The values depend on nothing but the seed, the name and the element's index in the full
 // parameter (not on order, sharding or expert parallelism).
 void init_params(ParamGroup& g, uint64_t seed, double std);
+// Writes `value` (spec s's whole tensor as this rank holds it, any dtype) into the part of `flat`
+// this rank has: flat holds elements [flat_begin, flat_begin + flat.numel()) of the group's
+// buffer (its shard and shard_begin(), or all of it unsharded), in flat's dtype.
+void write_spec_slice(Tensor& flat, int64_t flat_begin, const ParamSpec& s, const Tensor& value);
 
 }  // namespace mt

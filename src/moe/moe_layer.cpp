@@ -30,10 +30,6 @@ ops::SwigluRows swiglu_rows(const MoeActivations& a) {
   return {padding_marks(a), &a.row_weight};
 }
 
-ops::ExpertRows expert_rows(const MoeActivations& a) {
-  return a.perm.expert_rows();
-}
-
 // The tokens the experts here take their rows from, and their routing weights (N, k): this
 // rank's own, or with EP the ones received.
 const Tensor& tokens_here(const MoeActivations& a, const Tensor& hn) {
@@ -102,7 +98,8 @@ void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, co
   const int64_t r = a.xe.dim(0);
   if (!a.gate_up.defined()) {
     a.gate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
-    ops::expert_gemm_forward(a.xe, w.w_gate_up, expert_rows(a), c.expert_precision, a.gate_up);
+    ops::expert_gemm_forward(a.xe, w.w_gate_up, a.perm.expert_rows(), c.expert_precision,
+                             a.gate_up);
   }
   if (!a.act.defined()) {
     a.act = Tensor::empty({r, c.moe_dim}, dt, dev);
@@ -113,7 +110,7 @@ void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, co
 void moe_combine(const MoeWeights& w, const MoeConfig& c, const MoeActivations& a, Tensor& out,
                  const Tensor* residual) {
   Tensor ye = Tensor::empty({a.act.dim(0), c.dim}, a.act.dtype(), a.act.device());
-  ops::expert_gemm_forward(a.act, w.w_down, expert_rows(a), c.expert_precision, ye);
+  ops::expert_gemm_forward(a.act, w.w_down, a.perm.expert_rows(), c.expert_precision, ye);
   if (!a.exchange) return ops::combine_forward(ye, a.perm, out, residual);
   // Each received token's expert outputs summed here, then one row back per (token, rank).
   Tensor partial = Tensor::empty({a.xr.dim(0), c.dim}, ye.dtype(), ye.device());
@@ -127,7 +124,7 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
   const int64_t n = hn.dim(0), r = a.xe.dim(0), here = tokens_here(a, hn).dim(0);
   const DType dt = hn.dtype();
   const Device dev = hn.device();
-  const ops::ExpertRows rows = expert_rows(a);
+  const ops::ExpertRows rows = a.perm.expert_rows();
   // The combine's backward: every expert row receives its token's gradient (the routing weights
   // are in the rows' activations).
   const Tensor dy_here = a.exchange ? a.exchange->dispatch(dout, c.expert_precision) : dout;

@@ -293,16 +293,6 @@ namespace {
 // files name them ("" for the parameters).
 constexpr std::array<const char*, 3> kStates = {"", "optim.exp_avg.", "optim.exp_avg_sq."};
 
-// Writes `value` (a spec's whole tensor as this rank holds it) into the part of `flat` this rank
-// has: flat holds elements [flat_begin, flat_begin + flat.numel()) of the group's buffer.
-void write_spec(Tensor& flat, int64_t flat_begin, const ParamSpec& s, const Tensor& value) {
-  const int64_t n = shape_numel(s.shape), end = flat_begin + flat.numel();
-  const int64_t lo = std::max(flat_begin, s.offset), hi = std::min(end, s.offset + n);
-  if (lo >= hi) return;
-  Tensor dst = flat.view(lo - flat_begin, {hi - lo});
-  dst.copy_from(value.view(lo - s.offset, {hi - lo}).to(flat.dtype()));
-}
-
 // Every rank file of a checkpoint written by `world` ranks (one file when world is 1), checked
 // to be one checkpoint: the same step and run, each file its rank's.
 std::vector<SafetensorsFile> read_all_ranks(const std::string& path, int64_t* world, int64_t* ep) {
@@ -472,7 +462,7 @@ TrainState load_resharded(const std::string& path, Qwen3Moe& model, AdamW& opt) 
       }
       ++group_index;
     }
-  for (const Write& w : writes) write_spec(*w.flat, w.begin, *w.spec, w.value);
+  for (const Write& w : writes) write_spec_slice(*w.flat, w.begin, *w.spec, w.value);
   for (size_t l = 0; l < model.router_biases().size(); ++l) {
     Tensor& b = model.router_biases()[l];
     b.copy_from(file_tensor(files, 0, fmt::format("buffers.layers.{}.router_bias", l), path));

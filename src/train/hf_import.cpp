@@ -231,16 +231,8 @@ void load_hf_weights(const std::string& dir, Qwen3Moe& model) {
   const std::map<std::string, Tensor> values = hf_to_moetrain(read_hf_tensors(dir), model, dir);
   for (ParamUnit& u : model.units())
     for (ParamGroup& g : u.groups) {
-      for (const ParamSpec& s : g.specs) {
-        // This rank's part of the spec: the overlap of [offset, offset + n) with its shard.
-        const int64_t n = shape_numel(s.shape), begin = g.shard_begin(),
-                      end = begin + g.shard.numel();
-        const int64_t lo = std::max(begin, s.offset), hi = std::min(end, s.offset + n);
-        if (lo >= hi) continue;
-        const Tensor part = values.at(s.name).view(lo - s.offset, {hi - lo}).to(g.shard.dtype());
-        Tensor dst = g.shard.view(lo - begin, {hi - lo});
-        dst.copy_from(part);
-      }
+      for (const ParamSpec& s : g.specs)
+        write_spec_slice(g.shard, g.shard_begin(), s, values.at(s.name));
       g.compute = Tensor();  // the compute copy is cast again at the next gather
     }
 }
