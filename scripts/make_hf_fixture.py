@@ -8,11 +8,16 @@ parameter's gradient of that loss ("grad.<transformers name>", as the module hol
 random models, not default shapes: head_dim differs from hidden / heads; cases for
 norm_topk_prob false, tied embeddings, and the experts saved merged (transformers 5's in-memory
 gate_up_proj [E, 2F, D] / down_proj [E, D, F]) instead of per expert. The load-balancing loss is
-left out (output_router_logits off): transformers sums its statistics over all layers, moetrain
-per layer (docs/hf.md).
+left out there (output_router_logits off).
+
+reference_aux.safetensors holds the same batch with transformers' load-balancing loss on
+(output_router_logits, router_aux_loss_coef = AUX_COEF): "loss" (cross-entropy + coef x aux),
+"aux_loss" (transformers' load_balancing_loss_func over all layers at once) and every gradient;
+moetrain's model.aux_loss_form = "transformers" must match it. `--aux-only` adds these to
+existing fixtures (loading the saved models) without touching the other files.
 
 Run where transformers is installed (the GPU machine has 5.17 with torch 2.11; CPU is enough):
-    python3 scripts/make_hf_fixture.py tests/fixtures/hf_qwen3moe
+    python3 scripts/make_hf_fixture.py tests/fixtures/hf_qwen3moe [--aux-only]
 """
 import json
 import os
@@ -73,10 +78,40 @@ def make(case, out, seed):
                       "files": sorted(os.listdir(out))}))
 
 
+AUX_COEF = 0.05
+
+
+def make_aux(case, out):
+    """reference_aux.safetensors for the saved model of `case` and its reference batch."""
+    from safetensors.torch import load_file
+    model = Qwen3MoeForCausalLM.from_pretrained(out, torch_dtype=torch.float32)
+    model.config._attn_implementation = "eager"
+    model.config.output_router_logits = True
+    model.router_aux_loss_coef = AUX_COEF
+    model.config.router_aux_loss_coef = AUX_COEF
+    tokens = load_file(os.path.join(out, "reference.safetensors"))["tokens"].reshape(1, -1)
+    out_fw = model(input_ids=tokens, labels=tokens, output_router_logits=True)
+    assert out_fw.aux_loss is not None, "transformers computed no aux loss"
+    out_fw.loss.backward()
+    ref = {"loss": out_fw.loss.detach().float().reshape(1),
+           "aux_loss": out_fw.aux_loss.detach().float().reshape(1),
+           "aux_coef": torch.tensor([AUX_COEF], dtype=torch.float32)}
+    for name, p in model.named_parameters():
+        ref["grad." + name] = p.grad.detach().float().contiguous()
+    save_file(ref, os.path.join(out, "reference_aux.safetensors"),
+              metadata={"transformers": transformers.__version__, "torch": torch.__version__,
+                        "case": case})
+    print(json.dumps({"case": case, "aux": True, "loss": float(out_fw.loss),
+                      "aux_loss": float(out_fw.aux_loss)}))
+
+
 def main():
     root = sys.argv[1] if len(sys.argv) > 1 else "tests/fixtures/hf_qwen3moe"
+    aux_only = "--aux-only" in sys.argv
     for i, case in enumerate(CASES):
-        make(case, os.path.join(root, case), 1234 + i)
+        if not aux_only:
+            make(case, os.path.join(root, case), 1234 + i)
+        make_aux(case, os.path.join(root, case))
 
 
 if __name__ == "__main__":

@@ -9,9 +9,9 @@ one; documents without a mask then count every token.
 """
 import argparse
 import json
-import os
-import struct
 import sys
+
+from moetrain_tokens import TokenFileWriter
 
 
 def read_documents(path, vocab_size):
@@ -40,22 +40,9 @@ def read_documents(path, vocab_size):
 
 
 def write(out, docs, masks, any_mask):
-    offsets = [0]
-    for d in docs:
-        offsets.append(offsets[-1] + len(d))
-    tmp = out + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(b"MTTOKENS")
-        f.write(struct.pack("<IIQQ", 1, 1 if any_mask else 0, len(docs), offsets[-1]))
-        f.write(struct.pack(f"<{len(offsets)}Q", *offsets))
-        for d in docs:
-            f.write(struct.pack(f"<{len(d)}I", *d))
-        if any_mask:
-            for d, m in zip(docs, masks):
-                f.write(bytes(m if m is not None else [1] * len(d)))
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, out)  # atomic: readers see the old file or the whole new one
+    with TokenFileWriter(out, loss_mask=any_mask) as w:
+        for d, m in zip(docs, masks):
+            w.add(d, m)
 
 
 def main():

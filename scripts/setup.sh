@@ -47,6 +47,18 @@ install_headers() {  # name version target
 install_headers nvidia-cutlass "$CUTLASS_VERSION" .deps/cutlass
 install_headers nvidia-cudnn-frontend "$CUDNN_FRONTEND_VERSION" .deps/cudnn-frontend
 
+# Python packages of scripts/tokenize_data.py (Hugging Face tokenizers, chat templates), pinned,
+# into the git-ignored .deps/python, which the script puts on its path.
+PY_PACKAGES="tokenizers==0.23.3 jinja2==3.1.6 markupsafe==3.0.3"
+if [ ! -f .deps/python/.version ] || [ "$(cat .deps/python/.version)" != "$PY_PACKAGES" ]; then
+  echo "setup: pip install $PY_PACKAGES -> .deps/python"
+  rm -rf .deps/python
+  # tokenizers' huggingface_hub dependency serves from_pretrained downloads only: not installed.
+  "$PYTHON" -m pip install -q --no-deps --no-compile --target .deps/python $PY_PACKAGES \
+    || "$PYTHON" -m pip install -q --break-system-packages --no-deps --no-compile --target .deps/python $PY_PACKAGES
+  echo "$PY_PACKAGES" > .deps/python/.version
+fi
+
 [ "${SETUP_SKIP_BUILD:-0}" = 1 ] && exit 0
 BUILD_TYPE=${BUILD_TYPE:-Release}
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE="$BUILD_TYPE" >/dev/null

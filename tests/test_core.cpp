@@ -26,6 +26,41 @@ TEST(BF16, RoundsToNearestEven) {
   EXPECT_TRUE(std::isinf(from_bf16(to_bf16(INFINITY))));
 }
 
+TEST(F16, HandCheckedValues) {
+  EXPECT_EQ(to_f16(1.0f).bits, 0x3C00);
+  EXPECT_EQ(to_f16(-2.0f).bits, 0xC000);
+  EXPECT_EQ(to_f16(65504.0f).bits, 0x7BFF);             // max finite
+  EXPECT_EQ(to_f16(65519.0f).bits, 0x7BFF);             // below the halfway point to 2^16
+  EXPECT_EQ(to_f16(65520.0f).bits, 0x7C00);             // halfway: ties to even, which is infinity
+  EXPECT_EQ(to_f16(0x1p-24f).bits, 0x0001);             // least subnormal
+  EXPECT_EQ(to_f16(0x1p-25f).bits, 0x0000);             // halfway to it: ties to even (zero)
+  EXPECT_EQ(to_f16(0x1.8p-25f).bits, 0x0001);           // above halfway
+  EXPECT_EQ(to_f16(0x1p-14f).bits, 0x0400);             // least normal
+  EXPECT_EQ(to_f16(1.0f + 0x1p-11f).bits, 0x3C00);      // halfway 1 and 1 + 2^-10: even
+  EXPECT_EQ(to_f16(1.0f + 3 * 0x1p-11f).bits, 0x3C02);  // halfway, odd below: up
+  EXPECT_EQ(to_f16(2047.5f).bits, 0x6800);              // rounds up across the binade: 2048
+  EXPECT_EQ(from_f16(f16{0x0001}), 0x1p-24f);
+  EXPECT_EQ(from_f16(f16{0x7BFF}), 65504.0f);
+  EXPECT_TRUE(std::isinf(from_f16(f16{0xFC00})) && from_f16(f16{0xFC00}) < 0);
+  EXPECT_TRUE(std::isnan(from_f16(to_f16(NAN))));
+}
+
+TEST(F16, EveryValueRoundTripsAndEveryMidpointRoundsToEven) {
+  for (uint32_t b = 0; b < 0x10000; ++b) {
+    const f16 h{static_cast<uint16_t>(b)};
+    const float x = from_f16(h);
+    if (std::isnan(x)) continue;
+    ASSERT_EQ(to_f16(x).bits, h.bits) << std::hex << b;
+    // The midpoint to the next value up in magnitude (finite, below the largest) goes to the
+    // even one of the two.
+    if ((b & 0x7FFF) >= 0x7BFF) continue;
+    const float next = from_f16(f16{static_cast<uint16_t>(b + 1)});
+    const double mid = (static_cast<double>(x) + next) / 2;
+    ASSERT_EQ(static_cast<double>(static_cast<float>(mid)), mid);  // representable in fp32
+    ASSERT_EQ(to_f16(static_cast<float>(mid)).bits, (b & 1) ? b + 1 : b) << std::hex << b;
+  }
+}
+
 TEST(E4M3, HandCheckedValues) {
   EXPECT_EQ(to_e4m3(1.0f), 0x38);     // exponent 7 (bias 7), mantissa 0
   EXPECT_EQ(to_e4m3(448.0f), 0x7E);   // max finite

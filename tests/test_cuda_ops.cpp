@@ -201,6 +201,48 @@ void GpuCase::check_cross_entropy(int64_t n, int64_t v) {
   EXPECT_NEAR(gloss, loss, 1e-5 * std::abs(loss));
   expect_close(glse, lse, "cross-entropy lse");
   expect_close(gdl, dl, "cross-entropy dlogits");
+  // Per-token losses (f32 out) against the CPU's, poisoned first.
+  Tensor sum = Tensor::zeros({1}, DType::kF64), each = Tensor::empty({n}, DType::kF32);
+  ops::cross_entropy_forward(logits, targets, mask, lse, sum, &each);
+  Tensor gsum = Tensor::zeros({1}, DType::kF64, Device::kCUDA),
+         geach = Tensor::poisoned({n}, DType::kF32, Device::kCUDA);
+  ops::cross_entropy_forward(gl, gt, gm, glse, gsum, &geach);
+  expect_close(geach, each, "cross-entropy per-token loss");
+  EXPECT_NEAR(gsum.item(0), sum.item(0), 1e-5 * std::abs(sum.item(0)));
+}
+
+// Pooled router statistics on the GPU: the CPU's sums exactly (integer counts; one f32 add per
+// element, in the same order), into poisoned-free zeroed accumulators.
+TEST(GpuRouterAux, PooledStatisticsMatchTheCpu) {
+  const int64_t e = 128;
+  std::vector<ops::AuxStats> layers;
+  for (int l = 0; l < 3; ++l) {
+    ops::AuxStats s{Tensor::empty({e}, DType::kI64), Tensor::empty({e}, DType::kF32),
+                    Tensor::empty({1}, DType::kI64)};
+    const CounterRng rng{static_cast<uint64_t>(l), 11};
+    for (int64_t c = 0; c < e; ++c) {
+      s.tokens_per_expert.data<int64_t>()[c] = rng.below(2 * c, 5000);
+      s.score_sum.set_item(c, 100 * rng.uniform(2 * c + 1));
+    }
+    s.tokens.data<int64_t>()[0] = 4096;
+    layers.push_back(s);
+  }
+  ops::AuxStats cpu = ops::zero_aux_stats(layers[0]);
+  ops::AuxStats gpu_layer0{layers[0].tokens_per_expert.to(Device::kCUDA),
+                           layers[0].score_sum.to(Device::kCUDA), layers[0].tokens.clone()};
+  ops::AuxStats gpu = ops::zero_aux_stats(gpu_layer0);
+  for (const ops::AuxStats& s : layers) {
+    ops::add_aux_stats(s, cpu);
+    ops::add_aux_stats(
+        {s.tokens_per_expert.to(Device::kCUDA), s.score_sum.to(Device::kCUDA), s.tokens.clone()},
+        gpu);
+  }
+  const Tensor counts = gpu.tokens_per_expert.to(Device::kCPU),
+               sums = gpu.score_sum.to(Device::kCPU);
+  EXPECT_EQ(std::memcmp(counts.raw(), cpu.tokens_per_expert.raw(), counts.nbytes()), 0);
+  EXPECT_EQ(std::memcmp(sums.raw(), cpu.score_sum.raw(), sums.nbytes()), 0);
+  EXPECT_EQ(gpu.tokens.item(0), 3 * 4096);
+  EXPECT_GT(sums.item(0), 0.0);
 }
 
 TEST_P(GpuCase, AdamWStep) {

@@ -10,8 +10,11 @@
 #include <cstring>
 #include <filesystem>
 
+#include "hf_fixture.h"
 #include "ops/cuda/device.h"
 #include "processes.h"
+#include "train/hf_import.h"
+#include "train/safetensors.h"
 #include "train/trainer.h"
 #include "training.h"
 
@@ -48,6 +51,58 @@ TEST(GpuTrain, OneStepMatchesTheCpuEngine) {
   ASSERT_EQ(cg.size(), gg.size());
   for (size_t i = 0; i < cg.size(); ++i)
     EXPECT_LT(relative_error(gg[i], cg[i]), 3e-2) << "gradient group " << i;
+}
+
+// transformers' tiny Qwen3-MoE (tests/fixtures/hf_qwen3moe/base) imported onto the GPU: the
+// mixed-precision engine (bf16 weights and activations, f32 statistics and gradients) gives
+// transformers' fp32 loss and every parameter's gradient within bf16 accuracy.
+TEST(GpuHf, TinyFixtureInBf16MatchesTransformersFp32) {
+  require_gpu();
+  const std::string dir = testing::hf_fixture("base");
+  Config cfg = load_config(kTiny, {"hardware.device=cuda", "hardware.cuda_graphs=false"});
+  cfg.model = model_config_from_hf_json(dir + "/config.json", cfg.model);
+  cfg.model.aux_loss_coef = 0;
+  Trainer t(cfg);
+  load_hf_weights(dir, t.model());
+  const SafetensorsFile ref = read_safetensors(dir + "/reference.safetensors");
+  const Tensor& tokens = ref.tensors.at("tokens");
+  const int64_t n = tokens.numel() - 1;
+  const Batch b = testing::reference_batch(tokens);
+  Qwen3Moe& model = t.model();
+  model.zero_grad();
+  const MicroBatchLosses l =
+      model.forward_backward(b.to(Device::kCUDA), {1.0 / static_cast<double>(n), 0.0});
+  const double loss = l.ce_sum / static_cast<double>(n), want = ref.tensors.at("loss").item(0);
+  EXPECT_NEAR(loss, want, 1e-2 * want);
+  std::map<std::string, Tensor> grads;
+  for (const auto& [name, g] : ref.tensors)
+    if (name.rfind("grad.", 0) == 0) grads.emplace(name.substr(5), g);
+  const std::map<std::string, Tensor> want_grads = hf_to_moetrain(grads, model, "reference");
+  double worst = 0, num = 0, den = 0;
+  int compared = 0;
+  for (const ParamUnit& u : model.units())
+    for (const ParamGroup& g : u.groups)
+      for (size_t i = 0; i < g.specs.size(); ++i) {
+        const Tensor got = g.grad(i).to(Device::kCPU).to(DType::kF64);
+        const Tensor w = want_grads.at(g.specs[i].name).reshape(got.shape());
+        ASSERT_TRUE(all_finite(got)) << g.specs[i].name;
+        const double err = relative_error(got, w);
+        EXPECT_LT(err, 5e-2) << g.specs[i].name;
+        worst = std::max(worst, err);
+        for (int64_t k = 0; k < got.numel(); ++k) {
+          num += std::pow(got.data<double>()[k] - w.data<double>()[k], 2);
+          den += std::pow(w.data<double>()[k], 2);
+        }
+        ++compared;
+      }
+  const double overall = std::sqrt(num / den);
+  std::printf(
+      "bf16 on the GPU: loss %.6f (transformers fp32 %.6f), gradients: overall relative "
+      "error %.2e, worst tensor %.2e over %d tensors\n",
+      loss, want, overall, worst, compared);
+  EXPECT_LT(overall, 3e-2);  // the bf16 step's bound against the f32 engine (GpuTrain above)
+  EXPECT_GT(overall, 0.0) << "bf16 cannot be exact";
+  EXPECT_EQ(compared, static_cast<int>(want_grads.size()));
 }
 
 TEST(GpuTrain, TinyPresetReachesTheEntropyFloor) {
@@ -136,9 +191,9 @@ TEST(GpuTrain, CudaGraphReplayIsBitIdentical) {
 // biases rewritten between steps in place).
 TEST(GpuTrain, CudaGraphReplayWithAccumulationRecomputeAndBiases) {
   require_gpu();
-  expect_graphs_match_eager({"train.grad_accum=2", "model.checkpoint=\"selective\"",
-                             "model.bias_update_rate=0.001"},
-                            12, /*recast=*/false);
+  expect_graphs_match_eager(
+      {"train.grad_accum=2", "model.checkpoint=\"selective\"", "model.bias_update_rate=0.001"}, 12,
+      /*recast=*/false);
 }
 
 }  // namespace

@@ -2,10 +2,13 @@
 // synthetic languages (determinism, floor below unigram entropy).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <filesystem>
 #include <fstream>
+#include <nlohmann/json.hpp>
 
 #include "core/error.h"
+#include "processes.h"
 #include "train/data_loader.h"
 #include "train/synthetic_data.h"
 #include "train/token_file.h"
@@ -109,6 +112,112 @@ TEST(TokenFile, WrittenByTheScriptReadsBack) {
   EXPECT_NE(std::system((cmd + " 2>/dev/null").c_str()), 0) << "a negative id must be refused";
 }
 
+// scripts/tokenize_data.py against transformers (tests/fixtures/tokenizer, made by
+// scripts/make_tokenizer_fixture.py with transformers' tokenizer and apply_chat_template): the ids
+// of every line and, for chat lines, the assistant mask transformers returns for a template with
+// {% generation %} marks, found both from the marks and, for the unmarked template, by rendering
+// prefixes. A template that rewrites earlier turns is refused by line unless --per-turn, which then
+// gives transformers' document per assistant turn.
+namespace {
+struct ScriptRun {
+  int code;
+  std::string output;
+};
+ScriptRun tokenize(const std::string& template_dir, const std::string& input,
+                   const std::string& out, const std::string& flags = "") {
+  const std::string dir = std::string(MOETRAIN_SOURCE_DIR) + "/tests/fixtures/tokenizer/";
+  const testing::Proc p = testing::run_cmd(
+      "python3 " + std::string(MOETRAIN_SOURCE_DIR) + "/scripts/tokenize_data.py --tokenizer " +
+      dir + template_dir + " --input " + input + " --output " + out + " " + flags);
+  return {p.code, p.output};
+}
+}  // namespace
+
+TEST(TokenizeScript, IdsAndAssistantMasksAreTransformers) {
+  const std::string dir = std::string(MOETRAIN_SOURCE_DIR) + "/tests/fixtures/tokenizer/";
+  std::ifstream in(dir + "expected.json");
+  const nlohmann::json expected = nlohmann::json::parse(in).at("samples");
+  const std::string out = testing::unique_temp_path("tokenized.tok");
+  for (const char* tmpl : {"chatml", "marked"}) {
+    const ScriptRun r = tokenize(tmpl, dir + "samples.jsonl", out);
+    ASSERT_EQ(r.code, 0) << tmpl << ": " << r.output;
+    const TokenDocuments d = read_token_file(out, 400);
+    ASSERT_EQ(d.num_docs(), static_cast<int64_t>(expected.size())) << tmpl;
+    ASSERT_EQ(d.loss_mask.size(), d.tokens.size()) << "a file with chat lines has a mask";
+    int64_t counted = 0;
+    for (size_t k = 0; k < expected.size(); ++k) {
+      const auto& e = expected[k];
+      const std::vector<uint32_t> ids(d.tokens.begin() + d.doc_offsets[k],
+                                      d.tokens.begin() + d.doc_offsets[k + 1]);
+      const std::vector<uint8_t> mask(d.loss_mask.begin() + d.doc_offsets[k],
+                                      d.loss_mask.begin() + d.doc_offsets[k + 1]);
+      EXPECT_EQ(ids, e.at("ids").get<std::vector<uint32_t>>()) << tmpl << " line " << e["line"];
+      if (e.contains("assistant_mask")) {
+        EXPECT_EQ(mask, e.at("assistant_mask").get<std::vector<uint8_t>>())
+            << tmpl << " line " << e["line"];
+        counted += std::count(mask.begin(), mask.end(), 1);
+      } else {
+        EXPECT_EQ(std::count(mask.begin(), mask.end(), 0), 0) << "text lines count every token";
+      }
+    }
+    EXPECT_GT(counted, 20) << tmpl;
+  }
+  // The rewriting template: refused by line, no file; with --per-turn, transformers' documents.
+  std::filesystem::remove(out);
+  const ScriptRun refused = tokenize("reasoning", dir + "samples.jsonl", out);
+  EXPECT_EQ(refused.code, 3) << refused.output;
+  EXPECT_NE(refused.output.find("samples.jsonl:5: message 1"), std::string::npos) << refused.output;
+  EXPECT_FALSE(std::filesystem::exists(out));
+  const ScriptRun per_turn = tokenize("reasoning", dir + "samples.jsonl", out, "--per-turn");
+  ASSERT_EQ(per_turn.code, 0) << per_turn.output;
+  const TokenDocuments d = read_token_file(out, 400);
+  std::vector<std::pair<std::vector<uint32_t>, std::vector<uint8_t>>> want;
+  for (const auto& e : expected) {
+    if (!e.contains("per_turn")) {
+      const auto ids = e.at("ids").get<std::vector<uint32_t>>();
+      want.push_back({ids, std::vector<uint8_t>(ids.size(), 1)});
+      continue;
+    }
+    for (const auto& t : e.at("per_turn"))
+      want.push_back(
+          {t.at("ids").get<std::vector<uint32_t>>(), t.at("mask").get<std::vector<uint8_t>>()});
+  }
+  ASSERT_EQ(d.num_docs(), static_cast<int64_t>(want.size()));
+  for (size_t k = 0; k < want.size(); ++k) {
+    EXPECT_EQ(std::vector<uint32_t>(d.tokens.begin() + d.doc_offsets[k],
+                                    d.tokens.begin() + d.doc_offsets[k + 1]),
+              want[k].first)
+        << "document " << k;
+    EXPECT_EQ(std::vector<uint8_t>(d.loss_mask.begin() + d.doc_offsets[k],
+                                   d.loss_mask.begin() + d.doc_offsets[k + 1]),
+              want[k].second)
+        << "document " << k;
+  }
+  std::filesystem::remove(out);
+}
+
+TEST(TokenizeScript, BadLinesAreExit3NamingTheLine) {
+  const std::string in = testing::unique_temp_path("bad_lines.jsonl"),
+                    out = testing::unique_temp_path("bad_lines.tok");
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"({"messages": [{"role": "user", "content": "hi"}]})",
+       ":2: the conversation has no assistant turn"},
+      {"{not json", ":2: not JSON"},
+      {R"({"text": "a", "messages": []})", ":2: expected an object with \"text\" or \"messages\""},
+      {R"({"text": ""})", ":2: \"text\" must be a non-empty string"},
+  };
+  for (const auto& [line, words] : cases) {
+    std::ofstream(in) << R"({"text": "fine"})"
+                      << "\n"
+                      << line << "\n";
+    const ScriptRun r = tokenize("chatml", in, out);
+    EXPECT_EQ(r.code, 3) << line << ": " << r.output;
+    EXPECT_NE(r.output.find(words), std::string::npos) << r.output;
+    EXPECT_FALSE(std::filesystem::exists(out)) << line;
+  }
+  std::filesystem::remove(in);
+}
+
 TEST(Packing, PositionsSegmentsAndMasks) {
   // Row: [A0 A1 A2 | B0 B1 ] + next token C0 (a new document) as the last target.
   PackedRow row{{10, 11, 12, 20, 21, 30}, {1, 0, 0, 1, 0, 1}, {1, 1, 1, 1, 1, 1}};
@@ -133,6 +242,7 @@ TEST(Loader, TokenFileRowsContinueDocumentsAndWrap) {
   c.model.vocab_size = 100;
   c.data.source = DataSourceKind::kSft;
   c.data.path = path;
+  c.data.shuffle = false;
   auto loader = make_data_loader(c);
   const Batch b = loader->next(2, 4);
   // Row 0: tokens 1 2 3 4 -> targets 2 3 4 5; row 1 starts mid-document 2 at token 5.
@@ -155,6 +265,69 @@ TEST(Loader, TokenFileRowsContinueDocumentsAndWrap) {
 
   write_token_file(path, three_docs(false));
   EXPECT_THROW(make_data_loader(c), DataError);  // sft needs a mask
+}
+
+// Shuffled epochs: each epoch's stream is every document once, whole and in order inside, in an
+// order that depends on the seed and the epoch; the same seed gives the same stream, and a
+// loader set to any position continues it exactly (resume); empty documents are passed over.
+TEST(Loader, ShuffledEpochsVisitEveryDocumentOnceInTheirOwnOrder) {
+  TokenDocuments d;
+  d.doc_offsets = {0};
+  uint32_t next = 1;
+  for (int doc = 0; doc < 40; ++doc) {
+    const int len = doc % 7 == 3 ? 0 : 1 + (doc * 5) % 6;  // some empty documents
+    for (int i = 0; i < len; ++i) d.tokens.push_back(next++);
+    d.doc_offsets.push_back(d.tokens.size());
+  }
+  const int64_t n = static_cast<int64_t>(d.tokens.size());
+  const std::string path = temp_path("mt_shuffle.tok");
+  write_token_file(path, d);
+  Config c;
+  c.model.vocab_size = 1000;
+  c.data.source = DataSourceKind::kTokens;
+  c.data.path = path;
+  // The stream: the first token of every row (rows of 1 token step by 1).
+  auto stream = [&](uint64_t seed, int64_t from, int64_t count) {
+    Config cs = c;
+    cs.data.seed = seed;
+    auto loader = make_data_loader(cs);
+    loader->set_position(from);
+    std::vector<int> out;
+    for (int64_t i = 0; i < count; ++i)
+      out.push_back(static_cast<int>(loader->next(1, 1).tokens.item(0)));
+    return out;
+  };
+  const std::vector<int> all = stream(7, 0, 3 * n);
+  auto epoch = [&](int e) {
+    return std::vector<int>(all.begin() + e * n, all.begin() + (e + 1) * n);
+  };
+  for (int e = 0; e < 3; ++e) {
+    std::vector<int> sorted = epoch(e);
+    std::sort(sorted.begin(), sorted.end());
+    std::vector<int> want(n);
+    for (int64_t i = 0; i < n; ++i) want[i] = static_cast<int>(i + 1);
+    EXPECT_EQ(sorted, want) << "epoch " << e << " holds every token once";
+    // Documents stay whole: inside a document the tokens are consecutive ids.
+    const std::vector<int> s = epoch(e);
+    int64_t breaks = 0;
+    for (int64_t i = 1; i < n; ++i) breaks += s[i] != s[i - 1] + 1;
+    EXPECT_LT(breaks, 40) << "epoch " << e;
+  }
+  EXPECT_NE(epoch(0), epoch(1));
+  EXPECT_NE(epoch(1), epoch(2));
+  std::vector<int> file_order(n);
+  for (int64_t i = 0; i < n; ++i) file_order[i] = static_cast<int>(i + 1);
+  EXPECT_NE(epoch(0), file_order);
+  EXPECT_EQ(stream(7, 0, n), epoch(0));  // the same seed: the same stream
+  EXPECT_NE(stream(8, 0, n), epoch(0));  // another seed: another order
+  for (const int64_t at : {int64_t{5}, n - 1, n + 3, 2 * n + 1}) {  // resume anywhere
+    EXPECT_EQ(stream(7, at, 6), std::vector<int>(all.begin() + at, all.begin() + at + 6)) << at;
+  }
+  c.data.shuffle = false;
+  EXPECT_EQ(stream(7, 0, n), file_order);
+  auto loader = make_data_loader(c);
+  EXPECT_THROW(loader->set_position(-1), CheckpointError);
+  std::filesystem::remove(path);
 }
 
 TEST(Synthetic, DeterministicDocumentsWithMarkers) {

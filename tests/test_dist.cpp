@@ -147,6 +147,7 @@ TEST(Fsdp, MixedPrecisionGathersTheBf16CopyOnly) {
   std::mutex mu;
   run_in_process(2, [&](Communicator& c) {
     ParamGroup g = make_param_group(ParamKind::kExpert, {{"w", {5, 3}}, {"v", {4}}}, DType::kF32);
+    allocate_group(g);
     for (int64_t i = 0; i < g.numel; ++i) g.params.set_item(i, 0.1 * i + 1.0 / 3.0);
     const Tensor full = g.params.clone();
     place_group(g, Device::kCPU, DType::kBF16);

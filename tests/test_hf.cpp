@@ -6,13 +6,17 @@
 // reference). Bad directories are exit-4 errors naming the tensor or file.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <cmath>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <set>
 
 #include "dist/communicator.h"
 #include "dist/mesh.h"
+#include "hf_fixture.h"
 #include "model/qwen3_moe.h"
 #include "processes.h"
 #include "testing.h"
@@ -20,6 +24,7 @@
 #include "train/evaluate.h"
 #include "train/hf_export.h"
 #include "train/hf_import.h"
+#include "train/hf_layout.h"
 
 namespace mt {
 namespace {
@@ -28,7 +33,7 @@ namespace fs = std::filesystem;
 using dist::run_in_process;
 
 std::string fixture(const std::string& name) {
-  return std::string(MOETRAIN_SOURCE_DIR) + "/tests/fixtures/hf_qwen3moe/" + name;
+  return testing::hf_fixture(name);
 }
 
 // The architecture from config.json; the engine in fp64 with transformers' loss (no
@@ -42,26 +47,7 @@ ModelConfig hf_model(const std::string& dir) {
   return c;
 }
 
-// One document: inputs are the reference tokens but the last, targets the tokens after them.
-Batch reference_batch(const Tensor& tokens) {
-  const int64_t n = tokens.numel() - 1;
-  Batch b;
-  b.tokens = Tensor::empty({n}, DType::kI32);
-  b.targets = Tensor::empty({n}, DType::kI32);
-  b.loss_mask = Tensor::empty({n}, DType::kU8);
-  b.positions = Tensor::empty({n}, DType::kI32);
-  for (int64_t i = 0; i < n; ++i) {
-    b.tokens.data<int32_t>()[i] = static_cast<int32_t>(tokens.data<int64_t>()[i]);
-    b.targets.data<int32_t>()[i] = static_cast<int32_t>(tokens.data<int64_t>()[i + 1]);
-    b.loss_mask.data<uint8_t>()[i] = 1;
-    b.positions.data<int32_t>()[i] = static_cast<int32_t>(i);
-  }
-  b.cu_seqlens = Tensor::empty({2}, DType::kI32);
-  b.cu_seqlens.data<int32_t>()[0] = 0;
-  b.cu_seqlens.data<int32_t>()[1] = static_cast<int32_t>(n);
-  b.max_seqlen = n;
-  return b;
-}
+using testing::reference_batch;
 
 class HfParity : public ::testing::TestWithParam<const char*> {};
 
@@ -98,6 +84,63 @@ TEST_P(HfParity, LossAndEveryGradientMatchTransformers) {
               loss, want, worst);
   EXPECT_EQ(compared, static_cast<int>(want_grads.size()));
   EXPECT_GE(compared, 20);
+}
+
+// With transformers' load-balancing loss on (output_router_logits, reference_aux.safetensors):
+// model.aux_loss_form = "transformers" gives its aux loss, total loss and every gradient; the
+// per-layer form gives another aux loss (the choice is real).
+TEST_P(HfParity, TransformersLoadBalancingLossAndGradients) {
+  const std::string dir = fixture(GetParam());
+  ModelConfig c = hf_model(dir);
+  const SafetensorsFile ref = read_safetensors(dir + "/reference.safetensors");
+  const SafetensorsFile aux = read_safetensors(dir + "/reference_aux.safetensors");
+  const double coef = aux.tensors.at("aux_coef").item(0);
+  // transformers routes every input token, the last one too (it has no label): the batch holds
+  // all 20, the last one's target uncounted.
+  const Tensor& tokens = ref.tensors.at("tokens");
+  Batch b = reference_batch(tokens);
+  const int64_t all = tokens.numel();
+  const double n = static_cast<double>(all - 1);  // counted targets
+  b.tokens = Tensor::empty({all}, DType::kI32);
+  for (int64_t i = 0; i < all; ++i)
+    b.tokens.data<int32_t>()[i] = static_cast<int32_t>(tokens.data<int64_t>()[i]);
+  for (Tensor* t : {&b.targets, &b.loss_mask, &b.positions}) {
+    Tensor longer = Tensor::zeros({all}, t->dtype());
+    std::memcpy(longer.raw(), t->raw(), t->nbytes());
+    *t = longer;
+  }
+  b.positions.data<int32_t>()[all - 1] = static_cast<int32_t>(all - 1);
+  b.cu_seqlens.data<int32_t>()[1] = static_cast<int32_t>(all);
+  b.max_seqlen = all;
+  c.aux_loss_coef = coef;
+  c.aux_loss_form = AuxLossForm::kPerLayer;
+  Qwen3Moe per_layer(c, 7);
+  load_hf_weights(dir, per_layer);
+  const double per_layer_aux = per_layer.forward(b).aux_sum;
+  c.aux_loss_form = AuxLossForm::kTransformers;
+  Qwen3Moe model(c, 7);
+  load_hf_weights(dir, model);
+  model.zero_grad();
+  const MicroBatchLosses l = model.forward_backward(b, {1.0 / n, coef});
+  const double want_aux = aux.tensors.at("aux_loss").item(0), want = aux.tensors.at("loss").item(0);
+  EXPECT_NEAR(l.aux_sum, want_aux, 1e-5 * want_aux) << GetParam();
+  EXPECT_GT(std::abs(per_layer_aux - want_aux), 1e-3 * want_aux) << GetParam();
+  EXPECT_NEAR(l.ce_sum / n + coef * l.aux_sum, want, 1e-5 * want) << GetParam();
+  std::map<std::string, Tensor> grads;
+  for (const auto& [name, t] : aux.tensors)
+    if (name.rfind("grad.", 0) == 0) grads.emplace(name.substr(5), t);
+  const std::map<std::string, Tensor> want_grads = hf_to_moetrain(grads, model, "reference_aux");
+  double worst = 0;
+  for (const ParamUnit& u : model.units())
+    for (const ParamGroup& g : u.groups)
+      for (size_t i = 0; i < g.specs.size(); ++i) {
+        const Tensor got = g.grad(i);
+        const double err = relative_error(got, want_grads.at(g.specs[i].name).reshape(got.shape()));
+        EXPECT_LT(err, 1e-5) << GetParam() << " " << g.specs[i].name;
+        worst = std::max(worst, err);
+      }
+  std::printf("%s: aux %.9f (transformers %.9f; per layer %.9f), worst gradient error %.2e\n",
+              GetParam(), l.aux_sum, want_aux, per_layer_aux, worst);
 }
 
 INSTANTIATE_TEST_SUITE_P(Transformers, HfParity,
@@ -145,6 +188,116 @@ TEST(HfImport, PerExpertAndMergedLayoutsAgree) {
   fs::remove_all(dir);
 }
 
+// The tiled, threaded walk visits every element of any range once, with source()'s answer:
+// each map (same, transposed, gate/up and down per expert and merged, an EP slice of experts),
+// ranges that start and end inside rows, and ranges long enough for several threads.
+TEST(HfLayout, TiledWalkVisitsEveryElementOnceWithItsSource) {
+  ModelConfig c;
+  c.dim = 96;
+  c.moe_dim = 40;
+  c.n_experts = 6;
+  c.vocab_size = 50;
+  const int64_t per_gate_up = c.dim * 2 * c.moe_dim;
+  const std::vector<ParamSpec> specs = {
+      {"head.norm", {c.dim}},
+      {"layers.0.attn.wq", {c.dim, c.q_dim()}},
+      {"layers.1.moe.w_gate_up", {3, c.dim, 2 * c.moe_dim}, false, 0, 3 * per_gate_up},
+      {"layers.1.moe.w_down", {6, c.moe_dim, c.dim}},
+      {"embed.table", {1 << 13, c.dim}},  // > 2^20 elements: several threads
+  };
+  for (const HfExperts experts : {HfExperts::kPerExpert, HfExperts::kMerged})
+    for (const ParamSpec& s : specs) {
+      const HfLayout layout(s, c, experts);
+      const int64_t n = shape_numel(s.shape);
+      for (const auto& [lo, hi] : {std::pair<int64_t, int64_t>{0, n}, {7, n - 5}, {n / 3, n / 2}}) {
+        std::vector<std::atomic<int>> seen(n);
+        std::atomic<int64_t> wrong{0};
+        layout.for_each_element(lo, hi, [&](int64_t j, HfLayout::Element e) {
+          seen[j]++;
+          const HfLayout::Element want = layout.source(j);
+          if (e.tensor != want.tensor || e.index != want.index) ++wrong;
+        });
+        EXPECT_EQ(wrong.load(), 0) << s.name;
+        for (int64_t j = 0; j < n; ++j)
+          ASSERT_EQ(seen[j].load(), j >= lo && j < hi ? 1 : 0) << s.name << " element " << j;
+      }
+    }
+}
+
+// Sharded over (W, ep) = (4, 2), each rank reads only its slice of the mapped files: every
+// element a rank holds equals the same element of one rank's import (an expert slice's element j
+// is element init_offset + j of the whole parameter).
+TEST(HfImport, EveryRankReadsItsSliceOfTheSameWeights) {
+  const std::string dir = fixture("base");
+  const ModelConfig c = hf_model(dir);
+  Qwen3Moe one(c, 1);
+  load_hf_weights(dir, one);
+  std::map<std::string, Tensor> whole;
+  for (const ParamUnit& u : one.units())
+    for (const ParamGroup& g : u.groups)
+      for (size_t i = 0; i < g.specs.size(); ++i) whole.emplace(g.specs[i].name, g.param(i));
+  std::atomic<int64_t> checked{0};
+  run_in_process(4, [&](dist::Communicator& comm) {
+    ModelConfig c4 = c;
+    dist::DeviceMesh mesh(comm, {4, 2}, c4.n_experts);
+    Qwen3Moe m(c4, 2, &mesh);  // another seed: nothing equal by chance
+    load_hf_weights(dir, m);
+    for (const ParamUnit& u : m.units())
+      for (const ParamGroup& g : u.groups) {
+        const int64_t begin = g.shard_begin(), end = begin + g.shard.numel();
+        for (const ParamSpec& s : g.specs) {
+          const int64_t lo = std::max(begin, s.offset),
+                        hi = std::min(end, s.offset + shape_numel(s.shape));
+          for (int64_t k = lo; k < hi; ++k) {
+            const double got = g.shard.item(k - begin);
+            const double want = whole.at(s.name).item(s.init_offset + k - s.offset);
+            ASSERT_EQ(got, want) << s.name << " element " << k - s.offset;
+            ++checked;
+          }
+        }
+      }
+  });
+  int64_t params = 0;
+  for (const auto& [_, t] : whole) params += t.numel();
+  // Every element is held by exactly one rank (dense groups sharded over all 4, each EP rank's
+  // experts over its 2 FSDP peers), so the ranks together checked each element once.
+  EXPECT_EQ(checked.load(), params);
+}
+
+// fp16 on disk loads as the fp16 values, exactly (a file of the same values in f32 loads to the
+// same parameters).
+TEST(HfImport, Fp16CheckpointsLoadTheirValues) {
+  const std::string base = fixture("base");
+  const ModelConfig c = hf_model(base);
+  const SafetensorsFile f = read_safetensors(base + "/model.safetensors");
+  SafetensorsFile half, rounded;
+  for (const auto& [name, t] : f.tensors) {
+    half.tensors.emplace(name, t.to(DType::kF16));
+    rounded.tensors.emplace(name, t.to(DType::kF16).to(DType::kF32));
+  }
+  std::map<std::string, std::string> dirs;
+  for (const auto& [key, file] : {std::pair{"half", &half}, std::pair{"rounded", &rounded}}) {
+    dirs[key] = testing::unique_temp_path(std::string("hf_") + key);
+    fs::create_directories(dirs[key]);
+    fs::copy_file(base + "/config.json", dirs[key] + "/config.json");
+    write_safetensors(dirs[key] + "/model.safetensors", *file);
+  }
+  Qwen3Moe a(c, 1), b(c, 2), orig(c, 3);
+  load_hf_weights(dirs["half"], a);
+  load_hf_weights(dirs["rounded"], b);
+  load_hf_weights(base, orig);
+  for (size_t u = 0; u < a.units().size(); ++u)
+    for (size_t g = 0; g < a.units()[u].groups.size(); ++g) {
+      const Tensor& pa = a.units()[u].groups[g].params;
+      EXPECT_EQ(relative_error(pa, b.units()[u].groups[g].params), 0.0) << a.units()[u].name;
+      // fp16 rounding happened: the values differ from the f32 originals, but by < 2^-11.
+      const double err = relative_error(pa, orig.units()[u].groups[g].params);
+      EXPECT_GT(err, 0.0) << a.units()[u].name;
+      EXPECT_LT(err, 1e-3) << a.units()[u].name;
+    }
+  for (const auto& [_, d] : dirs) fs::remove_all(d);
+}
+
 // Bad directories: each a CheckpointError (exit 4) naming what is wrong, and the model's
 // parameters untouched.
 TEST(HfImport, BadDirectoriesNameTheTensorAndWriteNothing) {
@@ -187,6 +340,32 @@ TEST(HfImport, BadDirectoriesNameTheTensorAndWriteNothing) {
   expect_refused(ints, "tensor model.norm.weight is i32");
   expect_refused(f, "model-00002-of-00002.safetensors' is missing",
                  R"({"weight_map": {"model.norm.weight": "model-00002-of-00002.safetensors"}})");
+  // The index names a tensor that its file lacks.
+  {
+    const std::string dir = testing::unique_temp_path("hf_bad_index");
+    fs::create_directories(dir);
+    fs::copy_file(base + "/config.json", dir + "/config.json");
+    write_safetensors(dir + "/model-00001-of-00001.safetensors", f);
+    std::ofstream(dir + "/model.safetensors.index.json")
+        << R"({"weight_map": {"model.norm.weight": "model-00001-of-00001.safetensors",
+               "model.layers.9.mlp.gate.weight": "model-00001-of-00001.safetensors"}})";
+    Qwen3Moe model(c, 1);
+    const std::string e = testing::error_of([&] { load_hf_weights(dir, model); });
+    EXPECT_NE(e.find("names tensor model.layers.9.mlp.gate.weight"), std::string::npos) << e;
+    fs::remove_all(dir);
+  }
+  // A shard cut short: the tensor whose bytes are missing is named.
+  {
+    const std::string dir = testing::unique_temp_path("hf_bad_cut");
+    fs::create_directories(dir);
+    fs::copy_file(base + "/config.json", dir + "/config.json");
+    write_safetensors(dir + "/model.safetensors", f);
+    fs::resize_file(dir + "/model.safetensors", fs::file_size(dir + "/model.safetensors") - 100);
+    Qwen3Moe model(c, 1);
+    const std::string e = testing::error_of([&] { load_hf_weights(dir, model); });
+    EXPECT_NE(e.find("is truncated or corrupt: tensor"), std::string::npos) << e;
+    fs::remove_all(dir);
+  }
 }
 
 // config.json of both transformers generations, and another architecture refused by name.
@@ -269,6 +448,49 @@ TEST(HfExport, RoundTripIsBitIdenticalAndPerExpert) {
   }
 }
 
+// Shards of at most 16 KiB: several files and the index, which the import follows to the same
+// parameters; no shard over the limit unless it holds one tensor larger than it.
+TEST(HfExport, ShardedExportHasAnIndexAndLoadsTheSame) {
+  const ModelConfig c = hf_model(fixture("base"));
+  Qwen3Moe a(c, 1), b(c, 2);
+  load_hf_weights(fixture("base"), a);
+  const std::string dir = testing::unique_temp_path("hf_sharded");
+  constexpr size_t kLimit = 16 << 10;
+  export_hf(a, dir, DType::kBF16, nullptr, kLimit);
+  std::ifstream in(dir + "/model.safetensors.index.json");
+  nlohmann::json index;
+  in >> index;
+  std::set<std::string> files;
+  for (const auto& [_, file] : index.at("weight_map").items())
+    files.insert(file.get<std::string>());
+  EXPECT_GE(files.size(), 3u);
+  EXPECT_FALSE(fs::exists(dir + "/model.safetensors"));
+  size_t data_bytes = 0;
+  for (const std::string& f : files) {
+    const SafetensorsFile sf = read_safetensors(dir + "/" + f);
+    size_t bytes = 0;
+    for (const auto& [name, t] : sf.tensors) {
+      EXPECT_EQ(index["weight_map"][name], f);
+      EXPECT_EQ(t.dtype(), DType::kBF16);
+      bytes += t.nbytes();
+    }
+    if (sf.tensors.size() > 1) {
+      EXPECT_LE(bytes, kLimit) << f;
+    }
+    data_bytes += bytes;
+  }
+  EXPECT_EQ(index.at("metadata").at("total_size").get<size_t>(), data_bytes);
+  load_hf_weights(dir, b);
+  for (size_t u = 0; u < a.units().size(); ++u)
+    for (size_t g = 0; g < a.units()[u].groups.size(); ++g) {
+      // bf16 on disk: the parameters are a's rounded to bf16.
+      const Tensor want = a.units()[u].groups[g].params.to(DType::kBF16).to(DType::kF64);
+      EXPECT_EQ(relative_error(b.units()[u].groups[g].params.to(DType::kF64), want), 0.0)
+          << a.units()[u].name;
+    }
+  fs::remove_all(dir);
+}
+
 // `moetrain export-hf` from a checkpoint written by two ranks with ep 2 (in-process CPU ranks)
 // gives the export of the same run on one rank (the runs agree to fp64 rounding; the export is
 // f32), and a bad --dtype is exit 2.
@@ -323,11 +545,11 @@ TEST(Eval, TokenFileLossIsTransformersAndRankIndependent) {
   load_hf_weights(dir, model);
   const double want = ref.tensors.at("loss").item(0);
   for (const int64_t seq_len : {19, 32}) {
-    const EvalResult e = evaluate_tokens(model, docs, 1, seq_len, nullptr);
+    const EvalResult e = evaluate_tokens(model, docs.view(), 1, seq_len, nullptr);
     EXPECT_EQ(e.tokens, 19) << seq_len;
     EXPECT_NEAR(e.mean(), want, 1e-5 * want) << seq_len;
   }
-  const EvalResult one = evaluate_tokens(model, docs, 1, 8, nullptr);
+  const EvalResult one = evaluate_tokens(model, docs.view(), 1, 8, nullptr);
   EXPECT_EQ(one.tokens, 19);
   EXPECT_GT(std::abs(one.mean() - want), 1e-3);  // rows of 8 cut the context
   run_in_process(2, [&](dist::Communicator& comm) {
@@ -335,7 +557,7 @@ TEST(Eval, TokenFileLossIsTransformersAndRankIndependent) {
     dist::DeviceMesh mesh(comm, {2, 2}, c2.n_experts);
     Qwen3Moe m2(c2, 1, &mesh);
     load_hf_weights(dir, m2);
-    const EvalResult two = evaluate_tokens(m2, docs, 1, 8, &comm);
+    const EvalResult two = evaluate_tokens(m2, docs.view(), 1, 8, &comm);
     EXPECT_EQ(two.tokens, 19);
     EXPECT_NEAR(two.mean(), one.mean(), 1e-12 * one.mean());
   });
@@ -353,6 +575,55 @@ TEST(Eval, TokenFileLossIsTransformersAndRankIndependent) {
   const nlohmann::json j = nlohmann::json::parse(p.output.substr(at));
   EXPECT_EQ(j.at("tokens"), 19);
   EXPECT_NEAR(j.at("loss").get<double>(), want, 1e-5 * want);
+  // --per-token: every counted target's loss, which is transformers' (log-softmax of its fp32
+  // logits at the next token), with the document, position and token of each.
+  const std::string per_token = testing::unique_temp_path("per_token.jsonl");
+  const testing::Proc pt =
+      testing::run_cmd(std::string(MOETRAIN_BINARY) + " eval --config " + cfg + " --init-from " +
+                       dir + " --data " + data + " --per-token " + per_token);
+  ASSERT_EQ(pt.code, 0) << pt.output;
+  const Tensor& ref_logits = ref.tensors.at("logits");  // (T, V), the prediction of token t + 1
+  const int64_t v = ref_logits.dim(1);
+  std::ifstream lines(per_token);
+  std::string line;
+  int64_t count = 0;
+  double sum = 0;
+  while (std::getline(lines, line)) {
+    const nlohmann::json t = nlohmann::json::parse(line);
+    const int64_t pos = t.at("pos");
+    ASSERT_EQ(t.at("doc"), 0);
+    ASSERT_EQ(pos, count + 1) << "in file order, from the document's second token";
+    ASSERT_EQ(t.at("token"), tokens.data<int64_t>()[pos]);
+    double m = -1e300, z = 0;
+    for (int64_t k = 0; k < v; ++k) m = std::max<double>(m, ref_logits.item((pos - 1) * v + k));
+    for (int64_t k = 0; k < v; ++k) z += std::exp(ref_logits.item((pos - 1) * v + k) - m);
+    const double want =
+        m + std::log(z) - ref_logits.item((pos - 1) * v + tokens.data<int64_t>()[pos]);
+    EXPECT_NEAR(t.at("loss").get<double>(), want, 1e-5 * std::max(1.0, want)) << line;
+    sum += t.at("loss").get<double>();
+    ++count;
+  }
+  EXPECT_EQ(count, 19);
+  EXPECT_NEAR(sum / 19, j.at("loss").get<double>(), 1e-12 * sum);
+  std::filesystem::remove(per_token);
+  // Over two in-process ranks, the per-token losses arrive on rank 0 in the same order.
+  std::vector<std::pair<int64_t, double>> one_rank, two_ranks;
+  const TokenLossSink into_one = [&](int64_t t, double l) { one_rank.push_back({t, l}); };
+  (void)evaluate_tokens(model, docs.view(), 1, 8, nullptr, &into_one);
+  run_in_process(2, [&](dist::Communicator& comm) {
+    ModelConfig c2 = c;
+    dist::DeviceMesh mesh(comm, {2, 2}, c2.n_experts);
+    Qwen3Moe m2(c2, 1, &mesh);
+    load_hf_weights(dir, m2);
+    const TokenLossSink into_two = [&](int64_t t, double l) { two_ranks.push_back({t, l}); };
+    (void)evaluate_tokens(m2, docs.view(), 1, 8, &comm, &into_two);
+  });
+  ASSERT_EQ(one_rank.size(), 19u);
+  ASSERT_EQ(two_ranks.size(), 19u);
+  for (size_t k = 0; k < 19; ++k) {
+    EXPECT_EQ(two_ranks[k].first, one_rank[k].first);
+    EXPECT_NEAR(two_ranks[k].second, one_rank[k].second, 1e-12 * one_rank[k].second);
+  }
   const testing::Proc both =
       testing::run_cmd(std::string(MOETRAIN_BINARY) + " eval --config " + cfg + " --data " + data);
   EXPECT_EQ(both.code, 2) << both.output;

@@ -94,6 +94,19 @@ TEST(Model, GradientsMatchFiniteDifferencesForcedBalanced) {
   check_model_gradients(c);
 }
 
+// transformers' load-balancing loss (statistics pooled over the layers), with a coefficient
+// large enough to dominate, under every checkpoint policy (a recomputed routing must take the
+// pooled statistics again).
+TEST(Model, GradientsMatchFiniteDifferencesTransformersAuxLoss) {
+  for (auto policy : {CheckpointPolicy::kNone, CheckpointPolicy::kFull}) {
+    ModelConfig c = small_config();
+    c.aux_loss_form = AuxLossForm::kTransformers;
+    c.aux_loss_coef = 2.0;
+    c.checkpoint = policy;
+    check_model_gradients(c);
+  }
+}
+
 TEST(Model, CheckpointPoliciesGiveIdenticalGradients) {
   std::vector<std::vector<Tensor>> grads;
   for (auto policy :

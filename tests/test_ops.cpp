@@ -649,6 +649,56 @@ TEST(CrossEntropy, HandCheckedMaskAndGradients) {
   ops::cross_entropy_backward(l, targets, mask, lse, 0.5, dl);
   EXPECT_LT(gradcheck(loss, l, dl), kGradTol);
   for (int v = 0; v < 7; ++v) EXPECT_EQ(dl.item(7 + v), 0.0);  // masked token
+
+  // Per-token losses: lse - logit[target] by hand, 0 where masked, summing to the total.
+  Tensor sum = Tensor::zeros({1}, DType::kF64), each = Tensor::poisoned({3}, DType::kF64);
+  ops::cross_entropy_forward(l, targets, mask, lse, sum, &each);
+  double total = 0;
+  for (int i = 0; i < 3; ++i) {
+    double m = -1e300, z = 0;
+    for (int v = 0; v < 7; ++v) m = std::max(m, l.item(i * 7 + v));
+    for (int v = 0; v < 7; ++v) z += std::exp(l.item(i * 7 + v) - m);
+    const double want = mask.item(i) ? m + std::log(z) - l.item(i * 7 + targets.item(i)) : 0.0;
+    EXPECT_NEAR(each.item(i), want, 1e-14) << i;
+    total += want;
+  }
+  EXPECT_GT(each.item(0), 0.0);
+  EXPECT_EQ(each.item(1), 0.0);
+  EXPECT_NEAR(sum.item(0), total, 1e-14);
+  Tensor wrong = Tensor::empty({3}, DType::kF32);
+  EXPECT_NE(error_of([&] {
+              ops::cross_entropy_forward(l, targets, mask, lse, sum, &wrong);
+            }).find("per-token loss is f32"),
+            std::string::npos);
+}
+
+// Pooling two layers' statistics adds counts, score sums and token counts; the pooled loss is
+// E sum_e (C_e / N) (S_e / N) of the sums.
+TEST(RouterAux, PooledStatisticsAreTheSums) {
+  ops::AuxStats a{Tensor::empty({3}, DType::kI64), Tensor::empty({3}, DType::kF64),
+                  Tensor::empty({1}, DType::kI64)};
+  ops::AuxStats b = {a.tokens_per_expert.clone(), a.score_sum.clone(), a.tokens.clone()};
+  const int64_t ca[3] = {2, 0, 4}, cb[3] = {1, 3, 2};
+  const double sa[3] = {1.5, 0.25, 1.25}, sb[3] = {0.5, 2.0, 0.5};
+  for (int e = 0; e < 3; ++e) {
+    a.tokens_per_expert.data<int64_t>()[e] = ca[e];
+    b.tokens_per_expert.data<int64_t>()[e] = cb[e];
+    a.score_sum.set_item(e, sa[e]);
+    b.score_sum.set_item(e, sb[e]);
+  }
+  a.tokens.data<int64_t>()[0] = 3;
+  b.tokens.data<int64_t>()[0] = 3;
+  ops::AuxStats pooled = ops::zero_aux_stats(a);
+  ops::add_aux_stats(a, pooled);
+  ops::add_aux_stats(b, pooled);
+  EXPECT_EQ(pooled.tokens.data<int64_t>()[0], 6);
+  double want = 0;
+  for (int e = 0; e < 3; ++e) {
+    EXPECT_EQ(pooled.tokens_per_expert.data<int64_t>()[e], ca[e] + cb[e]);
+    EXPECT_EQ(pooled.score_sum.item(e), sa[e] + sb[e]);
+    want += (ca[e] + cb[e]) / 6.0 * ((sa[e] + sb[e]) / 6.0);
+  }
+  EXPECT_NEAR(ops::router_aux_loss(pooled).item(0), 3 * want, 1e-15);
 }
 
 TEST(AdamW, FirstStepIsSignedLearningRate) {

@@ -1,7 +1,8 @@
 // The moetrain binary. Subcommands:
 //   train  --config F [--set section.key=value ...] [--steps N] [--metrics P] [--resume C]
-//          [--overwrite] [--init-from HF_DIR]
-//   eval --config F (--resume C | --init-from HF_DIR) --data TOKENS : forward-only mean loss
+//          [--overwrite] [--init-from HF_DIR] [--export-hf OUT_DIR]
+//   eval --config F (--resume C | --init-from HF_DIR) --data TOKENS [--per-token OUT.jsonl] :
+//        forward-only mean loss (and each token's)
 //   export-hf --config F --resume C --out DIR [--dtype bf16|f32] : a Hugging Face directory
 //   launch -n N -- train ...     : N processes on this host, one rank each (torchrun's env)
 //   flops  --config F [--set ...] : parameter counts and training FLOPs per token
@@ -11,6 +12,7 @@
 #include <CLI/CLI.hpp>
 #include <algorithm>
 #include <cstdio>
+#include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
 #include <optional>
@@ -219,21 +221,45 @@ int run_train(const ConfigArgs& a, mt::RunOptions opt) {
 }
 
 // eval: the mean loss over every counted target of a token file, from a checkpoint or an HF
-// directory; one JSON line last.
+// directory; one JSON line last. --per-token: each counted target's loss as a JSON line
+// {"doc", "pos", "token", "loss"} (document, index in it, token id), in file order, written to
+// OUT.tmp and renamed to OUT when complete.
 int run_eval(const ConfigArgs& a, const std::string& resume, const std::string& init_from,
-             const std::string& data) {
+             const std::string& data, const std::string& per_token) {
   if (resume.empty() == init_from.empty())
     throw mt::ConfigError("eval: give one of --resume CKPT or --init-from HF_DIR");
   const Ranks r = prepare_ranks(a, init_from);
   check_memory(r.config);
-  const mt::TokenDocuments docs = mt::read_token_file(data, r.config.model.vocab_size);
+  const mt::MappedTokenFile file(data, r.config.model.vocab_size);
+  const mt::TokenView& docs = file.view();
   on_ranks(r, [&](mt::dist::Communicator* world) {
     mt::Trainer trainer(r.config, world);
     if (!resume.empty()) trainer.resume(resume);
     if (!init_from.empty()) mt::load_hf_weights(init_from, trainer.model());
-    const mt::EvalResult e = mt::evaluate_tokens(trainer.model(), docs, r.config.train.batch_rows,
-                                                 r.config.train.seq_len, world);
-    if (!world || world->rank() == 0) {
+    const bool writes = !world || world->rank() == 0;
+    std::ofstream out;
+    const std::string tmp = per_token + ".tmp";
+    if (!per_token.empty() && writes) {
+      out.open(tmp);
+      if (!out) throw mt::DataError(fmt::format("eval: cannot write '{}'", tmp));
+    }
+    const mt::TokenLossSink sink = [&](int64_t target, double loss) {
+      const int64_t doc = std::upper_bound(docs.doc_offsets, docs.doc_offsets + docs.num_docs + 1,
+                                           static_cast<uint64_t>(target)) -
+                          docs.doc_offsets - 1;
+      out << fmt::format("{{\"doc\": {}, \"pos\": {}, \"token\": {}, \"loss\": {}}}\n", doc,
+                         target - static_cast<int64_t>(docs.doc_offsets[doc]), docs.tokens[target],
+                         loss);
+    };
+    const mt::EvalResult e =
+        mt::evaluate_tokens(trainer.model(), docs, r.config.train.batch_rows,
+                            r.config.train.seq_len, world, per_token.empty() ? nullptr : &sink);
+    if (!per_token.empty() && writes) {
+      out.close();
+      if (!out || std::rename(tmp.c_str(), per_token.c_str()) != 0)
+        throw mt::DataError(fmt::format("eval: cannot write '{}'", per_token));
+    }
+    if (writes) {
       nlohmann::ordered_json j{{"eval", data},
                                {"from", resume.empty() ? init_from : resume},
                                {"loss", e.mean()},
@@ -298,6 +324,8 @@ int main(int argc, char** argv) {
                   "start a new run in a checkpoint.dir that already holds checkpoints");
   train->add_option("--init-from", run_opt.init_from,
                     "start from a Hugging Face Qwen3-MoE directory (config.json + safetensors)");
+  train->add_option("--export-hf", run_opt.export_hf,
+                    "after the last step, write the weights as a Hugging Face directory (bf16)");
   mt::dist::LaunchOptions launch_opt;
   CLI::App* launch =
       app.add_subcommand("launch", "start N ranks on this host: launch -n N -- train ...");
@@ -314,12 +342,14 @@ int main(int argc, char** argv) {
   export_hf->add_option("--out", export_out, "the directory to write")->required();
   export_hf->add_option("--dtype", export_dtype, "bf16 (default) or f32");
   ConfigArgs eval_cfg;
-  std::string eval_resume, eval_init, eval_data;
+  std::string eval_resume, eval_init, eval_data, eval_per_token;
   CLI::App* eval = app.add_subcommand("eval", "the mean loss over a token file (forward only)");
   add_config_options(eval, eval_cfg);
   eval->add_option("--resume", eval_resume, "checkpoint file or directory");
   eval->add_option("--init-from", eval_init, "a Hugging Face Qwen3-MoE directory");
   eval->add_option("--data", eval_data, "token file (docs/data_format.md)")->required();
+  eval->add_option("--per-token", eval_per_token,
+                   "write each counted token's loss here, as JSON lines {doc, pos, token, loss}");
   CLI::App* flops = app.add_subcommand("flops", "parameter counts and FLOPs per token");
   add_config_options(flops, flops_cfg);
   try {
@@ -336,7 +366,7 @@ int main(int argc, char** argv) {
       return run_train(train_cfg, run_opt);
     }
     if (*launch) return mt::dist::launch_local(launch_opt);
-    if (*eval) return run_eval(eval_cfg, eval_resume, eval_init, eval_data);
+    if (*eval) return run_eval(eval_cfg, eval_resume, eval_init, eval_data, eval_per_token);
     if (*export_hf) return run_export_hf(export_cfg, export_resume, export_out, export_dtype);
     if (*flops) return run_flops(flops_cfg);
   } catch (const mt::Error& e) {

@@ -11,29 +11,51 @@
 
 namespace mt {
 
-void write_file_atomically(const std::string& path, const std::string& bytes) {
-  const std::string tmp = path + ".tmp";
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd < 0)
-    throw CheckpointError(fmt::format("cannot write '{}': {}", tmp, std::strerror(errno)));
-  size_t done = 0;
-  while (done < bytes.size()) {
-    const ssize_t n = ::write(fd, bytes.data() + done, bytes.size() - done);
-    if (n < 0) {
-      const int err = errno;
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      throw CheckpointError(fmt::format("cannot write '{}': {}", tmp, std::strerror(err)));
+AtomicFile::AtomicFile(std::string path) : path_(std::move(path)), tmp_(path_ + ".tmp") {
+  fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  if (fd_ < 0)
+    throw CheckpointError(fmt::format("cannot write '{}': {}", tmp_, std::strerror(errno)));
+}
+
+AtomicFile::~AtomicFile() {
+  if (fd_ < 0) return;
+  ::close(fd_);
+  ::unlink(tmp_.c_str());
+}
+
+void AtomicFile::write_at(uint64_t offset, const void* data, size_t n) {
+  MT_CHECK(fd_ >= 0, "write to '{}' after commit", path_);
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    const ssize_t w = ::pwrite(fd_, p, n, static_cast<off_t>(offset));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      throw CheckpointError(fmt::format("cannot write '{}': {}", tmp_, std::strerror(errno)));
     }
-    done += static_cast<size_t>(n);
+    p += w;
+    offset += static_cast<uint64_t>(w);
+    n -= static_cast<size_t>(w);
   }
+}
+
+void AtomicFile::commit() {
+  MT_CHECK(fd_ >= 0, "'{}' committed twice", path_);
+  const int fd = fd_;
+  fd_ = -1;
   if (::fsync(fd) != 0 || ::close(fd) != 0) {
-    ::unlink(tmp.c_str());
-    throw CheckpointError(fmt::format("cannot flush '{}': {}", tmp, std::strerror(errno)));
+    const int err = errno;
+    ::unlink(tmp_.c_str());
+    throw CheckpointError(fmt::format("cannot flush '{}': {}", tmp_, std::strerror(err)));
   }
-  if (std::rename(tmp.c_str(), path.c_str()) != 0)
+  if (std::rename(tmp_.c_str(), path_.c_str()) != 0)
     throw CheckpointError(
-        fmt::format("cannot rename '{}' to '{}': {}", tmp, path, std::strerror(errno)));
+        fmt::format("cannot rename '{}' to '{}': {}", tmp_, path_, std::strerror(errno)));
+}
+
+void write_file_atomically(const std::string& path, const std::string& bytes) {
+  AtomicFile f(path);
+  f.write_at(0, bytes.data(), bytes.size());
+  f.commit();
 }
 
 }  // namespace mt

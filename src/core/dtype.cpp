@@ -36,6 +36,32 @@ float from_bf16(bf16 x) {
   return std::bit_cast<float>(static_cast<uint32_t>(x.bits) << 16);
 }
 
+f16 to_f16(float x) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  const uint16_t sign = static_cast<uint16_t>((u >> 16) & 0x8000u);
+  if (std::isnan(x)) return f16{static_cast<uint16_t>(sign | 0x7E00u | ((u >> 13) & 0x3FFu))};
+  const float a = std::fabs(x);
+  // 65520 = 65504 + half an ulp: from there on, nearest even rounds to infinity.
+  if (a >= 65520.0f) return f16{static_cast<uint16_t>(sign | 0x7C00u)};
+  if (a < 0x1p-14f) {  // subnormal (or zero): units of 2^-24, rounded to nearest even
+    const float q = std::nearbyint(a * 0x1p24f);
+    return f16{static_cast<uint16_t>(sign | static_cast<uint16_t>(q))};  // q = 1024: the least normal
+  }
+  // Normal: drop 13 mantissa bits with round to nearest even; a carry moves into the exponent.
+  uint32_t m = std::bit_cast<uint32_t>(a);
+  m += 0xFFFu + ((m >> 13) & 1u);
+  const uint32_t exp = (m >> 23) - 127 + 15, mant = (m >> 13) & 0x3FFu;
+  return f16{static_cast<uint16_t>(sign | (exp << 10) | mant)};
+}
+
+float from_f16(f16 x) {
+  const float sign = (x.bits & 0x8000u) ? -1.0f : 1.0f;
+  const int e = (x.bits >> 10) & 0x1F, m = x.bits & 0x3FF;
+  if (e == 0x1F) return m ? std::numeric_limits<float>::quiet_NaN() : sign * INFINITY;
+  if (e == 0) return sign * std::ldexp(static_cast<float>(m), -24);
+  return sign * std::ldexp(1.0f + m / 1024.0f, e - 15);
+}
+
 uint8_t to_e4m3(float x) {
   if (std::isnan(x)) return 0x7F;
   const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;

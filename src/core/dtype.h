@@ -9,7 +9,7 @@
 
 namespace mt {
 
-enum class DType : uint8_t { kF32, kF64, kBF16, kE4M3, kE8M0, kI32, kI64, kU8 };
+enum class DType : uint8_t { kF32, kF64, kBF16, kE4M3, kE8M0, kI32, kI64, kU8, kF16 };
 
 // One row per DType, in enum order. `nccl` is the value of NCCL's ncclDataType_t (-1: not sent
 // through NCCL); dist/nccl_backend.cpp checks the values against nccl.h at compile time, so
@@ -24,7 +24,7 @@ struct DTypeInfo {
   bool kernel_storage;
 };
 
-inline constexpr std::array<DTypeInfo, 8> kDTypes{{
+inline constexpr std::array<DTypeInfo, 9> kDTypes{{
     {DType::kF32, "f32", 4, "F32", 7, true},
     {DType::kF64, "f64", 8, "F64", 8, false},
     {DType::kBF16, "bf16", 2, "BF16", 9, true},
@@ -33,6 +33,7 @@ inline constexpr std::array<DTypeInfo, 8> kDTypes{{
     {DType::kI32, "i32", 4, "I32", 2, false},
     {DType::kI64, "i64", 8, "I64", 4, false},
     {DType::kU8, "u8", 1, "U8", 1, false},
+    {DType::kF16, "f16", 2, "F16", 6, false},  // read from checkpoints (HF fp16), not computed in
 }};
 
 constexpr const DTypeInfo& dtype_info(DType t) {
@@ -90,6 +91,18 @@ constexpr DType dtype_of<bf16>() {
 }
 bf16 to_bf16(float x);
 float from_bf16(bf16 x);
+
+// IEEE binary16: exact to fp32; from fp32 rounded to nearest even, overflow to +-inf, gradual
+// underflow to subnormals, NaN stays a (quiet) NaN.
+struct f16 {
+  uint16_t bits = 0;
+};
+template <>
+constexpr DType dtype_of<f16>() {
+  return DType::kF16;
+}
+f16 to_f16(float x);
+float from_f16(f16 x);
 
 // FP8 E4M3 (OCP "fn" variant): bias 7, no infinities, 0x7F/0xFF are NaN, max finite 448.
 // The cast saturates to +-448 (what MX quantization wants); NaN maps to 0x7F whatever its sign.

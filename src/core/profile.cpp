@@ -1,5 +1,7 @@
 #include "core/profile.h"
 
+#include <sys/resource.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
@@ -92,6 +94,12 @@ Phase::~Phase() {
   const std::lock_guard lock(t.mutex);
   add_ms(t.ms, name_, ms);
   if (peak > peak_at_start_) t.peaks.emplace_back(name_, peak);
+}
+
+int64_t peak_host_bytes() {
+  struct rusage u {};
+  getrusage(RUSAGE_SELF, &u);
+  return static_cast<int64_t>(u.ru_maxrss) * 1024;  // Linux reports KiB
 }
 
 std::vector<std::pair<std::string, int64_t>> take_peaks() {

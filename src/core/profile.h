@@ -28,6 +28,9 @@ class Phase {
   int64_t peak_at_start_ = 0;
 };
 
+// This process's peak resident host memory so far, in bytes (getrusage's maxrss).
+int64_t peak_host_bytes();
+
 // Milliseconds per phase name since the last call, in order of first use; clears them.
 std::vector<std::pair<std::string, double>> take();
 

@@ -378,6 +378,8 @@ double Tensor::item(int64_t i) const {
       return static_cast<const double*>(p)[i];
     case DType::kBF16:
       return from_bf16(static_cast<const bf16*>(p)[i]);
+    case DType::kF16:
+      return from_f16(static_cast<const f16*>(p)[i]);
     case DType::kE4M3:
       return from_e4m3(static_cast<const uint8_t*>(p)[i]);
     case DType::kE8M0:
@@ -410,6 +412,9 @@ void Tensor::set_item(int64_t i, double v) {
       break;
     case DType::kBF16:
       static_cast<bf16*>(p)[i] = to_bf16(static_cast<float>(v));
+      break;
+    case DType::kF16:
+      static_cast<f16*>(p)[i] = to_f16(static_cast<float>(v));
       break;
     case DType::kE4M3:
       static_cast<uint8_t*>(p)[i] = to_e4m3(static_cast<float>(v));

@@ -42,7 +42,8 @@ static_assert(dtype_info(DType::kF32).nccl == ncclFloat32 &&
               dtype_info(DType::kE8M0).nccl == ncclUint8 &&
               dtype_info(DType::kI32).nccl == ncclInt32 &&
               dtype_info(DType::kI64).nccl == ncclInt64 &&
-              dtype_info(DType::kU8).nccl == ncclUint8);
+              dtype_info(DType::kU8).nccl == ncclUint8 &&
+              dtype_info(DType::kF16).nccl == ncclFloat16);
 
 ncclDataType_t nccl_type(DType t) {
   MT_CHECK(dtype_info(t).nccl >= 0, "NCCL cannot move {} tensors", dtype_name(t));

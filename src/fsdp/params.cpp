@@ -25,12 +25,16 @@ ParamGroup make_param_group(ParamKind kind, std::vector<ParamSpec> specs, DType 
   }
   g.specs = std::move(specs);
   g.numel = offset;
-  g.params = Tensor::zeros({offset}, dtype);
-  g.grads = Tensor::zeros({offset}, dtype);
-  g.shard = g.params;
-  g.grad_shard = g.grads;
+  g.master_dtype = dtype;
   g.compute_dtype = dtype;
   return g;
+}
+
+void allocate_group(ParamGroup& g) {
+  g.params = Tensor::zeros({g.numel}, g.master_dtype);
+  g.grads = Tensor::zeros({g.numel}, g.master_dtype);
+  g.shard = g.params;
+  g.grad_shard = g.grads;
 }
 
 void place_group(ParamGroup& g, Device device, DType compute_dtype) {

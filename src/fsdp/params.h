@@ -31,6 +31,7 @@ struct ParamSpec {
 
 struct ParamGroup {
   ParamKind kind = ParamKind::kDense;
+  DType master_dtype = DType::kF32;  // params, shard, grads
   std::vector<ParamSpec> specs;
   int64_t numel = 0;                   // sum of the specs, unpadded
   dist::Communicator* comm = nullptr;  // the FSDP group; null: not sharded
@@ -72,8 +73,12 @@ struct ParamUnit {
   std::vector<ParamGroup> groups;
 };
 
-// Builds an unsharded group from specs: assigns offsets, allocates zeroed params and grads.
+// Lays a group out from specs (offsets, numel, the master dtype) without storage: a model builds
+// its groups' storage one group at a time (allocate, initialise, place, shard), so a rank never
+// holds more than one unsharded group on the host.
 ParamGroup make_param_group(ParamKind kind, std::vector<ParamSpec> specs, DType dtype);
+// Zeroed host params and grads for a laid-out group.
+void allocate_group(ParamGroup& g);
 // Moves an initialised, unsharded group's params and grads to `device`; the ops will read the
 // weights in `compute_dtype` (a copy made when the unit is gathered, when it differs).
 void place_group(ParamGroup& g, Device device, DType compute_dtype);

@@ -152,6 +152,7 @@ Tensor block_forward(const BlockParams& p, const ModelConfig& c, const BlockInpu
   moe::moe_combine(p.moe, c.moe(), a.moe, out, &a.h);  // the residual add in the combine's pass
   a.tokens_per_expert = a.moe.routing.tokens_per_expert;
   a.aux_loss = a.moe.aux_loss;
+  a.aux_stats = a.moe.aux_stats;
   drop_for_policy(a, c.checkpoint);
   return out;
 }
@@ -160,6 +161,7 @@ Tensor block_backward(const BlockParams& p, BlockParams& g, const ModelConfig& c
                       const BlockInputs& in, BlockActivations& a, const Tensor& dout,
                       double aux_grad, ops::Accumulate expert_grads) {
   block_fill(p, c, in, a);
+  a.moe.aux_stats = a.aux_stats;  // the forward's (a recomputed routing has per-layer ones)
   const int64_t n = a.x.dim(0);
   const DType dt = a.x.dtype();
   const Device dev = a.x.device();

@@ -43,9 +43,12 @@ struct BlockActivations {
   Tensor h, hn, mlp_rstd;         // (N, D), (N, D), (N)                 [none]
   moe::MoeActivations moe;  // routing, logits, gate_up (+ EP: xr, wr) [selective]; rest [none]
   // Step statistics, always kept, on the activations' device: i64 (E) rows routed to each
-  // expert, and the aux loss (one f64).
+  // expert, and the aux loss (one f64) with the statistics it was computed from (the backward
+  // uses these, also when the routing is recomputed; model.aux_loss_form = "transformers"
+  // replaces them with the pooled ones after the forward).
   Tensor tokens_per_expert;
   Tensor aux_loss;
+  ops::AuxStats aux_stats;
 };
 
 struct BlockInputs {

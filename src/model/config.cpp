@@ -141,9 +141,9 @@ ModelConfig model_config_from_hf_json(const std::string& path, ModelConfig base)
   };
   // Only Qwen3-MoE: another architecture's config.json would map onto the wrong fields.
   if (j.contains("model_type") && j["model_type"] != "qwen3_moe")
-    throw ConfigError(fmt::format(
-        "config: '{}' is model_type {}, not a Qwen3-MoE (model_type \"qwen3_moe\")", path,
-        j["model_type"].dump()));
+    throw ConfigError(
+        fmt::format("config: '{}' is model_type {}, not a Qwen3-MoE (model_type \"qwen3_moe\")",
+                    path, j["model_type"].dump()));
   ModelConfig c = base;
   get_int("vocab_size", &c.vocab_size);
   get_int("hidden_size", &c.dim);

@@ -2,10 +2,12 @@
 // MoE routing options of the trainer. Sizes are validated in one place (validate) with messages
 // that name the key.
 #pragma once
+#include <array>
 #include <cstdint>
 #include <string>
 
 #include "core/dtype.h"
+#include "core/enum_names.h"
 #include "core/tensor.h"
 #include "moe/expert_exchange.h"
 #include "moe/moe_layer.h"
@@ -17,6 +19,14 @@ namespace mt {
 enum class CheckpointPolicy { kNone, kSelective, kFull };
 const char* policy_name(CheckpointPolicy p);
 bool parse_policy(const std::string& s, CheckpointPolicy* out);
+
+// The load-balancing loss over the layers (docs/config.md): kPerLayer, each layer's own
+// Switch-Transformer loss, summed (moetrain's default, as Megatron-Core and torchtitan); or
+// kTransformers, transformers' load_balancing_loss_func: one loss over every layer's routing
+// taken as one batch (counts and mean scores pooled over the layers).
+enum class AuxLossForm { kPerLayer, kTransformers };
+inline constexpr std::array<EnumName<AuxLossForm>, 2> kAuxLossForms{
+    {{AuxLossForm::kPerLayer, "per_layer"}, {AuxLossForm::kTransformers, "transformers"}}};
 
 struct ModelConfig {
   // --- architecture (HF Qwen3MoeConfig names in comments) ---
@@ -34,7 +44,8 @@ struct ModelConfig {
   bool norm_topk_prob = true;        // norm_topk_prob
   bool tie_word_embeddings = false;  // tie_word_embeddings
   // --- routing and balancing ---
-  double aux_loss_coef = 0.001;   // router_aux_loss_coef; 0 disables
+  double aux_loss_coef = 0.001;  // router_aux_loss_coef; 0 disables
+  AuxLossForm aux_loss_form = AuxLossForm::kPerLayer;
   double bias_update_rate = 0.0;  // aux-loss-free balancing (0 = off)
   // learned, or a fixed pattern for benchmarks (balanced, skewed: ops/routing_mode.h).
   ops::RoutingMode routing = ops::RoutingMode::kLearned;

@@ -17,6 +17,7 @@
 #include "ops/gemm.h"
 #include "ops/loss.h"
 #include "ops/norm.h"
+#include "ops/route.h"
 #if MOETRAIN_HAS_CUDA
 #include "ops/cuda/device.h"
 #include "ops/cuda/graph.h"
@@ -128,6 +129,7 @@ Qwen3Moe::Qwen3Moe(const ModelConfig& c, uint64_t seed, dist::DeviceMesh* mesh)
       ParamUnit{"head", {make_param_group(ParamKind::kDense, std::move(head_specs), dt)}});
   for (auto& u : units_)
     for (auto& g : u.groups) {
+      allocate_group(g);
       init_params(g, seed, c.init_std);  // on the host, then moved: same values on any device
       place_group(g, cfg_.device, cfg_.activation_dtype());
       if (!mesh) continue;
@@ -163,8 +165,19 @@ Tensor Qwen3Moe::head_weight() const {
   return cfg_.tie_word_embeddings ? units_[0].groups[0].weight(0) : g.weight(1);
 }
 
-MicroBatchLosses Qwen3Moe::forward(const Batch& b) {
-  return run(b, nullptr);
+MicroBatchLosses Qwen3Moe::forward(const Batch& b, Tensor* token_losses) {
+  if (token_losses) {
+    const Shape want{b.size()};
+    MT_CHECK(token_losses->shape() == want && token_losses->dtype() == cfg_.stat_dtype() &&
+                 token_losses->device() == cfg_.device,
+             "per-token losses: {} {}, the model needs {} {} on its device",
+             dtype_name(token_losses->dtype()), shape_str(token_losses->shape()),
+             dtype_name(cfg_.stat_dtype()), shape_str(want));
+  }
+  token_losses_ = token_losses;
+  const MicroBatchLosses out = run(b, nullptr);
+  token_losses_ = nullptr;
+  return out;
 }
 MicroBatchLosses Qwen3Moe::forward_backward(const Batch& b, const LossScale& s) {
   return run(b, &s);
@@ -327,13 +340,26 @@ void Qwen3Moe::pass(const Batch& b, const LossScale* scale) {
     losses_.view(1 + l, {1}).copy_from(acts[l].aux_loss);
     routed_.view(l * c.n_experts, {c.n_experts}).copy_from(acts[l].tokens_per_expert);
   }
+  if (c.aux_loss_form == AuxLossForm::kTransformers) {
+    // transformers' load_balancing_loss_func: one loss over all layers' routing as one batch,
+    // E * sum_e (C_e / LN) (sum_l P_le / LN), written as a sum over layers of the per-layer
+    // formula with the pooled counts C and token count LN and the layer's own score sums; the
+    // backward then gives each layer's scores the gradient E C_e / (LN)^2.
+    ops::AuxStats pooled = ops::zero_aux_stats(acts[0].aux_stats);
+    for (int64_t l = 0; l < L; ++l) ops::add_aux_stats(acts[l].aux_stats, pooled);
+    for (int64_t l = 0; l < L; ++l) {
+      acts[l].aux_stats = {pooled.tokens_per_expert, acts[l].aux_stats.score_sum, pooled.tokens};
+      acts[l].aux_loss = ops::router_aux_loss(acts[l].aux_stats);
+      losses_.view(1 + l, {1}).copy_from(acts[l].aux_loss);
+    }
+  }
   std::optional<profile::Phase> head_phase(std::in_place, "head");
   schedule.forward_begin(head_unit);
   const Tensor norm_w = head.groups[0].weight(0);
   Tensor xf = Tensor::empty({n, c.dim}, dt, dev), rstd = Tensor::empty({n}, st, dev);
   ops::rmsnorm_forward(x, norm_w, c.rms_norm_eps, xf, rstd);
   if (!scale) {
-    head_and_loss(b, xf, nullptr, loss_sum);
+    head_and_loss(b, xf, nullptr, loss_sum, token_losses_);
     schedule.forward_end(head_unit);
     schedule.forward_end(0);
     return;
@@ -387,7 +413,7 @@ MicroBatchLosses Qwen3Moe::collect() {
 }
 
 void Qwen3Moe::head_and_loss(const Batch& b, const Tensor& xf, HeadGradients* grads,
-                             Tensor& loss_sum) {
+                             Tensor& loss_sum, Tensor* token_losses) {
   const ModelConfig& c = cfg_;
   const bool tied = c.tie_word_embeddings;
   const int64_t n = xf.dim(0), v = c.vocab_size;
@@ -405,7 +431,9 @@ void Qwen3Moe::head_and_loss(const Batch& b, const Tensor& xf, HeadGradients* gr
     const Tensor targets = b.targets.view(r0, {rows}), mask = b.loss_mask.view(r0, {rows});
     Tensor logits = logits_buffer.view(0, {rows, v}), lse = lse_buffer.view(0, {rows});
     ops::gemm(x, ops::Transpose::kNo, w_out, w_op, logits, ops::Accumulate::kNo);
-    ops::cross_entropy_forward(logits, targets, mask, lse, loss_sum);
+    Tensor token_loss = token_losses ? token_losses->view(r0, {rows}) : Tensor();
+    ops::cross_entropy_forward(logits, targets, mask, lse, loss_sum,
+                               token_losses ? &token_loss : nullptr);
     if (!grads) continue;
     Tensor dlogits = dlogits_buffer.view(0, {rows, v});
     ops::cross_entropy_backward(logits, targets, mask, lse, *grads->ce_scale, dlogits);

@@ -54,8 +54,10 @@ class Qwen3Moe {
   void zero_grad();
   // Forward and backward of one micro-batch; gradients accumulate.
   MicroBatchLosses forward_backward(const Batch& b, const LossScale& s);
-  // Forward only (evaluation and finite differences).
-  MicroBatchLosses forward(const Batch& b);
+  // Forward only (evaluation and finite differences). token_losses (b.size(), the loss
+  // statistics' dtype, on the model's device), where given, receives each token's loss (0 where
+  // the loss mask is 0).
+  MicroBatchLosses forward(const Batch& b, Tensor* token_losses = nullptr);
   // bias_e += rate * sign(mean load - load_e) from this step's loads over all ranks
   // (DeepSeek-V3 style). Collective on a mesh.
   void update_router_biases();
@@ -89,7 +91,8 @@ class Qwen3Moe {
   // The LM head and cross-entropy over cfg_.loss_chunk_tokens tokens at a time: each chunk's
   // logits, loss and (when grads) gradients, so at most chunk x vocab logits exist at once.
   // Adds the summed loss of the counted tokens to loss_sum (one f64 on the device).
-  void head_and_loss(const Batch& b, const Tensor& xf, HeadGradients* grads, Tensor& loss_sum);
+  void head_and_loss(const Batch& b, const Tensor& xf, HeadGradients* grads, Tensor& loss_sum,
+                     Tensor* token_losses = nullptr);
 
   ModelConfig cfg_;
   dist::DeviceMesh* mesh_ = nullptr;
@@ -100,6 +103,7 @@ class Qwen3Moe {
   // On the model's device, written by pass(): [0] the loss sum, [1 + l] layer l's aux loss (f64);
   // routed_ (L, E) i64 the pass's counts; ce_scale_ the loss-gradient scale (one f64).
   Tensor losses_, routed_, ce_scale_;
+  Tensor* token_losses_ = nullptr;  // forward()'s, for the pass it runs
   std::unique_ptr<GraphCache> graphs_;
 };
 

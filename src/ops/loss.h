@@ -8,8 +8,10 @@ namespace mt::ops {
 // logits (N, V), targets i32 (N), mask u8 (N); lse (N) saved. Adds the sum of
 // lse - logit[target] over masked tokens to loss_sum (one f64 element on the logits' device: on
 // the GPU the sum never visits the host, so a step can be captured in a CUDA graph).
+// token_loss (N, lse's dtype), where given, receives each token's lse - logit[target] (0 where
+// the mask is 0): evaluation's per-token losses.
 void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
-                           Tensor& lse, Tensor& loss_sum);
+                           Tensor& lse, Tensor& loss_sum, Tensor* token_loss = nullptr);
 // The same sum, returned (waits for the device).
 double cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
                              Tensor& lse);

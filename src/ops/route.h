@@ -41,6 +41,13 @@ struct AuxStats {
 };
 AuxStats router_aux_stats(const Routing& r);
 
+// pooled += layer, field by field (the counts, the score sums, the token count): the statistics
+// of several layers taken as one batch, as transformers' load_balancing_loss_func takes every
+// layer's router logits at once. `pooled` starts as zeros on the layer's device
+// (zero_aux_stats).
+AuxStats zero_aux_stats(const AuxStats& like);
+void add_aux_stats(const AuxStats& layer, AuxStats& pooled);
+
 // Switch-Transformer load-balancing loss as in HF Qwen3-MoE, per layer:
 //   aux = E * sum_e (tokens_per_expert[e] / N) * (score_sum[e] / N),
 // as one f64 element on the statistics' device (on the GPU it never visits the host).

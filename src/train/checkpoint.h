@@ -14,6 +14,7 @@
 
 #include "model/qwen3_moe.h"
 #include "train/optimizer.h"
+#include "train/safetensors.h"
 
 namespace mt {
 
@@ -36,15 +37,5 @@ TrainState load_checkpoint(const std::string& path, Qwen3Moe& model, AdamW& opt,
 // The checkpoint <dir>/latest names (a file or a step folder in dir): nullopt when there is no
 // `latest`, empty when it names nothing.
 std::optional<std::string> latest_checkpoint(const std::string& dir);
-
-// safetensors primitives (also used by tests and converters).
-struct SafetensorsFile {
-  std::map<std::string, Tensor> tensors;
-  std::map<std::string, std::string> metadata;
-};
-void write_safetensors(const std::string& path, const SafetensorsFile& f);
-SafetensorsFile read_safetensors(const std::string& path);
-// The __metadata__ of a safetensors file, reading its header only.
-std::map<std::string, std::string> read_safetensors_metadata(const std::string& path);
 
 }  // namespace mt

@@ -120,6 +120,12 @@ const std::vector<Field>& fields() {
            throw ConfigError(fmt::format(
                "config: model.checkpoint = \"{}\" (valid: none, selective, full)", v.s));
        }},
+      {"model", "aux_loss_form", FieldType::kString,
+       [](Config& c, const Value& v) {
+         if (!parse_enum(kAuxLossForms, v.s, &c.model.aux_loss_form))
+           throw ConfigError(fmt::format(
+               "config: model.aux_loss_form = \"{}\" (valid: per_layer, transformers)", v.s));
+       }},
       {"model", "expert_recipe", FieldType::kString,
        [](Config& c, const Value& v) {
          if (!ops::parse_expert_recipe(v.s, &c.model.expert_precision.recipe))
@@ -176,6 +182,7 @@ const std::vector<Field>& fields() {
                fmt::format("config: data.source = \"{}\" (valid: synthetic, tokens, sft)", v.s));
        }},
       member("data", "path", &Config::data, &D::path),
+      member("data", "shuffle", &Config::data, &D::shuffle),
       member("data", "languages", &Config::data, &D::languages),
       member("data", "branching", &Config::data, &D::branching),
       member("data", "min_doc_len", &Config::data, &D::min_doc_len),

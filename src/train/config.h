@@ -33,6 +33,9 @@ enum class DataSourceKind { kSynthetic, kTokens, kSft };
 struct DataConfig {
   DataSourceKind source = DataSourceKind::kSynthetic;
   std::string path;  // token file for "tokens" and "sft"
+  // Token files: each epoch visits the documents in an order drawn from `seed` and the epoch
+  // (false: the file's order).
+  bool shuffle = true;
   // Synthetic mixture of stochastic languages (see train/synthetic_data.h).
   int64_t languages = 4;
   int64_t branching = 4;

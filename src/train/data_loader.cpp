@@ -6,6 +6,7 @@
 #include <map>
 
 #include "core/error.h"
+#include "core/rng.h"
 #include "train/synthetic_data.h"
 #include "train/token_file.h"
 
@@ -96,53 +97,98 @@ class SyntheticLoader : public DataLoader {
   int64_t next_row_ = 0;
 };
 
-// Documents streamed end to end, wrapping around at the end of the file; a document that does
-// not fit a row continues at the start of the next one (as a new attention segment).
+// Documents streamed end to end, epoch after epoch, each epoch in its own order (a permutation
+// of the documents drawn from the seed and the epoch; the file's order without shuffling); a
+// document that does not fit a row continues at the start of the next one (as a new attention
+// segment). The position is the index of the next row's first token in that endless stream, so
+// it also says the epoch (position / tokens in the file).
 class TokenFileLoader : public DataLoader {
  public:
-  TokenFileLoader(TokenDocuments docs) : docs_(std::move(docs)) {}
+  TokenFileLoader(std::unique_ptr<MappedTokenFile> file, bool shuffle, uint64_t seed)
+      : file_(std::move(file)), shuffle_(shuffle), seed_(seed) {}
 
   Batch next(int64_t rows, int64_t seq_len) override {
+    const TokenView& v = file_->view();
     std::vector<PackedRow> packed;
     for (int64_t r = 0; r < rows; ++r) {
       PackedRow row;
       for (int64_t i = 0; i <= seq_len; ++i) {
-        const uint64_t at = static_cast<uint64_t>(pos_ + i) % docs_.tokens.size();
-        row.tokens.push_back(static_cast<int32_t>(docs_.tokens[at]));
-        row.segment_start.push_back(is_doc_start(at));
-        row.counts.push_back(docs_.loss_mask.empty() ? 1 : docs_.loss_mask[at]);
+        const Place p = locate(pos_ + i);
+        row.tokens.push_back(static_cast<int32_t>(v.tokens[p.token]));
+        row.segment_start.push_back(p.doc_start);
+        row.counts.push_back(v.loss_mask ? v.loss_mask[p.token] : 1);
       }
-      pos_ = (pos_ + seq_len) % static_cast<int64_t>(docs_.tokens.size());
+      pos_ += seq_len;
       packed.push_back(std::move(row));
     }
     return pack_rows(packed, seq_len);
   }
-  void skip(int64_t rows, int64_t seq_len) override {
-    pos_ = (pos_ + rows * seq_len) % static_cast<int64_t>(docs_.tokens.size());
-  }
+  void skip(int64_t rows, int64_t seq_len) override { pos_ += rows * seq_len; }
   int64_t position() const override { return pos_; }
   void set_position(int64_t p) override {
-    if (p < 0 || p >= static_cast<int64_t>(docs_.tokens.size()))
-      throw CheckpointError(
-          fmt::format("checkpoint data position {} is outside the token file's {} tokens", p,
-                      docs_.tokens.size()));
+    if (p < 0) throw CheckpointError(fmt::format("checkpoint data position {} is negative", p));
     pos_ = p;
   }
+  // The unigram entropy of the counted targets among the file's first 2^24 tokens.
   DataStats stats(int64_t) const override {
+    constexpr int64_t kStatTokens = int64_t{1} << 24;
+    const TokenView& v = file_->view();
     std::map<int32_t, int64_t> counts;
-    for (size_t i = 0; i < docs_.tokens.size(); ++i)
-      if ((docs_.loss_mask.empty() || docs_.loss_mask[i]) && !is_doc_start(i))
-        counts[static_cast<int32_t>(docs_.tokens[i])] += 1;
+    for (int64_t i = 0; i < std::min(v.num_tokens, kStatTokens); ++i)
+      if ((!v.loss_mask || v.loss_mask[i]) && !v.is_doc_start(i))
+        counts[static_cast<int32_t>(v.tokens[i])] += 1;
     return {std::numeric_limits<double>::quiet_NaN(),
             counts.empty() ? 0.0 : entropy_of_counts(counts)};
   }
 
  private:
-  uint8_t is_doc_start(uint64_t at) const {
-    return std::binary_search(docs_.doc_offsets.begin(), docs_.doc_offsets.end() - 1, at);
+  struct Place {
+    int64_t token;  // index into the file's tokens
+    uint8_t doc_start;
+  };
+  // Token `at` of the stream.
+  Place locate(int64_t at) {
+    const TokenView& v = file_->view();
+    const int64_t epoch = at / v.num_tokens, r = at % v.num_tokens;
+    if (!shuffle_) return {r, static_cast<uint8_t>(v.is_doc_start(r))};
+    if (epoch != epoch_) order_epoch(epoch);
+    // The last document of the order that starts at or before r (empty documents start where
+    // the next one does and are passed over).
+    const auto k = std::upper_bound(starts_.begin(), starts_.end(), static_cast<uint64_t>(r)) -
+                   starts_.begin() - 1;
+    const uint64_t doc = order_[k];
+    return {static_cast<int64_t>(v.doc_offsets[doc] + (r - starts_[k])),
+            static_cast<uint8_t>(static_cast<uint64_t>(r) == starts_[k])};
   }
-  TokenDocuments docs_;
+  // Fisher-Yates over the documents with random numbers of (seed, epoch): the same order on
+  // every rank and at every resume.
+  void order_epoch(int64_t epoch) {
+    const TokenView& v = file_->view();
+    const CounterRng rng{seed_, 0x5348554646ull + static_cast<uint64_t>(epoch)};  // "SHUFF"
+    order_.resize(v.num_docs);
+    for (int64_t d = 0; d < v.num_docs; ++d) order_[d] = d;
+    for (int64_t i = v.num_docs - 1; i > 0; --i) {
+      const Philox4x32 b = rng.block(static_cast<uint64_t>(i));
+      const uint64_t x = (static_cast<uint64_t>(b.v[0]) << 32) | b.v[1];
+      const auto j = static_cast<int64_t>(x % static_cast<uint64_t>(i + 1));  // bias < 2^-30
+      std::swap(order_[i], order_[j]);
+    }
+    starts_.resize(v.num_docs);
+    uint64_t at = 0;
+    for (int64_t k = 0; k < v.num_docs; ++k) {
+      starts_[k] = at;
+      at += v.doc_offsets[order_[k] + 1] - v.doc_offsets[order_[k]];
+    }
+    epoch_ = epoch;
+  }
+
+  std::unique_ptr<MappedTokenFile> file_;
+  bool shuffle_;
+  uint64_t seed_;
   int64_t pos_ = 0;
+  int64_t epoch_ = -1;            // the epoch order_ and starts_ are for
+  std::vector<uint64_t> order_;   // documents in this epoch's order
+  std::vector<uint64_t> starts_;  // where each of them starts in the epoch's stream
 };
 
 }  // namespace
@@ -155,12 +201,12 @@ std::unique_ptr<DataLoader> make_data_loader(const Config& c) {
                                                              c.data.max_doc_len, c.data.seed});
     case DataSourceKind::kTokens:
     case DataSourceKind::kSft: {
-      TokenDocuments d = read_token_file(c.data.path, c.model.vocab_size);
-      if (c.data.source == DataSourceKind::kSft && d.loss_mask.empty())
+      auto file = std::make_unique<MappedTokenFile>(c.data.path, c.model.vocab_size);
+      if (c.data.source == DataSourceKind::kSft && !file->view().loss_mask)
         throw DataError(fmt::format(
             "data: data.source = \"sft\" needs a loss mask, and '{}' has none (flags bit 0)",
             c.data.path));
-      return std::make_unique<TokenFileLoader>(std::move(d));
+      return std::make_unique<TokenFileLoader>(std::move(file), c.data.shuffle, c.data.seed);
     }
   }
   MT_CHECK(false, "unknown data source");

@@ -5,6 +5,7 @@
 // batches (missing rows are all uncounted), and the sums are all-reduced.
 #pragma once
 #include <cstdint>
+#include <functional>
 
 #include "dist/communicator.h"
 #include "model/qwen3_moe.h"
@@ -18,8 +19,12 @@ struct EvalResult {
   double mean() const { return tokens > 0 ? loss_sum / static_cast<double>(tokens) : 0.0; }
 };
 
-// Collective over world (null: one rank).
-EvalResult evaluate_tokens(Qwen3Moe& model, const TokenDocuments& docs, int64_t rows,
-                           int64_t seq_len, dist::Communicator* world);
+// Each counted target's loss, on rank 0, in file order: `target` indexes the file's tokens.
+using TokenLossSink = std::function<void(int64_t target, double loss)>;
+
+// Collective over world (null: one rank). With `per_token` (given on every rank, called on rank
+// 0) every batch's token losses are gathered to rank 0.
+EvalResult evaluate_tokens(Qwen3Moe& model, const TokenView& docs, int64_t rows, int64_t seq_len,
+                           dist::Communicator* world, const TokenLossSink* per_token = nullptr);
 
 }  // namespace mt

@@ -1,14 +1,18 @@
 #include "train/hf_export.h"
 
+#include <chrono>
 #include <filesystem>
 #include <map>
 #include <nlohmann/json.hpp>
 
 #include "core/atomic_file.h"
 #include "core/error.h"
+#include "core/log.h"
+#include "core/profile.h"
 #include "dist/mesh.h"
-#include "train/checkpoint.h"
-#include "train/hf_import.h"
+#include "ops/dispatch.h"
+#include "train/hf_layout.h"
+#include "train/safetensors.h"
 
 namespace mt {
 
@@ -16,36 +20,66 @@ namespace {
 
 namespace fs = std::filesystem;
 
-constexpr size_t kShardBytes = size_t{5} << 30;  // the most one safetensors shard holds
+// Every HF tensor in unit order, cut into shards of at most `max_bytes` (a larger tensor alone).
+struct ShardPlan {
+  std::vector<std::vector<SafetensorsWriter::Planned>> shards{1};
+  std::map<std::string, size_t> shard_of;
+  size_t total_bytes = 0;
+  std::string file(size_t i) const {
+    return shards.size() == 1
+               ? "model.safetensors"
+               : fmt::format("model-{:05d}-of-{:05d}.safetensors", i + 1, shards.size());
+  }
+};
 
-// The whole parameter (every expert) of each spec, f64 on the host, by moetrain name. Sharded
-// groups are all-gathered over their FSDP group; expert groups then over the EP group (EP rank p
-// holds experts [p*L, (p+1)*L), so the ranks' blocks laid end to end are every expert).
-std::map<std::string, Tensor> full_parameters(Qwen3Moe& model) {
-  std::map<std::string, Tensor> out;
-  dist::DeviceMesh* mesh = model.mesh();
-  for (ParamUnit& u : model.units())
-    for (ParamGroup& g : u.groups) {
-      Tensor flat = g.shard.to(Device::kCPU).to(DType::kF64);
-      if (g.sharded()) {
-        Tensor all = Tensor::empty({flat.numel() * g.comm->size()}, DType::kF64);
-        g.comm->all_gather(flat, all);
-        flat = all;
-      }
-      const bool split = g.kind == ParamKind::kExpert && mesh && mesh->ep_size() > 1;
-      for (const ParamSpec& s : g.specs) {
-        Tensor mine = flat.view(s.offset, s.shape).clone();
-        if (split) {
-          Shape whole = s.shape;
-          whole[0] *= mesh->ep_size();
-          Tensor all = Tensor::empty(whole, DType::kF64);
-          mesh->ep().all_gather(mine, all);
-          mine = all;
-        }
-        out.emplace(s.name, mine);
-      }
+ShardPlan plan_shards(const Qwen3Moe& model, DType dtype, size_t max_bytes) {
+  ShardPlan p;
+  size_t bytes = 0;
+  for (const HfTensor& t : hf_tensors(model, HfExperts::kPerExpert)) {
+    const size_t n = static_cast<size_t>(shape_numel(t.shape)) * dtype_size(dtype);
+    if (bytes > 0 && bytes + n > max_bytes) {
+      p.shards.emplace_back();
+      bytes = 0;
     }
-  return out;
+    p.shards.back().push_back({t.name, dtype, t.shape});
+    p.shard_of[t.name] = p.shards.size() - 1;
+    bytes += n;
+    p.total_bytes += n;
+  }
+  return p;
+}
+
+// The whole value of each of the group's parameters (every expert) in the shard's dtype on its
+// device, by spec: the group's shards are gathered over FSDP, an expert parameter then over EP
+// (EP rank p holds experts [p*L, (p+1)*L), so the ranks' blocks end to end are every expert).
+// Collective; fn(spec, value) runs on every rank.
+template <class F>
+void for_each_whole_parameter(Qwen3Moe& model, ParamGroup& g, F&& fn) {
+  dist::DeviceMesh* mesh = model.mesh();
+  Tensor flat = g.shard;
+  if (g.sharded()) {
+    flat = Tensor::empty({g.shard.numel() * g.comm->size()}, g.shard.dtype(), g.shard.device());
+    g.comm->all_gather(g.shard, flat);
+  }
+  const bool split = g.kind == ParamKind::kExpert && mesh && mesh->ep_size() > 1;
+  for (const ParamSpec& s : g.specs) {
+    Tensor value = flat.view(s.offset, s.shape);
+    if (split) {
+      Shape whole = s.shape;
+      whole[0] *= mesh->ep_size();
+      Tensor all = Tensor::empty(whole, value.dtype(), value.device());
+      mesh->ep().all_gather(value, all);
+      value = all;
+    }
+    fn(s, value);
+  }
+}
+
+void store(void* base, DType t, int64_t i, double v) {
+  if (t == DType::kBF16)
+    static_cast<bf16*>(base)[i] = to_bf16(static_cast<float>(v));
+  else
+    static_cast<float*>(base)[i] = static_cast<float>(v);
 }
 
 nlohmann::json hf_config(const ModelConfig& c, DType dtype) {
@@ -83,77 +117,61 @@ nlohmann::json hf_config(const ModelConfig& c, DType dtype) {
 
 }  // namespace
 
-void export_hf(Qwen3Moe& model, const std::string& out_dir, DType dtype,
-               dist::Communicator* world) {
+void export_hf(Qwen3Moe& model, const std::string& out_dir, DType dtype, dist::Communicator* world,
+               size_t max_shard_bytes) {
   MT_CHECK(dtype == DType::kBF16 || dtype == DType::kF32, "export in {}: bf16 or f32",
            dtype_name(dtype));
   const ModelConfig& c = model.config();
-  std::map<std::string, Tensor> p = full_parameters(model);  // collective: every rank
-  if (world && world->rank() != 0) return;
-  const int64_t d = c.dim, f = c.moe_dim;
-  // HF name -> tensor in `dtype`, in HF's layout.
-  std::map<std::string, Tensor> hf;
-  auto put = [&](const std::string& name, const Tensor& t) { hf.emplace(name, t.to(dtype)); };
-  put("model.embed_tokens.weight", p.at("embed.table"));
-  put("model.norm.weight", p.at("head.norm"));
-  if (!c.tie_word_embeddings) put("lm_head.weight", transposed_f64(p.at("head.out")));
-  for (int64_t l = 0; l < c.n_layers; ++l) {
-    const std::string m = fmt::format("layers.{}.", l), h = fmt::format("model.layers.{}.", l);
-    put(h + "input_layernorm.weight", p.at(m + "attn_norm"));
-    put(h + "post_attention_layernorm.weight", p.at(m + "mlp_norm"));
-    put(h + "self_attn.q_norm.weight", p.at(m + "attn.q_norm"));
-    put(h + "self_attn.k_norm.weight", p.at(m + "attn.k_norm"));
-    put(h + "self_attn.q_proj.weight", transposed_f64(p.at(m + "attn.wq")));
-    put(h + "self_attn.k_proj.weight", transposed_f64(p.at(m + "attn.wk")));
-    put(h + "self_attn.v_proj.weight", transposed_f64(p.at(m + "attn.wv")));
-    put(h + "self_attn.o_proj.weight", transposed_f64(p.at(m + "attn.wo")));
-    put(h + "mlp.gate.weight", transposed_f64(p.at(m + "moe.router")));
-    const Tensor& gu = p.at(m + "moe.w_gate_up");  // (E, D, 2F)
-    const Tensor& dn = p.at(m + "moe.w_down");     // (E, F, D)
-    for (int64_t x = 0; x < c.n_experts; ++x) {
-      const std::string e = fmt::format("{}mlp.experts.{}.", h, x);
-      const Tensor both = gu.view(x * d * 2 * f, {d, 2 * f}).clone();
-      Tensor gate = Tensor::empty({d, f}, DType::kF64), up = Tensor::empty({d, f}, DType::kF64);
-      for (int64_t r = 0; r < d; ++r)
-        for (int64_t j = 0; j < f; ++j) {
-          gate.data<double>()[r * f + j] = both.data<double>()[r * 2 * f + j];
-          up.data<double>()[r * f + j] = both.data<double>()[r * 2 * f + f + j];
+  const auto start = std::chrono::steady_clock::now();
+  const bool writes = !world || world->rank() == 0;
+  const ShardPlan plan = plan_shards(model, dtype, max_shard_bytes);
+  std::vector<std::unique_ptr<SafetensorsWriter>> files;
+  if (writes) {
+    fs::create_directories(out_dir);
+    for (size_t i = 0; i < plan.shards.size(); ++i)
+      files.push_back(std::make_unique<SafetensorsWriter>(
+          (fs::path(out_dir) / plan.file(i)).string(), plan.shards[i],
+          std::map<std::string, std::string>{{"format", "pt"}}));
+  }
+  // One parameter at a time: rank 0 holds one whole parameter and its HF tensors, never the model.
+  for (ParamUnit& u : model.units())
+    for (ParamGroup& g : u.groups)
+      for_each_whole_parameter(model, g, [&](const ParamSpec& s, const Tensor& value) {
+        if (!writes) return;
+        const Tensor host = value.to(Device::kCPU);
+        const HfLayout layout(whole_parameter(s, c), c, HfExperts::kPerExpert);
+        std::vector<Tensor> out;
+        for (const HfTensor& t : layout.tensors()) out.push_back(Tensor::empty(t.shape, dtype));
+        std::vector<void*> bases;
+        for (Tensor& t : out) bases.push_back(t.raw());
+        ops::dispatch_float(host.dtype(), [&](auto tag) {
+          using T = decltype(tag);
+          const T* v = host.data<T>();
+          layout.for_each_element(0, host.numel(), [&](int64_t j, HfLayout::Element e) {
+            store(bases[e.tensor], dtype, e.index, static_cast<double>(v[j]));
+          });
+        });
+        for (size_t i = 0; i < out.size(); ++i) {
+          const std::string& name = layout.tensors()[i].name;
+          files[plan.shard_of.at(name)]->write(name, out[i].raw(), out[i].nbytes());
         }
-      put(e + "gate_proj.weight", transposed_f64(gate));
-      put(e + "up_proj.weight", transposed_f64(up));
-      put(e + "down_proj.weight", transposed_f64(dn.view(x * f * d, {f, d}).clone()));
-    }
-  }
-  // Shards of at most kShardBytes, in name order; the index names each tensor's file.
-  std::vector<std::vector<std::string>> shards(1);
-  size_t bytes = 0, total = 0;
-  for (const auto& [name, t] : hf) {
-    if (bytes > 0 && bytes + t.nbytes() > kShardBytes) {
-      shards.emplace_back();
-      bytes = 0;
-    }
-    shards.back().push_back(name);
-    bytes += t.nbytes();
-    total += t.nbytes();
-  }
-  fs::create_directories(out_dir);
-  nlohmann::json index;
-  index["metadata"] = {{"total_size", total}};
-  for (size_t i = 0; i < shards.size(); ++i) {
-    const std::string file = shards.size() == 1 ? "model.safetensors"
-                                                : fmt::format("model-{:05d}-of-{:05d}.safetensors",
-                                                              i + 1, shards.size());
-    SafetensorsFile sf;
-    sf.metadata["format"] = "pt";
-    for (const std::string& name : shards[i]) {
-      sf.tensors.emplace(name, hf.at(name));
-      index["weight_map"][name] = file;
-    }
-    write_safetensors((fs::path(out_dir) / file).string(), sf);
-  }
-  if (shards.size() > 1)
+      });
+  if (!writes) return;
+  for (auto& f : files) f->commit();
+  log::info(
+      "hf export: {} tensors ({:.2f} GiB, {} file{}) in '{}' in {:.1f} s; peak host memory "
+      "{:.2f} GiB",
+      plan.shard_of.size(), static_cast<double>(plan.total_bytes) / (1 << 30), plan.shards.size(),
+      plan.shards.size() == 1 ? "" : "s", out_dir,
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count(),
+      static_cast<double>(profile::peak_host_bytes()) / (1 << 30));
+  if (plan.shards.size() > 1) {
+    nlohmann::json index;
+    index["metadata"] = {{"total_size", plan.total_bytes}};
+    for (const auto& [name, shard] : plan.shard_of) index["weight_map"][name] = plan.file(shard);
     write_file_atomically((fs::path(out_dir) / "model.safetensors.index.json").string(),
                           index.dump(2) + "\n");
+  }
   write_file_atomically((fs::path(out_dir) / "config.json").string(),
                         hf_config(c, dtype).dump(2) + "\n");
 }

@@ -14,7 +14,10 @@ namespace mt {
 
 // Collective over the model's ranks (world: null on one rank): every group's shards are
 // gathered, the experts from every EP rank, and rank 0 writes `out_dir` (created; files written
-// atomically). dtype: bf16 or f32.
-void export_hf(Qwen3Moe& model, const std::string& out_dir, DType dtype, dist::Communicator* world);
+// atomically, each shard when all its tensors are in it; the index and config.json last). dtype:
+// bf16 or f32. Rank 0 holds one whole parameter at a time, never the model.
+inline constexpr size_t kHfShardBytes = size_t{5} << 30;  // what the published checkpoints use
+void export_hf(Qwen3Moe& model, const std::string& out_dir, DType dtype, dist::Communicator* world,
+               size_t max_shard_bytes = kHfShardBytes);
 
 }  // namespace mt

@@ -1,5 +1,7 @@
 #include "train/hf_import.h"
 
+#include <algorithm>
+#include <chrono>
 #include <filesystem>
 #include <fstream>
 #include <map>
@@ -8,7 +10,11 @@
 #include <vector>
 
 #include "core/error.h"
-#include "train/checkpoint.h"
+#include "core/log.h"
+#include "core/profile.h"
+#include "dist/mesh.h"
+#include "train/hf_layout.h"
+#include "train/safetensors.h"
 
 namespace mt {
 
@@ -16,152 +22,134 @@ namespace {
 
 namespace fs = std::filesystem;
 
-// name -> tensor (host) of every file of the directory.
-std::map<std::string, Tensor> read_hf_tensors(const std::string& dir) {
-  const fs::path index = fs::path(dir) / "model.safetensors.index.json";
-  std::vector<std::string> files;
-  if (fs::exists(index)) {
-    std::ifstream in(index);
-    nlohmann::json j;
-    try {
-      in >> j;
-    } catch (const std::exception& e) {
-      throw CheckpointError(
-          fmt::format("hf: '{}' is not valid JSON: {}", index.string(), e.what()));
-    }
-    if (!j.contains("weight_map") || !j["weight_map"].is_object())
-      throw CheckpointError(fmt::format("hf: '{}' has no weight_map object", index.string()));
-    std::set<std::string> names;
-    for (const auto& [tensor, file] : j["weight_map"].items()) {
-      if (!file.is_string())
-        throw CheckpointError(
-            fmt::format("hf: '{}': weight_map[{}] is not a file name", index.string(), tensor));
-      names.insert(file.get<std::string>());
-    }
-    files.assign(names.begin(), names.end());
-  } else {
-    files.push_back("model.safetensors");
-  }
-  std::map<std::string, Tensor> out;
-  for (const std::string& f : files) {
-    const fs::path path = fs::path(dir) / f;
-    if (!fs::exists(path))
-      throw CheckpointError(fmt::format("hf: '{}' is missing ({})", path.string(),
-                                        fs::exists(index) ? "named by the index" : "no index"));
-    SafetensorsFile file = read_safetensors(path.string());
-    for (auto& [name, t] : file.tensors) {
-      if (t.dtype() != DType::kBF16 && t.dtype() != DType::kF32)
-        throw CheckpointError(fmt::format("hf: '{}': tensor {} is {}; bf16 and f32 are supported",
-                                          path.string(), name, dtype_name(t.dtype())));
-      if (!out.emplace(name, std::move(t)).second)
-        throw CheckpointError(fmt::format("hf: tensor {} is in two files of '{}'", name, dir));
-    }
-  }
-  return out;
-}
-
-// The HF tensors, taken by name: each is used once, and what is left over is an error.
-class Source {
+// Every tensor of an HF directory (model.safetensors, or the index and its shards), mapped.
+class HfDirectory {
  public:
-  Source(std::map<std::string, Tensor> t, std::string dir)
-      : t_(std::move(t)), dir_(std::move(dir)) {}
-  bool has(const std::string& name) const { return t_.count(name) > 0; }
-  // The tensor as f64 on the host, checked against its expected shape.
-  Tensor take(const std::string& name, const Shape& shape) {
-    const auto it = t_.find(name);
-    if (it == t_.end()) throw CheckpointError(fmt::format("hf: '{}' lacks tensor {}", dir_, name));
-    if (it->second.shape() != shape)
-      throw CheckpointError(fmt::format("hf: '{}': tensor {} is {}, the model needs {}", dir_, name,
-                                        shape_str(it->second.shape()), shape_str(shape)));
-    used_.insert(name);
-    return it->second.to(DType::kF64);
-  }
-  void expect_all_used() const {
-    for (const auto& [name, _] : t_)
-      if (!used_.count(name))
+  explicit HfDirectory(const std::string& dir) {
+    const fs::path index = fs::path(dir) / "model.safetensors.index.json";
+    std::map<std::string, std::string> weight_map;  // tensor -> file, from the index
+    std::set<std::string> files;
+    if (fs::exists(index)) {
+      std::ifstream in(index);
+      nlohmann::json j;
+      try {
+        in >> j;
+      } catch (const std::exception& e) {
         throw CheckpointError(
-            fmt::format("hf: '{}' holds tensor {}, which no parameter of this model takes (another "
-                        "architecture, or a config.json that does not match the weights)",
-                        dir_, name));
+            fmt::format("hf: '{}' is not valid JSON: {}", index.string(), e.what()));
+      }
+      if (!j.contains("weight_map") || !j["weight_map"].is_object())
+        throw CheckpointError(fmt::format("hf: '{}' has no weight_map object", index.string()));
+      for (const auto& [tensor, file] : j["weight_map"].items()) {
+        if (!file.is_string())
+          throw CheckpointError(
+              fmt::format("hf: '{}': weight_map[{}] is not a file name", index.string(), tensor));
+        weight_map[tensor] = file.get<std::string>();
+        files.insert(file.get<std::string>());
+      }
+    } else {
+      files.insert("model.safetensors");
+    }
+    for (const std::string& f : files) {
+      const fs::path path = fs::path(dir) / f;
+      if (!fs::exists(path))
+        throw CheckpointError(fmt::format("hf: '{}' is missing ({})", path.string(),
+                                          fs::exists(index) ? "named by the index" : "no index"));
+      files_.push_back(std::make_unique<MappedSafetensors>(path.string()));
+      for (const auto& [name, e] : files_.back()->tensors()) {
+        if (e.dtype != DType::kBF16 && e.dtype != DType::kF16 && e.dtype != DType::kF32)
+          throw CheckpointError(
+              fmt::format("hf: '{}': tensor {} is {}; bf16, f16 and f32 are supported",
+                          path.string(), name, dtype_name(e.dtype)));
+        if (!tensors_.emplace(name, e).second)
+          throw CheckpointError(fmt::format("hf: tensor {} is in two files of '{}'", name, dir));
+        const auto w = weight_map.find(name);
+        if (w != weight_map.end() && w->second != f)
+          throw CheckpointError(fmt::format("hf: '{}' says tensor {} is in {}, it is in {}",
+                                            index.string(), name, w->second, f));
+      }
+    }
+    for (const auto& [name, file] : weight_map)
+      if (!tensors_.count(name))
+        throw CheckpointError(fmt::format("hf: '{}' names tensor {} in {}, which lacks it",
+                                          index.string(), name, file));
+  }
+  const std::map<std::string, SafetensorsEntry>& tensors() const { return tensors_; }
+  void release_pages() const {
+    for (const auto& f : files_) f->release_pages();
   }
 
  private:
-  std::map<std::string, Tensor> t_;
-  std::set<std::string> used_;
-  std::string dir_;
+  std::vector<std::unique_ptr<MappedSafetensors>> files_;
+  std::map<std::string, SafetensorsEntry> tensors_;
 };
 
-}  // namespace
-
-Tensor transposed_f64(const Tensor& in) {
-  const int64_t r = in.dim(0), c = in.dim(1);
-  Tensor out = Tensor::empty({c, r}, DType::kF64);
-  const double* s = in.data<double>();
-  double* d = out.data<double>();
-  for (int64_t i = 0; i < r; ++i)
-    for (int64_t j = 0; j < c; ++j) d[j * r + i] = s[i * c + j];
-  return out;
+double load(const SafetensorsEntry& e, int64_t i) {
+  switch (e.dtype) {
+    case DType::kBF16:
+      return from_bf16(reinterpret_cast<const bf16*>(e.data)[i]);
+    case DType::kF16:
+      return from_f16(reinterpret_cast<const f16*>(e.data)[i]);
+    case DType::kF32:
+      return reinterpret_cast<const float*>(e.data)[i];
+    case DType::kF64:
+      return reinterpret_cast<const double*>(e.data)[i];
+    default:
+      MT_CHECK(false, "hf: read of a {} tensor", dtype_name(e.dtype));
+  }
+  return 0;
 }
 
-namespace {
+// The expert layout of `t`, after checking it against the model: every tensor the model needs
+// present with its shape, nothing left over (a tied checkpoint may keep a copy of lm_head).
+HfExperts check_tensors(const std::map<std::string, SafetensorsEntry>& t, const Qwen3Moe& model,
+                        const std::string& where) {
+  const HfExperts experts = t.count("model.layers.0.mlp.experts.gate_up_proj")
+                                ? HfExperts::kMerged
+                                : HfExperts::kPerExpert;
+  std::set<std::string> expected;
+  for (const HfTensor& h : hf_tensors(model, experts)) {
+    const auto it = t.find(h.name);
+    if (it == t.end())
+      throw CheckpointError(fmt::format("hf: '{}' lacks tensor {}", where, h.name));
+    if (it->second.shape != h.shape)
+      throw CheckpointError(fmt::format("hf: '{}': tensor {} is {}, the model needs {}", where,
+                                        h.name, shape_str(it->second.shape), shape_str(h.shape)));
+    expected.insert(h.name);
+  }
+  const ModelConfig& c = model.config();
+  if (c.tie_word_embeddings) {
+    const auto head = t.find("lm_head.weight");
+    if (head != t.end() && head->second.shape == Shape{c.vocab_size, c.dim})
+      expected.insert("lm_head.weight");
+  }
+  for (const auto& [name, _] : t)
+    if (!expected.count(name))
+      throw CheckpointError(
+          fmt::format("hf: '{}' holds tensor {}, which no parameter of this model takes (another "
+                      "architecture, or a config.json that does not match the weights)",
+                      where, name));
+  return experts;
+}
 
-// moetrain's full value (f64, moetrain's layout) of a spec, from the HF tensors. Experts: the
-// spec's local ones, from its init_offset.
-Tensor hf_value(const ParamSpec& s, const ModelConfig& c, Source& src) {
-  const int64_t d = c.dim, f = c.moe_dim, e = c.n_experts;
-  if (s.name == "embed.table") return src.take("model.embed_tokens.weight", {c.vocab_size, d});
-  if (s.name == "head.norm") return src.take("model.norm.weight", {d});
-  if (s.name == "head.out") return transposed_f64(src.take("lm_head.weight", {c.vocab_size, d}));
-  int64_t layer = -1;
-  char rest[64] = {};
-  MT_CHECK(std::sscanf(s.name.c_str(), "layers.%ld.%63s", &layer, rest) == 2,
-           "parameter {} has no HF name", s.name);
-  const std::string p = fmt::format("model.layers.{}.", layer), what = rest;
-  if (what == "attn_norm") return src.take(p + "input_layernorm.weight", {d});
-  if (what == "mlp_norm") return src.take(p + "post_attention_layernorm.weight", {d});
-  if (what == "attn.q_norm") return src.take(p + "self_attn.q_norm.weight", {c.head_dim});
-  if (what == "attn.k_norm") return src.take(p + "self_attn.k_norm.weight", {c.head_dim});
-  if (what == "attn.wq")
-    return transposed_f64(src.take(p + "self_attn.q_proj.weight", {c.q_dim(), d}));
-  if (what == "attn.wk")
-    return transposed_f64(src.take(p + "self_attn.k_proj.weight", {c.kv_dim(), d}));
-  if (what == "attn.wv")
-    return transposed_f64(src.take(p + "self_attn.v_proj.weight", {c.kv_dim(), d}));
-  if (what == "attn.wo")
-    return transposed_f64(src.take(p + "self_attn.o_proj.weight", {d, c.q_dim()}));
-  if (what == "moe.router") return transposed_f64(src.take(p + "mlp.gate.weight", {e, d}));
-  const bool gate_up = what == "moe.w_gate_up";
-  MT_CHECK(gate_up || what == "moe.w_down", "parameter {} has no HF name", s.name);
-  const int64_t local = s.shape[0], per = shape_numel(s.shape) / local;
-  const int64_t first = s.init_offset / per;
-  Tensor out = Tensor::empty(s.shape, DType::kF64);
-  double* o = out.data<double>();
-  const std::string merged = p + (gate_up ? "mlp.experts.gate_up_proj" : "mlp.experts.down_proj");
-  if (src.has(merged)) {  // transformers 5: [E, 2F, D] and [E, D, F], each expert (out, in)
-    const Tensor all = src.take(merged, gate_up ? Shape{e, 2 * f, d} : Shape{e, d, f});
-    for (int64_t x = 0; x < local; ++x) {
-      const Tensor one = transposed_f64(
-          all.view((first + x) * per, gate_up ? Shape{2 * f, d} : Shape{d, f}).clone());
-      std::copy(one.data<double>(), one.data<double>() + per, o + x * per);
-    }
-    return out;
+// Elements [lo, hi) of the moetrain value of `layout`'s parameter into `dst` (host, hi - lo
+// elements, f32 or f64).
+void read_elements(const HfLayout& layout, const std::map<std::string, SafetensorsEntry>& t,
+                   int64_t lo, int64_t hi, Tensor dst) {
+  MT_CHECK(dst.dtype() == DType::kF64 || dst.dtype() == DType::kF32, "hf: read into {}",
+           dtype_name(dst.dtype()));
+  std::vector<const SafetensorsEntry*> src;
+  for (const HfTensor& h : layout.tensors()) src.push_back(&t.at(h.name));
+  if (dst.dtype() == DType::kF64) {
+    double* d = dst.data<double>();
+    layout.for_each_element(
+        lo, hi, [&](int64_t j, HfLayout::Element e) { d[j - lo] = load(*src[e.tensor], e.index); });
+  } else {
+    float* d = dst.data<float>();
+    layout.for_each_element(lo, hi, [&](int64_t j, HfLayout::Element e) {
+      d[j - lo] = static_cast<float>(load(*src[e.tensor], e.index));
+    });
   }
-  for (int64_t x = 0; x < local; ++x) {
-    const std::string q = fmt::format("{}mlp.experts.{}.", p, first + x);
-    if (gate_up) {  // (D, 2F): gate columns, then up
-      const Tensor g = transposed_f64(src.take(q + "gate_proj.weight", {f, d}));
-      const Tensor u = transposed_f64(src.take(q + "up_proj.weight", {f, d}));
-      for (int64_t r = 0; r < d; ++r)
-        for (int64_t j = 0; j < f; ++j) {
-          o[x * per + r * 2 * f + j] = g.data<double>()[r * f + j];
-          o[x * per + r * 2 * f + f + j] = u.data<double>()[r * f + j];
-        }
-    } else {
-      const Tensor w = transposed_f64(src.take(q + "down_proj.weight", {d, f}));
-      std::copy(w.data<double>(), w.data<double>() + per, o + x * per);
-    }
-  }
-  return out;
 }
 
 }  // namespace
@@ -204,37 +192,53 @@ ModelConfig hf_architecture(const std::string& dir, const ModelConfig& given) {
 
 std::map<std::string, Tensor> hf_to_moetrain(std::map<std::string, Tensor> tensors,
                                              const Qwen3Moe& model, const std::string& where) {
-  Source src(std::move(tensors), where);
-  const ModelConfig& c = model.config();
+  std::map<std::string, SafetensorsEntry> entries;
+  for (auto& [name, t] : tensors) {
+    if (t.device() != Device::kCPU) t = t.to(Device::kCPU);
+    entries.emplace(name,
+                    SafetensorsEntry{t.dtype(), t.shape(), static_cast<const uint8_t*>(t.raw())});
+  }
+  const HfExperts experts = check_tensors(entries, model, where);
   std::map<std::string, Tensor> out;
   for (const ParamUnit& u : model.units())
     for (const ParamGroup& g : u.groups)
-      for (const ParamSpec& s : g.specs) out.emplace(s.name, hf_value(s, c, src));
-  // Other ranks' experts are in the files too: mark them used. (Each rank reads whole files.)
-  if (model.mesh() && model.mesh()->ep_size() > 1)
-    for (int64_t l = 0; l < c.n_layers; ++l)
-      for (int64_t x = 0; x < c.n_experts; ++x)
-        for (const char* w : {"gate_proj", "up_proj", "down_proj"}) {
-          const std::string name = fmt::format("model.layers.{}.mlp.experts.{}.{}.weight", l, x, w);
-          const bool down = w[0] == 'd';
-          if (src.has(name))
-            (void)src.take(name, {down ? c.dim : c.moe_dim, down ? c.moe_dim : c.dim});
-        }
-  if (c.tie_word_embeddings && src.has("lm_head.weight"))  // a tied copy some exports keep
-    (void)src.take("lm_head.weight", {c.vocab_size, c.dim});
-  src.expect_all_used();
+      for (const ParamSpec& s : g.specs) {
+        Tensor v = Tensor::empty(s.shape, DType::kF64);
+        read_elements(HfLayout(s, model.config(), experts), entries, 0, v.numel(),
+                      v.reshape({v.numel()}));
+        out.emplace(s.name, std::move(v));
+      }
   return out;
 }
 
 void load_hf_weights(const std::string& dir, Qwen3Moe& model) {
-  // Every value first (all errors before any parameter is written), then the writes.
-  const std::map<std::string, Tensor> values = hf_to_moetrain(read_hf_tensors(dir), model, dir);
+  const auto start = std::chrono::steady_clock::now();
+  const int64_t peak_before = profile::peak_host_bytes();
+  const HfDirectory hf(dir);
+  const HfExperts experts = check_tensors(hf.tensors(), model, dir);  // before any write
   for (ParamUnit& u : model.units())
     for (ParamGroup& g : u.groups) {
-      for (const ParamSpec& s : g.specs)
-        write_spec_slice(g.shard, g.shard_begin(), s, values.at(s.name));
+      Tensor host = g.shard.to(Device::kCPU);
+      const int64_t begin = g.shard_begin(), end = begin + host.numel();
+      for (const ParamSpec& s : g.specs) {
+        const int64_t lo = std::max(begin, s.offset),
+                      hi = std::min(end, s.offset + shape_numel(s.shape));
+        if (lo < hi)
+          read_elements(HfLayout(s, model.config(), experts), hf.tensors(), lo - s.offset,
+                        hi - s.offset, host.view(lo - begin, {hi - lo}));
+      }
+      g.shard.copy_from(host);
       g.compute = Tensor();  // the compute copy is cast again at the next gather
+      hf.release_pages();    // a rank holds one group's source pages at a time
     }
+  const double seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  log::info(
+      "hf import: rank {} read its slices of {} tensors from '{}' in {:.1f} s; peak host "
+      "memory {:.2f} GiB ({:.2f} GiB before the import)",
+      model.mesh() ? model.mesh()->world().rank() : 0, hf.tensors().size(), dir, seconds,
+      static_cast<double>(profile::peak_host_bytes()) / (1 << 30),
+      static_cast<double>(peak_before) / (1 << 30));
 }
 
 }  // namespace mt

@@ -5,7 +5,7 @@
 // (mlp.experts.gate_up_proj [E, 2F, D], mlp.experts.down_proj [E, D, F], transformers 5's
 // in-memory layout). HF linear weights are (out, in); moetrain's are (in, out), and an expert's
 // gate and up projections are one (D, 2F) matrix, gate columns first: the import transposes and
-// concatenates. bf16 and fp32 on disk.
+// concatenates (train/hf_layout.h). bf16, fp16 and fp32 on disk.
 #pragma once
 #include <map>
 #include <string>
@@ -14,18 +14,16 @@
 
 namespace mt {
 
-// (rows, cols) -> (cols, rows), f64 on the host: HF's (out, in) weights <-> moetrain's (in, out).
-Tensor transposed_f64(const Tensor& in);
-
 // The model section for an HF directory: its config.json's architecture over `given`'s routing
 // and numerics fields. An architecture field that `given` sets (to other than its default) must
 // agree with config.json, else a ConfigError (exit 2) names model.<field> and both values.
 ModelConfig hf_architecture(const std::string& dir, const ModelConfig& given);
 
 // Writes every parameter this rank holds (its FSDP shard, its EP experts) from the HF directory;
-// the optimizer's moments and the router biases are left as they are (a fresh run: zero). A
-// missing or extra tensor, a wrong shape or an unsupported dtype is a CheckpointError (exit 4)
-// naming the tensor, raised before any parameter is written.
+// the optimizer's moments and the router biases are left as they are (a fresh run: zero). The
+// files are memory-mapped and each rank reads only the elements its shards hold, so no rank
+// holds a whole checkpoint. A missing or extra tensor, a wrong shape or an unsupported dtype is a
+// CheckpointError (exit 4) naming the tensor, raised before any parameter is written.
 void load_hf_weights(const std::string& dir, Qwen3Moe& model);
 
 // The same mapping for any set of tensors in HF names and layouts (weights, or their gradients):

@@ -1,9 +1,15 @@
 #include "train/token_file.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
-#include <fstream>
 
 #include "core/atomic_file.h"
 #include "core/error.h"
@@ -24,20 +30,39 @@ T read_le(const char* p) {
 }
 }  // namespace
 
-TokenDocuments read_token_file(const std::string& path, int64_t vocab_size) {
-  std::ifstream in(path, std::ios::binary);
-  if (!in) throw DataError(fmt::format("data: cannot open token file '{}'", path));
+bool TokenView::is_doc_start(int64_t i) const {
+  return std::binary_search(doc_offsets, doc_offsets + num_docs, static_cast<uint64_t>(i));
+}
+
+TokenView TokenDocuments::view() const {
+  return {doc_offsets.data(), num_docs(), tokens.data(), static_cast<int64_t>(tokens.size()),
+          loss_mask.empty() ? nullptr : loss_mask.data()};
+}
+
+MappedTokenFile::MappedTokenFile(const std::string& path, int64_t vocab_size) {
   std::error_code ec;
-  const uint64_t size = std::filesystem::is_regular_file(path, ec)
-                            ? std::filesystem::file_size(path, ec)
-                            : static_cast<uint64_t>(-1);
-  if (ec || size == static_cast<uint64_t>(-1))
-    throw DataError(fmt::format("data: '{}' is not a regular file", path));
+  const bool regular = std::filesystem::is_regular_file(path, ec);
+  if (!std::filesystem::exists(path, ec))
+    throw DataError(fmt::format("data: cannot open token file '{}': no such file", path));
+  if (!regular) throw DataError(fmt::format("data: '{}' is not a regular file", path));
+  const int fd = ::open(path.c_str(), O_RDONLY);
+  if (fd < 0)
+    throw DataError(
+        fmt::format("data: cannot open token file '{}': {}", path, std::strerror(errno)));
+  struct stat st {};
+  const bool stat_ok = ::fstat(fd, &st) == 0;
+  size_ = stat_ok ? static_cast<size_t>(st.st_size) : 0;
+  if (size_ >= kHeaderBytes) map_ = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
+  ::close(fd);
+  if (map_ == MAP_FAILED) {
+    map_ = nullptr;
+    throw DataError(fmt::format("data: cannot map '{}': {}", path, std::strerror(errno)));
+  }
+  const uint64_t size = size_;
   if (size < kHeaderBytes)
     throw DataError(fmt::format("data: '{}' is truncated: {} bytes, the header alone is {}", path,
                                 size, kHeaderBytes));
-  char header[kHeaderBytes];
-  in.read(header, kHeaderBytes);
+  const char* header = static_cast<const char*>(map_);
   if (std::memcmp(header, kMagic, 8) != 0)
     throw DataError(
         fmt::format("data: '{}' is not a moetrain token file (magic is not MTTOKENS)", path));
@@ -64,21 +89,21 @@ TokenDocuments read_token_file(const std::string& path, int64_t vocab_size) {
                     "({} bytes), the file has {} bytes",
                     path, size < expected ? "truncated" : "corrupt (trailing bytes)", docs, ntok,
                     expected, size));
-  TokenDocuments d;
-  d.doc_offsets.resize(docs + 1);
-  d.tokens.resize(ntok);
-  in.read(reinterpret_cast<char*>(d.doc_offsets.data()), 8 * (docs + 1));
-  in.read(reinterpret_cast<char*>(d.tokens.data()), 4 * ntok);
-  if (has_mask) {
-    d.loss_mask.resize(ntok);
-    in.read(reinterpret_cast<char*>(d.loss_mask.data()), ntok);
-  }
-  if (!in) throw DataError(fmt::format("data: read error in '{}'", path));
-  if (d.doc_offsets.front() != 0 || d.doc_offsets.back() != ntok)
+  // The offsets are 8-byte aligned (after the 32-byte header of a page-aligned mapping), the
+  // tokens 4-byte aligned after them.
+  const char* base = header + kHeaderBytes;
+  view_.doc_offsets = reinterpret_cast<const uint64_t*>(base);
+  view_.num_docs = static_cast<int64_t>(docs);
+  view_.tokens = reinterpret_cast<const uint32_t*>(base + 8 * (docs + 1));
+  view_.num_tokens = static_cast<int64_t>(ntok);
+  view_.loss_mask =
+      has_mask ? reinterpret_cast<const uint8_t*>(base + 8 * (docs + 1) + 4 * ntok) : nullptr;
+  const TokenView& d = view_;
+  if (d.doc_offsets[0] != 0 || d.doc_offsets[docs] != ntok)
     throw DataError(
         fmt::format("data: '{}' is corrupt: document offsets run from {} to {}, "
                     "expected 0 to {}",
-                    path, d.doc_offsets.front(), d.doc_offsets.back(), ntok));
+                    path, d.doc_offsets[0], d.doc_offsets[docs], ntok));
   for (uint64_t i = 0; i < docs; ++i)
     if (d.doc_offsets[i + 1] < d.doc_offsets[i])
       throw DataError(fmt::format("data: '{}' is corrupt: document offset {} decreases ({} -> {})",
@@ -106,6 +131,19 @@ TokenDocuments read_token_file(const std::string& path, int64_t vocab_size) {
                       "document's first token): there is nothing to learn from",
                       path));
   }
+}
+
+MappedTokenFile::~MappedTokenFile() {
+  if (map_) ::munmap(map_, size_);
+}
+
+TokenDocuments read_token_file(const std::string& path, int64_t vocab_size) {
+  const MappedTokenFile file(path, vocab_size);
+  const TokenView& v = file.view();
+  TokenDocuments d;
+  d.doc_offsets.assign(v.doc_offsets, v.doc_offsets + v.num_docs + 1);
+  d.tokens.assign(v.tokens, v.tokens + v.num_tokens);
+  if (v.loss_mask) d.loss_mask.assign(v.loss_mask, v.loss_mask + v.num_tokens);
   return d;
 }
 

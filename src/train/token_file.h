@@ -20,14 +20,42 @@
 
 namespace mt {
 
+// A token file's contents, not owned: a TokenDocuments' or a mapped file's.
+struct TokenView {
+  const uint64_t* doc_offsets = nullptr;  // (num_docs + 1)
+  int64_t num_docs = 0;
+  const uint32_t* tokens = nullptr;
+  int64_t num_tokens = 0;
+  const uint8_t* loss_mask = nullptr;  // null: every token counts
+  bool is_doc_start(int64_t i) const;  // token i begins a document (binary search)
+};
+
 struct TokenDocuments {
   std::vector<uint64_t> doc_offsets;  // (docs + 1)
   std::vector<uint32_t> tokens;
   std::vector<uint8_t> loss_mask;  // empty, or one per token
   int64_t num_docs() const { return static_cast<int64_t>(doc_offsets.size()) - 1; }
+  TokenView view() const;
 };
 
-// Throws DataError naming the file and the problem.
+// A token file mapped read-only and checked once (in one sequential pass); pages are read from
+// disk when touched and can be dropped by the kernel again, so every rank of a node can open a
+// file larger than its memory. Throws DataError naming the file and the problem.
+class MappedTokenFile {
+ public:
+  MappedTokenFile(const std::string& path, int64_t vocab_size);
+  ~MappedTokenFile();
+  MappedTokenFile(const MappedTokenFile&) = delete;
+  MappedTokenFile& operator=(const MappedTokenFile&) = delete;
+  const TokenView& view() const { return view_; }
+
+ private:
+  void* map_ = nullptr;
+  size_t size_ = 0;
+  TokenView view_;
+};
+
+// The file's contents copied into memory (tests, small files). Throws DataError.
 TokenDocuments read_token_file(const std::string& path, int64_t vocab_size);
 // Writes atomically (temporary file + rename).
 void write_token_file(const std::string& path, const TokenDocuments& docs);

@@ -18,6 +18,7 @@
 #include "model/flops.h"
 #include "train/checkpoint.h"
 #include "train/evaluate.h"
+#include "train/hf_export.h"
 #include "train/hf_import.h"
 #if MOETRAIN_HAS_CUDA
 #include "ops/cuda/device.h"
@@ -105,7 +106,7 @@ Trainer::Trainer(const Config& c, dist::Communicator* world) : cfg_(c), world_(w
         "parallel.ep_exchange = \"host\" (the expert exchange reads its row counts on the host)");
   data_ = make_data_loader(c);
   if (c.eval.every > 0)
-    eval_docs_ = std::make_unique<TokenDocuments>(read_token_file(c.eval.data, c.model.vocab_size));
+    eval_docs_ = std::make_unique<MappedTokenFile>(c.eval.data, c.model.vocab_size);
   stats_ = data_->stats(c.train.seq_len);
   flops_per_token_ = train_flops_per_token(c.model, c.train.seq_len);
   // In-process CPU ranks share one host: each rank's share of the host's peak. A GPU without
@@ -332,7 +333,8 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
   while (step_ < last) {
     StepMetrics m = train_step();
     if (eval_docs_ && (m.step % cfg_.eval.every == 0 || m.step == last)) {
-      const EvalResult e = evaluate_tokens(*model_, *eval_docs_, t.batch_rows, t.seq_len, world_);
+      const EvalResult e =
+          evaluate_tokens(*model_, eval_docs_->view(), t.batch_rows, t.seq_len, world_);
       m.eval_loss = e.mean();
       if (is_rank0())
         log::info("eval at step {}: loss {:.4f} over {} tokens of '{}'", m.step, m.eval_loss,
@@ -376,6 +378,7 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
       if (is_rank0()) log::info("checkpoint: {}", path);
     }
   }
+  if (!opt.export_hf.empty()) export_hf(*model_, opt.export_hf, DType::kBF16, world_);
   return all;
 }
 

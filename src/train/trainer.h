@@ -40,6 +40,7 @@ struct RunOptions {
   std::string metrics_path;      // JSON lines
   std::string resume;            // checkpoint file or directory
   std::string init_from;         // a Hugging Face Qwen3-MoE directory's weights (fresh run)
+  std::string export_hf;         // after the last step, the weights as an HF directory (bf16)
   ExistingCheckpoints existing = ExistingCheckpoints::kRefuse;
   bool progress_bar = false;
 };
@@ -69,7 +70,7 @@ class Trainer {
   Batch next_local_batch();
   void reserve_exchange(const Config& c);
   void draw_run_id();
-  std::unique_ptr<TokenDocuments> eval_docs_;  // eval.data, when eval.every > 0
+  std::unique_ptr<MappedTokenFile> eval_docs_;  // eval.data, when eval.every > 0
 
   Config cfg_;
   dist::Communicator* world_ = nullptr;

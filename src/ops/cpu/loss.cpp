@@ -35,13 +35,20 @@ void check_scalar(const Tensor& t, Device device, const char* what) {
 }  // namespace
 
 void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
-                           Tensor& lse, Tensor& loss_sum) {
+                           Tensor& lse, Tensor& loss_sum, Tensor* token_loss) {
   check_loss_inputs(logits, targets, mask);
   check_scalar(loss_sum, logits.device(), "loss sum");
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(logits)) return cuda::cross_entropy_forward(logits, targets, mask, lse, loss_sum);
-#endif
   const int64_t n = logits.dim(0), v = logits.dim(1);
+  if (token_loss) {
+    expect_shape(*token_loss, {n}, "per-token loss");
+    MT_CHECK(token_loss->dtype() == lse.dtype() && token_loss->device() == logits.device(),
+             "per-token loss is {}, lse {}; both on the logits' device",
+             dtype_name(token_loss->dtype()), dtype_name(lse.dtype()));
+  }
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(logits))
+    return cuda::cross_entropy_forward(logits, targets, mask, lse, loss_sum, token_loss);
+#endif
   expect_shape(lse, {n}, "loss lse");
   double total = 0;
   dispatch_float(logits.dtype(), [&](auto tag) {
@@ -54,7 +61,9 @@ void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Te
       for (int64_t c = 0; c < v; ++c) sum += std::exp(l[c] - m);
       const double lse_i = m + std::log(sum);
       lse.data<T>()[i] = static_cast<T>(lse_i);
-      if (mask.data<uint8_t>()[i]) total += lse_i - l[targets.data<int32_t>()[i]];
+      const double loss_i = mask.data<uint8_t>()[i] ? lse_i - l[targets.data<int32_t>()[i]] : 0.0;
+      if (token_loss) token_loss->data<T>()[i] = static_cast<T>(loss_i);
+      total += loss_i;
     }
   });
   loss_sum.data<double>()[0] += total;

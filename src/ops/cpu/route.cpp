@@ -7,6 +7,7 @@
 
 #include "core/enum_names.h"
 #include "ops/dispatch.h"
+#include "ops/elementwise.h"
 #if MOETRAIN_HAS_CUDA
 #include "ops/cuda/ops.h"
 #endif
@@ -95,6 +96,32 @@ AuxStats router_aux_stats(const Routing& r) {
     }
   });
   return s;
+}
+
+AuxStats zero_aux_stats(const AuxStats& like) {
+  AuxStats s{
+      Tensor::zeros(like.tokens_per_expert.shape(), DType::kI64, like.tokens_per_expert.device()),
+      Tensor::zeros(like.score_sum.shape(), like.score_sum.dtype(), like.score_sum.device()),
+      Tensor::zeros({1}, DType::kI64)};
+  return s;
+}
+
+void add_aux_stats(const AuxStats& layer, AuxStats& pooled) {
+  const int64_t e = layer.score_sum.numel();
+  MT_CHECK(pooled.score_sum.numel() == e && pooled.tokens_per_expert.numel() == e &&
+               layer.tokens_per_expert.numel() == e &&
+               pooled.score_sum.dtype() == layer.score_sum.dtype() &&
+               pooled.score_sum.device() == layer.score_sum.device(),
+           "aux statistics of {} experts ({}) added to {} ({})", e,
+           dtype_name(layer.score_sum.dtype()), pooled.score_sum.numel(),
+           dtype_name(pooled.score_sum.dtype()));
+  pooled.tokens.data<int64_t>()[0] += layer.tokens.data<int64_t>()[0];
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(layer.score_sum)) return cuda::add_aux_stats(layer, pooled);
+#endif
+  for (int64_t c = 0; c < e; ++c)
+    pooled.tokens_per_expert.data<int64_t>()[c] += layer.tokens_per_expert.data<int64_t>()[c];
+  add_(pooled.score_sum, layer.score_sum);
 }
 
 Tensor router_aux_loss(const AuxStats& s) {

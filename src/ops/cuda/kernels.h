@@ -139,6 +139,9 @@ constexpr int kMaxRoutedTopK = 16;
 // *out = scale * sum_e counts[e] * score_sum[e] (the load-balancing loss; scale = E / N^2).
 cudaError_t router_aux_loss(const int64_t* counts, const float* score_sum, int e, double scale,
                             double* out, cudaStream_t stream);
+// pooled_counts[e] += counts[e], pooled_sum[e] += score_sum[e].
+cudaError_t add_aux_stats(const int64_t* counts, const float* score_sum, int e,
+                          int64_t* pooled_counts, float* pooled_sum, cudaStream_t stream);
 cudaError_t router_forward(const float* logits, const float* bias, int64_t n, int e, int k,
                            bool norm_topk, ops::RoutingMode mode, float* scores, int32_t* index,
                            float* weight, int64_t* counts, cudaStream_t stream);

@@ -200,6 +200,14 @@ __global__ void router_backward_kernel(const float* scores, const int32_t* index
 }
 
 // One block: per-thread partial sums in double, then a fixed tree (deterministic).
+__global__ void add_aux_stats_kernel(const int64_t* counts, const float* score_sum, int e,
+                                     int64_t* pooled_counts, float* pooled_sum) {
+  const int c = blockIdx.x * blockDim.x + threadIdx.x;
+  if (c >= e) return;
+  pooled_counts[c] += counts[c];
+  pooled_sum[c] += score_sum[c];
+}
+
 __global__ void aux_loss_kernel(const int64_t* counts, const float* score_sum, int e, double scale,
                                 double* out) {
   double s = 0;
@@ -504,6 +512,13 @@ cudaError_t router_forward(const float* logits, const float* bias, int64_t n, in
 cudaError_t router_aux_loss(const int64_t* counts, const float* score_sum, int e, double scale,
                             double* out, cudaStream_t stream) {
   aux_loss_kernel<<<1, kBlock, 0, stream>>>(counts, score_sum, e, scale, out);
+  return cudaGetLastError();
+}
+
+cudaError_t add_aux_stats(const int64_t* counts, const float* score_sum, int e,
+                          int64_t* pooled_counts, float* pooled_sum, cudaStream_t stream) {
+  add_aux_stats_kernel<<<(e + 127) / 128, 128, 0, stream>>>(counts, score_sum, e, pooled_counts,
+                                                            pooled_sum);
   return cudaGetLastError();
 }
 

@@ -51,6 +51,13 @@ Tensor router_aux_loss(const ops::AuxStats& s) {
   return out;
 }
 
+void add_aux_stats(const ops::AuxStats& layer, ops::AuxStats& pooled) {
+  MT_CUDA_CHECK(kernels::add_aux_stats(
+      on_device(layer.tokens_per_expert).data<int64_t>(), layer.score_sum.data<float>(),
+      static_cast<int>(layer.score_sum.numel()), pooled.tokens_per_expert.data<int64_t>(),
+      pooled.score_sum.data<float>(), stream()));
+}
+
 void router_backward(const ops::Routing& r, int top_k, bool norm_topk, const ops::AuxStats& stats,
                      const Tensor& dweight, double aux_grad, Tensor& dlogits) {
   const profile::Phase phase("gpu.router_backward");

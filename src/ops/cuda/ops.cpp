@@ -296,13 +296,14 @@ void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const int32_
 }
 
 void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
-                           Tensor& lse, Tensor& loss_sum) {
+                           Tensor& lse, Tensor& loss_sum, Tensor* token_loss) {
   const profile::Phase phase("gpu.cross_entropy_forward");
   const int64_t n = logits.dim(0), v = logits.dim(1);
   expect_shape(lse, {n}, "loss lse");
   expect_dtype(lse, DType::kF32, "loss lse (GPU)");
   expect_dtype(loss_sum, DType::kF64, "loss sum (GPU)");
-  Tensor loss = gpu_empty({n}, DType::kF32);
+  // The kernel writes every row's loss before summing them: into token_loss where asked for.
+  Tensor loss = token_loss ? *token_loss : gpu_empty({n}, DType::kF32);
   MT_CUDA_CHECK(kernels::cross_entropy_forward(
       storage_of(logits, "logits"), logits.raw(), targets.data<int32_t>(), mask.data<uint8_t>(),
       lse.data<float>(), loss.data<float>(), loss_sum.data<double>(), n, v, stream()));

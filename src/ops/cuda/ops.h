@@ -62,6 +62,7 @@ void router_forward(const Tensor& logits, const Tensor& bias, int top_k, bool no
                     ops::RoutingMode mode, ops::Routing& out);
 ops::AuxStats router_aux_stats(const ops::Routing& r);  // counts and sums stay on the GPU
 Tensor router_aux_loss(const ops::AuxStats& s);         // one f64 on the GPU
+void add_aux_stats(const ops::AuxStats& layer, ops::AuxStats& pooled);  // counts and sums
 void router_backward(const ops::Routing& r, int top_k, bool norm_topk, const ops::AuxStats& stats,
                      const Tensor& dweight, double aux_grad, Tensor& dlogits);
 void make_expert_permutation(const Tensor& expert_index, int64_t experts, int64_t align,
@@ -101,7 +102,7 @@ void swiglu_forward(const Tensor& h, Tensor& a, const int32_t* row_token, const 
 void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const int32_t* row_token,
                      const Tensor* row_weight, Tensor* drow_weight);
 void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
-                           Tensor& lse, Tensor& loss_sum);
+                           Tensor& lse, Tensor& loss_sum, Tensor* token_loss);
 void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
                             const Tensor& lse, const Tensor& grad_scale, Tensor& dlogits);
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const ops::AdamWHyper& h,
