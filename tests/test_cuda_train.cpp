@@ -105,6 +105,23 @@ TEST(GpuHf, TinyFixtureInBf16MatchesTransformersFp32) {
   EXPECT_EQ(compared, static_cast<int>(want_grads.size()));
 }
 
+// A host sync inside a captured pass is an error naming the copy and the phase (exit 1), never a
+// silent eager fallback; the same run eagerly is fine.
+TEST(GpuTrain, AHostSyncInACapturedPassIsANamedError) {
+  require_gpu();
+  const std::string run = testing::moetrain_binary() + " train --config " + kTiny +
+                          " --set hardware.device=cuda --steps 3";
+  const testing::Proc graphed =
+      testing::run_cmd("MOETRAIN_FAULT_HOST_WAIT=1 " + run + " --set hardware.cuda_graphs=true");
+  EXPECT_EQ(graphed.code, 1) << graphed.output;
+  for (const char* words : {"capturing the training pass", "host sync inside a CUDA graph capture",
+                            "from the GPU to the host", "in phase 'test.injected_host_wait'"})
+    EXPECT_NE(graphed.output.find(words), std::string::npos) << words << "\n" << graphed.output;
+  const testing::Proc eager =
+      testing::run_cmd("MOETRAIN_FAULT_HOST_WAIT=1 " + run + " --set hardware.cuda_graphs=false");
+  EXPECT_EQ(eager.code, 0) << eager.output;
+}
+
 TEST(GpuTrain, TinyPresetReachesTheEntropyFloor) {
   require_gpu();
   Trainer t(load_config(kTiny, {"hardware.device=cuda"}));

@@ -44,8 +44,8 @@ f16 to_f16(float x) {
   // 65520 = 65504 + half an ulp: from there on, nearest even rounds to infinity.
   if (a >= 65520.0f) return f16{static_cast<uint16_t>(sign | 0x7C00u)};
   if (a < 0x1p-14f) {  // subnormal (or zero): units of 2^-24, rounded to nearest even
-    const float q = std::nearbyint(a * 0x1p24f);
-    return f16{static_cast<uint16_t>(sign | static_cast<uint16_t>(q))};  // q = 1024: the least normal
+    const float q = std::nearbyint(a * 0x1p24f);  // 1024 rounds up into the least normal
+    return f16{static_cast<uint16_t>(sign | static_cast<uint16_t>(q))};
   }
   // Normal: drop 13 mantissa bits with round to nearest even; a carry moves into the exponent.
   uint32_t m = std::bit_cast<uint32_t>(a);

@@ -41,6 +41,12 @@ struct NumericalError : Error {
   explicit NumericalError(const std::string& m) : Error(ExitCode::kNumerical, m) {}
 };
 
+// The host waited for the GPU inside a CUDA graph capture (a bug: a graphed pass must never
+// wait for the host); the message names the copy and the phase it happened in.
+struct HostSyncInCapture : Error {
+  explicit HostSyncInCapture(const std::string& m) : Error(ExitCode::kInternal, m) {}
+};
+
 [[noreturn]] void check_failed(const char* expr, const char* file, int line,
                                const std::string& msg);
 

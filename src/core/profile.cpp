@@ -77,7 +77,16 @@ void set_peak_probe(int64_t (*peak_bytes)()) {
   totals().peak_probe = peak_bytes;
 }
 
-Phase::Phase(const char* name) : name_(name) {
+namespace {
+thread_local const char* innermost_phase = nullptr;
+}  // namespace
+
+const char* current_phase() {
+  return innermost_phase;
+}
+
+Phase::Phase(const char* name) : name_(name), parent_(innermost_phase) {
+  innermost_phase = name;
   if (!enabled()) return;
   wait_for_device();
   if (totals().peak_probe) peak_at_start_ = totals().peak_probe();
@@ -85,6 +94,7 @@ Phase::Phase(const char* name) : name_(name) {
 }
 
 Phase::~Phase() {
+  innermost_phase = parent_;
   if (!enabled()) return;
   wait_for_device();
   const double ms =

@@ -15,6 +15,10 @@ bool enabled();
 // The device wait (cudaDeviceSynchronize on the GPU); none on the CPU.
 void set_device_sync(void (*sync)());
 
+// The innermost live Phase on this thread (its name), or null: kept whether or not profiling is
+// on, so errors can say where they happened.
+const char* current_phase();
+
 class Phase {
  public:
   explicit Phase(const char* name);
@@ -24,6 +28,7 @@ class Phase {
 
  private:
   const char* name_;
+  const char* parent_;
   std::chrono::steady_clock::time_point start_;
   int64_t peak_at_start_ = 0;
 };

@@ -13,6 +13,7 @@
 
 #include "core/cuda_check.h"
 #include "core/log.h"
+#include "core/profile.h"
 
 namespace mt {
 
@@ -200,9 +201,21 @@ void copy_bytes(void* dst, Device dst_dev, const void* src, Device src_dev, size
     return;
   }
 #if MOETRAIN_HAS_CUDA
+  const bool host = dst_dev == Device::kCPU || src_dev == Device::kCPU;
+  if (host) {
+    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+    MT_CUDA_CHECK(cudaStreamIsCapturing(cuda::stream(), &capturing));
+    if (capturing != cudaStreamCaptureStatusNone) {
+      const char* phase = profile::current_phase();
+      throw HostSyncInCapture(fmt::format(
+          "a host sync inside a CUDA graph capture: a copy of {} bytes {} the host{} (a graphed "
+          "pass must not wait for the host; hardware.cuda_graphs = false runs it eagerly)",
+          bytes, dst_dev == Device::kCPU ? "from the GPU to" : "to the GPU from",
+          phase ? fmt::format(", in phase '{}'", phase) : std::string()));
+    }
+  }
   MT_CUDA_CHECK(cudaMemcpyAsync(dst, src, bytes, copy_kind(dst_dev, src_dev), cuda::stream()));
-  if (dst_dev == Device::kCPU || src_dev == Device::kCPU)
-    MT_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
+  if (host) MT_CUDA_CHECK(cudaStreamSynchronize(cuda::stream()));
 #else
   MT_CHECK(false, "a GPU tensor in a build without CUDA");
 #endif

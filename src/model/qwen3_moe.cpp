@@ -289,9 +289,10 @@ void Qwen3Moe::run_graphed(const Batch& b, const LossScale& scale) {
 }
 
 namespace {
-// Test hook for a failed CUDA graph capture: MOETRAIN_FAULT_HOST_WAIT=1 makes each pass read a
-// device value on the host after queuing the first layer's gather and the next one's prefetch,
-// a wait a capture cannot record (eagerly it only costs the wait).
+// Test hook for a host sync inside a captured pass: MOETRAIN_FAULT_HOST_WAIT=1 makes each pass
+// read a device value on the host after queuing the first layer's gather and the next one's
+// prefetch, a wait a capture cannot record (eagerly it only costs the wait; captured, it is a
+// HostSyncInCapture naming the phase "test.injected_host_wait").
 bool host_wait_injected() {
   static const bool on = [] {
     const char* v = std::getenv("MOETRAIN_FAULT_HOST_WAIT");
@@ -334,7 +335,10 @@ void Qwen3Moe::pass(const Batch& b, const LossScale* scale) {
       const profile::Phase phase("fsdp.gather");
       schedule.forward_begin(l + 1);
     }
-    if (l == 0 && host_wait_injected()) (void)losses_.to(Device::kCPU);
+    if (l == 0 && host_wait_injected()) {
+      const profile::Phase phase("test.injected_host_wait");
+      (void)losses_.to(Device::kCPU);
+    }
     x = block_forward(bind_block_params(unit.groups), c, inputs[l], x, acts[l]);
     schedule.forward_end(l + 1);
     losses_.view(1 + l, {1}).copy_from(acts[l].aux_loss);

@@ -58,6 +58,8 @@ bool CapturedWork::run(const std::function<void()>& body, const std::string& wha
       generation_ = graph_pool_generation();
       peak_bytes_ = memory_stats(Device::kCUDA).peak_bytes - before.current_bytes;
       log::info("captured {} as a CUDA graph", what);
+    } catch (const HostSyncInCapture& e) {
+      throw HostSyncInCapture(fmt::format("capturing {}: {}", what, e.what()));
     } catch (const Error& e) {
       failed_ = true;
       log::warn("CUDA graph capture of {} failed, running it eagerly: {}", what, e.what());
