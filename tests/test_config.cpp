@@ -168,6 +168,10 @@ TEST(Cli, HostileConfigsExitWithCode2NamingTheValue) {
        "parallel.ep_exchange = \"nvshmem\" (valid: device, host)"},
       {t + "parallel.ep_exchange_ctas=0", "parallel.ep_exchange_ctas = 0 must be in [1, 1024]"},
       {t + "eval.every=-1", "eval.every = -1 must be >= 0"},
+      {t + "model.router_dtype=f64", "model.router_dtype = \"f64\" (valid: f32, bf16)"},
+      {t + "model.aux_loss_form=global",
+       "model.aux_loss_form = \"global\" (valid: per_layer, transformers)"},
+      {t + "data.shuffle=maybe", "data.shuffle"},
       {t + "hardware.threads=100000", "hardware.threads = 100000"},          // aborted
       {t + "hardware.threads=4294967297", "hardware.threads = 4294967297"},  // became 1
       {t + "parallel.world=100000", "parallel.world = 100000"},              // aborted

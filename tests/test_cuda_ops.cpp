@@ -554,6 +554,46 @@ TEST_P(GpuCase, MoeLayerForwardBackwardMatchesCpu) {
   EXPECT_NEAR(ga.aux_loss.item(0), ca.aux_loss.item(0), 1e-4 * ca.aux_loss.item(0));
 }
 
+// Mixed precision keeps the router in fp32 (ParamSpec::master_weight): with fp32 weights that
+// bf16 cannot hold and a bf16 input, the logits and the router's weight gradient (here from the
+// load-balancing loss alone, so that no bf16 expert output enters it) are the CPU's fp32 GEMMs
+// on the up-cast input to fp32 accuracy, not bf16's; the input gradient is rounded once.
+TEST_P(GpuCase, MoeRouterRunsInFp32OnMasterWeights) {
+  if (GetParam() != DType::kBF16) GTEST_SKIP() << "mixed precision: bf16 rows, fp32 router";
+  ModelConfig c;
+  c.dim = 256;
+  c.moe_dim = 64;
+  c.n_experts = 32;
+  c.top_k = 4;
+  // Fixed choices (the comparison is of the math) with uneven counts: under balanced counts the
+  // load-balancing loss is flat in the logits (its gradient is rounding noise).
+  c.routing = ops::RoutingMode::kSkewed;
+  const int64_t n = 1024, e = c.n_experts, d = c.dim, f = c.moe_dim;
+  const Tensor router = testing::randn({d, e}, seed + 101, 0.1, DType::kF32);  // not bf16 values
+  moe::MoeWeights cw{router, input({e, d, 2 * f}, 0.06), input({e, f, d}, 0.09)};
+  moe::MoeWeights gw{router.to(Device::kCUDA), gpu(cw.w_gate_up), gpu(cw.w_down)};
+  moe::MoeWeights cg{Tensor::zeros({d, e}, DType::kF32), Tensor::zeros({e, d, 2 * f}, DType::kF32),
+                     Tensor::zeros({e, f, d}, DType::kF32)};
+  moe::MoeWeights gg{cg.router.to(Device::kCUDA), cg.w_gate_up.to(Device::kCUDA),
+                     cg.w_down.to(Device::kCUDA)};
+  const Tensor hn = input({n, d}), dout = Tensor::zeros({n, d}, DType::kF32);
+  moe::MoeActivations ca, ga;
+  moe::moe_fill(cw, c.moe(), {}, Tensor(), hn, ca);
+  moe::moe_fill(gw, c.moe(), {}, Tensor(), gpu(hn), ga);
+  ASSERT_EQ(ga.logits.dtype(), DType::kF32);
+  const Tensor glogits = ga.logits.to(Device::kCPU);
+  ASSERT_TRUE(all_finite(glogits));
+  EXPECT_LT(relative_error(glogits, ca.logits), 1e-5) << "logits, seed " << seed;
+  const Tensor cdh = moe::moe_backward(cw, cg, c.moe(), hn, ca, dout, 1.0);
+  const Tensor gdh = moe::moe_backward(gw, gg, c.moe(), gpu(hn), ga, gpu(dout), 1.0);
+  const Tensor grouter = gg.router.to(Device::kCPU);
+  double norm = 0;
+  for (int64_t i = 0; i < cg.router.numel(); ++i) norm += std::abs(cg.router.item(i));
+  EXPECT_GT(norm, 0.0) << "the load-balancing loss gives the router a gradient";
+  EXPECT_LT(relative_error(grouter, cg.router), 1e-5) << "router weight gradient, seed " << seed;
+  EXPECT_LT(relative_error(gdh.to(Device::kCPU).to(DType::kF32), cdh), 4e-3) << "d hn (bf16)";
+}
+
 TEST_P(GpuCase, AttentionPackedCausalGqa) {
   // Documents of 300, 1, 57 and 700 tokens; 8 query heads over 2 kv heads; Dqk 64, Dv 32.
   const std::vector<int32_t> cu = {0, 300, 301, 358, 1058};

@@ -167,6 +167,44 @@ TEST(Fsdp, MixedPrecisionGathersTheBf16CopyOnly) {
   });
 }
 
+// A group with a master-weight spec (the router) gathers its fp32 masters and casts the bf16
+// copy locally: the master spec reads the fp32 values, the others the bf16 cast; release drops
+// both; unsharded, the master spec reads the params while the rest read the cast copy.
+TEST(Fsdp, AMasterWeightSpecIsReadInFp32) {
+  std::mutex mu;
+  auto make = [] {
+    std::vector<ParamSpec> specs = {{"w", {5, 3}}, {"router", {4, 2}}};
+    specs[1].master_weight = true;
+    ParamGroup g = make_param_group(ParamKind::kDense, specs, DType::kF32);
+    allocate_group(g);
+    for (int64_t i = 0; i < g.numel; ++i) g.params.set_item(i, 0.1 * i + 1.0 / 3.0);
+    return g;
+  };
+  run_in_process(2, [&](Communicator& c) {
+    ParamGroup g = make();
+    const Tensor full = g.params.clone(), cast = full.to(DType::kBF16);
+    place_group(g, Device::kCPU, DType::kBF16);
+    fsdp::shard_group(g, c);
+    fsdp::gather(g);
+    std::lock_guard<std::mutex> lock(mu);
+    ASSERT_TRUE(g.params.defined() && g.compute.defined());
+    EXPECT_EQ(g.weight(1).dtype(), DType::kF32);
+    EXPECT_EQ(g.weight(0).dtype(), DType::kBF16);
+    for (int64_t i = 0; i < 8; ++i) {
+      EXPECT_EQ(g.weight(1).item(i), full.item(g.specs[1].offset + i)) << i;
+      EXPECT_NE(g.weight(1).item(i), cast.item(g.specs[1].offset + i)) << "not rounded " << i;
+    }
+    for (int64_t i = 0; i < 15; ++i) EXPECT_EQ(g.weight(0).item(i), cast.item(i)) << i;
+    fsdp::release(g);
+    EXPECT_FALSE(g.params.defined() || g.compute.defined());
+  });
+  ParamGroup one = make();
+  place_group(one, Device::kCPU, DType::kBF16);
+  fsdp::gather(one);
+  EXPECT_EQ(one.weight(1).dtype(), DType::kF32);
+  EXPECT_EQ(one.weight(0).dtype(), DType::kBF16);
+}
+
 // Routings of 6 tokens, top-2 over 4 experts on 2 ranks (experts 0, 1 on rank 0; 2, 3 on rank
 // 1), by name: each rank's tokens differ (rank r's token t chooses by (t + r)).
 Tensor exchange_routing(const std::string& kind, int rank) {

@@ -131,11 +131,10 @@ void check_memory(const mt::Config& c) {
   double workspaces = 0;
   if (c.hardware.device == "cuda") {
     const mt::ModelConfig& mc = c.model;
-    const double layer = static_cast<double>(mc.dim * mc.q_dim() * 2 + mc.dim * mc.kv_dim() * 2 +
-                                             mc.dim * mc.n_experts) +
-                         static_cast<double>(mc.n_experts) *
-                             static_cast<double>(3 * mc.dim * mc.moe_dim) /
-                             static_cast<double>(c.parallel.ep);
+    const mt::BlockParamCounts block = mt::count_block_params(mc);
+    const double layer =
+        static_cast<double>(block.dense) +
+        static_cast<double>(mc.n_experts * block.per_expert) / static_cast<double>(c.parallel.ep);
     const double table = static_cast<double>(mc.vocab_size * mc.dim);
     workspaces = (world > 1 ? 2 * std::max(layer, table) : params) * 2 + double{1 << 30};
     if (c.parallel.ep > 1 && mc.ep_exchange == mt::moe::ExchangeMode::kDeviceCounts)

@@ -25,7 +25,7 @@ namespace {
 std::shared_ptr<dist::PendingCollective> start_gather(ParamGroup& g) {
   const Shape full{g.shard.numel() * g.comm->size()};
   const Device device = g.shard.device();
-  if (g.compute_dtype != g.shard.dtype()) {
+  if (g.compute_dtype != g.shard.dtype() && !g.reads_master()) {
     Tensor mine = Tensor::empty(g.shard.shape(), g.compute_dtype, device);
     ops::convert(g.shard, mine);
     g.compute = Tensor::empty(full, g.compute_dtype, device);
@@ -46,7 +46,7 @@ void gather(ParamGroup& g) {
     if (!g.gathering) g.gathering = start_gather(g);
     g.gathering->wait();
     g.gathering.reset();
-    if (g.compute_dtype != g.shard.dtype()) return;
+    if (g.compute_dtype != g.shard.dtype() && !g.reads_master()) return;
   }
   if (g.compute_dtype != g.params.dtype() && !g.compute.defined()) {  // the ops read a cast copy
     g.compute = Tensor::empty(g.params.shape(), g.compute_dtype, g.params.device());

@@ -27,6 +27,10 @@ struct ParamSpec {
   // Element index of this tensor's first element within the full (unsplit) parameter: non-zero
   // for the expert slice of an EP rank, so that every rank draws the same initial values.
   int64_t init_offset = 0;
+  // Read by the ops in the master dtype (fp32), not from the compute copy: the router, whose
+  // logits decide the routing. A sharded group holding one gathers its fp32 masters and casts
+  // the compute copy locally.
+  bool master_weight = false;
 };
 
 struct ParamGroup {
@@ -59,11 +63,17 @@ struct ParamGroup {
   double reduced_divide_factor = 1.0;
 
   bool sharded() const { return comm != nullptr; }
+  bool reads_master() const {
+    for (const ParamSpec& s : specs)
+      if (s.master_weight) return true;
+    return false;
+  }
   int64_t shard_begin() const { return sharded() ? comm->rank() * shard.numel() : 0; }
   Tensor param(size_t i) const { return params.view(specs[i].offset, specs[i].shape); }
   // The weight as the ops read it: the compute copy when there is one.
   Tensor weight(size_t i) const {
-    return (compute.defined() ? compute : params).view(specs[i].offset, specs[i].shape);
+    const bool cast = compute.defined() && !specs[i].master_weight;
+    return (cast ? compute : params).view(specs[i].offset, specs[i].shape);
   }
   Tensor grad(size_t i) const { return grads.view(specs[i].offset, specs[i].shape); }
 };

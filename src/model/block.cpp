@@ -120,6 +120,7 @@ std::vector<ParamGroup> make_block_groups(const ModelConfig& c, int64_t layer, i
       {pre + "attn.k_norm", {c.head_dim}, true},  {pre + "mlp_norm", {c.dim}, true},
       {pre + "moe.router", {c.dim, c.n_experts}},
   };
+  dense.back().master_weight = c.router_dtype == DType::kF32;               // read the fp32 masters
   const int64_t gate_up = c.dim * 2 * c.moe_dim, down = c.moe_dim * c.dim;  // per expert
   std::vector<ParamSpec> experts = {
       {pre + "moe.w_gate_up",

@@ -62,6 +62,9 @@ struct ModelConfig {
   ops::ExpertPrecision expert_precision;
   double init_std = 0.02;
   DType compute_dtype = DType::kF32;  // CPU: f32 to train, f64 for gradient checks
+  // Mixed precision (GPU): the router's weights and GEMMs in f32 (its fp32 master weights and the
+  // up-cast input; logits are f32 either way) or bf16 (the compute copy, as every other weight).
+  DType router_dtype = DType::kF32;
   CheckpointPolicy checkpoint = CheckpointPolicy::kNone;
   // The LM head and loss run over this many tokens at a time (forward and backward together),
   // so at most chunk x vocab logits and their gradient exist at once; 0 = all tokens at once.

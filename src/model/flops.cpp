@@ -4,18 +4,22 @@
 
 namespace mt {
 
-ParamCounts count_params(const ModelConfig& c) {
+BlockParamCounts count_block_params(const ModelConfig& c) {
   const int64_t attn = c.dim * c.q_dim() + 2 * c.dim * c.kv_dim() + c.q_dim() * c.dim +
                        2 * c.head_dim /* q_norm, k_norm */ + c.dim /* attn norm */;
-  const int64_t expert = 3 * c.dim * c.moe_dim;
   const int64_t moe_dense = c.dim * c.n_experts /* router */ + c.dim /* mlp norm */;
+  return {attn + moe_dense, 3 * c.dim * c.moe_dim};
+}
+
+ParamCounts count_params(const ModelConfig& c) {
+  const BlockParamCounts b = count_block_params(c);
   const int64_t embed = c.vocab_size * c.dim;
   const int64_t head = c.tie_word_embeddings ? 0 : c.vocab_size * c.dim;
   ParamCounts p;
-  p.total = embed + head + c.dim /* final norm */ +
-            c.n_layers * (attn + moe_dense + c.n_experts * expert);
-  const double active_expert = static_cast<double>(c.top_k) * expert;
-  p.active = static_cast<double>(c.n_layers) * (attn + moe_dense + active_expert) +
+  p.total =
+      embed + head + c.dim /* final norm */ + c.n_layers * (b.dense + c.n_experts * b.per_expert);
+  const double active_expert = static_cast<double>(c.top_k) * b.per_expert;
+  p.active = static_cast<double>(c.n_layers) * (b.dense + active_expert) +
              static_cast<double>(c.dim) + static_cast<double>(c.vocab_size) * c.dim;
   return p;
 }

@@ -14,6 +14,12 @@ struct ParamCounts {
   double active = 0;  // per token, as defined above
 };
 ParamCounts count_params(const ModelConfig& c);
+// One block's parameters: its dense group (attention, norms, router) and one expert's.
+struct BlockParamCounts {
+  int64_t dense = 0;
+  int64_t per_expert = 0;
+};
+BlockParamCounts count_block_params(const ModelConfig& c);
 double train_flops_per_token(const ModelConfig& c, int64_t seq_len);
 
 // A lower bound of the activations one training pass of `tokens` tokens keeps on one rank, in

@@ -13,8 +13,9 @@ ops::RouterOptions router_options(const MoeConfig& c) {
 }
 
 namespace {
-// Routing math (logits, softmax, weights) runs in f32 at least: the GPU's bf16 router GEMM
-// writes f32 logits; the CPU reference keeps its compute dtype (f32 or f64).
+// Routing math (logits, softmax, weights) runs in f32 at least: on the GPU the router GEMM reads
+// the fp32 master weights (ParamSpec::master_weight) and the up-cast input and writes f32
+// logits; the CPU reference keeps its compute dtype (f32 or f64).
 DType router_dtype(const Tensor& hn) {
   return hn.device() == Device::kCUDA ? DType::kF32 : hn.dtype();
 }
@@ -55,7 +56,13 @@ void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, co
     if (!a.logits.defined()) {
       a.logits = Tensor::empty({hn.dim(0), c.n_experts}, router_dtype(hn), dev);
       const profile::Phase phase("moe.router_logits");
-      ops::linear_forward(hn, w.router, a.logits);
+      if (w.router.dtype() != hn.dtype()) {  // fp32 master weights: the input up-cast
+        Tensor hn_up = Tensor::empty(hn.shape(), w.router.dtype(), dev);
+        ops::convert(hn, hn_up);
+        ops::linear_forward(hn_up, w.router, a.logits);
+      } else {
+        ops::linear_forward(hn, w.router, a.logits);
+      }
     }
     ops::router_forward(a.logits, bias, router_options(c), a.routing);
     a.aux_stats = ops::router_aux_stats(a.routing);
@@ -162,7 +169,20 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
 
   Tensor dlogits = Tensor::empty({n, c.n_experts}, a.routing.scores.dtype(), dev);
   ops::router_backward(a.routing, router_options(c), a.aux_stats, dweight, aux_grad, dlogits);
-  if (dlogits.dtype() != w.router.dtype()) {  // GPU: f32 routing math, bf16 GEMM operands
+  if (w.router.dtype() != hn.dtype()) {
+    // fp32 master weights (mixed precision): the router's GEMMs in fp32 on the up-cast input,
+    // its input gradient added to the experts' in fp32 and rounded once.
+    MT_CHECK(dlogits.dtype() == w.router.dtype(), "router logits gradient {} for {} weights",
+             dtype_name(dlogits.dtype()), dtype_name(w.router.dtype()));
+    Tensor hn_up = Tensor::empty(hn.shape(), w.router.dtype(), dev);
+    Tensor dhn_up = Tensor::empty(hn.shape(), w.router.dtype(), dev);
+    ops::convert(hn, hn_up);
+    ops::convert(dhn, dhn_up);
+    ops::linear_backward(hn_up, w.router, dlogits, dhn_up, g.router, ops::Accumulate::kYes);
+    ops::convert(dhn_up, dhn);
+    return dhn;
+  }
+  if (dlogits.dtype() != w.router.dtype()) {  // f32 routing math, GEMM operands in the weights'
     Tensor cast = Tensor::empty(dlogits.shape(), w.router.dtype(), dev);
     ops::convert(dlogits, cast);
     dlogits = cast;

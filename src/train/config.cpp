@@ -114,6 +114,13 @@ const std::vector<Field>& fields() {
            throw ConfigError(fmt::format(
                "config: model.compute_dtype = \"{}\" is not a dtype (valid: f32, f64, bf16)", v.s));
        }},
+      {"model", "router_dtype", FieldType::kString,
+       [](Config& c, const Value& v) {
+         if (!parse_dtype(v.s, &c.model.router_dtype) ||
+             (c.model.router_dtype != DType::kF32 && c.model.router_dtype != DType::kBF16))
+           throw ConfigError(
+               fmt::format("config: model.router_dtype = \"{}\" (valid: f32, bf16)", v.s));
+       }},
       {"model", "checkpoint", FieldType::kString,
        [](Config& c, const Value& v) {
          if (!parse_policy(v.s, &c.model.checkpoint))
