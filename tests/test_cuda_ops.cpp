@@ -520,6 +520,16 @@ TEST_P(GpuCase, RouterPermutationAndCombine) {
       << "expert rows back to the choices";
 }
 
+// Zeroed f32 gradients for a layer's weights, on the host and on the GPU.
+std::pair<moe::MoeWeights, moe::MoeWeights> zero_grads(const moe::MoeWeights& w) {
+  moe::MoeWeights cpu{Tensor::zeros(w.router.shape(), DType::kF32),
+                      Tensor::zeros(w.w_gate_up.shape(), DType::kF32),
+                      Tensor::zeros(w.w_down.shape(), DType::kF32)};
+  moe::MoeWeights gpu{cpu.router.to(Device::kCUDA), cpu.w_gate_up.to(Device::kCUDA),
+                      cpu.w_down.to(Device::kCUDA)};
+  return {cpu, gpu};
+}
+
 TEST_P(GpuCase, MoeLayerForwardBackwardMatchesCpu) {
   if (GetParam() != DType::kBF16) GTEST_SKIP() << "the GPU layer runs bf16 rows";
   ModelConfig c;
@@ -531,10 +541,7 @@ TEST_P(GpuCase, MoeLayerForwardBackwardMatchesCpu) {
   const int64_t n = 512, e = c.n_experts, d = c.dim, f = c.moe_dim;
   moe::MoeWeights cw{input({d, e}, 0.1), input({e, d, 2 * f}, 0.06), input({e, f, d}, 0.09)};
   moe::MoeWeights gw{gpu(cw.router), gpu(cw.w_gate_up), gpu(cw.w_down)};
-  moe::MoeWeights cg{Tensor::zeros({d, e}, DType::kF32), Tensor::zeros({e, d, 2 * f}, DType::kF32),
-                     Tensor::zeros({e, f, d}, DType::kF32)};
-  moe::MoeWeights gg{cg.router.to(Device::kCUDA), cg.w_gate_up.to(Device::kCUDA),
-                     cg.w_down.to(Device::kCUDA)};
+  auto [cg, gg] = zero_grads(cw);
   const Tensor hn = input({n, d}), dout = input({n, d});
   moe::MoeActivations ca, ga;
   moe::moe_fill(cw, c.moe(), {}, Tensor(), hn, ca);
@@ -572,10 +579,7 @@ TEST_P(GpuCase, MoeRouterRunsInFp32OnMasterWeights) {
   const Tensor router = testing::randn({d, e}, seed + 101, 0.1, DType::kF32);  // not bf16 values
   moe::MoeWeights cw{router, input({e, d, 2 * f}, 0.06), input({e, f, d}, 0.09)};
   moe::MoeWeights gw{router.to(Device::kCUDA), gpu(cw.w_gate_up), gpu(cw.w_down)};
-  moe::MoeWeights cg{Tensor::zeros({d, e}, DType::kF32), Tensor::zeros({e, d, 2 * f}, DType::kF32),
-                     Tensor::zeros({e, f, d}, DType::kF32)};
-  moe::MoeWeights gg{cg.router.to(Device::kCUDA), cg.w_gate_up.to(Device::kCUDA),
-                     cg.w_down.to(Device::kCUDA)};
+  auto [cg, gg] = zero_grads(cw);
   const Tensor hn = input({n, d}), dout = Tensor::zeros({n, d}, DType::kF32);
   moe::MoeActivations ca, ga;
   moe::moe_fill(cw, c.moe(), {}, Tensor(), hn, ca);
