@@ -450,6 +450,29 @@ TEST(HfExport, RoundTripIsBitIdenticalAndPerExpert) {
 
 // Shards of at most 16 KiB: several files and the index, which the import follows to the same
 // parameters; no shard over the limit unless it holds one tensor larger than it.
+// Export from (W, ep) = (4, 2) ranks (dense groups sharded over 4, each EP rank's experts over its
+// 2 FSDP peers): the import's values come back exactly, every expert from its EP rank.
+TEST(HfExport, FromFourRanksWithExpertParallelismGivesTheImportedWeights) {
+  const std::string src = fixture("base");
+  const ModelConfig c = hf_model(src);
+  const std::string dir = testing::unique_temp_path("hf_export_w4");
+  run_in_process(4, [&](dist::Communicator& comm) {
+    ModelConfig c4 = c;
+    dist::DeviceMesh mesh(comm, {4, 2}, c4.n_experts);
+    Qwen3Moe m(c4, 5, &mesh);
+    load_hf_weights(src, m);
+    export_hf(m, dir, DType::kF32, &comm);
+  });
+  Qwen3Moe a(c, 1), b(c, 2);
+  load_hf_weights(src, a);
+  load_hf_weights(dir, b);
+  for (size_t u = 0; u < a.units().size(); ++u)
+    for (size_t g = 0; g < a.units()[u].groups.size(); ++g)
+      EXPECT_EQ(relative_error(a.units()[u].groups[g].params, b.units()[u].groups[g].params), 0.0)
+          << a.units()[u].name;
+  fs::remove_all(dir);
+}
+
 TEST(HfExport, ShardedExportHasAnIndexAndLoadsTheSame) {
   const ModelConfig c = hf_model(fixture("base"));
   Qwen3Moe a(c, 1), b(c, 2);
