@@ -49,6 +49,10 @@ ModelConfig hf_model(const std::string& dir) {
 
 using testing::reference_batch;
 
+// Group g of unit u holds the same parameters, bit for bit, in models a and b.
+#define EXPECT_SAME_PARAMS(a, b, u, g) \
+  EXPECT_EQ(relative_error((a).units()[u].groups[g].params, (b).units()[u].groups[g].params), 0.0)
+
 class HfParity : public ::testing::TestWithParam<const char*> {};
 
 TEST_P(HfParity, LossAndEveryGradientMatchTransformers) {
@@ -183,8 +187,7 @@ TEST(HfImport, PerExpertAndMergedLayoutsAgree) {
   load_hf_weights(dir, b);
   for (size_t u = 0; u < a.units().size(); ++u)
     for (size_t g = 0; g < a.units()[u].groups.size(); ++g)
-      EXPECT_EQ(relative_error(a.units()[u].groups[g].params, b.units()[u].groups[g].params), 0.0)
-          << a.units()[u].name;
+      EXPECT_SAME_PARAMS(a, b, u, g) << a.units()[u].name;
   fs::remove_all(dir);
 }
 
@@ -431,8 +434,7 @@ TEST(HfExport, RoundTripIsBitIdenticalAndPerExpert) {
     load_hf_weights(dir, b);
     for (size_t u = 0; u < a.units().size(); ++u)
       for (size_t g = 0; g < a.units()[u].groups.size(); ++g)
-        EXPECT_EQ(relative_error(a.units()[u].groups[g].params, b.units()[u].groups[g].params), 0.0)
-            << name << " " << a.units()[u].name;
+        EXPECT_SAME_PARAMS(a, b, u, g) << name << " " << a.units()[u].name;
     const SafetensorsFile f = read_safetensors(dir + "/model.safetensors");
     EXPECT_TRUE(f.tensors.count("model.layers.1.mlp.experts.7.up_proj.weight")) << name;
     EXPECT_FALSE(f.tensors.count("model.layers.1.mlp.experts.gate_up_proj")) << name;
@@ -468,8 +470,7 @@ TEST(HfExport, FromFourRanksWithExpertParallelismGivesTheImportedWeights) {
   load_hf_weights(dir, b);
   for (size_t u = 0; u < a.units().size(); ++u)
     for (size_t g = 0; g < a.units()[u].groups.size(); ++g)
-      EXPECT_EQ(relative_error(a.units()[u].groups[g].params, b.units()[u].groups[g].params), 0.0)
-          << a.units()[u].name;
+      EXPECT_SAME_PARAMS(a, b, u, g) << a.units()[u].name;
   fs::remove_all(dir);
 }
 
