@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
@@ -244,6 +245,9 @@ TEST(Loader, TokenFileRowsContinueDocumentsAndWrap) {
   c.data.path = path;
   c.data.shuffle = false;
   auto loader = make_data_loader(c);
+  // Counted targets: tokens 2, 3, 5, 8, 9 (mask 1, not a document's first), once each.
+  EXPECT_NEAR(loader->stats(4).unigram_entropy, std::log(5.0), 1e-12);
+  EXPECT_TRUE(std::isnan(loader->stats(4).loss_floor));
   const Batch b = loader->next(2, 4);
   // Row 0: tokens 1 2 3 4 -> targets 2 3 4 5; row 1 starts mid-document 2 at token 5.
   const std::vector<int> tokens = {1, 2, 3, 4, 5, 6, 7, 8};
