@@ -1,13 +1,6 @@
 #include "train/safetensors.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
-#include <cerrno>
 #include <cstring>
-#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "core/atomic_file.h"
@@ -47,30 +40,14 @@ void write_safetensors(const std::string& path, const SafetensorsFile& f) {
 }
 
 MappedSafetensors::MappedSafetensors(const std::string& path) : path_(path) {
-  std::error_code ec;
-  if (!std::filesystem::is_regular_file(path, ec))
-    throw CheckpointError(fmt::format("checkpoint: '{}' is not a regular file", path));
-  const int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0)
-    throw CheckpointError(
-        fmt::format("checkpoint: cannot open '{}': {}", path, std::strerror(errno)));
-  struct stat st {};
-  if (::fstat(fd, &st) != 0) {
-    ::close(fd);
-    throw CheckpointError(fmt::format("checkpoint: cannot stat '{}'", path));
-  }
-  size_ = static_cast<size_t>(st.st_size);
-  if (size_ >= 8) map_ = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-  ::close(fd);
-  if (map_ == MAP_FAILED) {
-    map_ = nullptr;
-    throw CheckpointError(
-        fmt::format("checkpoint: cannot map '{}': {}", path, std::strerror(errno)));
-  }
-  const auto* bytes = static_cast<const uint8_t*>(map_);
+  std::string why;
+  if (!file_.open(path, &why))
+    throw CheckpointError(fmt::format("checkpoint: cannot open '{}': {}", path, why));
+  const uint8_t* bytes = file_.data();
+  const size_t size = file_.size();
   uint64_t hlen = 0;
-  if (size_ >= 8) std::memcpy(&hlen, bytes, 8);
-  if (size_ < 8 || hlen > size_ - 8)
+  if (size >= 8) std::memcpy(&hlen, bytes, 8);
+  if (size < 8 || hlen > size - 8)
     throw CheckpointError(fmt::format("checkpoint: '{}' is truncated or not safetensors", path));
   nlohmann::json header;
   try {
@@ -82,7 +59,7 @@ MappedSafetensors::MappedSafetensors(const std::string& path) : path_(path) {
     return CheckpointError(fmt::format("checkpoint: '{}' is corrupt: {}", path, what));
   };
   if (!header.is_object()) throw bad("its header is not a JSON object");
-  const uint64_t data_size = size_ - 8 - hlen;
+  const uint64_t data_size = size - 8 - hlen;
   const uint8_t* data = bytes + 8 + hlen;
   for (const auto& [name, info] : header.items()) {
     if (name == "__metadata__") {
@@ -131,13 +108,7 @@ MappedSafetensors::MappedSafetensors(const std::string& path) : path_(path) {
   }
 }
 
-void MappedSafetensors::release_pages() const {
-  if (map_) ::madvise(map_, size_, MADV_DONTNEED);
-}
-
-MappedSafetensors::~MappedSafetensors() {
-  if (map_) ::munmap(map_, size_);
-}
+MappedSafetensors::~MappedSafetensors() = default;
 
 SafetensorsFile read_safetensors(const std::string& path) {
   const MappedSafetensors m(path);

@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "core/mapped_file.h"
 #include "core/tensor.h"
 
 namespace mt {
@@ -42,14 +43,13 @@ class MappedSafetensors {
   const std::map<std::string, SafetensorsEntry>& tensors() const { return tensors_; }
   const std::map<std::string, std::string>& metadata() const { return metadata_; }
   const std::string& path() const { return path_; }
-  // Drops the pages read so far from this process (they stay in the page cache and are read
-  // again if touched): a reader going through a large file a part at a time holds one part.
-  void release_pages() const;
+  // Drops the pages read so far from this process: a reader going through a large file a part
+  // at a time holds one part.
+  void release_pages() const { file_.release_pages(); }
 
  private:
   std::string path_;
-  void* map_ = nullptr;
-  size_t size_ = 0;
+  MappedFile file_;
   std::map<std::string, SafetensorsEntry> tensors_;
   std::map<std::string, std::string> metadata_;
 };

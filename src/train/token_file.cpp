@@ -1,15 +1,8 @@
 #include "train/token_file.h"
 
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-
 #include <algorithm>
-#include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <filesystem>
 
 #include "core/atomic_file.h"
 #include "core/error.h"
@@ -40,29 +33,14 @@ TokenView TokenDocuments::view() const {
 }
 
 MappedTokenFile::MappedTokenFile(const std::string& path, int64_t vocab_size) {
-  std::error_code ec;
-  const bool regular = std::filesystem::is_regular_file(path, ec);
-  if (!std::filesystem::exists(path, ec))
-    throw DataError(fmt::format("data: cannot open token file '{}': no such file", path));
-  if (!regular) throw DataError(fmt::format("data: '{}' is not a regular file", path));
-  const int fd = ::open(path.c_str(), O_RDONLY);
-  if (fd < 0)
-    throw DataError(
-        fmt::format("data: cannot open token file '{}': {}", path, std::strerror(errno)));
-  struct stat st {};
-  const bool stat_ok = ::fstat(fd, &st) == 0;
-  size_ = stat_ok ? static_cast<size_t>(st.st_size) : 0;
-  if (size_ >= kHeaderBytes) map_ = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE, fd, 0);
-  ::close(fd);
-  if (map_ == MAP_FAILED) {
-    map_ = nullptr;
-    throw DataError(fmt::format("data: cannot map '{}': {}", path, std::strerror(errno)));
-  }
-  const uint64_t size = size_;
+  std::string why;
+  if (!file_.open(path, &why))
+    throw DataError(fmt::format("data: cannot open token file '{}': {}", path, why));
+  const uint64_t size = file_.size();
   if (size < kHeaderBytes)
     throw DataError(fmt::format("data: '{}' is truncated: {} bytes, the header alone is {}", path,
                                 size, kHeaderBytes));
-  const char* header = static_cast<const char*>(map_);
+  const char* header = reinterpret_cast<const char*>(file_.data());
   if (std::memcmp(header, kMagic, 8) != 0)
     throw DataError(
         fmt::format("data: '{}' is not a moetrain token file (magic is not MTTOKENS)", path));
@@ -133,9 +111,7 @@ MappedTokenFile::MappedTokenFile(const std::string& path, int64_t vocab_size) {
   }
 }
 
-MappedTokenFile::~MappedTokenFile() {
-  if (map_) ::munmap(map_, size_);
-}
+MappedTokenFile::~MappedTokenFile() = default;
 
 TokenDocuments read_token_file(const std::string& path, int64_t vocab_size) {
   const MappedTokenFile file(path, vocab_size);

@@ -18,6 +18,8 @@
 #include <string>
 #include <vector>
 
+#include "core/mapped_file.h"
+
 namespace mt {
 
 // A token file's contents, not owned: a TokenDocuments' or a mapped file's.
@@ -50,8 +52,7 @@ class MappedTokenFile {
   const TokenView& view() const { return view_; }
 
  private:
-  void* map_ = nullptr;
-  size_t size_ = 0;
+  MappedFile file_;
   TokenView view_;
 };
 
