@@ -140,6 +140,37 @@ std::string tiny_on_gpu() {
          "/configs/tiny.toml --set hardware.device=cuda";
 }
 
+// Runs `bin + common` once per case (name, its flags) with --metrics; every run must exit 0.
+struct CaseRuns {
+  std::map<std::string, std::string> metrics, logs;  // by case name
+};
+void run_cases(const std::string& common,
+               const std::vector<std::pair<std::string, std::string>>& cases, CaseRuns& out) {
+  for (const auto& [name, set] : cases) {
+    out.metrics[name] = testing::unique_temp_path(name + ".jsonl");
+    const testing::Proc run = testing::run_cmd(testing::moetrain_binary() + common + set +
+                                               " --metrics " + out.metrics[name]);
+    ASSERT_EQ(run.code, 0) << name << "\n" << run.output;
+    out.logs[name] = run.output;
+  }
+}
+
+// Each of `others`' losses, aux losses and gradient norms over `steps` steps equals the
+// reference case's, to the bit.
+void expect_same_steps(const CaseRuns& r, const std::string& reference,
+                       const std::vector<std::string>& others, size_t steps) {
+  for (const char* key : {"loss", "aux_loss", "grad_norm"}) {
+    const auto want = testing::metric(r.metrics.at(reference), key);
+    ASSERT_EQ(want.size(), steps) << reference;
+    for (const std::string& other : others) {
+      const auto got = testing::metric(r.metrics.at(other), key);
+      ASSERT_EQ(got.size(), steps) << other;
+      for (size_t s = 0; s < steps; ++s)
+        EXPECT_EQ(got[s], want[s]) << other << " " << key << " step " << s + 1;
+    }
+  }
+}
+
 // Issue 3's proof on two GPUs: three steps of the tiny model with world 2 (ep 1 and 2) over
 // NCCL against one GPU holding the whole global batch, in bf16: the same losses and gradient
 // norms within bf16 tolerance (forced-balanced routing: bf16 near-ties cannot flip a choice).
@@ -179,18 +210,13 @@ TEST(Nccl, TwoGpuGraphedPassesMatchEager) {
   const std::string bin = testing::moetrain_binary();
   const std::string common =
       " launch -n 2 --" + tiny_on_gpu() + " --set parallel.ep=1 --set train.batch_rows=8 --steps 6";
-  const std::vector<std::pair<std::string, std::string>> runs = {
-      {"graphed", " --set hardware.cuda_graphs=true"},
-      {"eager", " --set hardware.cuda_graphs=false"}};
-  std::map<std::string, std::string> metrics, logs;
-  for (const auto& [name, set] : runs) {
-    metrics[name] = testing::unique_temp_path(name + ".jsonl");
-    const testing::Proc run = testing::run_cmd(bin + common + set + " --metrics " + metrics[name]);
-    ASSERT_EQ(run.code, 0) << name << "\n" << run.output;
-    logs[name] = run.output;
-  }
-  EXPECT_NE(logs["graphed"].find("captured the training pass"), std::string::npos)
-      << logs["graphed"];
+  CaseRuns r;
+  ASSERT_NO_FATAL_FAILURE(run_cases(common,
+                                    {{"graphed", " --set hardware.cuda_graphs=true"},
+                                     {"eager", " --set hardware.cuda_graphs=false"}},
+                                    r));
+  EXPECT_NE(r.logs["graphed"].find("captured the training pass"), std::string::npos)
+      << r.logs["graphed"];
   // A host wait after the first layer's collectives were recorded: exit 1, named.
   const testing::Proc synced = testing::run_cmd("MOETRAIN_FAULT_HOST_WAIT=1 " + bin + common +
                                                 " --set hardware.cuda_graphs=true");
@@ -199,16 +225,7 @@ TEST(Nccl, TwoGpuGraphedPassesMatchEager) {
       << synced.output;
   EXPECT_NE(synced.output.find("in phase 'test.injected_host_wait'"), std::string::npos)
       << synced.output;
-  for (const char* key : {"loss", "aux_loss", "grad_norm"}) {
-    const auto e = testing::metric(metrics["eager"], key);
-    ASSERT_EQ(e.size(), 6u);
-    for (const char* other : {"graphed"}) {
-      const auto g = testing::metric(metrics[other], key);
-      ASSERT_EQ(g.size(), 6u) << other;
-      for (size_t s = 0; s < g.size(); ++s)
-        EXPECT_EQ(g[s], e[s]) << other << " " << key << " step " << s + 1;
-    }
-  }
+  expect_same_steps(r, "eager", {"graphed"}, 6);
 }
 
 // The device-initiated exchange (rows written into the peer's memory by a kernel, counts never
@@ -218,34 +235,20 @@ TEST(Nccl, TwoGpuGraphedPassesMatchEager) {
 // bit; and captured as one CUDA graph per pass, replayed, it gives the eager run's numbers.
 TEST(Nccl, TwoGpuDeviceExchangeMatchesTheHostCountReference) {
   if (cuda::device_count() < 2) GTEST_SKIP() << "needs two GPUs (the nvidia-h200-x2 machine)";
-  const std::string bin = testing::moetrain_binary();
   const std::string common =
       " launch -n 2 --" + tiny_on_gpu() + " --set parallel.ep=2 --set train.batch_rows=8 --steps 6";
-  const std::vector<std::pair<std::string, std::string>> runs = {
-      {"host", " --set parallel.ep_exchange=host --set hardware.cuda_graphs=false"},
-      {"device", " --set parallel.ep_exchange=device --set hardware.cuda_graphs=false"},
-      {"device_graphed", " --set parallel.ep_exchange=device --set hardware.cuda_graphs=true"}};
-  std::map<std::string, std::string> metrics, logs;
-  for (const auto& [name, set] : runs) {
-    metrics[name] = testing::unique_temp_path(name + ".jsonl");
-    const testing::Proc run = testing::run_cmd(bin + common + set + " --metrics " + metrics[name]);
-    ASSERT_EQ(run.code, 0) << name << "\n" << run.output;
-    logs[name] = run.output;
-  }
-  EXPECT_NE(logs["device"].find("expert exchange: device-initiated"), std::string::npos)
-      << logs["device"];
-  EXPECT_NE(logs["device_graphed"].find("captured the training pass"), std::string::npos)
-      << logs["device_graphed"];
-  for (const char* key : {"loss", "aux_loss", "grad_norm"}) {
-    const auto h = testing::metric(metrics["host"], key);
-    ASSERT_EQ(h.size(), 6u);
-    for (const char* other : {"device", "device_graphed"}) {
-      const auto d = testing::metric(metrics[other], key);
-      ASSERT_EQ(d.size(), 6u) << other;
-      for (size_t s = 0; s < d.size(); ++s)
-        EXPECT_EQ(d[s], h[s]) << other << " " << key << " step " << s + 1;
-    }
-  }
+  CaseRuns r;
+  ASSERT_NO_FATAL_FAILURE(run_cases(
+      common,
+      {{"host", " --set parallel.ep_exchange=host --set hardware.cuda_graphs=false"},
+       {"device", " --set parallel.ep_exchange=device --set hardware.cuda_graphs=false"},
+       {"device_graphed", " --set parallel.ep_exchange=device --set hardware.cuda_graphs=true"}},
+      r));
+  EXPECT_NE(r.logs["device"].find("expert exchange: device-initiated"), std::string::npos)
+      << r.logs["device"];
+  EXPECT_NE(r.logs["device_graphed"].find("captured the training pass"), std::string::npos)
+      << r.logs["device_graphed"];
+  expect_same_steps(r, "host", {"device", "device_graphed"}, 6);
 }
 
 // A peer dying mid-run, with the survivor's passes replayed as CUDA graphs (their collectives

@@ -816,15 +816,22 @@ TEST(Launch, RanksDieWithTheirLauncher) {
   }
 }
 
+// One step of the tiny preset as rank `rank` of `world` started by hand (torchrun's environment)
+// with its master at 127.0.0.1:port and a rendezvous deadline of `timeout_s`; the shell's
+// timeout of 60 s turns a hang into exit 124.
+std::string rank_of_tiny_run(int world, int rank, int port, int timeout_s) {
+  return fmt::format(
+      "WORLD_SIZE={} RANK={} MASTER_ADDR=127.0.0.1 MASTER_PORT={} MOETRAIN_TIMEOUT_S={} timeout 60 "
+      "{} train --config {}/configs/tiny.toml --steps 1",
+      world, rank, port, timeout_s, MOETRAIN_BINARY, MOETRAIN_SOURCE_DIR);
+}
+
 // A WORLD_SIZE larger than the ranks started: rank 0 names the ranks that never arrived when
 // its rendezvous times out (issue 17: it waited and named none).
 TEST(SocketBackend, RendezvousNamesTheRanksThatNeverArrived) {
   const int port = testing::free_port();
   const auto start = std::chrono::steady_clock::now();
-  const Proc p =
-      run_cmd("WORLD_SIZE=3 RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
-              " MOETRAIN_TIMEOUT_S=2 timeout 60 " + std::string(MOETRAIN_BINARY) +
-              " train --config " + MOETRAIN_SOURCE_DIR + "/configs/tiny.toml --steps 1");
+  const Proc p = run_cmd(rank_of_tiny_run(3, 0, port, 2));
   EXPECT_NE(p.code, 0);
   EXPECT_NE(p.code, 124) << "hung";
   EXPECT_NE(p.output.find("only 1 of 3 ranks connected within 2 s; rank(s) 1, 2 never did"),
@@ -855,10 +862,7 @@ TEST(SocketBackend, AMasterThatDropsSynsFailsAtTheDeadline) {
   std::this_thread::sleep_for(std::chrono::milliseconds(200));
   const int port = ntohs(addr.sin_port);
   const auto start = std::chrono::steady_clock::now();
-  const Proc p =
-      run_cmd("WORLD_SIZE=2 RANK=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=" + std::to_string(port) +
-              " MOETRAIN_TIMEOUT_S=3 timeout 60 " + std::string(MOETRAIN_BINARY) +
-              " train --config " + MOETRAIN_SOURCE_DIR + "/configs/tiny.toml --steps 1");
+  const Proc p = run_cmd(rank_of_tiny_run(2, 1, port, 3));
   EXPECT_NE(p.code, 0);
   EXPECT_NE(p.code, 124) << "hung";
   EXPECT_NE(p.output.find("rank 1: cannot reach rank 0 at 127.0.0.1:" + std::to_string(port) +
