@@ -3,7 +3,6 @@
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <map>
 
 #include "core/error.h"
 #include "core/rng.h"
@@ -46,14 +45,16 @@ Batch pack_rows(const std::vector<PackedRow>& rows, int64_t seq_len) {
 
 namespace {
 
-double entropy_of_counts(const std::map<int32_t, int64_t>& counts) {
+// The entropy (nats) of the distribution counts[id] / sum: a count per token id, zeros skipped.
+double entropy_of_counts(const std::vector<int64_t>& counts) {
   int64_t total = 0;
-  for (const auto& [_, c] : counts) total += c;
+  for (const int64_t c : counts) total += c;
   double h = 0;
-  for (const auto& [_, c] : counts) {
-    const double p = static_cast<double>(c) / total;
-    h -= p * std::log(p);
-  }
+  for (const int64_t c : counts)
+    if (c > 0) {
+      const double p = static_cast<double>(c) / static_cast<double>(total);
+      h -= p * std::log(p);
+    }
   return h;
 }
 
@@ -73,7 +74,7 @@ class SyntheticLoader : public DataLoader {
   // Floor and unigram entropy over the first kStatRows rows of the stream.
   DataStats stats(int64_t seq_len) const override {
     constexpr int64_t kStatRows = 256;
-    std::map<int32_t, int64_t> counts;
+    std::vector<int64_t> counts;
     double nll = 0;
     int64_t n = 0;
     for (int64_t r = 0; r < kStatRows; ++r) {
@@ -81,6 +82,7 @@ class SyntheticLoader : public DataLoader {
       for (int64_t i = 1; i <= seq_len; ++i) {
         if (s.doc_start[i]) continue;  // masked: a target across documents
         nll += s.true_nll[i];
+        if (static_cast<size_t>(s.tokens[i]) >= counts.size()) counts.resize(s.tokens[i] + 1, 0);
         counts[s.tokens[i]] += 1;
         ++n;
       }
@@ -136,19 +138,9 @@ class TokenFileLoader : public DataLoader {
     const TokenView& v = file_->view();
     const int64_t n = std::min(v.num_tokens, kStatTokens);
     std::vector<int64_t> counts(*std::max_element(v.tokens, v.tokens + n) + 1, 0);
-    int64_t total = 0;
     for (int64_t i = 0; i < n; ++i)
-      if ((!v.loss_mask || v.loss_mask[i]) && !v.is_doc_start(i)) {
-        ++counts[v.tokens[i]];
-        ++total;
-      }
-    double h = 0;
-    for (const int64_t c : counts)
-      if (c > 0) {
-        const double p = static_cast<double>(c) / static_cast<double>(total);
-        h -= p * std::log(p);
-      }
-    return {std::numeric_limits<double>::quiet_NaN(), h};
+      if ((!v.loss_mask || v.loss_mask[i]) && !v.is_doc_start(i)) ++counts[v.tokens[i]];
+    return {std::numeric_limits<double>::quiet_NaN(), entropy_of_counts(counts)};
   }
 
  private:
