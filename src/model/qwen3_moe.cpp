@@ -174,21 +174,15 @@ MicroBatchLosses Qwen3Moe::forward(const Batch& b, Tensor* token_losses) {
              dtype_name(token_losses->dtype()), shape_str(token_losses->shape()),
              dtype_name(cfg_.stat_dtype()), shape_str(want));
   }
-  token_losses_ = token_losses;
-  const MicroBatchLosses out = run(b, nullptr);
-  token_losses_ = nullptr;
-  return out;
+  pass(b, nullptr, token_losses);  // forward passes are never graphed
+  return collect();
 }
 MicroBatchLosses Qwen3Moe::forward_backward(const Batch& b, const LossScale& s) {
-  return run(b, &s);
-}
-
-MicroBatchLosses Qwen3Moe::run(const Batch& b, const LossScale* scale) {
-  if (scale) ce_scale_.set_item(0, scale->ce_scale);
-  if (use_graphs(scale))
-    run_graphed(b, *scale);
+  ce_scale_.set_item(0, s.ce_scale);
+  if (use_graphs())
+    run_graphed(b, s);
   else
-    pass(b, scale);
+    pass(b, &s);
   return collect();
 }
 
@@ -196,16 +190,15 @@ int64_t Qwen3Moe::graph_replays() const {
   return graphs_->replays;
 }
 
-bool Qwen3Moe::use_graphs(const LossScale* scale) const {
+bool Qwen3Moe::use_graphs() const {
 #if MOETRAIN_HAS_CUDA
   // Training passes with no host round trip: one GPU, or several over NCCL (FSDP's collectives
   // are captured with the pass), with ep > 1 when the expert exchange keeps its counts on the
   // device (the host-count reference reads them every layer). Never under the profiler (its
   // phases wait for the device).
   const bool exchange_on_device = !comms_.ep || comms_.exchange == moe::ExchangeMode::kDeviceCounts;
-  return scale && cfg_.on_gpu() && cfg_.cuda_graphs && exchange_on_device && !profile::enabled();
+  return cfg_.on_gpu() && cfg_.cuda_graphs && exchange_on_device && !profile::enabled();
 #else
-  (void)scale;
   return false;
 #endif
 }
@@ -302,7 +295,7 @@ bool host_wait_injected() {
 }
 }  // namespace
 
-void Qwen3Moe::pass(const Batch& b, const LossScale* scale) {
+void Qwen3Moe::pass(const Batch& b, const LossScale* scale, Tensor* token_losses) {
   const ModelConfig& c = cfg_;
   const int64_t n = b.size(), L = c.n_layers;
   const DType dt = c.activation_dtype(), st = c.stat_dtype();
@@ -363,7 +356,7 @@ void Qwen3Moe::pass(const Batch& b, const LossScale* scale) {
   Tensor xf = Tensor::empty({n, c.dim}, dt, dev), rstd = Tensor::empty({n}, st, dev);
   ops::rmsnorm_forward(x, norm_w, c.rms_norm_eps, xf, rstd);
   if (!scale) {
-    head_and_loss(b, xf, nullptr, loss_sum, token_losses_);
+    head_and_loss(b, xf, nullptr, loss_sum, token_losses);
     schedule.forward_end(head_unit);
     schedule.forward_end(0);
     return;

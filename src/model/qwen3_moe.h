@@ -64,14 +64,15 @@ class Qwen3Moe {
   dist::DeviceMesh* mesh() const { return mesh_; }
 
  private:
-  MicroBatchLosses run(const Batch& b, const LossScale* s);
   // The device work of one micro-batch: forward (and backward when s), losses into losses_,
   // routed counts into routed_. On the GPU it never waits for the host, so it can be captured.
-  void pass(const Batch& b, const LossScale* s);
+  // token_losses: forward()'s (forward passes only).
+  void pass(const Batch& b, const LossScale* s, Tensor* token_losses = nullptr);
   // pass() as a CUDA graph: the first batch of a shape runs eagerly (warming cuDNN, cuBLASLt
   // and the graph pool), the second is captured, later ones replay it (see the .cpp).
   void run_graphed(const Batch& b, const LossScale& s);
-  bool use_graphs(const LossScale* s) const;
+  // Whether training passes run as CUDA graphs (forward passes never do).
+  bool use_graphs() const;
   struct GraphCache;  // captured passes by shape (qwen3_moe.cpp)
   // The device buffers a captured pass reads and writes by address, besides its inputs.
   std::vector<const void*> pass_buffers() const;
@@ -103,7 +104,6 @@ class Qwen3Moe {
   // On the model's device, written by pass(): [0] the loss sum, [1 + l] layer l's aux loss (f64);
   // routed_ (L, E) i64 the pass's counts; ce_scale_ the loss-gradient scale (one f64).
   Tensor losses_, routed_, ce_scale_;
-  Tensor* token_losses_ = nullptr;  // forward()'s, for the pass it runs
   std::unique_ptr<GraphCache> graphs_;
 };
 
