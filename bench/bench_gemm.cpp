@@ -2,12 +2,15 @@
 // grouped expert GEMMs (forward, dx, dw) at the balanced shape of ../shared/GPU.md
 // (131072 x 2048 rows by 128 experts of 2048 x 1536), each with its ratio to the dense ceiling
 // measured in the same run. The PyTorch comparator (torch._grouped_mm) is
-// bench/grouped_mm_torch.py.
+// bench/grouped_mm_torch.py. Then mx_gemm: the four MX products of the Qwen3-30B-A3B expert
+// layer (ops/mx_gemm.h) over the same balanced rows, each beside the bf16 product the ops run for
+// the same shape (bf16 operands: the emulated path's GEMM), and the quantization of its rows.
 #include <cuda_runtime_api.h>
 
 #include <algorithm>
 #include <cstdio>
 #include <functional>
+#include <string>
 #include <vector>
 
 #include "bench/bench_util.h"
@@ -15,6 +18,8 @@
 #include "ops/cuda/kernels.h"
 #include "ops/gemm.h"
 #include "ops/grouped_gemm.h"
+#include "ops/mx.h"
+#include "ops/mx_gemm.h"
 
 namespace {
 
@@ -81,5 +86,41 @@ int main() {
                                                               false, out.raw(), false, nullptr));
          }),
          ceiling);
+
+  // MX: rows in 128-row segments (1024 per expert: already aligned), the layer's four products.
+  const mt::ops::ExpertRows padded(off, off, 128);
+  struct Product {
+    const char* name;
+    int64_t p, q;       // out (m, p) = a (m, q) b[e]^T
+    bool transposed_w;  // bf16 comparator: forward x w (w (E, q, p)), else input grad dy w^T
+  };
+  for (const Product& pr :
+       {Product{"gate_up_forward", 1536, 2048, true}, Product{"down_forward", 2048, 768, true},
+        Product{"down_input_gradient", 768, 2048, false},
+        Product{"gate_up_input_gradient", 2048, 1536, false}}) {
+    const Tensor rows_bf16 = mt::bench::random_bf16({m, pr.q}, 6, 1.0);
+    const Tensor b = mt::bench::random_bf16({experts, pr.p, pr.q}, 7, 0.05);
+    const Tensor w_kn = mt::bench::random_bf16({experts, pr.q, pr.p}, 8, 0.05);
+    mt::MxTensor a = mt::MxTensor::empty({m, pr.q}, mt::MxAxis::kDim0, Device::kCUDA);
+    Tensor o = Tensor::empty({m, pr.p}, DType::kBF16, Device::kCUDA);
+    const double f = 2.0 * m * pr.p * pr.q;
+    const std::string s = std::to_string(m) + "x" + std::to_string(pr.q) + " @ 128x" +
+                          std::to_string(pr.q) + "x" + std::to_string(pr.p) + " balanced";
+    const std::string mx_name = std::string("mx_gemm_") + pr.name;
+    const std::string bf16_name = std::string("bf16_gemm_") + pr.name;
+    const double quantize_ms =
+        mt::bench::median_ms([&] { mt::ops::mx_quantize(rows_bf16, mt::MxScaleRule::kRceil, a); });
+    std::printf("{\"bench\": \"mx_quantize_rows_%s\", \"shape\": \"%s\", \"ms\": %.4f}\n", pr.name,
+                s.c_str(), quantize_ms);
+    report(mx_name.c_str(), s.c_str(), f,
+           mt::bench::median_ms([&] { mt::ops::mx_grouped_gemm(a, b, padded, o); }), ceiling);
+    report(bf16_name.c_str(), s.c_str(), f, mt::bench::median_ms([&] {
+             if (pr.transposed_w)
+               mt::ops::grouped_gemm_forward(rows_bf16, w_kn, padded, o);
+             else
+               mt::ops::grouped_gemm_backward_input(rows_bf16, b, padded, o);
+           }),
+           ceiling);
+  }
   return 0;
 }

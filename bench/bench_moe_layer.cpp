@@ -3,7 +3,8 @@
 // and the ratio to the expert-GEMM floor (6 GEMMs at the dense ceiling measured in the run), for
 // padded expert rows (the default) and dense ones, alternated in one process. `ms` is the layer
 // as the trainer runs it on one GPU (a replayed CUDA graph); `eager_launch_ms` launches each op
-// from the host. Last, the layer under each expert precision recipe (MXFP8: the emulated path).
+// from the host. Last, the layer under each expert precision recipe (MXFP8: the forward and
+// input-gradient products on ops::mx_grouped_gemm, the mxfp8 weight gradient emulated).
 // The PyTorch comparator (eager, torch.compile, and torch.compile with CUDA graphs) is
 // bench/moe_layer_torch.py.
 #include <cuda_runtime_api.h>
@@ -36,9 +37,9 @@ int main() {
   c.top_k = 8;
   const int64_t n = 16384, d = c.dim, f = c.moe_dim, e = c.n_experts;
   mt::log::set_level(mt::log::Level::kWarn);  // stdout is JSON lines: no capture notices
-  const mt::moe::MoeWeights w{mt::bench::random_bf16({d, e}, 1, 0.02),
-                              mt::bench::random_bf16({e, d, 2 * f}, 2, 0.02),
-                              mt::bench::random_bf16({e, f, d}, 3, 0.02)};
+  mt::moe::MoeWeights w{mt::bench::random_bf16({d, e}, 1, 0.02),
+                        mt::bench::random_bf16({e, d, 2 * f}, 2, 0.02),
+                        mt::bench::random_bf16({e, f, d}, 3, 0.02)};
   mt::moe::MoeWeights g{Tensor::zeros({d, e}, DType::kF32, Device::kCUDA),
                         Tensor::zeros({e, d, 2 * f}, DType::kF32, Device::kCUDA),
                         Tensor::zeros({e, f, d}, DType::kF32, Device::kCUDA)};
@@ -164,14 +165,28 @@ int main() {
     const mt::ops::ExpertRecipe recipes[] = {mt::ops::ExpertRecipe::kBf16,
                                              mt::ops::ExpertRecipe::kMxfp8WgradWithHp,
                                              mt::ops::ExpertRecipe::kMxfp8};
+    // The weights' MX copies, made once per step in training (fsdp): made here once, outside
+    // the layer, and timed on their own.
+    mt::ops::MxWeightCopies gate_up_mx, down_mx;
+    const auto make_copies = [&] {
+      mt::ops::make_mx_weight_copies(w.w_gate_up, c.expert_precision.rule, gate_up_mx);
+      mt::ops::make_mx_weight_copies(w.w_down, c.expert_precision.rule, down_mx);
+    };
+    const double copies_ms = mt::bench::median_ms(make_copies);
+    const auto use_recipe = [&](mt::ops::ExpertRecipe recipe) {
+      c.expert_precision.recipe = recipe;
+      const bool mx = c.expert_precision.mx_forward_and_input();
+      w.gate_up_mx = mx ? &gate_up_mx : nullptr;
+      w.down_mx = mx ? &down_mx : nullptr;
+    };
     std::vector<double> recipe_ms[3];
     for (int round = 0; round < 3; ++round)
       for (int r = 0; r < 3; ++r) {
-        c.expert_precision.recipe = recipes[r];
+        use_recipe(recipes[r]);
         recipe_ms[r].push_back(layer_ms(true));
       }
     for (int r = 0; r < 3; ++r) {
-      c.expert_precision.recipe = recipes[r];
+      use_recipe(recipes[r]);
       mt::cuda::synchronize();
       const int64_t before = mt::memory_stats(Device::kCUDA).current_bytes;
       mt::reset_peak_memory(Device::kCUDA);
@@ -180,15 +195,16 @@ int main() {
       const double peak_gib =
           static_cast<double>(mt::memory_stats(Device::kCUDA).peak_bytes - before) / (1 << 30);
       std::printf(
-          "{\"bench\": \"moe_layer_recipe\", \"recipe\": \"%s\", \"path\": \"emulated\", "
+          "{\"bench\": \"moe_layer_recipe\", \"recipe\": \"%s\", "
           "\"routing\": \"balanced\", \"ms\": %.3f, \"ratio_to_bf16\": %.2f, "
-          "\"layer_peak_gib\": %.2f, \"rounds_ms\": \"%s\"}\n",
+          "\"layer_peak_gib\": %.2f, \"rounds_ms\": \"%s\", "
+          "\"weight_mx_copies_ms_per_step\": %.3f}\n",
           std::string(mt::ops::expert_recipe_name(recipes[r])).c_str(),
           mt::bench::median(recipe_ms[r]),
           mt::bench::median(recipe_ms[r]) / mt::bench::median(recipe_ms[0]), peak_gib,
-          mt::bench::join(recipe_ms[r]).c_str());
+          mt::bench::join(recipe_ms[r]).c_str(), r == 0 ? 0.0 : copies_ms);
     }
-    c.expert_precision.recipe = mt::ops::ExpertRecipe::kBf16;
+    use_recipe(mt::ops::ExpertRecipe::kBf16);
     std::fflush(stdout);
   }
   // MOETRAIN_PROFILE=1: one more real-routing layer, every op timed on its own (device waits at

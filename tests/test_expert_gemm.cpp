@@ -11,10 +11,14 @@
 
 #include "core/mx.h"
 #include "core/rng.h"
+#include "hf_fixture.h"
+#include "model/qwen3_moe.h"
+#include "mx_cases.h"
 #include "ops/expert_gemm.h"
 #include "ops/mx.h"
 #include "testing.h"
 #include "train/config.h"
+#include "train/optimizer.h"
 #include "train/trainer.h"
 
 namespace mt {
@@ -240,6 +244,48 @@ TEST(ExpertRecipeTraining, EveryRecipeLearnsTheTinyLanguages) {
     EXPECT_NEAR(final_loss[i], final_loss[0], 0.1) << i;
   }
   EXPECT_NE(final_loss[3], final_loss[2]);  // the wire's quantization reached the GEMMs
+}
+
+// The MX copies FSDP keeps beside the weights (ParamGroup::mx, made once per gather or step)
+// follow them: after every optimizer step they equal copies made afresh from the updated weights,
+// bit for bit. Stale copies would train on an earlier step's weights.
+TEST(ExpertRecipeTraining, MxWeightCopiesFollowEveryOptimizerStep) {
+  const std::string tiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
+  const Config cfg = load_config(tiny, {"model.expert_recipe=mxfp8_wgrad_with_hp"});
+  Qwen3Moe model(cfg.model, 3);
+  AdamW opt(model.units(), cfg.train);
+  Tensor tokens = Tensor::empty({17}, DType::kI64);  // one document of 16 targets
+  const CounterRng rng{5, 1};
+  for (int64_t i = 0; i < tokens.numel(); ++i)
+    tokens.data<int64_t>()[i] = static_cast<int64_t>(rng.below(i, cfg.model.vocab_size));
+  const Batch b = testing::reference_batch(tokens);
+  const LossScale scale{1.0 / static_cast<double>(b.masked_tokens()), cfg.model.aux_loss_coef};
+  Tensor first_copy;
+  int checked = 0;
+  for (int64_t step = 1; step <= 2; ++step) {
+    model.zero_grad();
+    model.forward_backward(b, scale);
+    opt.step(1e-2, step);
+    for (auto& u : model.units())
+      for (auto& g : u.groups)
+        for (size_t i = 0; i < g.specs.size(); ++i) {
+          if (!g.specs[i].mx_copies) continue;
+          SCOPED_TRACE(g.specs[i].name + " after step " + std::to_string(step));
+          const ops::MxWeightCopies* kept = g.mx_copies(i);
+          ASSERT_NE(kept, nullptr);
+          ops::MxWeightCopies fresh;
+          ops::make_mx_weight_copies(g.weight(i), g.mx_rule, fresh);
+          EXPECT_TRUE(testing::same_bytes(kept->along_k, fresh.along_k));
+          EXPECT_TRUE(testing::same_bytes(kept->along_n, fresh.along_n));
+          ++checked;
+          if (checked == 1) first_copy = kept->along_k.clone();
+        }
+  }
+  EXPECT_EQ(checked, 2 * 2 * cfg.model.n_layers);  // two matrices per layer, two steps
+  // The weights moved: a copy left from step 1 would have been seen.
+  const ops::MxWeightCopies* now = model.units()[1].groups[1].mx_copies(0);
+  ASSERT_NE(now, nullptr);
+  EXPECT_FALSE(testing::same_bytes(now->along_k, first_copy));
 }
 
 }  // namespace

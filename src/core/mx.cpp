@@ -68,4 +68,11 @@ MxTensor MxTensor::to(Device device) const {
   return t;
 }
 
+MxTensor MxTensor::stored_as_dim0() const {
+  MxTensor t = *this;
+  t.shape_ = data_.shape();
+  t.axis_ = MxAxis::kDim0;
+  return t;
+}
+
 }  // namespace mt

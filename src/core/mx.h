@@ -39,6 +39,9 @@ class MxTensor {
   int64_t numel() const { return data_.numel(); }
   size_t nbytes() const { return data_.nbytes() + scales_.nbytes(); }
   MxTensor to(Device device) const;
+  // The same bytes read as quantized along dim0 of the stored shape: a dim1 tensor of logical
+  // (..., R, C) is the dim0 tensor of (..., C, R) (its transpose). A dim0 tensor is returned as is.
+  MxTensor stored_as_dim0() const;
 
  private:
   static MxTensor allocate(const Shape& shape, MxAxis axis, Device device,

@@ -46,19 +46,34 @@ void gather(ParamGroup& g) {
     if (!g.gathering) g.gathering = start_gather(g);
     g.gathering->wait();
     g.gathering.reset();
-    if (g.compute_dtype != g.shard.dtype() && !g.reads_master()) return;
   }
-  if (g.compute_dtype != g.params.dtype() && !g.compute.defined()) {  // the ops read a cast copy
+  const bool gathered_compute =
+      g.sharded() && g.compute_dtype != g.shard.dtype() && !g.reads_master();
+  if (!gathered_compute && g.compute_dtype != g.params.dtype() && !g.compute.defined()) {
     g.compute = Tensor::empty(g.params.shape(), g.compute_dtype, g.params.device());
-    ops::convert(g.params, g.compute);
+    ops::convert(g.params, g.compute);  // the ops read a cast copy
   }
+  // Sharded: made with every gather. Unsharded: once, then kept current by the optimizer.
+  if (g.sharded() || g.mx.empty()) refresh_mx_copies(g);
+}
+
+void refresh_mx_copies(ParamGroup& g) {
+  if (!g.wants_mx_copies()) return;
+  g.mx.resize(g.specs.size());
+  for (size_t i = 0; i < g.specs.size(); ++i)
+    if (g.specs[i].mx_copies) ops::make_mx_weight_copies(g.weight(i), g.mx_rule, g.mx[i]);
+}
+
+void drop_compute_copies(ParamGroup& g) {
+  g.compute = Tensor();
+  g.mx.clear();
 }
 
 void release(ParamGroup& g) {
   if (!g.sharded()) return;              // the unsharded cast copy stays: AdamW keeps it current
   if (g.gathering) g.gathering->wait();  // never free what a collective may still write
   g.gathering.reset();
-  g.compute = Tensor();
+  drop_compute_copies(g);
   g.params = Tensor();
 }
 
@@ -95,7 +110,7 @@ void abandon_in_flight(ParamGroup& g) {
   g.reduced = Tensor();
   if (!g.sharded()) return;
   g.params = Tensor();
-  g.compute = Tensor();
+  drop_compute_copies(g);
   g.grads = Tensor();
 }
 

@@ -22,6 +22,13 @@ void gather(ParamGroup& g);
 void prefetch(ParamGroup& g);
 // Drops the gathered params and the compute copy (reshard after forward, and after backward).
 void release(ParamGroup& g);
+// (Re)writes the group's MX copies (ParamSpec::mx_copies) from the weights the ops read, in place
+// when they exist. gather makes them; on an unsharded group, whose copies persist, the optimizer
+// calls this after each step. A no-op for groups without.
+void refresh_mx_copies(ParamGroup& g);
+// Drops the compute copy and the MX copies: after something else wrote the parameters (a
+// checkpoint load); the next gather makes them again.
+void drop_compute_copies(ParamGroup& g);
 // Allocates zeroed full gradients for the unit's backward.
 void begin_backward(ParamGroup& g);
 // Starts grad_shard += reduce-scatter(grads) / divide_factor in the background (NCCL: on the

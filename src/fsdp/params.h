@@ -14,6 +14,7 @@
 
 #include "core/tensor.h"
 #include "dist/communicator.h"
+#include "ops/expert_gemm.h"
 
 namespace mt {
 
@@ -31,6 +32,9 @@ struct ParamSpec {
   // logits decide the routing. A sharded group holding one gathers its fp32 masters and casts
   // the compute copy locally.
   bool master_weight = false;
+  // An expert matrix under an MX recipe: the group keeps its MX copies (ops::MxWeightCopies)
+  // beside the compute copy, made from the weights the ops read whenever those change.
+  bool mx_copies = false;
 };
 
 struct ParamGroup {
@@ -62,7 +66,20 @@ struct ParamGroup {
   Tensor reduced;
   double reduced_divide_factor = 1.0;
 
+  // The MX copies of the specs with mx_copies (indexed like specs; empty while not made): made
+  // with the compute copy (fsdp::gather) and, unsharded, rewritten after each optimizer step.
+  std::vector<ops::MxWeightCopies> mx;
+  MxScaleRule mx_rule = MxScaleRule::kRceil;
+
   bool sharded() const { return comm != nullptr; }
+  bool wants_mx_copies() const {
+    for (const ParamSpec& s : specs)
+      if (s.mx_copies) return true;
+    return false;
+  }
+  const ops::MxWeightCopies* mx_copies(size_t i) const {
+    return i < mx.size() && specs[i].mx_copies ? &mx[i] : nullptr;
+  }
   bool reads_master() const {
     for (const ParamSpec& s : specs)
       if (s.master_weight) return true;

@@ -35,6 +35,10 @@ BlockParams bind(const std::vector<ParamGroup>& groups, bool grads) {
   p.moe.router = get(0, kRouter);
   p.moe.w_gate_up = get(1, kGateUp);
   p.moe.w_down = get(1, kDown);
+  if (!grads) {
+    p.moe.gate_up_mx = groups[1].mx_copies(kGateUp);
+    p.moe.down_mx = groups[1].mx_copies(kDown);
+  }
   return p;
 }
 
@@ -130,9 +134,12 @@ std::vector<ParamGroup> make_block_groups(const ModelConfig& c, int64_t layer, i
        first_expert * gate_up},
       {pre + "moe.w_down", {local_experts, c.moe_dim, c.dim}, false, 0, first_expert * down},
   };
+  // Under an MX recipe the group keeps each matrix's MX copies (made once per gather or step).
+  for (ParamSpec& s : experts) s.mx_copies = c.expert_precision.mx_forward_and_input();
   std::vector<ParamGroup> groups;
   groups.push_back(make_param_group(ParamKind::kDense, std::move(dense), c.master_dtype()));
   groups.push_back(make_param_group(ParamKind::kExpert, std::move(experts), c.master_dtype()));
+  groups.back().mx_rule = c.expert_precision.rule;
   return groups;
 }
 

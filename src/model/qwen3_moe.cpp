@@ -207,9 +207,13 @@ bool Qwen3Moe::use_graphs() const {
 std::vector<const void*> Qwen3Moe::pass_buffers() const {
   std::vector<const void*> out = {losses_.raw(), routed_.raw(), ce_scale_.raw()};
   for (const auto& u : units_)
-    for (const auto& g : u.groups)
+    for (const auto& g : u.groups) {
       for (const Tensor* t : {&g.shard, &g.grad_shard, &g.params, &g.compute, &g.grads})
         out.push_back(t->defined() ? t->raw() : nullptr);
+      for (const ops::MxWeightCopies& m : g.mx)
+        for (const Tensor* t : {&m.along_k, &m.along_n})
+          out.push_back(t->defined() ? t->raw() : nullptr);
+    }
   for (const Tensor& bias : router_bias_) out.push_back(bias.raw());
   return out;
 }

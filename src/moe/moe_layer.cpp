@@ -105,8 +105,8 @@ void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, co
   const int64_t r = a.xe.dim(0);
   if (!a.gate_up.defined()) {
     a.gate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
-    ops::expert_gemm_forward(a.xe, w.w_gate_up, a.perm.expert_rows(), c.expert_precision,
-                             a.gate_up);
+    ops::expert_gemm_forward(a.xe, w.w_gate_up, a.perm.expert_rows(), c.expert_precision, a.gate_up,
+                             w.gate_up_mx);
   }
   if (!a.act.defined()) {
     a.act = Tensor::empty({r, c.moe_dim}, dt, dev);
@@ -117,7 +117,8 @@ void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, co
 void moe_combine(const MoeWeights& w, const MoeConfig& c, const MoeActivations& a, Tensor& out,
                  const Tensor* residual) {
   Tensor ye = Tensor::empty({a.act.dim(0), c.dim}, a.act.dtype(), a.act.device());
-  ops::expert_gemm_forward(a.act, w.w_down, a.perm.expert_rows(), c.expert_precision, ye);
+  ops::expert_gemm_forward(a.act, w.w_down, a.perm.expert_rows(), c.expert_precision, ye,
+                           w.down_mx);
   if (!a.exchange) return ops::combine_forward(ye, a.perm, out, residual);
   // Each received token's expert outputs summed here, then one row back per (token, rank).
   Tensor partial = Tensor::empty({a.xr.dim(0), c.dim}, ye.dtype(), ye.device());
@@ -141,7 +142,7 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
     ops::dispatched_rows(c.expert_precision, dye);  // the combine's backward sends dY
 
   Tensor dact = Tensor::empty({r, c.moe_dim}, dt, dev);
-  ops::expert_gemm_backward_input(dye, w.w_down, rows, c.expert_precision, dact);
+  ops::expert_gemm_backward_input(dye, w.w_down, rows, c.expert_precision, dact, w.down_mx);
   ops::expert_gemm_backward_weight(a.act, dye, rows, c.expert_precision, g.w_down, expert_grads);
 
   Tensor dgate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
@@ -157,7 +158,8 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
   ops::unpermute_rows(drow_weight, a.perm, dweight_rows);
   if (a.exchange) a.exchange->combine(dweight_here, dweight);
   Tensor dxe = Tensor::empty({r, c.dim}, dt, dev);
-  ops::expert_gemm_backward_input(dgate_up, w.w_gate_up, rows, c.expert_precision, dxe);
+  ops::expert_gemm_backward_input(dgate_up, w.w_gate_up, rows, c.expert_precision, dxe,
+                                  w.gate_up_mx);
   ops::expert_gemm_backward_weight(a.xe, dgate_up, rows, c.expert_precision, g.w_gate_up,
                                    expert_grads);
 

@@ -32,6 +32,10 @@ struct MoeWeights {
   Tensor router;     // (D, E), the router's logits are hn @ router
   Tensor w_gate_up;  // (E_local, D, 2F), gate columns first
   Tensor w_down;     // (E_local, F, D)
+  // Their MX copies under an MX recipe, when made beforehand (fsdp: once per gather or step);
+  // null: the products make their own.
+  const ops::MxWeightCopies* gate_up_mx = nullptr;
+  const ops::MxWeightCopies* down_mx = nullptr;
 };
 
 // The process groups the layer talks to; null members mean "not split".

@@ -5,24 +5,42 @@
 #include "core/enum_names.h"
 #include "core/profile.h"
 #include "ops/mx.h"
+#include "ops/mx_gemm.h"
 
 namespace mt::ops {
 
 namespace {
-
-// The operand as the MX product sees it: quantized and dequantized along `axis`.
-Tensor round_trip(const Tensor& t, MxAxis axis, MxScaleRule rule) {
-  const profile::Phase phase("mx.round_trip");
-  Tensor out = Tensor::empty(t.shape(), t.dtype(), t.device());
-  mx_round_trip(t, axis, rule, out);
-  return out;
-}
 
 Tensor round_trip_rows(const Tensor& t, const ExpertRows& rows, MxScaleRule rule) {
   const profile::Phase phase("mx.round_trip_expert_rows");
   Tensor out = Tensor::empty(t.shape(), t.dtype(), t.device());
   mx_round_trip_expert_rows(t, rows, rule, out);
   return out;
+}
+
+// w quantized along `along` and read as stored, into out (allocated when undefined): along K
+// (dim1) gives w^T (E, N, K), along N (dim0) w (E, K, N).
+void mx_weight(const Tensor& w, MxAxis along, MxScaleRule rule, Tensor& out) {
+  MxTensor q = MxTensor::empty(w.shape(), along, w.device());
+  mx_quantize(w, rule, q);
+  const MxTensor stored = q.stored_as_dim0();
+  if (!out.defined()) out = Tensor::empty(stored.shape(), w.dtype(), w.device());
+  mx_dequantize(stored, out);
+}
+
+Tensor mx_weight(const Tensor& w, MxAxis along, MxScaleRule rule) {
+  const profile::Phase phase("mx.weight_copy");
+  Tensor out;
+  mx_weight(w, along, rule, out);
+  return out;
+}
+
+// The rows quantized along their width (dim0): the MX product's a.
+MxTensor mx_rows(const Tensor& x, MxScaleRule rule) {
+  const profile::Phase phase("mx.quantize_rows");
+  MxTensor q = MxTensor::empty(x.shape(), MxAxis::kDim0, x.device());
+  mx_quantize(x, rule, q);
+  return q;
 }
 
 }  // namespace
@@ -69,6 +87,12 @@ std::string ExpertPrecision::invalid_combination() const {
   return {};
 }
 
+void make_mx_weight_copies(const Tensor& w, MxScaleRule rule, MxWeightCopies& out) {
+  const profile::Phase phase("mx.weight_copies");
+  mx_weight(w, MxAxis::kDim1, rule, out.along_k);
+  mx_weight(w, MxAxis::kDim0, rule, out.along_n);
+}
+
 void dispatched_rows(const ExpertPrecision& p, Tensor& rows) {
   if (p.dispatch != DispatchDtype::kMxfp8) return;
   const profile::Phase phase("mx.dispatch_wire");
@@ -76,17 +100,18 @@ void dispatched_rows(const ExpertPrecision& p, Tensor& rows) {
 }
 
 void expert_gemm_forward(const Tensor& x, const Tensor& w, const ExpertRows& rows,
-                         const ExpertPrecision& p, Tensor& out) {
+                         const ExpertPrecision& p, Tensor& out, const MxWeightCopies* copies) {
   if (!p.mx_forward_and_input()) return grouped_gemm_forward(x, w, rows, out);
-  grouped_gemm_forward(round_trip(x, MxAxis::kDim0, p.rule), round_trip(w, MxAxis::kDim1, p.rule),
-                       rows, out);
+  mx_grouped_gemm(mx_rows(x, p.rule),
+                  copies ? copies->along_k : mx_weight(w, MxAxis::kDim1, p.rule), rows, out);
 }
 
 void expert_gemm_backward_input(const Tensor& dy, const Tensor& w, const ExpertRows& rows,
-                                const ExpertPrecision& p, Tensor& dx) {
+                                const ExpertPrecision& p, Tensor& dx,
+                                const MxWeightCopies* copies) {
   if (!p.mx_forward_and_input()) return grouped_gemm_backward_input(dy, w, rows, dx);
-  grouped_gemm_backward_input(round_trip(dy, MxAxis::kDim0, p.rule),
-                              round_trip(w, MxAxis::kDim0, p.rule), rows, dx);
+  mx_grouped_gemm(mx_rows(dy, p.rule),
+                  copies ? copies->along_n : mx_weight(w, MxAxis::kDim0, p.rule), rows, dx);
 }
 
 void expert_gemm_backward_weight(const Tensor& x, const Tensor& dy, const ExpertRows& rows,

@@ -9,9 +9,10 @@
 // quantizes all three; kMxfp8WgradWithHp all but the weight gradient, which takes the
 // unquantized operands.
 //
-// Today every MX product runs the emulated path: the operands are quantized and dequantized
-// (mx_round_trip, exact in bf16), then the ordinary grouped GEMM multiplies them with fp32
-// accumulation. It is the reference a fused MX kernel must match.
+// The forward and input-gradient MX products run ops::mx_grouped_gemm: the rows quantized along
+// the contraction, the weight's MX values (quantized and dequantized along it) in the compute
+// dtype. The weight gradient's MX product runs the emulated path: both operands quantized and
+// dequantized along the tokens (mx_round_trip_expert_rows), then the grouped GEMM.
 #pragma once
 #include <cstdint>
 #include <string>
@@ -48,15 +49,30 @@ struct ExpertPrecision {
   std::string invalid_combination() const;
 };
 
+// A weight's MX copies, ops::mx_grouped_gemm's b operands, in w's dtype: w (E, K, N) quantized
+// along K and stored transposed, (E, N, K), for the forward; quantized along N, (E, K, N), for the
+// input gradient. FSDP makes them once per gather, or on one rank once per optimizer step
+// (fsdp::refresh_mx_copies); the products make their own when given none.
+struct MxWeightCopies {
+  Tensor along_k;
+  Tensor along_n;
+};
+// Writes w's copies into `out`: allocated when undefined, else overwritten in place (a captured
+// step keeps their addresses).
+void make_mx_weight_copies(const Tensor& w, MxScaleRule rule, MxWeightCopies& out);
+
 // The rows as the dispatch delivers them: with MXFP8 dispatch, quantized along dim0 and
 // dequantized (the emulated wire), in place; nothing otherwise.
 void dispatched_rows(const ExpertPrecision& p, Tensor& rows);
 
 // Shapes as ops/grouped_gemm.h: x (M, K), w (E, K, N), out (M, N).
+// `copies`: w's MX copies when made beforehand (the MX recipes; ignored by bf16).
 void expert_gemm_forward(const Tensor& x, const Tensor& w, const ExpertRows& rows,
-                         const ExpertPrecision& p, Tensor& out);
+                         const ExpertPrecision& p, Tensor& out,
+                         const MxWeightCopies* copies = nullptr);
 void expert_gemm_backward_input(const Tensor& dy, const Tensor& w, const ExpertRows& rows,
-                                const ExpertPrecision& p, Tensor& dx);
+                                const ExpertPrecision& p, Tensor& dx,
+                                const MxWeightCopies* copies = nullptr);
 void expert_gemm_backward_weight(const Tensor& x, const Tensor& dy, const ExpertRows& rows,
                                  const ExpertPrecision& p, Tensor& dw,
                                  Accumulate accumulate = Accumulate::kYes);

@@ -13,6 +13,7 @@
 
 #include "core/atomic_file.h"
 #include "core/error.h"
+#include "fsdp/fsdp.h"
 
 namespace mt {
 
@@ -343,7 +344,7 @@ TrainState load_resharded(const std::string& path, Qwen3Moe& model, AdamW& opt) 
     b.copy_from(file_tensor(files, 0, fmt::format("buffers.layers.{}.router_bias", l), path));
   }
   for (auto& u : model.units())
-    for (auto& g : u.groups) g.compute = Tensor();
+    for (auto& g : u.groups) fsdp::drop_compute_copies(g);
   return st;
 }
 

@@ -13,6 +13,7 @@
 #include "core/log.h"
 #include "core/profile.h"
 #include "dist/mesh.h"
+#include "fsdp/fsdp.h"
 #include "train/hf_layout.h"
 #include "train/safetensors.h"
 
@@ -228,7 +229,7 @@ void load_hf_weights(const std::string& dir, Qwen3Moe& model) {
                         hi - s.offset, host.view(lo - begin, {hi - lo}));
       }
       g.shard.copy_from(host);
-      g.compute = Tensor();  // the compute copy is cast again at the next gather
+      fsdp::drop_compute_copies(g);  // cast (and MX-copied) again at the next gather
       hf.release_pages();    // a rank holds one group's source pages at a time
     }
   const double seconds =

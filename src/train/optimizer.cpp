@@ -6,6 +6,7 @@
 
 #include "core/log.h"
 #include "core/profile.h"
+#include "fsdp/fsdp.h"
 #include "ops/elementwise.h"
 #include "ops/optim.h"
 #if MOETRAIN_HAS_CUDA
@@ -39,6 +40,12 @@ namespace {
 // An unsharded group's persistent cast copy, rewritten by the update in the same pass.
 Tensor* persistent_compute(ParamGroup& g) {
   return !g.sharded() && g.compute.defined() ? &g.compute : nullptr;
+}
+
+// An unsharded group's MX copies persist across steps (fsdp::gather made them): rewritten from
+// the weights this step wrote. A sharded group's are made at its next gather.
+void refresh_persistent_mx_copies(ParamGroup& g) {
+  if (!g.sharded() && !g.mx.empty()) fsdp::refresh_mx_copies(g);
 }
 }  // namespace
 
@@ -76,6 +83,7 @@ void AdamW::step(double lr, int64_t step) {
     ParamGroup& g = *groups_[i];
     ops::adamw_step(g.shard, g.grad_shard, state_[2 * i], state_[2 * i + 1], h,
                     persistent_compute(g));
+    refresh_persistent_mx_copies(g);
   }
 }
 
@@ -93,6 +101,7 @@ void AdamW::step_gpu(const ops::AdamWHyper& h) {
       ParamGroup& g = *groups_[i];
       cuda::adamw_step(g.shard, g.grad_shard, state_[2 * i], state_[2 * i + 1], c.scalars,
                        persistent_compute(g));
+      refresh_persistent_mx_copies(g);
     }
   };
   if (!graphs_on_ || profile::enabled()) return body();
@@ -103,6 +112,10 @@ void AdamW::step_gpu(const ops::AdamWHyper& h) {
     for (const Tensor* t : std::initializer_list<const Tensor*>{
              &g.shard, &g.grad_shard, &state_[2 * i], &state_[2 * i + 1], compute})
       buffers.push_back(t ? t->raw() : nullptr);
+    if (!g.sharded())
+      for (const ops::MxWeightCopies& m : g.mx)
+        for (const Tensor* t : {&m.along_k, &m.along_n})
+          buffers.push_back(t->defined() ? t->raw() : nullptr);
   }
   if (buffers != c.buffers) {  // a buffer moved (a checkpoint load drops the compute copies)
     c.work.drop();

@@ -87,6 +87,8 @@ void mx_quantize(const Tensor& x, MxScaleRule rule, MxTensor& out);
 void mx_dequantize(const MxTensor& q, Tensor& out);
 void mx_round_trip_expert_rows(const Tensor& x, const ops::ExpertRows& rows, MxScaleRule rule,
                                Tensor& out);
+// The MX expert product (mx_gemm.cpp; shapes checked by ops/mx_gemm.h).
+void mx_grouped_gemm(const MxTensor& a, const Tensor& b, const ops::ExpertRows& rows, Tensor& out);
 void add(const Tensor& a, const Tensor& b, Tensor& out);
 void convert(const Tensor& src, Tensor& dst);  // f32 <-> bf16 on the GPU
 double sum_of_squares(const Tensor& x);        // deterministic; waits for the GPU
