@@ -13,6 +13,7 @@
 #include "core/rng.h"
 #include "hf_fixture.h"
 #include "model/qwen3_moe.h"
+#include "moe/moe_layer.h"
 #include "mx_cases.h"
 #include "ops/expert_gemm.h"
 #include "ops/mx.h"
@@ -286,6 +287,35 @@ TEST(ExpertRecipeTraining, MxWeightCopiesFollowEveryOptimizerStep) {
   const ops::MxWeightCopies* now = model.units()[1].groups[1].mx_copies(0);
   ASSERT_NE(now, nullptr);
   EXPECT_FALSE(testing::same_bytes(now->along_k, first_copy));
+}
+
+// The weight-gradient tap (bench_mx_wgrad_error's) sees every expert weight gradient's operands,
+// down then gate|up per layer, last layer first, with matching rows; unset, it sees nothing.
+TEST(ExpertRecipeTraining, WeightGradientTapSeesEveryProductsOperands) {
+  const std::string tiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
+  const Config cfg = load_config(tiny, {});
+  Qwen3Moe model(cfg.model, 3);
+  Tensor tokens = Tensor::empty({17}, DType::kI64);
+  for (int64_t i = 0; i < tokens.numel(); ++i) tokens.data<int64_t>()[i] = (7 * i) % 64;
+  const Batch b = testing::reference_batch(tokens);
+  const LossScale scale{1.0 / static_cast<double>(b.masked_tokens()), cfg.model.aux_loss_coef};
+  std::vector<std::string> seen;
+  moe::set_weight_gradient_tap([&](std::string_view product, const Tensor& x, const Tensor& dy,
+                                   const ops::ExpertRows& rows) {
+    seen.emplace_back(product);
+    EXPECT_EQ(x.dim(0), dy.dim(0));
+    EXPECT_EQ(rows.offsets.numel(), cfg.model.n_experts + 1);
+    const bool gate_up = product == "gate_up";
+    EXPECT_EQ(x.dim(1), gate_up ? cfg.model.dim : cfg.model.moe_dim) << product;
+    EXPECT_EQ(dy.dim(1), gate_up ? 2 * cfg.model.moe_dim : cfg.model.dim) << product;
+  });
+  model.zero_grad();
+  model.forward_backward(b, scale);
+  moe::set_weight_gradient_tap(nullptr);
+  ASSERT_EQ(seen.size(), static_cast<size_t>(2 * cfg.model.n_layers));
+  for (size_t i = 0; i < seen.size(); ++i) EXPECT_EQ(seen[i], i % 2 == 0 ? "down" : "gate_up");
+  model.forward_backward(b, scale);  // unset: nothing more
+  EXPECT_EQ(seen.size(), static_cast<size_t>(2 * cfg.model.n_layers));
 }
 
 }  // namespace

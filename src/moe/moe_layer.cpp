@@ -13,6 +13,16 @@ ops::RouterOptions router_options(const MoeConfig& c) {
 }
 
 namespace {
+WeightGradientTap& weight_gradient_tap() {
+  static WeightGradientTap tap;
+  return tap;
+}
+
+void tap_weight_gradient(std::string_view product, const Tensor& x, const Tensor& dy,
+                         const ops::ExpertRows& rows) {
+  if (const WeightGradientTap& tap = weight_gradient_tap()) tap(product, x, dy, rows);
+}
+
 // Routing math (logits, softmax, weights) runs in f32 at least: on the GPU the router GEMM reads
 // the fp32 master weights (ParamSpec::master_weight) and the up-cast input and writes f32
 // logits; the CPU reference keeps its compute dtype (f32 or f64).
@@ -47,6 +57,10 @@ int64_t segment_align(const MoeConfig& c, const Tensor& hn) {
   return c.pad_expert_rows && hn.device() == Device::kCUDA ? 128 : 1;
 }
 }  // namespace
+
+void set_weight_gradient_tap(WeightGradientTap tap) {
+  weight_gradient_tap() = std::move(tap);
+}
 
 void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, const Tensor& bias,
               const Tensor& hn, MoeActivations& a) {
@@ -143,6 +157,7 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
 
   Tensor dact = Tensor::empty({r, c.moe_dim}, dt, dev);
   ops::expert_gemm_backward_input(dye, w.w_down, rows, c.expert_precision, dact, w.down_mx);
+  tap_weight_gradient("down", a.act, dye, rows);
   ops::expert_gemm_backward_weight(a.act, dye, rows, c.expert_precision, g.w_down, expert_grads);
 
   Tensor dgate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
@@ -160,6 +175,7 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
   Tensor dxe = Tensor::empty({r, c.dim}, dt, dev);
   ops::expert_gemm_backward_input(dgate_up, w.w_gate_up, rows, c.expert_precision, dxe,
                                   w.gate_up_mx);
+  tap_weight_gradient("gate_up", a.xe, dgate_up, rows);
   ops::expert_gemm_backward_weight(a.xe, dgate_up, rows, c.expert_precision, g.w_gate_up,
                                    expert_grads);
 

@@ -6,7 +6,9 @@
 // exchange is the identity and the experts are all E; with it, this rank computes its E/ep
 // experts for the rows every EP peer routed to them.
 #pragma once
+#include <functional>
 #include <memory>
+#include <string_view>
 
 #include "core/tensor.h"
 #include "dist/communicator.h"
@@ -64,6 +66,14 @@ struct MoeActivations {
 };
 
 ops::RouterOptions router_options(const MoeConfig& c);
+
+// Numerics studies (bench/mx_wgrad_error.cpp): when set, moe_backward calls it with the operands
+// of each expert weight gradient just before multiplying them, "down" then "gate_up" per layer,
+// layers in the backward's order (the last first). Eager passes only: a captured pass runs no
+// host code. One process-wide observer; null (the default) costs nothing.
+using WeightGradientTap = std::function<void(std::string_view product, const Tensor& x,
+                                             const Tensor& dy, const ops::ExpertRows& rows)>;
+void set_weight_gradient_tap(WeightGradientTap tap);
 
 // Computes every undefined field of `a` from hn (N, D). bias: (E) or undefined.
 void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, const Tensor& bias,
