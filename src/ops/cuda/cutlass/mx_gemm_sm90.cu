@@ -2,29 +2,28 @@
 // 128-row segments, A in MXFP8 along Q (E4M3 data, an E8M0 scale per 32 values), b (E, P, Q)
 // bf16 holding MX values (the weights quantized and dequantized once per step: exact in bf16).
 //
-// Which way and why. sm_90 has no block-scaled MMA; the two ways to feed it MX operands are
+// Which way and why (the figures: docs/benchmarks.md, "MX grouped GEMM"). sm_90 has no
+// block-scaled MMA; the ways to feed it MX operands are
 //  1. FP8 wgmma (k = 32: one MX block per instruction) with each partial sum rescaled into an f32
-//     accumulator: acc += part * sa[row] * sb[col], two f32 operations per accumulator per 32 K.
-//     The FP8 tensor cores do 4096 MACs per clock per SM, the CUDA cores 128 f32 operations, so
-//     the rescale (2 per 32 MACs) takes twice as long as the MMA it follows: bound at half the
-//     FP8 rate, the bf16 rate, with no slack for anything else (DeepGEMM rescales every 128 K for
-//     this reason, with one operation, as its weight scales are per 128 x 128 block).
-//  2. bf16 wgmma on the exact bf16 values of the MX operands: the tensor cores' bf16 rate, and
-//     the conversion is per operand element, not per accumulator (per 32 K, (64 + 256) / (64 x
-//     256) of the work of 1). CUTLASS's mixed-input mainloop does this but scales per TileK >= 64
-//     (it refuses 32-element groups).
+//     accumulator, acc += part * sa[row] * sb[col]: two f32 operations per accumulator per 32 K
+//     on the CUDA cores, which then take longer than the FP8 MMA they follow; bound near the bf16
+//     rate with no slack (DeepGEMM rescales once per 128 K, its weight scales being per 128 x 128
+//     block).
+//  2. bf16 wgmma on the exact bf16 values of the MX operands: the bf16 tensor rate, the conversion
+//     per operand element rather than per accumulator. CUTLASS's mixed-input mainloop does this
+//     but scales per K tile of at least 64 (it refuses 32-element groups).
 // This kernel takes 2: A's E4M3 tile comes by TMA into shared memory, each thread converts its
 // wgmma A fragment (E4M3 pair -> bf16x2 times the block's 2^(s-127), exactly; see
 // e4m3x2_to_bf16x2) in registers for the register-sourced wgmma, whose B operand comes from shared
 // memory by TMA. The products accumulate in f32 in the order the bf16 kernels use (k16 steps in
-// increasing K), so the result is the emulated path's (dequantize, bf16 GEMM) to the rounding of
-// its f32 sums.
+// increasing K): the result is the definition's (dequantize, bf16 GEMM) bit for bit.
 //
 // Structure: persistent CTAs over a table of (row tile, column tile, expert) built on the device
-// from the segments (fixed_gemm_sm90.cuh's), one producer thread (TMA for A and B) and two
-// consumer warpgroups (each loading its rows' scales a few k tiles ahead) (64 rows x 256 columns
-// each), a ring of stages with full/empty barriers that runs on across tiles so the next tile's
-// loads overlap the epilogue.
+// from the segments (fixed_gemm_sm90.cuh's); one producer thread (TMA for A and B); two consumer
+// warpgroups of 64 rows x 256 columns, each loading its rows' scales a few k tiles ahead and
+// running a software pipeline of half stages (one MX block in the tensor cores while the next is
+// converted); a ring of stages with full/empty barriers that runs on across tiles, so the next
+// tile's loads overlap the epilogue, whose TMA stores leave from shared memory.
 #include <cuda.h>
 
 #include <cstdint>
@@ -85,13 +84,13 @@ struct Params {
   int64_t capacity;  // rows; the last row tile may run past them (TMA reads zeros there)
 };
 
-// The conversion avoids the conversion instructions (F2FP: e4m3 -> f16, f32 -> bf16), whose
-// throughput on sm_90 is a fraction of the integer and FMA pipes' and which measured as the
-// largest cost of this kernel. An E4M3 byte's 7 magnitude bits shifted left by 4 are the bf16 of
-// its value times 2^-120, normal or subnormal alike (exponent field E, mantissa M << 4; with
-// E = 0 a bf16 subnormal M 2^-129 = M 2^-9 2^-120), and the sign bit lands on bf16's: one byte
-// permute (each byte beside a copy of its sign), one shift, one mask per pair. Multiplying by
-// 2^120 and by the block's 2^(s-127) then gives the exact value rounded once, as mx_dequantize.
+// The conversion avoids the conversion instructions (F2FP: e4m3 -> f16, f32 -> bf16), which the
+// probes of docs/benchmarks.md found to be this kernel's largest cost. An E4M3 byte's 7 magnitude
+// bits shifted left by 4 are the bf16 of its value times 2^-120, normal or subnormal alike
+// (exponent field E, mantissa M << 4; with E = 0 a bf16 subnormal M 2^-129 = M 2^-9 2^-120), and
+// the sign bit lands on bf16's: one byte permute (each byte beside a copy of its sign), one shift,
+// one mask per pair. Multiplying by 2^120 and by the block's 2^(s-127) then gives the exact value
+// rounded once, as mx_dequantize.
 
 // A block's multipliers as bf16x2 (both halves equal): m1 m2 = 2^(s - 7), one factor when it is
 // representable (s <= 134), else 2^120 and 2^(s - 127); NaN for s = 0xFF.
