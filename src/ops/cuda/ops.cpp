@@ -57,7 +57,8 @@ Tensor workspace(size_t bytes) {
 }
 
 // A layout of whole 128-row tiles per expert: the forward and input-gradient products run on
-// fixed TMA descriptors (cutlass/fixed_gemm_sm90.cuh), 1.05-1.15x the grouped kernels.
+// fixed TMA descriptors (cutlass/fixed_gemm_sm90.cuh; docs/benchmarks.md compares them with the
+// grouped kernels).
 bool whole_row_tiles(const ops::ExpertRows& rows) {
   return rows.align % kernels::kFixedRowTile == 0;
 }
