@@ -17,6 +17,7 @@
 #include "mx_cases.h"
 #include "ops/expert_gemm.h"
 #include "ops/mx.h"
+#include "ops/mx_gemm.h"
 #include "testing.h"
 #include "train/config.h"
 #include "train/optimizer.h"
@@ -216,6 +217,24 @@ TEST(ExpertRecipeConfig, Mxfp8DispatchNeedsAnMxRecipeAndRequantForMxfp8) {
         std::vector<std::string>{"parallel.ep_dispatch_dtype=mxfp8", "model.expert_recipe=mxfp8",
                                  "model.requant_dim1=true"}})
     EXPECT_EQ(testing::error_of([&] { load_config(tiny, ok); }), "no error");
+}
+
+// The MX product's front door names what is wrong with its operands.
+TEST(MxGroupedGemm, RefusesOperandsItCannotMultiply) {
+  const Layout l;
+  const ops::ExpertRows rows = l.expert_rows();
+  Tensor out = Tensor::zeros({l.rows, 8}, DType::kF64);
+  MxTensor along_tokens = MxTensor::empty({l.rows, 64}, MxAxis::kDim1);
+  const Tensor b = Tensor::zeros({3, 8, 64}, DType::kF64);
+  const std::string axis =
+      testing::error_of([&] { ops::mx_grouped_gemm(along_tokens, b, rows, out); });
+  EXPECT_NE(axis.find("quantized along dim0"), std::string::npos) << axis;
+  EXPECT_NE(axis.find("dim1"), std::string::npos) << axis;
+  MxTensor a = MxTensor::empty({l.rows, 64}, MxAxis::kDim0);
+  const Tensor wrong_inner = Tensor::zeros({3, 8, 96}, DType::kF64);
+  const std::string inner =
+      testing::error_of([&] { ops::mx_grouped_gemm(a, wrong_inner, rows, out); });
+  EXPECT_NE(inner.find("(experts, P, 64)"), std::string::npos) << inner;
 }
 
 // Each recipe trains the tiny model: the loss falls as far as bf16's within a small margin.
