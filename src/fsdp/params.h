@@ -80,6 +80,12 @@ struct ParamGroup {
   const ops::MxWeightCopies* mx_copies(size_t i) const {
     return i < mx.size() && specs[i].mx_copies ? &mx[i] : nullptr;
   }
+  // Every MX copy tensor (undefined ones included): what a captured pass or step reads.
+  std::vector<const Tensor*> mx_tensors() const {
+    std::vector<const Tensor*> out;
+    for (const ops::MxWeightCopies& m : mx) out.insert(out.end(), {&m.along_k, &m.along_n});
+    return out;
+  }
   bool reads_master() const {
     for (const ParamSpec& s : specs)
       if (s.master_weight) return true;

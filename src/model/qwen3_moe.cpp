@@ -210,9 +210,7 @@ std::vector<const void*> Qwen3Moe::pass_buffers() const {
     for (const auto& g : u.groups) {
       for (const Tensor* t : {&g.shard, &g.grad_shard, &g.params, &g.compute, &g.grads})
         out.push_back(t->defined() ? t->raw() : nullptr);
-      for (const ops::MxWeightCopies& m : g.mx)
-        for (const Tensor* t : {&m.along_k, &m.along_n})
-          out.push_back(t->defined() ? t->raw() : nullptr);
+      for (const Tensor* t : g.mx_tensors()) out.push_back(t->defined() ? t->raw() : nullptr);
     }
   for (const Tensor& bias : router_bias_) out.push_back(bias.raw());
   return out;

@@ -113,9 +113,7 @@ void AdamW::step_gpu(const ops::AdamWHyper& h) {
              &g.shard, &g.grad_shard, &state_[2 * i], &state_[2 * i + 1], compute})
       buffers.push_back(t ? t->raw() : nullptr);
     if (!g.sharded())
-      for (const ops::MxWeightCopies& m : g.mx)
-        for (const Tensor* t : {&m.along_k, &m.along_n})
-          buffers.push_back(t->defined() ? t->raw() : nullptr);
+      for (const Tensor* t : g.mx_tensors()) buffers.push_back(t->defined() ? t->raw() : nullptr);
   }
   if (buffers != c.buffers) {  // a buffer moved (a checkpoint load drops the compute copies)
     c.work.drop();

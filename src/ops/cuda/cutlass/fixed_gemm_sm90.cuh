@@ -156,24 +156,21 @@ using WeightsNMajor = Stride<_1, int64_t, int64_t>;  // w as B (n, k, e): forwar
 using WeightsKMajor = Stride<int64_t, _1, int64_t>;  // w as B (k, n, e): input gradient
 
 // One of CUTLASS's non-array warp-specialized kernels: the operands' strides, the output type,
-// the tile, the schedule, the tile scheduler's tag (void: CUTLASS's own, for plain batched GEMMs;
-// bench/batched_gemm_bound.cu) and operand A's element: bf16 like B, or CUTLASS's mixed-input
-// tuple {narrow element, scale} (converted and scaled in registers on the way to the MMA).
+// the tile, the schedule and the tile scheduler's tag (void: CUTLASS's own, for plain batched
+// GEMMs; bench/batched_gemm_bound.cu).
 template <class StrideA, class StrideB, class StrideD, class Out, class Tile, class Schedule,
-          class SchedulerTag, class OperandA = cutlass::bfloat16_t>
+          class SchedulerTag>
 struct KernelConfig {
-  using ElementIn = cutlass::bfloat16_t;  // B, and A unless OperandA says otherwise
+  using ElementIn = cutlass::bfloat16_t;
   using ElementOutput = Out;
   static constexpr int kAlignOut = 16 / sizeof(Out);
-  static constexpr int kAlignA =
-      16 / sizeof(cutlass::gemm::collective::detail::deduce_mixed_width_dtype_t<0, OperandA>);
   using Epilogue = typename cutlass::epilogue::collective::CollectiveBuilder<
       cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, Tile, Shape<_1, _1, _1>,
       cutlass::epilogue::collective::EpilogueTileAuto, float, float, Out, StrideD, kAlignOut, Out,
       StrideD, kAlignOut, typename Schedule::Epilogue,
       cutlass::epilogue::fusion::LinearCombination<Out, float>>::CollectiveOp;
   using Mainloop = typename cutlass::gemm::collective::CollectiveBuilder<
-      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, OperandA, StrideA, kAlignA, ElementIn,
+      cutlass::arch::Sm90, cutlass::arch::OpClassTensorOp, ElementIn, StrideA, 8, ElementIn,
       StrideB, 8, float, Tile, Shape<_1, _1, _1>,
       cutlass::gemm::collective::StageCountAutoCarveout<static_cast<int>(
           sizeof(typename Epilogue::SharedStorage))>,
@@ -236,21 +233,44 @@ static __global__ void tile_table_kernel(const int64_t* segments, int experts, i
   table[i] = t;
 }
 
-// Builds the tile table at the head of the workspace and runs the kernel on args (everything but
-// the scheduler's table and the hardware info set by the caller) with the rest as CUTLASS's.
-template <class C>
-cudaError_t launch(typename C::Gemm::Arguments args, const int64_t* segments, int experts,
-                   int64_t capacity, int64_t out_width, void* workspace, size_t workspace_size,
-                   cudaStream_t stream) {
+// Writes the table of the tiles of (capacity, out_width) in tile_n-wide columns: `count` =
+// tile_count(capacity, out_width, tile_n) entries.
+inline cudaError_t make_tile_table(const int64_t* segments, int experts, int64_t out_width,
+                                   int tile_n, int64_t count, int4* table, cudaStream_t stream) {
+  if (count > 0)
+    tile_table_kernel<<<static_cast<unsigned>((count + 255) / 256), 256, 0, stream>>>(
+        segments, experts, static_cast<int>((out_width + tile_n - 1) / tile_n), count, table);
+  return cudaGetLastError();
+}
+
+// One call. Forward: out (capacity, n) = x (capacity, k) @ w_e; input gradient: out (capacity, k)
+// = dy (capacity, n) @ w_e^T; the rows of row tile r multiply the weights of its expert.
+template <Product P, class C>
+cudaError_t run(const int64_t* segments, int experts, const void* lhs, const void* rhs, void* out,
+                int64_t capacity, int64_t k, int64_t n, void* workspace, size_t workspace_size,
+                cudaStream_t stream) {
+  using In = typename C::ElementIn;
+  const int64_t out_width = P == Product::kForward ? n : k, inner = P == Product::kForward ? k : n;
   if (workspace_size < workspace_bytes(capacity, out_width, C::kTileN))
     return cudaErrorInvalidValue;
   const int64_t count = tile_count(capacity, out_width, C::kTileN);
   auto* table = static_cast<int4*>(workspace);
   const size_t table_size = table_bytes(count);
-  if (count > 0)
-    tile_table_kernel<<<static_cast<unsigned>((count + 255) / 256), 256, 0, stream>>>(
-        segments, experts, static_cast<int>((out_width + C::kTileN - 1) / C::kTileN), count, table);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  if (cudaError_t err =
+          make_tile_table(segments, experts, out_width, C::kTileN, count, table, stream);
+      err != cudaSuccess)
+    return err;
+  typename C::StrideB sb{};
+  if constexpr (P == Product::kForward)
+    sb = {_1{}, n, k * n};
+  else
+    sb = {n, _1{}, k * n};
+  const Rows sa{inner, _1{}, _0{}}, sd{out_width, _1{}, _0{}};
+  typename C::Gemm::Arguments args{
+      cutlass::gemm::GemmUniversalMode::kBatched,
+      {static_cast<int>(capacity), static_cast<int>(out_width), static_cast<int>(inner), experts},
+      {static_cast<const In*>(lhs), sa, static_cast<const In*>(rhs), sb},
+      {{1.0f, 0.0f}, static_cast<In*>(out), sd, static_cast<In*>(out), sd}};
   // One GPU per process: the SM count is read once.
   static const cutlass::KernelHardwareInfo hw =
       cutlass::KernelHardwareInfo::make_kernel_hardware_info<typename C::Kernel>(0);
@@ -265,34 +285,6 @@ cudaError_t launch(typename C::Gemm::Arguments args, const int64_t* segments, in
     return cudaErrorInvalidValue;
   if (gemm.run(stream) != cutlass::Status::kSuccess) return cudaErrorLaunchFailure;
   return cudaGetLastError();
-}
-
-// The weights' strides as operand B of product P: w (E, k, n) read as (n, k, e) (forward) or
-// (k, n, e) (input gradient).
-template <Product P, class StrideB>
-StrideB weight_stride(int64_t k, int64_t n) {
-  if constexpr (P == Product::kForward)
-    return {_1{}, n, k * n};
-  else
-    return {n, _1{}, k * n};
-}
-
-// One call. Forward: out (capacity, n) = x (capacity, k) @ w_e; input gradient: out (capacity, k)
-// = dy (capacity, n) @ w_e^T; the rows of row tile r multiply the weights of its expert.
-template <Product P, class C>
-cudaError_t run(const int64_t* segments, int experts, const void* lhs, const void* rhs, void* out,
-                int64_t capacity, int64_t k, int64_t n, void* workspace, size_t workspace_size,
-                cudaStream_t stream) {
-  using In = typename C::ElementIn;
-  const int64_t out_width = P == Product::kForward ? n : k, inner = P == Product::kForward ? k : n;
-  const Rows sa{inner, _1{}, _0{}}, sd{out_width, _1{}, _0{}};
-  typename C::Gemm::Arguments args{
-      cutlass::gemm::GemmUniversalMode::kBatched,
-      {static_cast<int>(capacity), static_cast<int>(out_width), static_cast<int>(inner), experts},
-      {static_cast<const In*>(lhs), sa, static_cast<const In*>(rhs),
-       weight_stride<P, typename C::StrideB>(k, n)},
-      {{1.0f, 0.0f}, static_cast<In*>(out), sd, static_cast<In*>(out), sd}};
-  return launch<C>(args, segments, experts, capacity, out_width, workspace, workspace_size, stream);
 }
 
 }  // namespace mt::cuda::fixed_sm90

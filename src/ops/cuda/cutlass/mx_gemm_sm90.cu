@@ -384,9 +384,10 @@ cudaError_t mx_gemm(const int64_t* segments, int experts, const uint8_t* a_data,
   const int64_t count = fixed_sm90::tile_count(capacity, p, kTileN);
   if (count == 0) return cudaSuccess;
   auto* table = static_cast<int4*>(workspace);
-  fixed_sm90::tile_table_kernel<<<static_cast<unsigned>((count + 255) / 256), 256, 0, stream>>>(
-      segments, experts, static_cast<int>((p + kTileN - 1) / kTileN), count, table);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
+  if (cudaError_t err =
+          fixed_sm90::make_tile_table(segments, experts, p, kTileN, count, table, stream);
+      err != cudaSuccess)
+    return err;
 
   CUtensorMap map_a, map_b;
   {
