@@ -24,6 +24,7 @@
 #include "moe/moe_layer.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/graph.h"
+#include "ops/elementwise.h"
 #include "ops/gemm.h"
 
 int main() {
@@ -162,30 +163,46 @@ int main() {
   {
     c.routing = mt::ops::RoutingMode::kBalanced;
     c.pad_expert_rows = true;
-    const mt::ops::ExpertRecipe recipes[] = {mt::ops::ExpertRecipe::kBf16,
-                                             mt::ops::ExpertRecipe::kMxfp8WgradWithHp,
-                                             mt::ops::ExpertRecipe::kMxfp8};
-    // The weights' MX copies, made once per step in training (fsdp): made here once, outside
-    // the layer, and timed on their own.
+    struct Recipe {
+      mt::ops::ExpertRecipe recipe;
+      mt::ops::DispatchDtype dispatch;
+    };
+    using mt::ops::DispatchDtype, mt::ops::ExpertRecipe;
+    const Recipe recipes[] = {{ExpertRecipe::kBf16, DispatchDtype::kBf16},
+                              {ExpertRecipe::kMxfp8WgradWithHp, DispatchDtype::kBf16},
+                              {ExpertRecipe::kMxfp8WgradWithHp, DispatchDtype::kMxfp8},
+                              {ExpertRecipe::kMxfp8, DispatchDtype::kBf16}};
+    constexpr int kRecipes = 4;
+    // The weights' MX copies, made in training by each gather for its pass (fsdp::gather: the
+    // forward's and the input gradient's once per step each): made here once, outside the layer,
+    // and timed on their own.
+    // From fp32 masters (each value rounded to bf16 first), as a gather makes them.
     mt::ops::MxWeightCopies gate_up_mx, down_mx;
+    Tensor gate_up32 = Tensor::empty(w.w_gate_up.shape(), DType::kF32, Device::kCUDA);
+    Tensor down32 = Tensor::empty(w.w_down.shape(), DType::kF32, Device::kCUDA);
+    mt::ops::convert(w.w_gate_up, gate_up32);
+    mt::ops::convert(w.w_down, down32);
     const auto make_copies = [&] {
-      mt::ops::make_mx_weight_copies(w.w_gate_up, c.expert_precision.rule, gate_up_mx);
-      mt::ops::make_mx_weight_copies(w.w_down, c.expert_precision.rule, down_mx);
+      mt::ops::make_mx_weight_copies(gate_up32, c.expert_precision.rule, DType::kBF16,
+                                     mt::ops::MxCopyUse::kBoth, gate_up_mx);
+      mt::ops::make_mx_weight_copies(down32, c.expert_precision.rule, DType::kBF16,
+                                     mt::ops::MxCopyUse::kBoth, down_mx);
     };
     const double copies_ms = mt::bench::median_ms(make_copies);
-    const auto use_recipe = [&](mt::ops::ExpertRecipe recipe) {
-      c.expert_precision.recipe = recipe;
+    const auto use_recipe = [&](const Recipe& r) {
+      c.expert_precision.recipe = r.recipe;
+      c.expert_precision.dispatch = r.dispatch;
       const bool mx = c.expert_precision.mx_forward_and_input();
       w.gate_up_mx = mx ? &gate_up_mx : nullptr;
       w.down_mx = mx ? &down_mx : nullptr;
     };
-    std::vector<double> recipe_ms[3];
+    std::vector<double> recipe_ms[kRecipes];
     for (int round = 0; round < 3; ++round)
-      for (int r = 0; r < 3; ++r) {
+      for (int r = 0; r < kRecipes; ++r) {
         use_recipe(recipes[r]);
         recipe_ms[r].push_back(layer_ms(true));
       }
-    for (int r = 0; r < 3; ++r) {
+    for (int r = 0; r < kRecipes; ++r) {
       use_recipe(recipes[r]);
       mt::cuda::synchronize();
       const int64_t before = mt::memory_stats(Device::kCUDA).current_bytes;
@@ -195,16 +212,17 @@ int main() {
       const double peak_gib =
           static_cast<double>(mt::memory_stats(Device::kCUDA).peak_bytes - before) / (1 << 30);
       std::printf(
-          "{\"bench\": \"moe_layer_recipe\", \"recipe\": \"%s\", "
+          "{\"bench\": \"moe_layer_recipe\", \"recipe\": \"%s\", \"dispatch\": \"%s\", "
           "\"routing\": \"balanced\", \"ms\": %.3f, \"ratio_to_bf16\": %.2f, "
           "\"layer_peak_gib\": %.2f, \"rounds_ms\": \"%s\", "
           "\"weight_mx_copies_ms_per_step\": %.3f}\n",
-          std::string(mt::ops::expert_recipe_name(recipes[r])).c_str(),
+          std::string(mt::ops::expert_recipe_name(recipes[r].recipe)).c_str(),
+          std::string(mt::ops::dispatch_dtype_name(recipes[r].dispatch)).c_str(),
           mt::bench::median(recipe_ms[r]),
           mt::bench::median(recipe_ms[r]) / mt::bench::median(recipe_ms[0]), peak_gib,
           mt::bench::join(recipe_ms[r]).c_str(), r == 0 ? 0.0 : copies_ms);
     }
-    use_recipe(mt::ops::ExpertRecipe::kBf16);
+    use_recipe(recipes[0]);
     std::fflush(stdout);
   }
   // MOETRAIN_PROFILE=1: one more real-routing layer, every op timed on its own (device waits at

@@ -95,6 +95,11 @@ int main() {
              quant_bytes, per_launch_ms([&](int i) { mt::ops::mx_dequantize(q[i], copy[i]); }),
              copy_gbps);
     }
+    // The one-pass round trip along dim0 (the MX values the expert products read): a copy's bytes.
+    report("mx_round_trip_dim0_rceil", shape, 2 * in_bytes, per_launch_ms([&](int i) {
+             mt::ops::mx_round_trip(x[i], MxAxis::kDim0, MxScaleRule::kRceil, copy[i]);
+           }),
+           copy_gbps);
   }
   return 0;
 }

@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 
 #include <cmath>
+#include <cstring>
 #include <random>
 #include <string>
 #include <tuple>
@@ -12,6 +13,7 @@
 #include "core/cuda_check.h"
 #include "core/mx.h"
 #include "mx_cases.h"
+#include "ops/activation.h"
 #include "ops/expert_gemm.h"
 #include "ops/mx.h"
 #include "ops/mx_gemm.h"
@@ -115,6 +117,130 @@ TEST(GpuMx, RoundTripExpertRowsMatchesTheCpuBitForBit) {
       ops::mx_round_trip_expert_rows(got, p.expert_rows(), MxScaleRule::kRceil, got);
       EXPECT_TRUE(same_values(got, want));
     }
+}
+
+// The one-pass round trips (along dim0; along dim1 stored transposed) against the CPU's steps,
+// bit for bit, over every edge case of tests/mx_cases.h, bf16 and f32 inputs into either dtype
+// (an f32 input rounded to bf16 first); into a poisoned output, and in place along dim0.
+TEST(GpuMx, RoundTripsMatchTheCpuBitForBit) {
+  for (DType dt : {DType::kBF16, DType::kF32})
+    for (DType out : {DType::kBF16, DType::kF32})
+      for (MxScaleRule rule : {MxScaleRule::kFloor, MxScaleRule::kRceil})
+        for (const Shape& shape :
+             {Shape{32, 32}, Shape{96, 64}, Shape{3, 64, 160}, Shape{256, 2048}}) {
+          const uint64_t seed = fresh_seed();
+          SCOPED_TRACE(std::string(dtype_name(dt)) + " -> " + std::string(dtype_name(out)) + " " +
+                       shape_str(shape) + " seed " + std::to_string(seed));
+          const Tensor x = testing::mx_input(shape, seed, dt);
+          Tensor want = Tensor::poisoned(shape, out);
+          ops::mx_round_trip(x, MxAxis::kDim0, rule, want);
+          Tensor got = Tensor::poisoned(shape, out, Device::kCUDA);
+          ops::mx_round_trip(x.to(Device::kCUDA), MxAxis::kDim0, rule, got);
+          EXPECT_TRUE(same_values(got, want));
+          if (out == dt) {
+            Tensor in_place = x.to(Device::kCUDA);
+            ops::mx_round_trip(in_place, MxAxis::kDim0, rule, in_place);
+            EXPECT_TRUE(same_values(in_place, want));
+          }
+          Shape t = shape;
+          std::swap(t[t.size() - 1], t[t.size() - 2]);
+          Tensor want_t = Tensor::poisoned(t, out);
+          ops::mx_round_trip_transposed(x, rule, want_t);
+          Tensor got_t = Tensor::poisoned(t, out, Device::kCUDA);
+          ops::mx_round_trip_transposed(x.to(Device::kCUDA), rule, got_t);
+          EXPECT_TRUE(same_values(got_t, want_t));
+        }
+}
+
+// got equals want on the rows whose mark is >= 0, value for value (NaN matching NaN, signs of
+// zeros included), and `untouched` on the others (left as they were).
+void expect_rows(const Tensor& got, const Tensor& want, const Tensor& marks,
+                 const Tensor& untouched) {
+  Tensor expected = want.to(Device::kCPU).clone();
+  const Tensor u = untouched.to(Device::kCPU), mk = marks.to(Device::kCPU);
+  const size_t row = static_cast<size_t>(got.dim(1)) * dtype_size(got.dtype());
+  int64_t rows = 0;
+  for (int64_t r = 0; r < got.dim(0); ++r) {
+    if (mk.data<int32_t>()[r] >= 0) {
+      ++rows;
+      continue;
+    }
+    const size_t at = static_cast<size_t>(r) * row;
+    std::memcpy(static_cast<char*>(expected.raw()) + at, static_cast<const char*>(u.raw()) + at,
+                row);
+  }
+  EXPECT_GT(rows, 0);
+  EXPECT_TRUE(same_values(got, expected));
+}
+
+// The MX values of a row writer's output along its rows, by the CPU reference.
+Tensor mx_values_of(const Tensor& out_gpu, MxScaleRule rule) {
+  const Tensor out = out_gpu.to(Device::kCPU);
+  Tensor values = Tensor::poisoned(out.shape(), out.dtype());
+  ops::mx_round_trip(out, MxAxis::kDim0, rule, values);
+  return values;
+}
+
+// Runs write(out, mx) plain, with the MX values beside the output, and with them in place, each
+// into a copy of `poison`, and checks the fused outputs against the plain one (rows marked >= 0;
+// the others left as they were).
+template <class Write>
+void expect_mx_values_written(const Tensor& poison, const Tensor& marks, MxScaleRule rule,
+                              Write&& write) {
+  Tensor plain = poison.clone(), out = poison.clone(), values = poison.clone();
+  write(plain, nullptr);
+  const ops::MxValuesOut beside{&values, rule};
+  write(out, &beside);
+  expect_rows(out, plain, marks, poison);
+  const Tensor want = mx_values_of(plain, rule);
+  expect_rows(values, want, marks, poison);
+  Tensor in_place = poison.clone();
+  const ops::MxValuesOut own{&in_place, rule};
+  write(in_place, &own);
+  expect_rows(in_place, want, marks, poison);
+}
+
+// The row writers' fused MX values (the permutation and both SwiGLU passes: their kernels round
+// each block as they write it) equal the round trip of their plain output, computed by the CPU
+// reference, bit for bit; their plain output is unchanged; padding rows stay as they were; in
+// place, only the MX values are written. Padded 128-row layout of a skewed routing with an empty
+// expert; rows of 96 (a partial warp step) and 768 columns; both scale rules; bf16 and f32.
+TEST(GpuMxValues, RowWritersWriteTheMxValuesOfTheirRows) {
+  for (DType dt : {DType::kBF16, DType::kF32})
+    for (int64_t f : {int64_t{96}, int64_t{768}})
+      for (MxScaleRule rule : {MxScaleRule::kRceil, MxScaleRule::kFloor}) {
+        const uint64_t seed = fresh_seed();
+        SCOPED_TRACE(std::string(dtype_name(dt)) + " f " + std::to_string(f) + " seed " +
+                     std::to_string(seed));
+        const ops::ExpertPermutation p = random_expert_rows(500, 8, 128, seed);
+        const int64_t m = p.rows();
+        const Tensor& marks = p.source_token;
+        const Tensor x = testing::mx_input({500, f}, seed, dt).to(Device::kCUDA);
+        expect_mx_values_written(
+            Tensor::poisoned({m, f}, dt, Device::kCUDA), marks, rule,
+            [&](Tensor& out, const ops::MxValuesOut* mx) { ops::permute_rows(x, p, out, mx); });
+        const Tensor h = testing::mx_input({m, 2 * f}, seed + 1, dt).to(Device::kCUDA);
+        const Tensor weight = testing::randn({m}, seed + 2, 1.0, DType::kF32).to(Device::kCUDA);
+        const ops::SwigluRows rows{&marks, &weight};
+        expect_mx_values_written(Tensor::poisoned({m, f}, dt, Device::kCUDA), marks, rule,
+                                 [&](Tensor& out, const ops::MxValuesOut* mx) {
+                                   ops::swiglu_forward(h, out, rows, mx);
+                                 });
+        const Tensor da =
+            testing::randn({m, f}, seed + 3, 1.0, DType::kF32).to(dt).to(Device::kCUDA);
+        const Tensor dw_poison = Tensor::poisoned({m, 1}, DType::kF32, Device::kCUDA);
+        Tensor dw_plain;
+        expect_mx_values_written(Tensor::poisoned({m, 2 * f}, dt, Device::kCUDA), marks, rule,
+                                 [&](Tensor& out, const ops::MxValuesOut* mx) {
+                                   Tensor dw = dw_poison.clone();
+                                   Tensor dw_flat = dw.reshape({m});
+                                   ops::swiglu_backward(h, da, out, rows, &dw_flat, mx);
+                                   if (!dw_plain.defined())
+                                     dw_plain = dw;  // the plain run's, first
+                                   else
+                                     expect_rows(dw, dw_plain, marks, dw_poison);
+                                 });
+      }
 }
 
 // Rows whose 32-blocks span 2^-20 .. 2^20, with zero blocks and blocks whose values fall over

@@ -13,6 +13,7 @@
 
 #include "core/mx.h"
 #include "mx_cases.h"
+#include "ops/elementwise.h"
 #include "ops/mx.h"
 #include "testing.h"
 #include "train/checkpoint.h"
@@ -168,14 +169,21 @@ TEST_P(MxTorchao, MatchesTorchaoBitForBit) {
 INSTANTIATE_TEST_SUITE_P(Cases, MxTorchao, testing::mx_case_values(), testing::mx_case_name);
 
 // Quantizing along dim1 is quantizing the transpose along dim0, matrix by matrix.
+// t (B, R, C) -> (B, C, R), element for element.
+Tensor transposed(const Tensor& t) {
+  const int64_t b = t.dim(0), rows = t.dim(1), cols = t.dim(2);
+  Tensor out = Tensor::empty({b, cols, rows}, t.dtype());
+  for (int64_t e = 0; e < b; ++e)
+    for (int64_t r = 0; r < rows; ++r)
+      for (int64_t c = 0; c < cols; ++c)
+        out.set_item((e * cols + c) * rows + r, t.item((e * rows + r) * cols + c));
+  return out;
+}
+
 TEST(MxQuantize, Dim1IsDim0OfTheTranspose) {
   const int64_t experts = 3, rows = 64, cols = 96;
   const Tensor x = testing::mx_input({experts, rows, cols}, 11, DType::kBF16);
-  Tensor xt = Tensor::empty({experts, cols, rows}, DType::kBF16);
-  for (int64_t e = 0; e < experts; ++e)
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t c = 0; c < cols; ++c)
-        xt.set_item((e * cols + c) * rows + r, x.item((e * rows + r) * cols + c));
+  const Tensor xt = transposed(x);
   for (MxScaleRule rule : {MxScaleRule::kFloor, MxScaleRule::kRceil}) {
     MxTensor a = MxTensor::poisoned(x.shape(), MxAxis::kDim1);
     MxTensor b = MxTensor::poisoned(xt.shape(), MxAxis::kDim0);
@@ -188,12 +196,34 @@ TEST(MxQuantize, Dim1IsDim0OfTheTranspose) {
     Tensor back_t = Tensor::poisoned(xt.shape(), DType::kF32);
     ops::mx_dequantize(a, back);
     ops::mx_dequantize(b, back_t);
-    Tensor back_tt = Tensor::empty(x.shape(), DType::kF32);
-    for (int64_t e = 0; e < experts; ++e)
-      for (int64_t r = 0; r < rows; ++r)
-        for (int64_t c = 0; c < cols; ++c)
-          back_tt.set_item((e * rows + r) * cols + c, back_t.item((e * cols + c) * rows + r));
-    EXPECT_TRUE(same_values(back, back_tt));
+    EXPECT_TRUE(same_values(back, transposed(back_t)));
+  }
+}
+
+// The transposed round trip (a weight's MX copy for the forward) is the dim1 round trip
+// transposed, element for element; a round trip into another dtype rounds x to it first (an f32
+// master's copy in bf16 quantizes its bf16 values), along either axis.
+TEST(MxRoundTrip, TransposedAndIntoAnotherDtype) {
+  const int64_t experts = 2, rows = 64, cols = 96;
+  const Tensor x32 = testing::mx_input({experts, rows, cols}, 17, DType::kF32);
+  Tensor x16 = Tensor::empty(x32.shape(), DType::kBF16);
+  ops::convert(x32, x16);
+  for (MxScaleRule rule : {MxScaleRule::kFloor, MxScaleRule::kRceil}) {
+    Tensor along = Tensor::poisoned(x32.shape(), DType::kBF16);
+    ops::mx_round_trip(x16, MxAxis::kDim1, rule, along);
+    Tensor t = Tensor::poisoned({experts, cols, rows}, DType::kBF16);
+    ops::mx_round_trip_transposed(x32, rule, t);
+    EXPECT_TRUE(same_values(transposed(t), along));
+    for (MxAxis axis : {MxAxis::kDim0, MxAxis::kDim1}) {
+      Tensor from_f32 = Tensor::poisoned(x32.shape(), DType::kBF16);
+      Tensor from_bf16 = Tensor::poisoned(x32.shape(), DType::kBF16);
+      Tensor unrounded = Tensor::poisoned(x32.shape(), DType::kF32);
+      ops::mx_round_trip(x32, axis, rule, from_f32);
+      ops::mx_round_trip(x16, axis, rule, from_bf16);
+      ops::mx_round_trip(x32, axis, rule, unrounded);
+      EXPECT_TRUE(same_values(from_f32, from_bf16));
+      EXPECT_FALSE(same_values(unrounded.to(DType::kBF16), from_bf16));  // the rounding mattered
+    }
   }
 }
 

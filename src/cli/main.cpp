@@ -126,20 +126,25 @@ void check_memory(const mt::Config& c) {
   double activations = mt::activation_bytes(m, c.train.batch_rows * c.train.seq_len, rows_factor);
   if (c.hardware.device != "cuda") activations *= world;  // CPU ranks share the host
   // Workspaces on the GPU: the bf16 compute copies (every unit's on one rank, where they persist;
-  // a unit and the prefetched next one when sharded), under an MX recipe two more of each expert
-  // matrix (its MX copies), the expert exchange's receive buffer, and 1 GiB for the libraries
-  // (cuBLASLt, cuDNN, NCCL).
+  // a unit and the prefetched next one when sharded); under an MX recipe the expert matrices keep
+  // none, and a unit in use holds each one's MX copies for its pass (both with a full
+  // checkpointing policy) beside the gathered or rounded weights they are made from; the expert
+  // exchange's receive buffer, and 1 GiB for the libraries (cuBLASLt, cuDNN, NCCL).
   double workspaces = 0;
   if (c.hardware.device == "cuda") {
     const mt::ModelConfig& mc = c.model;
     const mt::BlockParamCounts block = mt::count_block_params(mc);
     const double experts =
         static_cast<double>(mc.n_experts * block.per_expert) / static_cast<double>(c.parallel.ep);
-    const double mx_copies = mc.expert_precision.mx_forward_and_input() ? 2.0 : 0.0;
-    const double layer = static_cast<double>(block.dense) + experts * (1.0 + mx_copies);
+    const bool mx = mc.expert_precision.mx_forward_and_input();
+    const double expert_in_use =
+        mx ? 1.0 + (mc.checkpoint == mt::CheckpointPolicy::kFull ? 2.0 : 1.0) : 1.0;
+    const double layer = static_cast<double>(block.dense) + experts * expert_in_use;
     const double table = static_cast<double>(mc.vocab_size * mc.dim);
+    // One rank: every compute copy persists, the MX copies of the unit in use and the next.
     const double all =
-        params + experts * mx_copies * static_cast<double>(mc.n_layers);  // one rank: all persist
+        mx ? params - experts * static_cast<double>(mc.n_layers) + 2 * experts * expert_in_use
+           : params;
     workspaces = (world > 1 ? 2 * std::max(layer, table) : all) * 2 + double{1 << 30};
     if (c.parallel.ep > 1 && mc.ep_exchange == mt::moe::ExchangeMode::kDeviceCounts)
       workspaces +=

@@ -41,27 +41,46 @@ void prefetch(ParamGroup& g) {
   g.gathering = start_gather(g);
 }
 
-void gather(ParamGroup& g) {
-  if (g.sharded()) {
-    if (!g.gathering) g.gathering = start_gather(g);
-    g.gathering->wait();
-    g.gathering.reset();
-  }
-  const bool gathered_compute =
-      g.sharded() && g.compute_dtype != g.shard.dtype() && !g.reads_master();
-  if (!gathered_compute && g.compute_dtype != g.params.dtype() && !g.compute.defined()) {
-    g.compute = Tensor::empty(g.params.shape(), g.compute_dtype, g.params.device());
-    ops::convert(g.params, g.compute);  // the ops read a cast copy
-  }
-  // Sharded: made with every gather. Unsharded: once, then kept current by the optimizer.
-  if (g.sharded() || g.mx.empty()) refresh_mx_copies(g);
-}
-
-void refresh_mx_copies(ParamGroup& g) {
+namespace {
+// The MX copies `use` needs, from the weights the ops would read (the gathered compute copy, or
+// the params rounded to the compute dtype); each copy tensor kept from an earlier gather of this
+// pass is rewritten in place.
+void make_mx_copies(ParamGroup& g, ops::MxCopyUse use) {
   if (!g.wants_mx_copies()) return;
   g.mx.resize(g.specs.size());
   for (size_t i = 0; i < g.specs.size(); ++i)
-    if (g.specs[i].mx_copies) ops::make_mx_weight_copies(g.weight(i), g.mx_rule, g.mx[i]);
+    if (g.specs[i].mx_copies)
+      ops::make_mx_weight_copies(g.weight(i), g.mx_rule, g.compute_dtype, use, g.mx[i]);
+}
+}  // namespace
+
+void make_persistent_copies(ParamGroup& g) {
+  if (g.sharded() || g.compute_dtype == g.params.dtype() || g.compute.defined() ||
+      !g.reads_compute())
+    return;
+  g.compute = Tensor::empty(g.params.shape(), g.compute_dtype, g.params.device());
+  ops::convert(g.params, g.compute);  // the ops read a cast copy
+}
+
+void gather(ParamGroup& g, ops::MxCopyUse use) {
+  if (!g.sharded()) {
+    make_persistent_copies(g);
+    return make_mx_copies(g, use);
+  }
+  if (!g.gathering) g.gathering = start_gather(g);
+  g.gathering->wait();
+  g.gathering.reset();
+  const bool gathered_compute = g.compute_dtype != g.shard.dtype() && !g.reads_master();
+  if (!gathered_compute && g.compute_dtype != g.params.dtype() && !g.compute.defined()) {
+    g.compute = Tensor::empty(g.params.shape(), g.compute_dtype, g.params.device());
+    ops::convert(g.params, g.compute);
+  }
+  make_mx_copies(g, use);
+  // Nothing else reads the gathered weights of a group of MX copies only: free them now.
+  if (g.wants_mx_copies() && !g.reads_compute() && !g.reads_master()) {
+    g.compute = Tensor();
+    g.params = Tensor();
+  }
 }
 
 void drop_compute_copies(ParamGroup& g) {
@@ -70,6 +89,7 @@ void drop_compute_copies(ParamGroup& g) {
 }
 
 void release(ParamGroup& g) {
+  g.mx.clear();
   if (!g.sharded()) return;              // the unsharded cast copy stays: AdamW keeps it current
   if (g.gathering) g.gathering->wait();  // never free what a collective may still write
   g.gathering.reset();
@@ -114,8 +134,8 @@ void abandon_in_flight(ParamGroup& g) {
   g.grads = Tensor();
 }
 
-void gather(ParamUnit& u) {
-  for (auto& g : u.groups) gather(g);
+void gather(ParamUnit& u, ops::MxCopyUse use) {
+  for (auto& g : u.groups) gather(g, use);
 }
 void prefetch(ParamUnit& u) {
   for (auto& g : u.groups) prefetch(g);
@@ -134,9 +154,10 @@ void finish_reduction(ParamUnit& u) {
 }
 
 UnitSchedule::UnitSchedule(std::vector<ParamUnit>& units, double grad_divide_factor,
-                           std::vector<bool> backward_reads_params)
+                           std::vector<bool> backward_reads_params, ops::MxCopyUse backward_copies)
     : units_(&units),
       divide_(grad_divide_factor),
+      backward_copies_(backward_copies),
       reads_(std::move(backward_reads_params)),
       gathered_(units.size(), false),
       gradients_(units.size(), false) {
@@ -145,7 +166,7 @@ UnitSchedule::UnitSchedule(std::vector<ParamUnit>& units, double grad_divide_fac
 }
 
 void UnitSchedule::forward_begin(size_t i) {
-  gather((*units_)[i]);
+  gather((*units_)[i], ops::MxCopyUse::kForward);
   gathered_[i] = true;
   if (i + 1 < units_->size()) prefetch((*units_)[i + 1]);
 }
@@ -163,8 +184,14 @@ void UnitSchedule::begin_gradients(size_t i) {
 
 void UnitSchedule::backward_begin(size_t i) {
   if (reads_[i] && !gathered_[i]) {
-    gather((*units_)[i]);
+    gather((*units_)[i], backward_copies_);
     gathered_[i] = true;
+  } else if (reads_[i]) {
+    // Held from its forward (the head, the tied embedding): its forward's gather serves, which
+    // made no backward MX copies.
+    for (const ParamGroup& g : (*units_)[i].groups)
+      MT_CHECK(!g.wants_mx_copies(), "unit {} holds MX copies from its forward into its backward",
+               (*units_)[i].name);
   }
   begin_gradients(i);
   if (i > 0 && reads_[i - 1] && !gathered_[i - 1]) prefetch((*units_)[i - 1]);

@@ -14,18 +14,20 @@ namespace mt::fsdp {
 void shard_group(ParamGroup& g, dist::Communicator& comm);
 
 // params (padded) = all-gather of the shards (collective over the group's comm); then, in mixed
-// precision, the compute copy. Call before the unit runs, sharded or not.
-void gather(ParamGroup& g);
+// precision, the compute copy, and the MX copies `use` needs (ParamSpec::mx_copies; the copies
+// of a unit gathered again for its backward are made again, as its gathered weights are). Call
+// before the unit runs, sharded or not.
+void gather(ParamGroup& g, ops::MxCopyUse use = ops::MxCopyUse::kBoth);
 // Starts gather(g)'s all-gather in the background (NCCL: on the communicator's stream, so it
 // overlaps the compute queued until gather(g), which then waits for it instead of gathering).
 // Sharded groups only; a no-op otherwise or when one is already under way.
 void prefetch(ParamGroup& g);
-// Drops the gathered params and the compute copy (reshard after forward, and after backward).
+// Drops the MX copies, and on a sharded group the gathered params and the compute copy (reshard
+// after forward, and after backward). An unsharded group's compute copy stays: AdamW keeps it.
 void release(ParamGroup& g);
-// (Re)writes the group's MX copies (ParamSpec::mx_copies) from the weights the ops read, in place
-// when they exist. gather makes them; on an unsharded group, whose copies persist, the optimizer
-// calls this after each step. A no-op for groups without.
-void refresh_mx_copies(ParamGroup& g);
+// An unsharded group's persistent compute copy, made now when missing (gather makes it too): what
+// must exist before a CUDA graph is captured, outside its memory pool.
+void make_persistent_copies(ParamGroup& g);
 // Drops the compute copy and the MX copies: after something else wrote the parameters (a
 // checkpoint load); the next gather makes them again.
 void drop_compute_copies(ParamGroup& g);
@@ -51,12 +53,15 @@ void abandon_in_flight(ParamGroup& g);
 // started (when that unit's backward reads its parameters); once its backward is queued, its
 // reduce-scatter starts in the background and the reduction of the unit above is finished, so
 // (NCCL) each reduction overlaps the next unit's backward and at most two units' full gradients
-// live. Unsharded units only get their compute copies, as with the functions above.
+// live. Unsharded units only get their compute and MX copies, as with the functions above.
 class UnitSchedule {
  public:
   // backward_reads_params[i]: unit i's backward needs its parameters (an embedding's does not).
+  // backward_copies: the MX copies a backward needs (kBoth when it reruns the forward's products:
+  // a full activation-checkpointing policy).
   UnitSchedule(std::vector<ParamUnit>& units, double grad_divide_factor,
-               std::vector<bool> backward_reads_params);
+               std::vector<bool> backward_reads_params,
+               ops::MxCopyUse backward_copies = ops::MxCopyUse::kBackward);
   void forward_begin(size_t i);
   void forward_end(size_t i);
   // Allocates unit i's full gradients (once per pass): before its backward_begin when another
@@ -69,10 +74,11 @@ class UnitSchedule {
  private:
   std::vector<ParamUnit>* units_;
   double divide_;
+  ops::MxCopyUse backward_copies_;
   std::vector<bool> reads_, gathered_, gradients_;
 };
 
-void gather(ParamUnit& u);
+void gather(ParamUnit& u, ops::MxCopyUse use);
 void prefetch(ParamUnit& u);
 void release(ParamUnit& u);
 void begin_backward(ParamUnit& u);

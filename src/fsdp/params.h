@@ -32,8 +32,9 @@ struct ParamSpec {
   // logits decide the routing. A sharded group holding one gathers its fp32 masters and casts
   // the compute copy locally.
   bool master_weight = false;
-  // An expert matrix under an MX recipe: the group keeps its MX copies (ops::MxWeightCopies)
-  // beside the compute copy, made from the weights the ops read whenever those change.
+  // An expert matrix under an MX recipe: the ops read only its MX copies (ops::MxWeightCopies),
+  // made from the weights at each gather for the pass that gathers (fsdp::gather) and dropped at
+  // release; no compute copy is kept for it.
   bool mx_copies = false;
 };
 
@@ -48,10 +49,11 @@ struct ParamGroup {
   Tensor params;                       // (padded) full parameters while gathered
   Tensor grads;                        // (padded) full gradients during backward
   // Mixed precision: the dtype the ops read the weights in, and the gathered params cast to it
-  // (undefined when it is the params' own dtype). Sharded, the copy lives while the unit is
-  // gathered. Unsharded, it persists across steps: AdamW rewrites it in its own pass, so one
-  // GPU never re-casts its weights; anything else that writes params (a checkpoint load) drops
-  // the copy, and the next gather casts again.
+  // (undefined when it is the params' own dtype, or when every spec is read otherwise:
+  // reads_compute()). Sharded, the copy lives while the unit is gathered. Unsharded, it persists
+  // across steps: AdamW rewrites it in its own pass, so one GPU never re-casts its weights;
+  // anything else that writes params (a checkpoint load) drops the copy, and the next gather
+  // casts again.
   DType compute_dtype = DType::kF32;
   Tensor compute;
   // True when `grads` holds nothing of this step yet, so its first writer overwrites instead of
@@ -67,7 +69,8 @@ struct ParamGroup {
   double reduced_divide_factor = 1.0;
 
   // The MX copies of the specs with mx_copies (indexed like specs; empty while not made): made
-  // with the compute copy (fsdp::gather) and, unsharded, rewritten after each optimizer step.
+  // by fsdp::gather for the pass it gathers for, dropped by fsdp::release (sharded or not: they
+  // live only while the unit is in use).
   std::vector<ops::MxWeightCopies> mx;
   MxScaleRule mx_rule = MxScaleRule::kRceil;
 
@@ -80,11 +83,11 @@ struct ParamGroup {
   const ops::MxWeightCopies* mx_copies(size_t i) const {
     return i < mx.size() && specs[i].mx_copies ? &mx[i] : nullptr;
   }
-  // Every MX copy tensor (undefined ones included): what a captured pass or step reads.
-  std::vector<const Tensor*> mx_tensors() const {
-    std::vector<const Tensor*> out;
-    for (const ops::MxWeightCopies& m : mx) out.insert(out.end(), {&m.along_k, &m.along_n});
-    return out;
+  // Some spec is read from the compute copy (neither an fp32 master weight nor MX copies only).
+  bool reads_compute() const {
+    for (const ParamSpec& s : specs)
+      if (!s.master_weight && !s.mx_copies) return true;
+    return false;
   }
   bool reads_master() const {
     for (const ParamSpec& s : specs)
@@ -93,10 +96,12 @@ struct ParamGroup {
   }
   int64_t shard_begin() const { return sharded() ? comm->rank() * shard.numel() : 0; }
   Tensor param(size_t i) const { return params.view(specs[i].offset, specs[i].shape); }
-  // The weight as the ops read it: the compute copy when there is one.
+  // The weight as the ops read it: the compute copy when there is one. Undefined for an MX spec
+  // of a gathered sharded group (its compute copy is dropped once the MX copies are made).
   Tensor weight(size_t i) const {
     const bool cast = compute.defined() && !specs[i].master_weight;
-    return (cast ? compute : params).view(specs[i].offset, specs[i].shape);
+    const Tensor& from = cast ? compute : params;
+    return from.defined() ? from.view(specs[i].offset, specs[i].shape) : Tensor();
   }
   Tensor grad(size_t i) const { return grads.view(specs[i].offset, specs[i].shape); }
 };

@@ -59,7 +59,7 @@ Tensor new_like(const Tensor& t) {
 
 // Computes every activation that is not saved, in forward order; attention is never rerun.
 void block_fill(const BlockParams& p, const ModelConfig& c, const BlockInputs& in,
-                BlockActivations& a) {
+                BlockActivations& a, moe::FillFor fill) {
   const int64_t n = a.x.dim(0);
   const DType dt = a.x.dtype(), st = c.stat_dtype();
   const Device dev = a.x.device();
@@ -109,7 +109,7 @@ void block_fill(const BlockParams& p, const ModelConfig& c, const BlockInputs& i
     ops::rmsnorm_forward(a.h, p.mlp_norm, c.rms_norm_eps, a.hn, a.mlp_rstd);
   }
   phase.emplace("moe.fill");
-  moe::moe_fill(p.moe, c.moe(), in.comms, in.router_bias, a.hn, a.moe);
+  moe::moe_fill(p.moe, c.moe(), in.comms, in.router_bias, a.hn, a.moe, fill);
 }
 
 }  // namespace
@@ -154,7 +154,7 @@ Tensor block_forward(const BlockParams& p, const ModelConfig& c, const BlockInpu
                      const Tensor& x, BlockActivations& a) {
   a = BlockActivations();
   a.x = x;
-  block_fill(p, c, in, a);
+  block_fill(p, c, in, a, moe::FillFor::kForward);
   Tensor out = new_like(x);
   const profile::Phase phase("moe.combine");
   moe::moe_combine(p.moe, c.moe(), a.moe, out, &a.h);  // the residual add in the combine's pass
@@ -168,7 +168,7 @@ Tensor block_forward(const BlockParams& p, const ModelConfig& c, const BlockInpu
 Tensor block_backward(const BlockParams& p, BlockParams& g, const ModelConfig& c,
                       const BlockInputs& in, BlockActivations& a, const Tensor& dout,
                       double aux_grad, ops::Accumulate expert_grads) {
-  block_fill(p, c, in, a);
+  block_fill(p, c, in, a, moe::FillFor::kBackward);
   a.moe.aux_stats = a.aux_stats;  // the forward's (a recomputed routing has per-layer ones)
   const int64_t n = a.x.dim(0);
   const DType dt = a.x.dtype();

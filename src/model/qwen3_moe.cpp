@@ -210,7 +210,6 @@ std::vector<const void*> Qwen3Moe::pass_buffers() const {
     for (const auto& g : u.groups) {
       for (const Tensor* t : {&g.shard, &g.grad_shard, &g.params, &g.compute, &g.grads})
         out.push_back(t->defined() ? t->raw() : nullptr);
-      for (const Tensor* t : g.mx_tensors()) out.push_back(t->defined() ? t->raw() : nullptr);
     }
   for (const Tensor& bias : router_bias_) out.push_back(bias.raw());
   return out;
@@ -236,8 +235,7 @@ void Qwen3Moe::run_graphed(const Batch& b, const LossScale& scale) {
   // one of those buffers was replaced (a checkpoint load drops the compute copies), every
   // capture is stale.
   for (auto& u : units_)
-    for (auto& g : u.groups)
-      if (!g.sharded()) fsdp::gather(g);
+    for (auto& g : u.groups) fsdp::make_persistent_copies(g);
   if (std::vector<const void*> now = pass_buffers(); now != graphs_->buffers) {
     graphs_->passes.clear();
     graphs_->buffers = std::move(now);
@@ -312,7 +310,10 @@ void Qwen3Moe::pass(const Batch& b, const LossScale* scale, Tensor* token_losses
   // reads no parameters (a scatter-add of the gradient).
   std::vector<bool> reads(units_.size(), true);
   reads[0] = false;
-  fsdp::UnitSchedule schedule(units_, kGradDivideFactor, std::move(reads));
+  // A full checkpointing policy reruns the forward's expert products in the backward.
+  fsdp::UnitSchedule schedule(
+      units_, kGradDivideFactor, std::move(reads),
+      c.checkpoint == CheckpointPolicy::kFull ? ops::MxCopyUse::kBoth : ops::MxCopyUse::kBackward);
   const size_t head_unit = units_.size() - 1;
 
   schedule.forward_begin(0);

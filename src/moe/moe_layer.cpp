@@ -1,5 +1,7 @@
 #include "moe/moe_layer.h"
 
+#include <optional>
+
 #include "core/profile.h"
 #include "ops/activation.h"
 #include "ops/elementwise.h"
@@ -50,6 +52,13 @@ const Tensor& weights_here(const MoeActivations& a) {
   return a.exchange ? a.wr : a.routing.expert_weight;
 }
 
+// Whether the rows reach the experts as MX values along the hidden dimension (an MXFP8 dispatch:
+// with EP the wire made them, with ep 1 the permutation does, once): the forward product then
+// takes them as they are.
+bool rows_arrive_mx(const MoeConfig& c) {
+  return c.expert_precision.dispatch == ops::DispatchDtype::kMxfp8;
+}
+
 // On the GPU every expert's rows start on a 128-row boundary: the forward and input-gradient
 // GEMMs then run whole row tiles per expert with one TMA descriptor per operand
 // (ops/grouped_gemm.h), at the price of up to 127 rows of padding per expert.
@@ -63,7 +72,7 @@ void set_weight_gradient_tap(WeightGradientTap tap) {
 }
 
 void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, const Tensor& bias,
-              const Tensor& hn, MoeActivations& a) {
+              const Tensor& hn, MoeActivations& a, FillFor fill) {
   const DType dt = hn.dtype();
   const Device dev = hn.device();
   if (!a.routing.expert_index.defined()) {
@@ -101,12 +110,21 @@ void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, co
   }
   if (a.exchange && !a.xr.defined()) a.xr = a.exchange->dispatch(hn, c.expert_precision);
   if (a.exchange && !a.wr.defined()) a.wr = a.exchange->dispatch(a.routing.expert_weight);
+  const ops::ExpertPrecision& prec = c.expert_precision;
+  // The forward product's rows under an MX recipe: their MX values, made by the permutation (in
+  // place when they arrive as MX values; beside them otherwise: the weight gradient takes the rows
+  // themselves).
+  Tensor xe_mx;
   if (!a.xe.defined()) {
     a.xe = Tensor::empty({a.perm.rows(), c.dim}, dt, dev);
-    ops::permute_rows(tokens_here(a, hn), a.perm, a.xe);
-    // With ep 1 the permuted rows, as an MXFP8 dispatch would deliver them (once, after the
-    // permutation); with EP the exchange's wire did it.
-    if (!a.exchange) ops::dispatched_rows(c.expert_precision, a.xe);
+    std::optional<ops::MxValuesOut> mx;
+    if (rows_arrive_mx(c) && !a.exchange) {
+      mx = ops::MxValuesOut{&a.xe, prec.rule};
+    } else if (prec.mx_forward_and_input() && !rows_arrive_mx(c) && !a.gate_up.defined()) {
+      xe_mx = Tensor::empty(a.xe.shape(), dt, dev);
+      mx = ops::MxValuesOut{&xe_mx, prec.rule};
+    }
+    ops::permute_rows(tokens_here(a, hn), a.perm, a.xe, mx ? &*mx : nullptr);
   }
   if (!a.row_weight.defined()) {
     // Each choice's routing weight moved to its expert row: the scatter (Rt, k, 1) -> (R, 1) that
@@ -119,20 +137,28 @@ void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, co
   const int64_t r = a.xe.dim(0);
   if (!a.gate_up.defined()) {
     a.gate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
-    ops::expert_gemm_forward(a.xe, w.w_gate_up, a.perm.expert_rows(), c.expert_precision, a.gate_up,
-                             w.gate_up_mx);
+    const ops::MxOperands made{w.gate_up_mx, rows_arrive_mx(c) ? &a.xe
+                                             : xe_mx.defined() ? &xe_mx
+                                                               : nullptr};
+    ops::expert_gemm_forward(a.xe, w.w_gate_up, a.perm.expert_rows(), prec, a.gate_up, made);
   }
   if (!a.act.defined()) {
     a.act = Tensor::empty({r, c.moe_dim}, dt, dev);
-    ops::swiglu_forward(a.gate_up, a.act, swiglu_rows(a));
+    std::optional<ops::MxValuesOut> mx;
+    if (prec.mx_forward_and_input() && fill == FillFor::kForward) {
+      a.act_mx = Tensor::empty(a.act.shape(), dt, dev);
+      mx = ops::MxValuesOut{&a.act_mx, prec.rule};
+    }
+    ops::swiglu_forward(a.gate_up, a.act, swiglu_rows(a), mx ? &*mx : nullptr);
   }
 }
 
-void moe_combine(const MoeWeights& w, const MoeConfig& c, const MoeActivations& a, Tensor& out,
+void moe_combine(const MoeWeights& w, const MoeConfig& c, MoeActivations& a, Tensor& out,
                  const Tensor* residual) {
   Tensor ye = Tensor::empty({a.act.dim(0), c.dim}, a.act.dtype(), a.act.device());
   ops::expert_gemm_forward(a.act, w.w_down, a.perm.expert_rows(), c.expert_precision, ye,
-                           w.down_mx);
+                           {w.down_mx, a.act_mx.defined() ? &a.act_mx : nullptr});
+  a.act_mx = Tensor();
   if (!a.exchange) return ops::combine_forward(ye, a.perm, out, residual);
   // Each received token's expert outputs summed here, then one row back per (token, rank).
   Tensor partial = Tensor::empty({a.xr.dim(0), c.dim}, ye.dtype(), ye.device());
@@ -149,21 +175,42 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
   const ops::ExpertRows rows = a.perm.expert_rows();
   // The combine's backward: every expert row receives its token's gradient (the routing weights
   // are in the rows' activations).
-  const Tensor dy_here = a.exchange ? a.exchange->dispatch(dout, c.expert_precision) : dout;
+  // The combine's backward sends dY as the dispatch sends the rows (MX values along the hidden
+  // dimension with an MXFP8 dispatch); the input-gradient product takes dY's MX values, made by
+  // the permutation as the forward's rows are.
+  const ops::ExpertPrecision& prec = c.expert_precision;
+  const Tensor dy_here = a.exchange ? a.exchange->dispatch(dout, prec) : dout;
   Tensor dye = Tensor::empty({a.perm.rows(), c.dim}, dt, dev);
-  ops::permute_rows(dy_here, a.perm, dye);
-  if (!a.exchange)
-    ops::dispatched_rows(c.expert_precision, dye);  // the combine's backward sends dY
+  Tensor dye_mx;
+  std::optional<ops::MxValuesOut> dye_values;
+  if (rows_arrive_mx(c) && !a.exchange) {
+    dye_values = ops::MxValuesOut{&dye, prec.rule};
+  } else if (prec.mx_forward_and_input() && !rows_arrive_mx(c)) {
+    dye_mx = Tensor::empty(dye.shape(), dt, dev);
+    dye_values = ops::MxValuesOut{&dye_mx, prec.rule};
+  }
+  ops::permute_rows(dy_here, a.perm, dye, dye_values ? &*dye_values : nullptr);
 
   Tensor dact = Tensor::empty({r, c.moe_dim}, dt, dev);
-  ops::expert_gemm_backward_input(dye, w.w_down, rows, c.expert_precision, dact, w.down_mx);
+  ops::expert_gemm_backward_input(dye, w.w_down, rows, prec, dact,
+                                  {w.down_mx, rows_arrive_mx(c)  ? &dye
+                                              : dye_mx.defined() ? &dye_mx
+                                                                 : nullptr});
+  dye_mx = Tensor();
   tap_weight_gradient("down", a.act, dye, rows);
   ops::expert_gemm_backward_weight(a.act, dye, rows, c.expert_precision, g.w_down, expert_grads);
 
   Tensor dgate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
   Tensor drow_weight = Tensor::empty({r, 1}, a.row_weight.dtype(), dev);
   Tensor drow_weight_flat = drow_weight.reshape({r});
-  ops::swiglu_backward(a.gate_up, dact, dgate_up, swiglu_rows(a), &drow_weight_flat);
+  Tensor dgate_up_mx;
+  std::optional<ops::MxValuesOut> dgate_up_values;
+  if (prec.mx_forward_and_input()) {
+    dgate_up_mx = Tensor::empty(dgate_up.shape(), dt, dev);
+    dgate_up_values = ops::MxValuesOut{&dgate_up_mx, prec.rule};
+  }
+  ops::swiglu_backward(a.gate_up, dact, dgate_up, swiglu_rows(a), &drow_weight_flat,
+                       dgate_up_values ? &*dgate_up_values : nullptr);
   // The routing weights' gradient, back from the expert rows to the choices (N, k); with EP a
   // choice's gradient comes from its expert's rank, zeros from the others.
   const DType wt = a.routing.expert_weight.dtype();
@@ -173,8 +220,9 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
   ops::unpermute_rows(drow_weight, a.perm, dweight_rows);
   if (a.exchange) a.exchange->combine(dweight_here, dweight);
   Tensor dxe = Tensor::empty({r, c.dim}, dt, dev);
-  ops::expert_gemm_backward_input(dgate_up, w.w_gate_up, rows, c.expert_precision, dxe,
-                                  w.gate_up_mx);
+  ops::expert_gemm_backward_input(dgate_up, w.w_gate_up, rows, prec, dxe,
+                                  {w.gate_up_mx, dgate_up_mx.defined() ? &dgate_up_mx : nullptr});
+  dgate_up_mx = Tensor();
   tap_weight_gradient("gate_up", a.xe, dgate_up, rows);
   ops::expert_gemm_backward_weight(a.xe, dgate_up, rows, c.expert_precision, g.w_gate_up,
                                    expert_grads);

@@ -62,7 +62,10 @@ struct MoeActivations {
   Tensor row_weight;  // (R)          routing weight of each of those rows (a gather)
   Tensor gate_up;     // (R, 2F)      GEMM output
   Tensor act;         // (R, F)       row_weight * SwiGLU (elementwise)
-  Tensor aux_loss;    // per-layer load-balancing loss (no coefficient): one f64 on the device
+  // Under an MX recipe, act's MX values for the down projection's forward: made with act by a
+  // forward fill, consumed (and dropped) by moe_combine.
+  Tensor act_mx;
+  Tensor aux_loss;  // per-layer load-balancing loss (no coefficient): one f64 on the device
 };
 
 ops::RouterOptions router_options(const MoeConfig& c);
@@ -75,13 +78,16 @@ using WeightGradientTap = std::function<void(std::string_view product, const Ten
                                              const Tensor& dy, const ops::ExpertRows& rows)>;
 void set_weight_gradient_tap(WeightGradientTap tap);
 
+// What a fill is for: the forward (moe_combine follows), or the backward (refilling what it needs
+// and the policy dropped: the forward's down projection is not rerun).
+enum class FillFor : uint8_t { kForward, kBackward };
 // Computes every undefined field of `a` from hn (N, D). bias: (E) or undefined.
 void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, const Tensor& bias,
-              const Tensor& hn, MoeActivations& a);
+              const Tensor& hn, MoeActivations& a, FillFor fill = FillFor::kForward);
 // out (N, D) = the experts' down projection of a.act, back in token order and summed over each
-// token's choices (+ residual, in the same pass); requires a filled `a`. The expert outputs are
-// not kept.
-void moe_combine(const MoeWeights& w, const MoeConfig& c, const MoeActivations& a, Tensor& out,
+// token's choices (+ residual, in the same pass); requires a filled `a` (its act_mx is used and
+// dropped). The expert outputs are not kept.
+void moe_combine(const MoeWeights& w, const MoeConfig& c, MoeActivations& a, Tensor& out,
                  const Tensor* residual = nullptr);
 // Returns d hn (N, D); weight gradients accumulate into g. aux_grad = d(total) / d(aux_loss).
 // expert_grads: kYes adds to g's expert gradients, kNo overwrites them (their first write of a

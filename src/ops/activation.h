@@ -2,6 +2,7 @@
 // [F, 2F); a = silu(gate) * up, silu(g) = g * sigmoid(g).
 #pragma once
 #include "core/tensor.h"
+#include "ops/mx.h"
 
 namespace mt::ops {
 
@@ -16,10 +17,13 @@ struct SwigluRows {
   const Tensor* weight = nullptr;
 };
 
-void swiglu_forward(const Tensor& h, Tensor& a, const SwigluRows& rows = {});
+// mx (both directions): the output's MX values too (ops/mx.h; padding rows left as they are on
+// the GPU).
+void swiglu_forward(const Tensor& h, Tensor& a, const SwigluRows& rows = {},
+                    const MxValuesOut* mx = nullptr);
 // dh (M, 2F) overwritten (padding rows: left as they are). With rows.weight, dweight (M, the
 // weight's dtype) is overwritten too: d loss / d weight = <da, silu(gate) * up> per row.
 void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const SwigluRows& rows = {},
-                     Tensor* dweight = nullptr);
+                     Tensor* dweight = nullptr, const MxValuesOut* mx = nullptr);
 
 }  // namespace mt::ops

@@ -5,7 +5,6 @@
 #include "core/enum_names.h"
 #include "core/profile.h"
 #include "ops/mx.h"
-#include "ops/mx_gemm.h"
 
 namespace mt::ops {
 
@@ -18,29 +17,31 @@ Tensor round_trip_rows(const Tensor& t, const ExpertRows& rows, MxScaleRule rule
   return out;
 }
 
-// w quantized along `along` and read as stored, into out (allocated when undefined): along K
-// (dim1) gives w^T (E, N, K), along N (dim0) w (E, K, N).
-void mx_weight(const Tensor& w, MxAxis along, MxScaleRule rule, Tensor& out) {
-  MxTensor q = MxTensor::empty(w.shape(), along, w.device());
-  mx_quantize(w, rule, q);
-  const MxTensor stored = q.stored_as_dim0();
-  if (!out.defined()) out = Tensor::empty(stored.shape(), w.dtype(), w.device());
-  mx_dequantize(stored, out);
+// w's MX values along `along` as `dtype` holds them, read as stored, into out (allocated when
+// undefined): along K (dim1) gives w^T (E, N, K), along N (dim0) w (E, K, N).
+void mx_weight(const Tensor& w, MxAxis along, MxScaleRule rule, DType dtype, Tensor& out) {
+  if (!out.defined()) {
+    Shape s = w.shape();
+    if (along == MxAxis::kDim1) std::swap(s[s.size() - 1], s[s.size() - 2]);
+    out = Tensor::empty(s, dtype, w.device());
+  }
+  if (along == MxAxis::kDim0) return mx_round_trip(w, MxAxis::kDim0, rule, out);
+  mx_round_trip_transposed(w, rule, out);
 }
 
 Tensor mx_weight(const Tensor& w, MxAxis along, MxScaleRule rule) {
   const profile::Phase phase("mx.weight_copy");
   Tensor out;
-  mx_weight(w, along, rule, out);
+  mx_weight(w, along, rule, w.dtype(), out);
   return out;
 }
 
-// The rows quantized along their width (dim0): the MX product's a.
-MxTensor mx_rows(const Tensor& x, MxScaleRule rule) {
-  const profile::Phase phase("mx.quantize_rows");
-  MxTensor q = MxTensor::empty(x.shape(), MxAxis::kDim0, x.device());
-  mx_quantize(x, rule, q);
-  return q;
+// The rows' MX values along their width (dim0): what the product multiplies.
+Tensor mx_rows(const Tensor& x, MxScaleRule rule) {
+  const profile::Phase phase("mx.round_trip_rows");
+  Tensor out = Tensor::empty(x.shape(), x.dtype(), x.device());
+  mx_round_trip(x, MxAxis::kDim0, rule, out);
+  return out;
 }
 
 }  // namespace
@@ -87,31 +88,41 @@ std::string ExpertPrecision::invalid_combination() const {
   return {};
 }
 
-void make_mx_weight_copies(const Tensor& w, MxScaleRule rule, MxWeightCopies& out) {
+void make_mx_weight_copies(const Tensor& w, MxScaleRule rule, DType dtype, MxCopyUse use,
+                           MxWeightCopies& out) {
   const profile::Phase phase("mx.weight_copies");
-  mx_weight(w, MxAxis::kDim1, rule, out.along_k);
-  mx_weight(w, MxAxis::kDim0, rule, out.along_n);
+  if (use != MxCopyUse::kBackward) mx_weight(w, MxAxis::kDim1, rule, dtype, out.along_k);
+  if (use != MxCopyUse::kForward) mx_weight(w, MxAxis::kDim0, rule, dtype, out.along_n);
 }
 
-void dispatched_rows(const ExpertPrecision& p, Tensor& rows) {
-  if (p.dispatch != DispatchDtype::kMxfp8) return;
-  const profile::Phase phase("mx.dispatch_wire");
-  mx_round_trip(rows, MxAxis::kDim0, p.rule, rows);
+// The copy a product reads: the one made beforehand, else made now from w.
+Tensor weight_copy(const MxOperands& made, Tensor MxWeightCopies::*copy, const Tensor& w,
+                   MxAxis along, MxScaleRule rule, const char* product) {
+  if (!made.weight) return mx_weight(w, along, rule);
+  const Tensor& t = made.weight->*copy;
+  MT_CHECK(t.defined(),
+           "the {} MX product was given the weight's copies without the one it reads (a gather "
+           "for another pass made them: fsdp::gather's use)",
+           product);
+  return t;
 }
 
+// out = a b^T over the experts' rows, with b (E, P, Q): grouped_gemm_backward_input's product.
 void expert_gemm_forward(const Tensor& x, const Tensor& w, const ExpertRows& rows,
-                         const ExpertPrecision& p, Tensor& out, const MxWeightCopies* copies) {
+                         const ExpertPrecision& p, Tensor& out, const MxOperands& made) {
   if (!p.mx_forward_and_input()) return grouped_gemm_forward(x, w, rows, out);
-  mx_grouped_gemm(mx_rows(x, p.rule),
-                  copies ? copies->along_k : mx_weight(w, MxAxis::kDim1, p.rule), rows, out);
+  grouped_gemm_backward_input(
+      made.rows ? *made.rows : mx_rows(x, p.rule),
+      weight_copy(made, &MxWeightCopies::along_k, w, MxAxis::kDim1, p.rule, "forward"), rows, out);
 }
 
 void expert_gemm_backward_input(const Tensor& dy, const Tensor& w, const ExpertRows& rows,
-                                const ExpertPrecision& p, Tensor& dx,
-                                const MxWeightCopies* copies) {
+                                const ExpertPrecision& p, Tensor& dx, const MxOperands& made) {
   if (!p.mx_forward_and_input()) return grouped_gemm_backward_input(dy, w, rows, dx);
-  mx_grouped_gemm(mx_rows(dy, p.rule),
-                  copies ? copies->along_n : mx_weight(w, MxAxis::kDim0, p.rule), rows, dx);
+  grouped_gemm_backward_input(
+      made.rows ? *made.rows : mx_rows(dy, p.rule),
+      weight_copy(made, &MxWeightCopies::along_n, w, MxAxis::kDim0, p.rule, "input-gradient"), rows,
+      dx);
 }
 
 void expert_gemm_backward_weight(const Tensor& x, const Tensor& dy, const ExpertRows& rows,

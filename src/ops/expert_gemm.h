@@ -9,10 +9,13 @@
 // quantizes all three; kMxfp8WgradWithHp all but the weight gradient, which takes the
 // unquantized operands.
 //
-// The forward and input-gradient MX products run ops::mx_grouped_gemm: the rows quantized along
-// the contraction, the weight's MX values (quantized and dequantized along it) in the compute
-// dtype. The weight gradient's MX product runs the emulated path: both operands quantized and
-// dequantized along the tokens (mx_round_trip_expert_rows), then the grouped GEMM.
+// Every MX product multiplies the operands' MX values (quantized and dequantized: exact in the
+// compute dtype) with the compute dtype's grouped GEMM. sm_90 has no block-scaled MMA, so bf16
+// tensor cores do the MX products whichever way; the E4M3 bytes are expanded where it costs
+// least: by the kernel that writes each operand (the weights' copies once per use, the rows by
+// the permutation and SwiGLU kernels through ops::MxValuesOut), so the product runs at the bf16
+// GEMM's rate. ops::mx_grouped_gemm, which expands E4M3 rows inside the GEMM, computes the same
+// values (tested bit for bit) and is slower (docs/benchmarks.md).
 #pragma once
 #include <cstdint>
 #include <string>
@@ -49,30 +52,36 @@ struct ExpertPrecision {
   std::string invalid_combination() const;
 };
 
-// A weight's MX copies, ops::mx_grouped_gemm's b operands, in w's dtype: w (E, K, N) quantized
-// along K and stored transposed, (E, N, K), for the forward; quantized along N, (E, K, N), for the
-// input gradient. FSDP makes them once per gather, or on one rank once per optimizer step
-// (fsdp::refresh_mx_copies); the products make their own when given none.
+// A weight's MX copies, each the b of out = a b^T (grouped_gemm_backward_input's shape), in the
+// compute dtype: w (E, K, N) quantized along K and stored transposed, (E, N, K), for the forward;
+// quantized along N, (E, K, N), for the input gradient. FSDP makes them (fsdp::gather); the
+// products make their own when given none.
 struct MxWeightCopies {
   Tensor along_k;
   Tensor along_n;
 };
-// Writes w's copies into `out`: allocated when undefined, else overwritten in place (a captured
-// step keeps their addresses).
-void make_mx_weight_copies(const Tensor& w, MxScaleRule rule, MxWeightCopies& out);
+// Which copies a use of the weights needs: the forward's, the input gradient's, or both.
+enum class MxCopyUse : uint8_t { kForward, kBackward, kBoth };
+// Writes w's copies for `use` into `out` (w in any float dtype, rounded to `dtype` first, the
+// copies in `dtype`): each allocated when undefined, else overwritten in place (a captured step
+// keeps their addresses); the copies `use` does not need are left as they are.
+void make_mx_weight_copies(const Tensor& w, MxScaleRule rule, DType dtype, MxCopyUse use,
+                           MxWeightCopies& out);
 
-// The rows as the dispatch delivers them: with MXFP8 dispatch, quantized along dim0 and
-// dequantized (the emulated wire), in place; nothing otherwise.
-void dispatched_rows(const ExpertPrecision& p, Tensor& rows);
+// What the caller made beforehand for the forward and input-gradient MX products (ignored by
+// bf16): the weight's copies, and the rows' MX values along the contraction (dim0), e.g. by the
+// kernel that wrote the rows (ops::MxValuesOut), or the rows themselves when they arrived as
+// MX values (an MXFP8 dispatch). The product makes what is not given.
+struct MxOperands {
+  const MxWeightCopies* weight = nullptr;
+  const Tensor* rows = nullptr;
+};
 
 // Shapes as ops/grouped_gemm.h: x (M, K), w (E, K, N), out (M, N).
-// `copies`: w's MX copies when made beforehand (the MX recipes; ignored by bf16).
 void expert_gemm_forward(const Tensor& x, const Tensor& w, const ExpertRows& rows,
-                         const ExpertPrecision& p, Tensor& out,
-                         const MxWeightCopies* copies = nullptr);
+                         const ExpertPrecision& p, Tensor& out, const MxOperands& made = {});
 void expert_gemm_backward_input(const Tensor& dy, const Tensor& w, const ExpertRows& rows,
-                                const ExpertPrecision& p, Tensor& dx,
-                                const MxWeightCopies* copies = nullptr);
+                                const ExpertPrecision& p, Tensor& dx, const MxOperands& made = {});
 void expert_gemm_backward_weight(const Tensor& x, const Tensor& dy, const ExpertRows& rows,
                                  const ExpertPrecision& p, Tensor& dw,
                                  Accumulate accumulate = Accumulate::kYes);

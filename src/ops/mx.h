@@ -23,11 +23,30 @@ void mx_quantize(const Tensor& x, MxScaleRule rule, MxTensor& out);
 // The product is exact in f32, so each output is the exact value rounded once to out's dtype.
 void mx_dequantize(const MxTensor& q, Tensor& out);
 
-// The emulated path's operands (what the MX GEMM recipes compute with): out = x's values after
-// quantize and dequantize, in x's dtype (f32, bf16 or f64; f64 is quantized from its f32
-// rounding). Every such value is exact in bf16 unless it lies below bf16's subnormals (2^-133).
-// out may be x.
+// The MX products' operands (what the MX GEMM recipes compute with): out = x's values as out's
+// dtype holds them (f32, bf16 or f64; f64 is quantized from its f32 rounding), quantized along
+// `axis` and dequantized, in x's shape. Every such value is exact in bf16 unless it lies below
+// bf16's subnormals (2^-133). out may be x. On the GPU along dim0 one pass (rows of a multiple of
+// 32 elements).
 void mx_round_trip(const Tensor& x, MxAxis axis, MxScaleRule rule, Tensor& out);
+// The same along dim1, stored transposed: x (..., R, C) -> out (..., C, R), the MX tensor's
+// values in its stored layout (the MX copy of a weight quantized along its rows' axis, laid out
+// as the product's b operand). One pass on the GPU.
+void mx_round_trip_transposed(const Tensor& x, MxScaleRule rule, Tensor& out);
+
+// A second output of the ops that write expert rows (permute_rows, swiglu_forward,
+// swiglu_backward): the rows they write, as their MX values along dim0 (mx_round_trip of the
+// output) with `rule`, into *values (the output's shape, dtype and device). `values` may be the
+// op's own output, which then holds only the MX values. On the GPU the op's kernel makes them as
+// it writes the rows (rows of a multiple of 32 elements, 16-byte aligned; else the two steps).
+struct MxValuesOut {
+  Tensor* values = nullptr;
+  MxScaleRule rule = MxScaleRule::kRceil;
+};
+// Checks mx against the op's output `out` (null mx: nothing to check).
+void check_mx_values(const char* op, const Tensor& out, const MxValuesOut* mx);
+// The definition every fused MxValuesOut is held to: *mx.values = mx_round_trip(out) along dim0.
+void write_mx_values(const Tensor& out, const MxValuesOut& mx);
 
 // The same along the rows of each expert's segment (x (M, K), the weight gradient's operands):
 // blocks of 32 rows start at the segment's first row, the last one zero-padded (torchao pads each

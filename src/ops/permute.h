@@ -8,6 +8,7 @@
 #pragma once
 #include "core/tensor.h"
 #include "ops/grouped_gemm.h"
+#include "ops/mx.h"
 
 namespace mt::ops {
 
@@ -63,7 +64,9 @@ void region_slots(const Tensor& received_counts, int64_t capacity, Tensor& out);
 
 // xp (M, D) = x (N, D) rows gathered into expert-major order; padding rows are left as they are.
 // The row moves copy any dtype; the sums (permute_rows_backward, combine_forward) need a float.
-void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp);
+// mx: the rows' MX values too (ops/mx.h; padding rows of *mx->values left as they are on the GPU).
+void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp,
+                  const MxValuesOut* mx = nullptr);
 // dx (N, D) overwritten: each token sums the gradients of its k copies.
 void permute_rows_backward(const Tensor& dxp, const ExpertPermutation& p, Tensor& dx);
 

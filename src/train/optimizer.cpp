@@ -41,12 +41,6 @@ namespace {
 Tensor* persistent_compute(ParamGroup& g) {
   return !g.sharded() && g.compute.defined() ? &g.compute : nullptr;
 }
-
-// An unsharded group's MX copies persist across steps (fsdp::gather made them): rewritten from
-// the weights this step wrote. A sharded group's are made at its next gather.
-void refresh_persistent_mx_copies(ParamGroup& g) {
-  if (!g.sharded() && !g.mx.empty()) fsdp::refresh_mx_copies(g);
-}
 }  // namespace
 
 AdamW::AdamW(std::vector<ParamUnit>& units, const TrainConfig& t, dist::Communicator* norm_group)
@@ -83,7 +77,6 @@ void AdamW::step(double lr, int64_t step) {
     ParamGroup& g = *groups_[i];
     ops::adamw_step(g.shard, g.grad_shard, state_[2 * i], state_[2 * i + 1], h,
                     persistent_compute(g));
-    refresh_persistent_mx_copies(g);
   }
 }
 
@@ -101,7 +94,6 @@ void AdamW::step_gpu(const ops::AdamWHyper& h) {
       ParamGroup& g = *groups_[i];
       cuda::adamw_step(g.shard, g.grad_shard, state_[2 * i], state_[2 * i + 1], c.scalars,
                        persistent_compute(g));
-      refresh_persistent_mx_copies(g);
     }
   };
   if (!graphs_on_ || profile::enabled()) return body();
@@ -112,8 +104,6 @@ void AdamW::step_gpu(const ops::AdamWHyper& h) {
     for (const Tensor* t : std::initializer_list<const Tensor*>{
              &g.shard, &g.grad_shard, &state_[2 * i], &state_[2 * i + 1], compute})
       buffers.push_back(t ? t->raw() : nullptr);
-    if (!g.sharded())
-      for (const Tensor* t : g.mx_tensors()) buffers.push_back(t->defined() ? t->raw() : nullptr);
   }
   if (buffers != c.buffers) {  // a buffer moved (a checkpoint load drops the compute copies)
     c.work.drop();

@@ -50,10 +50,15 @@ void check_weight_gradient(const CheckedRows& rows, const Tensor* dweight) {
 }
 }  // namespace
 
-void swiglu_forward(const Tensor& h, Tensor& a, const SwigluRows& rows) {
+void swiglu_forward(const Tensor& h, Tensor& a, const SwigluRows& rows, const MxValuesOut* mx) {
   const CheckedRows checked = checked_rows(rows, h);
+  check_mx_values("swiglu_forward", a, mx);
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(h)) return cuda::swiglu_forward(h, a, checked.token, checked.weight);
+  if (on_gpu(h)) {
+    if (!cuda::swiglu_forward(h, a, checked.token, checked.weight, mx) && mx)
+      write_mx_values(a, *mx);
+    return;
+  }
 #endif
   const int64_t m = h.dim(0), f = h.dim(1) / 2;
   expect_shape(a, {m, f}, "swiglu out");
@@ -74,14 +79,20 @@ void swiglu_forward(const Tensor& h, Tensor& a, const SwigluRows& rows) {
       }
     }
   });
+  if (mx) write_mx_values(a, *mx);
 }
 
 void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const SwigluRows& rows,
-                     Tensor* dweight) {
+                     Tensor* dweight, const MxValuesOut* mx) {
   const CheckedRows checked = checked_rows(rows, h);
   check_weight_gradient(checked, dweight);
+  check_mx_values("swiglu_backward", dh, mx);
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(h)) return cuda::swiglu_backward(h, da, dh, checked.token, checked.weight, dweight);
+  if (on_gpu(h)) {
+    if (!cuda::swiglu_backward(h, da, dh, checked.token, checked.weight, dweight, mx) && mx)
+      write_mx_values(dh, *mx);
+    return;
+  }
 #endif
   const int64_t m = h.dim(0), f = h.dim(1) / 2;
   expect_shape(da, {m, f}, "swiglu da");
@@ -111,6 +122,7 @@ void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const Swiglu
       if (dw) dw[r] = static_cast<T>(dot);
     }
   });
+  if (mx) write_mx_values(dh, *mx);
 }
 
 }  // namespace mt::ops

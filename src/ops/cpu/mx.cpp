@@ -8,6 +8,7 @@
 #include <limits>
 
 #include "ops/dispatch.h"
+#include "ops/elementwise.h"
 #if MOETRAIN_HAS_CUDA
 #include "ops/cuda/ops.h"
 #endif
@@ -147,13 +148,71 @@ void mx_dequantize(const MxTensor& q, Tensor& out) {
       }
 }
 
+namespace {
+// x's values as `dtype` holds them: x itself, or a rounded copy.
+Tensor rounded_to(const Tensor& x, DType dtype) {
+  if (x.dtype() == dtype) return x;
+  Tensor out = Tensor::empty(x.shape(), dtype, x.device());
+  ops::convert(x, out);
+  return out;
+}
+}  // namespace
+
 void mx_round_trip(const Tensor& x, MxAxis axis, MxScaleRule rule, Tensor& out) {
-  MT_CHECK(out.shape() == x.shape() && out.dtype() == x.dtype() && out.device() == x.device(),
-           "mx_round_trip: output {} {} must be the input's {} {}", dtype_name(out.dtype()),
-           shape_str(out.shape()), dtype_name(x.dtype()), shape_str(x.shape()));
+  MT_CHECK(out.shape() == x.shape() && out.device() == x.device(),
+           "mx_round_trip: output {} {} must have the input's shape {} and device",
+           dtype_name(out.dtype()), shape_str(out.shape()), shape_str(x.shape()));
+  check_unquantized_dtype("mx_round_trip", "x", x);
+  check_unquantized_dtype("mx_round_trip", "output", out);
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(x) && axis == MxAxis::kDim0) {
+    MT_CHECK(x.ndim() >= 1 && x.dim(x.ndim() - 1) % kMxBlock == 0,
+             "mx_round_trip along dim0 needs rows of a multiple of {} elements; got {}", kMxBlock,
+             shape_str(x.shape()));
+    return cuda::mx_round_trip(x, MxAxis::kDim0, rule, out);
+  }
+#endif
   MxTensor q = MxTensor::empty(x.shape(), axis, x.device());
-  mx_quantize(x, rule, q);
+  mx_quantize(rounded_to(x, out.dtype()), rule, q);
   mx_dequantize(q, out);
+}
+
+void mx_round_trip_transposed(const Tensor& x, MxScaleRule rule, Tensor& out) {
+  MT_CHECK(x.ndim() >= 2 && out.device() == x.device(),
+           "mx_round_trip_transposed: x must have two dimensions or more, out on its device; got "
+           "{}",
+           shape_str(x.shape()));
+  Shape t = x.shape();
+  std::swap(t[t.size() - 1], t[t.size() - 2]);
+  expect_shape(out, t, "mx_round_trip_transposed output");
+  check_unquantized_dtype("mx_round_trip_transposed", "x", x);
+  check_unquantized_dtype("mx_round_trip_transposed", "output", out);
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(x)) {
+    MT_CHECK(x.dim(x.ndim() - 2) % kMxBlock == 0,
+             "mx_round_trip_transposed needs a multiple of {} rows; got {}", kMxBlock,
+             shape_str(x.shape()));
+    return cuda::mx_round_trip(x, MxAxis::kDim1, rule, out);
+  }
+#endif
+  MxTensor q = MxTensor::empty(x.shape(), MxAxis::kDim1, x.device());
+  mx_quantize(rounded_to(x, out.dtype()), rule, q);
+  mx_dequantize(q.stored_as_dim0(), out);
+}
+
+void check_mx_values(const char* op, const Tensor& out, const MxValuesOut* mx) {
+  if (!mx) return;
+  MT_CHECK(mx->values && mx->values->shape() == out.shape() && mx->values->dtype() == out.dtype() &&
+               mx->values->device() == out.device(),
+           "{}: the MX values' tensor must match the output {} {}", op, dtype_name(out.dtype()),
+           shape_str(out.shape()));
+  MT_CHECK(out.ndim() == 2 && out.dim(1) % kMxBlock == 0,
+           "{}: MX values along rows need a multiple of {} columns; the output is {}", op, kMxBlock,
+           shape_str(out.shape()));
+}
+
+void write_mx_values(const Tensor& out, const MxValuesOut& mx) {
+  mx_round_trip(out, MxAxis::kDim0, mx.rule, *mx.values);
 }
 
 void mx_round_trip_expert_rows(const Tensor& x, const ExpertRows& rows, MxScaleRule rule,

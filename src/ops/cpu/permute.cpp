@@ -183,15 +183,18 @@ void region_slots(const Tensor& received_counts, int64_t capacity, Tensor& out) 
   }
 }
 
-void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp) {
+void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp, const MxValuesOut* mx) {
   const int64_t d = x.dim(1), m = p.rows();
   expect_shape(xp, {m, d}, "permuted rows");
   MT_CHECK(x.dtype() == xp.dtype(), "permute of {} rows into {}", dtype_name(x.dtype()),
            dtype_name(xp.dtype()));
+  check_mx_values("permute_rows", xp, mx);
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(x)) {
     if (x.dim(0) == 0) return;
-    return cuda::scatter_token_rows(x, p.row_of_choice, choices_per_token(p, x.dim(0)), xp);
+    if (!cuda::scatter_token_rows(x, p.row_of_choice, choices_per_token(p, x.dim(0)), xp, mx) && mx)
+      write_mx_values(xp, *mx);
+    return;
   }
 #endif
   const size_t row_bytes = static_cast<size_t>(d) * dtype_size(x.dtype());
@@ -202,6 +205,7 @@ void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp) {
     if (token < 0) continue;  // padding
     std::memcpy(dst + r * row_bytes, src + token * row_bytes, row_bytes);
   }
+  if (mx) write_mx_values(xp, *mx);
 }
 
 namespace {
@@ -266,7 +270,10 @@ void unpermute_rows_backward(const Tensor& dy, const ExpertPermutation& p, Tenso
            "unpermuted {} gradient {} for {} rows of {}", dtype_name(dy.dtype()),
            shape_str(dy.shape()), m, d);
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(dyp)) return cuda::scatter_token_rows(dy.reshape({m, d}), p.row_of_choice, 1, dyp);
+  if (on_gpu(dyp)) {
+    cuda::scatter_token_rows(dy.reshape({m, d}), p.row_of_choice, 1, dyp);
+    return;
+  }
 #endif
   const size_t row_bytes = static_cast<size_t>(d) * dtype_size(dyp.dtype());
   const char* src = static_cast<const char*>(dy.raw());

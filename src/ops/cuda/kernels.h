@@ -32,10 +32,20 @@ struct SwigluRows {
   const float* weight;
   float* dweight;
 };
+// A second output of a row-writing kernel (ops::MxValuesOut): what it writes, quantized and
+// dequantized along the rows (dim0), in the output's storage type; `values` may be the output
+// itself (then only the MX values are written). Null: none. The fused kernels need rows of a
+// multiple of 32 elements in 16-byte aligned packs; the wrappers fall back to the output, then
+// mx_round_trip_dim0, otherwise.
+struct MxValuesOut {
+  void* values;
+  MxScaleRule rule;
+};
+// Both return cudaErrorNotSupported, launching nothing, for mx they cannot fuse.
 cudaError_t swiglu_forward(DType s, const void* h, void* a, int64_t m, int64_t f, SwigluRows rows,
-                           cudaStream_t stream);
+                           MxValuesOut mx, cudaStream_t stream);
 cudaError_t swiglu_backward(DType s, const void* h, const void* da, void* dh, int64_t m, int64_t f,
-                            SwigluRows rows, cudaStream_t stream);
+                            SwigluRows rows, MxValuesOut mx, cudaStream_t stream);
 // loss (n floats, scratch) receives each row's loss (0 where masked); *loss_sum (device) += their
 // sum. The backward's scale is a device double.
 cudaError_t cross_entropy_forward(DType s, const void* logits, const int32_t* targets,
@@ -186,7 +196,6 @@ cudaError_t region_slots(const int64_t* received, int peers, int width, int64_t 
 // ops::peer_counts: counts i64 (peers, per_peer + 1); peers * (per_peer + 1) ints of shared memory.
 cudaError_t peer_counts(const int32_t* index, int64_t n, int k, int peers, int per_peer,
                         int64_t* counts, cudaStream_t stream);
-// f32 -> bf16 (round to nearest even) or bf16 -> f32; `from` names the source type.
 // MX quantization (ops/mx.h): x (batch, rows, cols), f32 or bf16, 16-byte aligned -> E4M3 data
 // and E8M0 scales in core/mx.h's layout for `axis`, and back to f32 or bf16 in the logical
 // layout (16-byte aligned). dim1 needs rows of a multiple of 16 bytes (cols * element size).
@@ -196,11 +205,18 @@ cudaError_t mx_quantize(DType in, const void* x, MxAxis axis, MxScaleRule rule, 
 cudaError_t mx_dequantize(DType out, const uint8_t* data, const uint8_t* scales, MxAxis axis,
                           int64_t batch, int64_t rows, int64_t cols, void* dst,
                           cudaStream_t stream);
+// x (batch, rows, cols) quantized and dequantized (ops::mx_round_trip) in one pass, x's values
+// first rounded to `out`'s type; 16-byte aligned. dim0: out in x's layout (may be x); dim1: out
+// (batch, cols, rows), the values transposed into the quantized data's stored layout
+// (ops::mx_round_trip_transposed), rows of a multiple of 16 bytes.
+cudaError_t mx_round_trip(DType in, const void* x, MxAxis axis, MxScaleRule rule, int64_t batch,
+                          int64_t rows, int64_t cols, DType out, void* dst, cudaStream_t stream);
 // x (m, k) -> out: each expert's rows quantized and dequantized in 32-row blocks from its first
 // row (ops::mx_round_trip_expert_rows); block_prefix: device scratch of experts + 1 i64.
 cudaError_t mx_round_trip_expert_rows(DType t, const void* x, int64_t m, int64_t k,
                                       ExpertSegments rows, int experts, int64_t* block_prefix,
                                       MxScaleRule rule, void* out, cudaStream_t stream);
+// f32 -> bf16 (round to nearest even) or bf16 -> f32; `from` names the source type.
 cudaError_t convert(DType from, const void* src, void* dst, int64_t n, cudaStream_t stream);
 cudaError_t gather_rows(DType s, const void* src, const int32_t* index, void* dst, int64_t rows,
                         int64_t width, cudaStream_t stream);
@@ -208,9 +224,10 @@ cudaError_t gather_rows(DType s, const void* src, const int32_t* index, void* ds
 cudaError_t sum_token_rows(DType s, const void* rows, const int32_t* row_of_choice,
                            const void* residual, int64_t tokens, int k, void* out, int64_t width,
                            cudaStream_t stream);
-// dst[row_of_choice[t, j]] = src[t] for t < tokens, j < k (each source row read once).
+// dst[row_of_choice[t, j]] = src[t] for t < tokens, j < k (each source row read once); with mx,
+// its rows' MX values too (cudaErrorNotSupported, nothing launched, when it cannot fuse them).
 cudaError_t scatter_token_rows(DType s, const void* src, const int32_t* row_of_choice,
-                               int64_t tokens, int k, void* dst, int64_t width,
+                               int64_t tokens, int k, void* dst, int64_t width, MxValuesOut mx,
                                cudaStream_t stream);
 // out[s] (width) += sum over r in [offsets[s], offsets[s+1]) of rows[order[r]], in order.
 // out is f32 (out_f32) or the rows' type.

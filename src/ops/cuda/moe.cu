@@ -6,6 +6,7 @@
 #include <cub/device/device_scan.cuh>
 
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/mx.cuh"
 
 namespace mt::cuda {
 
@@ -337,6 +338,34 @@ __global__ void scatter_token_rows_kernel(const T* src, const int32_t* row_of_ch
   }
 }
 
+// The scatter that also writes the rows' MX values along dim0 (kernels::MxValuesOut): a token's
+// row is rounded once for its k copies. A thread moves 16 bytes of the row per step; every lane
+// runs every step (a block's four or eight lanes shuffle its amax).
+template <class T>
+__global__ void scatter_token_rows_mx_kernel(const T* src, const int32_t* row_of_choice, int k,
+                                             T* dst, int64_t width, kernels::MxValuesOut mx) {
+  constexpr int P = Pack<T>::kSize;
+  const int64_t t = blockIdx.x;
+  const int32_t* rows = row_of_choice + t * k;
+  T* values = static_cast<T*>(mx.values);
+  for (int64_t c0 = 0; c0 < width; c0 += int64_t{blockDim.x} * P) {
+    const int64_t c = c0 + threadIdx.x * P;
+    const bool active = c < width;
+    float v[P];
+    if (active) {
+      const uint4 raw = *reinterpret_cast<const uint4*>(src + t * width + c);
+      if (values != dst)
+        for (int j = 0; j < k; ++j)
+          if (rows[j] >= 0) *reinterpret_cast<uint4*>(dst + rows[j] * width + c) = raw;
+      load_n<T, P>(src + t * width + c, v);
+    }
+    mx_round_trip_lanes<P>(v, mx.rule, active);
+    if (!active) continue;
+    for (int j = 0; j < k; ++j)
+      if (rows[j] >= 0) store_n<T, P>(values + static_cast<int64_t>(rows[j]) * width + c, v);
+  }
+}
+
 // out[t] = residual[t] + sum_j rows[row_of_choice[t, j]] (residual null: 0), fp32 math, one
 // rounding; one block per token, P columns per step (16-byte packs when aligned).
 template <class T, int P>
@@ -649,23 +678,31 @@ cudaError_t gather_rows(DType s, const void* src, const int32_t* index, void* ds
 }
 
 cudaError_t scatter_token_rows(DType s, const void* src, const int32_t* row_of_choice,
-                               int64_t tokens, int k, void* dst, int64_t width,
+                               int64_t tokens, int k, void* dst, int64_t width, MxValuesOut mx,
                                cudaStream_t stream) {
   if (tokens == 0 || width == 0) return cudaSuccess;
+  cudaError_t err = cudaSuccess;
   dispatch_storage(s, [&](auto tag) {
     using T = decltype(tag);
-    if (width < kNarrowRow)
+    if (mx.values) {
+      if (width % kMxBlock == 0 && packable<T>(width, {src, dst, mx.values}))
+        scatter_token_rows_mx_kernel<T><<<tokens, kBlock, 0, stream>>>(
+            static_cast<const T*>(src), row_of_choice, k, static_cast<T*>(dst), width, mx);
+      else
+        err = cudaErrorNotSupported;
+    } else if (width < kNarrowRow) {
       scatter_narrow_rows_kernel<T><<<grid_for(tokens * width), kBlock, 0, stream>>>(
           static_cast<const T*>(src), row_of_choice, k, static_cast<T*>(dst), tokens, width);
-    else if (packable<T>(width, {src, dst}))  // rows as 16-byte units
+    } else if (packable<T>(width, {src, dst})) {  // rows as 16-byte units
       scatter_token_rows_kernel<uint4>
           <<<tokens, kBlock, 0, stream>>>(static_cast<const uint4*>(src), row_of_choice, k,
                                           static_cast<uint4*>(dst), width / Pack<T>::kSize);
-    else
+    } else {
       scatter_token_rows_kernel<T><<<tokens, kBlock, 0, stream>>>(
           static_cast<const T*>(src), row_of_choice, k, static_cast<T*>(dst), width);
+    }
   });
-  return cudaGetLastError();
+  return err != cudaSuccess ? err : cudaGetLastError();
 }
 
 cudaError_t sum_token_rows(DType s, const void* rows, const int32_t* row_of_choice,

@@ -138,17 +138,28 @@ void region_slots(const Tensor& received_counts, int64_t capacity, Tensor& out) 
                                       out.data<int32_t>(), stream()));
 }
 
-void scatter_token_rows(const Tensor& src, const Tensor& row_of_choice, int64_t k, Tensor& dst) {
+bool scatter_token_rows(const Tensor& src, const Tensor& row_of_choice, int64_t k, Tensor& dst,
+                        const ops::MxValuesOut* mx) {
   const profile::Phase phase("gpu.scatter_token_rows");
   // dst may hold padding rows (a padded expert layout), which the scatter leaves as they are,
   // and fewer rows than choices (choices not routed here have none).
   MT_CHECK(src.dtype() == dst.dtype() && row_of_choice.numel() == src.dim(0) * k,
            "scatter of {} {} rows (top-{}) into {} {}", dtype_name(src.dtype()),
            shape_str(src.shape()), k, dtype_name(dst.dtype()), shape_str(dst.shape()));
+  if (mx && (src.dtype() == DType::kF32 || src.dtype() == DType::kBF16)) {
+    const cudaError_t err = kernels::scatter_token_rows(
+        src.dtype(), src.raw(), row_of_choice.data<int32_t>(), src.dim(0), static_cast<int>(k),
+        dst.raw(), dst.dim(1), {mx->values->raw(), mx->rule}, stream());
+    if (err != cudaErrorNotSupported) {
+      MT_CUDA_CHECK(err);
+      return true;
+    }
+  }
   const CopyUnits u = copy_units(src, dst.dim(1));
   MT_CUDA_CHECK(kernels::scatter_token_rows(u.storage, src.raw(), row_of_choice.data<int32_t>(),
                                             src.dim(0), static_cast<int>(k), dst.raw(), u.per_row,
-                                            stream()));
+                                            {nullptr, MxScaleRule::kRceil}, stream()));
+  return false;
 }
 
 void sum_token_rows(const Tensor& rows, const Tensor& row_of_choice, const Tensor* residual,

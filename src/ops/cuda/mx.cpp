@@ -56,6 +56,17 @@ void mx_dequantize(const MxTensor& q, Tensor& out) {
                                        m.batch, m.rows, m.cols, out.raw(), stream()));
 }
 
+void mx_round_trip(const Tensor& x, MxAxis axis, MxScaleRule rule, Tensor& out) {
+  const profile::Phase phase("gpu.mx_round_trip");
+  const DType in = storage_of(x, "mx_round_trip input");
+  const DType dt = storage_of(out, "mx_round_trip output");
+  const Matrices m = matrices_of(x.shape());
+  check_readable("mx_round_trip", x, axis);
+  check_readable("mx_round_trip", out, MxAxis::kDim0);
+  MT_CUDA_CHECK(kernels::mx_round_trip(in, x.raw(), axis, rule, m.batch, m.rows, m.cols, dt,
+                                       out.raw(), stream()));
+}
+
 void mx_round_trip_expert_rows(const Tensor& x, const ops::ExpertRows& rows, MxScaleRule rule,
                                Tensor& out) {
   const profile::Phase phase("gpu.mx_round_trip_expert_rows");

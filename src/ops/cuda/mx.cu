@@ -5,60 +5,12 @@
 //   dim1: a tile of the input is staged in shared memory by coalesced loads; a thread then owns
 //         whole blocks of its columns, their amax and their 32 output bytes (a row of the
 //         transposed data).
-#include <cuda_fp8.h>
-
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/mx.cuh"
 
 namespace mt::cuda {
 
 namespace {
-
-// |x| as ordered bits: unsigned comparison orders magnitudes, and every NaN is above infinity,
-// so an integer max over a block is its amax with NaN propagated.
-__device__ __forceinline__ uint32_t magnitude_bits(float x) {
-  return __float_as_uint(x) & 0x7FFFFFFFu;
-}
-
-__device__ __forceinline__ float pow2(int k) {  // 2^k for k in [-127, 127], exact
-  return k >= -126 ? __uint_as_float(static_cast<uint32_t>(k + 127) << 23)
-                   : __uint_as_float(0x00400000u);
-}
-
-// The block's biased E8M0 exponent and the factor its elements are multiplied by (the CPU
-// reference's floor_scale / rceil_scale / element_factor).
-struct BlockScale {
-  uint8_t s;
-  float factor;
-};
-
-__device__ __forceinline__ BlockScale block_scale(MxScaleRule rule, uint32_t amax_bits) {
-  const float amax = __uint_as_float(amax_bits);
-  if (rule == MxScaleRule::kFloor) {
-    if (isnan(amax)) return {0xFF, 0.0f};
-    const int field = static_cast<int>(amax_bits >> 23);
-    const int unbiased = min(max(field - 127 - 8, -127), 128);
-    const uint8_t s = static_cast<uint8_t>(unbiased + 127);
-    return {s, pow2(127 - max(static_cast<int>(s), 1))};  // divisor clamped to >= 2^-126
-  }
-  const float descale = __fdiv_rn(amax, 448.0f);
-  if (isnan(descale)) return {0xFF, descale};
-  if (isinf(descale)) return {0xFE, pow2(-127)};
-  const uint32_t bits = __float_as_uint(descale);
-  const uint32_t field = bits >> 23, mantissa = bits & 0x7FFFFFu;
-  int s;
-  if (field == 0)
-    s = mantissa > 0x400000u ? 1 : 0;  // zero or subnormal: above 2^-127 rounds up to 2^-126
-  else
-    s = min(static_cast<int>(field) + (mantissa != 0 ? 1 : 0), 254);
-  return {static_cast<uint8_t>(s), s == 0 ? 1.0f : pow2(127 - s)};
-}
-
-// Two products rounded to f32, then to E4M3 with saturation and round-to-nearest-even (NaN ->
-// 0x7F): the reference's to_e4m3(x * factor).
-__device__ __forceinline__ uint16_t e4m3x2(float a, float b, float factor) {
-  return __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(a, factor), __fmul_rn(b, factor)),
-                                  __NV_SATFINITE, __NV_E4M3);
-}
 
 template <class T>
 struct Chunk {  // 16 bytes of input as P floats
@@ -94,22 +46,32 @@ __device__ __forceinline__ void store_e4m3(uint8_t* out, const float* v, float f
 constexpr int kQuantizeThreads = 256;
 constexpr int kDim0ChunksPerThread = 4;  // 64 bytes of loads in flight per thread
 
+// The dim0 passes' chunks: this thread's u-th, and all of them loaded at once (those in range).
+__device__ __forceinline__ int64_t dim0_chunk(int u) {
+  return (static_cast<int64_t>(blockIdx.x) * kDim0ChunksPerThread + u) * kQuantizeThreads +
+         threadIdx.x;
+}
+template <class T>
+__device__ __forceinline__ void load_dim0_chunks(const T* x, int64_t chunks,
+                                                 Chunk<T> (&c)[kDim0ChunksPerThread]) {
+#pragma unroll
+  for (int u = 0; u < kDim0ChunksPerThread; ++u) {
+    const int64_t g = dim0_chunk(u);
+    if (g < chunks) c[u].load(x + g * Chunk<T>::P);
+  }
+}
+
 // x viewed as chunks of 16 bytes; chunk g belongs to block g / (32 / P).
 template <class T>
 __global__ void __launch_bounds__(kQuantizeThreads)
     mx_quantize_dim0_kernel(const T* __restrict__ x, int64_t chunks, MxScaleRule rule,
                             uint8_t* __restrict__ data, uint8_t* __restrict__ scales) {
   constexpr int P = Chunk<T>::P, kLanesPerBlock = kMxBlock / P;
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kQuantizeThreads * kDim0ChunksPerThread;
   Chunk<T> c[kDim0ChunksPerThread];
+  load_dim0_chunks(x, chunks, c);
 #pragma unroll
   for (int u = 0; u < kDim0ChunksPerThread; ++u) {
-    const int64_t g = first + u * kQuantizeThreads + threadIdx.x;
-    if (g < chunks) c[u].load(x + g * P);
-  }
-#pragma unroll
-  for (int u = 0; u < kDim0ChunksPerThread; ++u) {
-    const int64_t g = first + u * kQuantizeThreads + threadIdx.x;
+    const int64_t g = dim0_chunk(u);
     // Chunks come in whole blocks (the row length is a multiple of 32), so a block's lanes are
     // all in range or all out; the shuffles below stay within a block's lanes.
     uint32_t m = g < chunks ? c[u].amax_bits() : 0;
@@ -119,6 +81,24 @@ __global__ void __launch_bounds__(kQuantizeThreads)
     const BlockScale bs = block_scale(rule, m);
     store_e4m3<P>(data + g * P, c[u].v, bs.factor);
     if (threadIdx.x % kLanesPerBlock == 0) scales[g / kLanesPerBlock] = bs.s;
+  }
+}
+
+// Quantize then dequantize along dim0 in one pass (ops::mx_round_trip): the dim0 quantization's
+// lanes, writing the values (TOut; an f32 input is rounded to bf16 first for a bf16 output)
+// instead of the bytes. out may be x.
+template <class T, class TOut>
+__global__ void __launch_bounds__(kQuantizeThreads)
+    mx_round_trip_dim0_kernel(const T* x, int64_t chunks, MxScaleRule rule, TOut* out) {
+  constexpr int P = Chunk<T>::P;
+  Chunk<T> c[kDim0ChunksPerThread];
+  load_dim0_chunks(x, chunks, c);
+#pragma unroll
+  for (int u = 0; u < kDim0ChunksPerThread; ++u) {
+    const int64_t g = dim0_chunk(u);
+    round_to<TOut>(c[u].v);
+    mx_round_trip_lanes<P>(c[u].v, rule, g < chunks);  // whole blocks: see the quantization
+    if (g < chunks) store_run<TOut, P>(out + g * P, c[u].v);
   }
 }
 
@@ -196,10 +176,52 @@ using DequantizeTile = Dim1Tile<T, 64>;
 // thread takes every 64th column of the tile (one, with 64-column tiles).
 constexpr int kDim1QuantizeThreads = 512;
 
-template <class T>
+// What a dim1 pass writes for each half block (16 values of column `out_row`'s block
+// `block_row`, already as the input's values): the E4M3 bytes and scale (quantize), or the MX
+// values in the stored layout (the transposed round trip).
+struct Dim1Bytes {
+  uint8_t* data;
+  uint8_t* scales;
+  __device__ __forceinline__ void operator()(int64_t out_row, int64_t block_row, int half,
+                                             int64_t rows, const float* v,
+                                             const BlockScale& bs) const {
+    constexpr int kHalf = kMxBlock / 2;
+    uint32_t w[kHalf / 4];
+#pragma unroll
+    for (int i = 0; i < kHalf / 4; ++i)
+      w[i] = e4m3x2(v[4 * i], v[4 * i + 1], bs.factor) |
+             (static_cast<uint32_t>(e4m3x2(v[4 * i + 2], v[4 * i + 3], bs.factor)) << 16);
+    *reinterpret_cast<uint4*>(data + out_row * rows + block_row * kMxBlock + half * kHalf) =
+        make_uint4(w[0], w[1], w[2], w[3]);
+    if (half == 0) scales[out_row * (rows / kMxBlock) + block_row] = bs.s;
+  }
+};
+
+template <class TOut>
+struct Dim1Values {
+  TOut* out;
+  __device__ __forceinline__ void operator()(int64_t out_row, int64_t block_row, int half,
+                                             int64_t rows, const float* v,
+                                             const BlockScale& bs) const {
+    constexpr int kHalf = kMxBlock / 2;
+    const float scale = e8m0_value(bs.s);
+    float q[kHalf];
+#pragma unroll
+    for (int i = 0; i < kHalf; i += 2) {
+      const float2 pair = mx_values2(v[i], v[i + 1], bs, scale);
+      q[i] = pair.x;
+      q[i + 1] = pair.y;
+    }
+    store_run<TOut, kHalf>(out + out_row * rows + block_row * kMxBlock + half * kHalf, q);
+  }
+};
+
+// The dim1 pass over x (T), each value first rounded to TValue (the dtype the values are read
+// in: a copy of f32 weights made in bf16 quantizes their bf16 values).
+template <class T, class TValue, class Out>
 __global__ void __launch_bounds__(kDim1QuantizeThreads)
-    mx_quantize_dim1_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, MxScaleRule rule,
-                            uint8_t* __restrict__ data, uint8_t* __restrict__ scales) {
+    mx_dim1_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, MxScaleRule rule,
+                   Out write) {
   using Tile = QuantizeTile<T>;
   constexpr int kColumnStep = kDim1QuantizeThreads / 8, kHalf = kMxBlock / 2;
   static_assert(Tile::kCols % kColumnStep == 0, "whole column steps");
@@ -222,26 +244,14 @@ __global__ void __launch_bounds__(kDim1QuantizeThreads)
     uint32_t m = 0;
 #pragma unroll
     for (int i = 0; i < kHalf; ++i) {
-      v[i] = active ? to_float(column[i * Tile::kCols]) : 0.0f;
+      v[i] = active ? to_float(from_float<TValue>(to_float(column[i * Tile::kCols]))) : 0.0f;
       m = max(m, magnitude_bits(v[i]));
     }
     m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
     if (!active) continue;
-    const BlockScale bs = block_scale(rule, m);
-    uint32_t w[kHalf / 4];
-#pragma unroll
-    for (int i = 0; i < kHalf / 4; ++i)
-      w[i] = e4m3x2(v[4 * i], v[4 * i + 1], bs.factor) |
-             (static_cast<uint32_t>(e4m3x2(v[4 * i + 2], v[4 * i + 3], bs.factor)) << 16);
-    const int64_t out_row = o.b * cols + o.c0 + col;  // column c0 + col of matrix b
-    *reinterpret_cast<uint4*>(data + out_row * rows + block_row * kMxBlock + half * kHalf) =
-        make_uint4(w[0], w[1], w[2], w[3]);
-    if (half == 0) scales[out_row * (rows / kMxBlock) + block_row] = bs.s;
+    // Column c0 + col of matrix b: a row of the transposed (stored) layout.
+    write(o.b * cols + o.c0 + col, block_row, half, rows, v, block_scale(rule, m));
   }
-}
-
-__device__ __forceinline__ float e8m0_value(uint8_t s) {
-  return s == 0xFF ? __uint_as_float(0x7FC00000u) : pow2(static_cast<int>(s) - 127);
 }
 
 // 16 E4M3 bytes of one block, decoded (exactly: every product is an f32) into v.
@@ -379,9 +389,9 @@ cudaError_t mx_quantize(DType in, const void* x, MxAxis axis, MxScaleRule rule, 
       mx_quantize_dim0_kernel<T><<<static_cast<unsigned>((chunks + per_cta - 1) / per_cta),
                                    kQuantizeThreads, 0, stream>>>(px, chunks, rule, data, scales);
     } else {
-      mx_quantize_dim1_kernel<T>
+      mx_dim1_kernel<T, T>
           <<<dim1_grid<QuantizeTile<T>>(batch, rows, cols), kDim1QuantizeThreads, 0, stream>>>(
-              px, rows, cols, rule, data, scales);
+              px, rows, cols, rule, Dim1Bytes{data, scales});
     }
   });
   return cudaGetLastError();
@@ -405,6 +415,31 @@ cudaError_t mx_dequantize(DType out, const uint8_t* data, const uint8_t* scales,
           <<<dim1_grid<DequantizeTile<T>>(batch, rows, cols), kQuantizeThreads, 0, stream>>>(
               data, scales, rows, cols, o);
     }
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t mx_round_trip(DType in, const void* x, MxAxis axis, MxScaleRule rule, int64_t batch,
+                          int64_t rows, int64_t cols, DType out, void* dst, cudaStream_t stream) {
+  const int64_t n = batch * rows * cols;
+  if (n == 0) return cudaSuccess;
+  dispatch_storage(in, [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_storage(out, [&](auto out_tag) {
+      using TOut = decltype(out_tag);
+      TOut* o = static_cast<TOut*>(dst);
+      if (axis == MxAxis::kDim0) {
+        const int64_t chunks = n / Chunk<T>::P;
+        const int64_t per_cta = int64_t{kQuantizeThreads} * kDim0ChunksPerThread;
+        mx_round_trip_dim0_kernel<T, TOut>
+            <<<static_cast<unsigned>((chunks + per_cta - 1) / per_cta), kQuantizeThreads, 0,
+               stream>>>(static_cast<const T*>(x), chunks, rule, o);
+      } else {
+        mx_dim1_kernel<T, TOut>
+            <<<dim1_grid<QuantizeTile<T>>(batch, rows, cols), kDim1QuantizeThreads, 0, stream>>>(
+                static_cast<const T*>(x), rows, cols, rule, Dim1Values<TOut>{o});
+      }
+    });
   });
   return cudaGetLastError();
 }

@@ -78,13 +78,18 @@ void slots_within_experts(const Tensor& expert_index, const ops::ExpertPermutati
                           int64_t region_rows, Tensor& out);
 void region_slots(const Tensor& received_counts, int64_t capacity, Tensor& out);
 // dst[row_of_choice[t * k + j]] = src[t]: the expert-major permutation, each token read once.
-void scatter_token_rows(const Tensor& src, const Tensor& row_of_choice, int64_t k, Tensor& dst);
+// The three row writers below take an optional ops::MxValuesOut (checked by the front door) and
+// return whether their kernel wrote it (false: the caller runs ops::write_mx_values).
+bool scatter_token_rows(const Tensor& src, const Tensor& row_of_choice, int64_t k, Tensor& dst,
+                        const ops::MxValuesOut* mx = nullptr);
 // out[t] = residual[t] + sum_j rows[row_of_choice[t * k + j]] (residual optional).
 void sum_token_rows(const Tensor& rows, const Tensor& row_of_choice, const Tensor* residual,
                     int64_t k, Tensor& out);
 // MX conversions (mx.cpp): f32 or bf16 in (quantize) and out (dequantize); checked by ops/mx.h.
 void mx_quantize(const Tensor& x, MxScaleRule rule, MxTensor& out);
 void mx_dequantize(const MxTensor& q, Tensor& out);
+// dim0: out in x's layout; dim1: transposed (ops::mx_round_trip_transposed).
+void mx_round_trip(const Tensor& x, MxAxis axis, MxScaleRule rule, Tensor& out);
 void mx_round_trip_expert_rows(const Tensor& x, const ops::ExpertRows& rows, MxScaleRule rule,
                                Tensor& out);
 // The MX expert product (mx_gemm.cpp; shapes checked by ops/mx_gemm.h).
@@ -100,9 +105,10 @@ void rmsnorm_backward(const Tensor& x, const Tensor& w, const Tensor& rstd, cons
 void rope_apply(const Tensor& x, const Tensor& positions, double theta, int direction, Tensor& y);
 // row_token: device i32 marks (negative: padding row, skipped); row_weight (M) and drow_weight:
 // shapes and devices checked by ops/activation.h, f32 here. Null where absent.
-void swiglu_forward(const Tensor& h, Tensor& a, const int32_t* row_token, const Tensor* row_weight);
-void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const int32_t* row_token,
-                     const Tensor* row_weight, Tensor* drow_weight);
+bool swiglu_forward(const Tensor& h, Tensor& a, const int32_t* row_token, const Tensor* row_weight,
+                    const ops::MxValuesOut* mx);
+bool swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const int32_t* row_token,
+                     const Tensor* row_weight, Tensor* drow_weight, const ops::MxValuesOut* mx);
 void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
                            Tensor& lse, Tensor& loss_sum, Tensor* token_loss);
 void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
