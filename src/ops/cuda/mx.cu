@@ -5,6 +5,8 @@
 //   dim1: a tile of the input is staged in shared memory by coalesced loads; a thread then owns
 //         whole blocks of its columns, their amax and their 32 output bytes (a row of the
 //         transposed data).
+#include <type_traits>
+
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/mx.cuh"
 
@@ -164,16 +166,17 @@ dim3 dim1_grid(int64_t batch, int64_t rows, int64_t cols) {
               static_cast<unsigned>(batch));
 }
 
-// 64 columns: 16 KiB of bf16 per quantize tile. (32 KiB tiles of 128 bf16 columns, two per
-// thread, measured slower: docs/benchmarks.md.)
+// The quantize tile: 256 bytes of each of its 128 rows (128 bf16 or 64 f32 columns, 32 KiB),
+// loaded by cp.async (no registers held: four 512-thread CTAs per multiprocessor keep 128 KiB in
+// flight); docs/benchmarks.md has the versions measured.
 template <class T>
-using QuantizeTile = Dim1Tile<T, 64>;
+using QuantizeTile = Dim1Tile<T, 256 / sizeof(T)>;
 template <class T>
 using DequantizeTile = Dim1Tile<T, 64>;
 
 // Eight lanes per column: lane pair (block, half) holds 16 values, the pair's amax meets by one
 // shuffle, and each lane stores 16 bytes: a warp's store writes four whole 128-byte lines. A
-// thread takes every 64th column of the tile (one, with 64-column tiles).
+// thread takes every 64th column of the tile (a column step).
 constexpr int kDim1QuantizeThreads = 512;
 
 // What a dim1 pass writes for each half block (16 values of column `out_row`'s block
@@ -216,26 +219,50 @@ struct Dim1Values {
   }
 };
 
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
+  const auto s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+
 // The dim1 pass over x (T), each value first rounded to TValue (the dtype the values are read
-// in: a copy of f32 weights made in bf16 quantizes their bf16 values).
+// in: a copy of f32 weights made in bf16 quantizes their bf16 values). Each column step's
+// columns are their own cp.async group: the next step's loads stay in flight while this one is
+// converted.
 template <class T, class TValue, class Out>
-__global__ void __launch_bounds__(kDim1QuantizeThreads)
+__global__ void __launch_bounds__(kDim1QuantizeThreads, 4)
     mx_dim1_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, MxScaleRule rule,
                    Out write) {
   using Tile = QuantizeTile<T>;
   constexpr int kColumnStep = kDim1QuantizeThreads / 8, kHalf = kMxBlock / 2;
-  static_assert(Tile::kCols % kColumnStep == 0, "whole column steps");
+  constexpr int kSteps = Tile::kCols / kColumnStep;
+  constexpr int kStepChunks = Tile::kChunksPerRow / kSteps;  // per row
+  static_assert(
+      Tile::kCols % kColumnStep == 0 && Tile::kRows * kStepChunks % kDim1QuantizeThreads == 0,
+      "whole column steps, whole loads per thread");
   __shared__ Tile tile;
   const TileOrigin o = dim1_tile_origin<Tile>(rows, cols);
   const T* src = x + (o.b * rows + o.r0) * cols + o.c0;
-  tile.template for_each_chunk<kDim1QuantizeThreads>(o.rows, o.cols, [&](int r, int w) {
-    tile.chunk(r, w) = *reinterpret_cast<const uint4*>(src + r * cols + w * Tile::kColsPerWord);
-  });
-  __syncthreads();
+#pragma unroll
+  for (int step = 0; step < kSteps; ++step) {
+#pragma unroll
+    for (int u = 0; u < Tile::kRows * kStepChunks / kDim1QuantizeThreads; ++u) {
+      const int c = u * kDim1QuantizeThreads + threadIdx.x;
+      const int r = c / kStepChunks, w = (c % kStepChunks + step * kStepChunks) * 4;
+      if (r < o.rows && w * Tile::kColsPerWord < o.cols)
+        cp_async16(&tile.chunk(r, w), src + r * cols + w * Tile::kColsPerWord);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  }
   const int half = threadIdx.x % 2, blk = threadIdx.x / 2 % 4;
   const int64_t block_row = o.r0 / kMxBlock + blk;
 #pragma unroll
   for (int col = threadIdx.x / 8; col < Tile::kCols; col += kColumnStep) {
+    // This step's columns have landed (every thread runs every step: the barrier is uniform).
+    if (kSteps == 2 && col < kColumnStep)
+      asm volatile("cp.async.wait_group 1;\n" ::);
+    else
+      asm volatile("cp.async.wait_group 0;\n" ::);
+    __syncthreads();
     // Every lane runs the shuffle below; those outside the tile store nothing.
     const bool active = blk * kMxBlock < o.rows && col < o.cols;
     // The lane's 16 rows share one swizzle (one 16-row group): one address, then fixed offsets.
@@ -244,7 +271,10 @@ __global__ void __launch_bounds__(kDim1QuantizeThreads)
     uint32_t m = 0;
 #pragma unroll
     for (int i = 0; i < kHalf; ++i) {
-      v[i] = active ? to_float(from_float<TValue>(to_float(column[i * Tile::kCols]))) : 0.0f;
+      if constexpr (std::is_same_v<T, TValue>)
+        v[i] = active ? to_float(column[i * Tile::kCols]) : 0.0f;
+      else
+        v[i] = active ? to_float(from_float<TValue>(to_float(column[i * Tile::kCols]))) : 0.0f;
       m = max(m, magnitude_bits(v[i]));
     }
     m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
@@ -389,7 +419,7 @@ cudaError_t mx_quantize(DType in, const void* x, MxAxis axis, MxScaleRule rule, 
       mx_quantize_dim0_kernel<T><<<static_cast<unsigned>((chunks + per_cta - 1) / per_cta),
                                    kQuantizeThreads, 0, stream>>>(px, chunks, rule, data, scales);
     } else {
-      mx_dim1_kernel<T, T>
+      mx_dim1_kernel<T, T, Dim1Bytes>
           <<<dim1_grid<QuantizeTile<T>>(batch, rows, cols), kDim1QuantizeThreads, 0, stream>>>(
               px, rows, cols, rule, Dim1Bytes{data, scales});
     }
@@ -435,7 +465,7 @@ cudaError_t mx_round_trip(DType in, const void* x, MxAxis axis, MxScaleRule rule
             <<<static_cast<unsigned>((chunks + per_cta - 1) / per_cta), kQuantizeThreads, 0,
                stream>>>(static_cast<const T*>(x), chunks, rule, o);
       } else {
-        mx_dim1_kernel<T, TOut>
+        mx_dim1_kernel<T, TOut, Dim1Values<TOut>>
             <<<dim1_grid<QuantizeTile<T>>(batch, rows, cols), kDim1QuantizeThreads, 0, stream>>>(
                 static_cast<const T*>(x), rows, cols, rule, Dim1Values<TOut>{o});
       }
