@@ -56,8 +56,8 @@ class ExpertExchange {
   // rows (N, W) in token order, any dtype -> (Rt, W): each token to every rank holding one of
   // its experts, grouped by source rank, token order within a source. With wire.dispatch =
   // kMxfp8 the rows travel as MXFP8 (E4M3 data + E8M0 scales, 1 x 32 blocks along the row, the
-  // wire's scale rule), dequantized on arrival into the rows' dtype: they arrive as
-  // ops::dispatched_rows makes them (W a multiple of 32).
+  // wire's scale rule), dequantized on arrival into the rows' dtype: they arrive as their MX
+  // values (ops::mx_round_trip along the row; W a multiple of 32).
   Tensor dispatch(const Tensor& rows, const ops::ExpertPrecision& wire = {}) const;
   // rows (Rt, W) -> out (N, W): each token's rows from the ranks it went to, summed in rank
   // order, plus residual[t] when given (float dtypes). The adjoint of dispatch.

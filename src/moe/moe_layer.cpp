@@ -59,6 +59,26 @@ bool rows_arrive_mx(const MoeConfig& c) {
   return c.expert_precision.dispatch == ops::DispatchDtype::kMxfp8;
 }
 
+// Permutes `tokens` into the expert rows `rows` (allocated here) and returns what an MX product
+// reading them multiplies: under an MX recipe their MX values along the hidden dimension, made by
+// the permutation (in place when the rows arrive as MX values: with ep 1 the permutation rounds
+// them, once; with EP the wire did), else beside them (the weight gradient takes the rows
+// themselves), or undefined when no MX product reads them (`for_product` false, or bf16).
+Tensor permute_expert_rows(const MoeConfig& c, const MoeActivations& a, const Tensor& tokens,
+                           Tensor& rows, bool for_product) {
+  const ops::ExpertPrecision& p = c.expert_precision;
+  rows = Tensor::empty({a.perm.rows(), c.dim}, tokens.dtype(), tokens.device());
+  Tensor values;
+  if (rows_arrive_mx(c))
+    values = rows;
+  else if (p.mx_forward_and_input() && for_product)
+    values = Tensor::empty(rows.shape(), rows.dtype(), rows.device());
+  const bool make = values.defined() && !(rows_arrive_mx(c) && a.exchange);
+  const ops::MxValuesOut mx{&values, p.rule};
+  ops::permute_rows(tokens, a.perm, rows, make ? &mx : nullptr);
+  return p.mx_forward_and_input() && for_product ? values : Tensor();
+}
+
 // On the GPU every expert's rows start on a 128-row boundary: the forward and input-gradient
 // GEMMs then run whole row tiles per expert with one TMA descriptor per operand
 // (ops/grouped_gemm.h), at the price of up to 127 rows of padding per expert.
@@ -111,21 +131,10 @@ void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, co
   if (a.exchange && !a.xr.defined()) a.xr = a.exchange->dispatch(hn, c.expert_precision);
   if (a.exchange && !a.wr.defined()) a.wr = a.exchange->dispatch(a.routing.expert_weight);
   const ops::ExpertPrecision& prec = c.expert_precision;
-  // The forward product's rows under an MX recipe: their MX values, made by the permutation (in
-  // place when they arrive as MX values; beside them otherwise: the weight gradient takes the rows
-  // themselves).
+  // The forward product's rows: their MX values under an MX recipe, when it runs in this fill.
   Tensor xe_mx;
-  if (!a.xe.defined()) {
-    a.xe = Tensor::empty({a.perm.rows(), c.dim}, dt, dev);
-    std::optional<ops::MxValuesOut> mx;
-    if (rows_arrive_mx(c) && !a.exchange) {
-      mx = ops::MxValuesOut{&a.xe, prec.rule};
-    } else if (prec.mx_forward_and_input() && !rows_arrive_mx(c) && !a.gate_up.defined()) {
-      xe_mx = Tensor::empty(a.xe.shape(), dt, dev);
-      mx = ops::MxValuesOut{&xe_mx, prec.rule};
-    }
-    ops::permute_rows(tokens_here(a, hn), a.perm, a.xe, mx ? &*mx : nullptr);
-  }
+  if (!a.xe.defined())
+    xe_mx = permute_expert_rows(c, a, tokens_here(a, hn), a.xe, !a.gate_up.defined());
   if (!a.row_weight.defined()) {
     // Each choice's routing weight moved to its expert row: the scatter (Rt, k, 1) -> (R, 1) that
     // is unpermute_rows' backward.
@@ -174,28 +183,16 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
   const Device dev = hn.device();
   const ops::ExpertRows rows = a.perm.expert_rows();
   // The combine's backward: every expert row receives its token's gradient (the routing weights
-  // are in the rows' activations).
-  // The combine's backward sends dY as the dispatch sends the rows (MX values along the hidden
-  // dimension with an MXFP8 dispatch); the input-gradient product takes dY's MX values, made by
-  // the permutation as the forward's rows are.
+  // are in the rows' activations). dY travels as the dispatch sends the rows (MX values along the
+  // hidden dimension with an MXFP8 dispatch); the input-gradient product takes its MX values,
+  // made by the permutation as the forward's rows' are.
   const ops::ExpertPrecision& prec = c.expert_precision;
   const Tensor dy_here = a.exchange ? a.exchange->dispatch(dout, prec) : dout;
-  Tensor dye = Tensor::empty({a.perm.rows(), c.dim}, dt, dev);
-  Tensor dye_mx;
-  std::optional<ops::MxValuesOut> dye_values;
-  if (rows_arrive_mx(c) && !a.exchange) {
-    dye_values = ops::MxValuesOut{&dye, prec.rule};
-  } else if (prec.mx_forward_and_input() && !rows_arrive_mx(c)) {
-    dye_mx = Tensor::empty(dye.shape(), dt, dev);
-    dye_values = ops::MxValuesOut{&dye_mx, prec.rule};
-  }
-  ops::permute_rows(dy_here, a.perm, dye, dye_values ? &*dye_values : nullptr);
-
+  Tensor dye;
+  Tensor dye_mx = permute_expert_rows(c, a, dy_here, dye, true);
   Tensor dact = Tensor::empty({r, c.moe_dim}, dt, dev);
   ops::expert_gemm_backward_input(dye, w.w_down, rows, prec, dact,
-                                  {w.down_mx, rows_arrive_mx(c)  ? &dye
-                                              : dye_mx.defined() ? &dye_mx
-                                                                 : nullptr});
+                                  {w.down_mx, dye_mx.defined() ? &dye_mx : nullptr});
   dye_mx = Tensor();
   tap_weight_gradient("down", a.act, dye, rows);
   ops::expert_gemm_backward_weight(a.act, dye, rows, c.expert_precision, g.w_down, expert_grads);

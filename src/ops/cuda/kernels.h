@@ -35,8 +35,8 @@ struct SwigluRows {
 // A second output of a row-writing kernel (ops::MxValuesOut): what it writes, quantized and
 // dequantized along the rows (dim0), in the output's storage type; `values` may be the output
 // itself (then only the MX values are written). Null: none. The fused kernels need rows of a
-// multiple of 32 elements in 16-byte aligned packs; the wrappers fall back to the output, then
-// mx_round_trip_dim0, otherwise.
+// multiple of 32 elements in 16-byte aligned packs; otherwise they return cudaErrorNotSupported
+// and the caller writes the output, then ops::write_mx_values.
 struct MxValuesOut {
   void* values;
   MxScaleRule rule;
