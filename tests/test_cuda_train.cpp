@@ -1,6 +1,6 @@
 // The model and trainer on the GPU (ctest label `gpu`): one mixed-precision step against the
-// CPU engine in f32, the tiny preset reaching its entropy floor, bit-identical resume, and CUDA
-// graph replay bit-identical to eager passes.
+// CPU engine in f32 (bf16 and the MX recipes), the tiny preset reaching its entropy floor,
+// bit-identical resume, and CUDA graph replay bit-identical to eager passes.
 #include <fmt/format.h>
 #include <gtest/gtest.h>
 
@@ -34,10 +34,11 @@ std::vector<Tensor> grads_on_host(Trainer& t) {
   return out;
 }
 
-TEST(GpuTrain, OneStepMatchesTheCpuEngine) {
-  require_gpu();
+// One step on the GPU (bf16 compute) against the CPU engine (f32) with the same overrides: loss,
+// aux loss and grad norm, and every parameter group's gradient, within bf16 accuracy.
+void expect_one_step_matches_the_cpu(std::vector<std::string> sets) {
   // Forced-balanced routing: bf16 and f32 logits must not pick different experts.
-  const std::vector<std::string> sets = {"model.routing=balanced", "train.steps=4"};
+  sets.insert(sets.end(), {"model.routing=balanced", "train.steps=4"});
   std::vector<std::string> gpu_sets = sets;
   gpu_sets.push_back("hardware.device=cuda");
   Trainer cpu(load_config(kTiny, sets)), gpu(load_config(kTiny, gpu_sets));
@@ -51,6 +52,25 @@ TEST(GpuTrain, OneStepMatchesTheCpuEngine) {
   ASSERT_EQ(cg.size(), gg.size());
   for (size_t i = 0; i < cg.size(); ++i)
     EXPECT_LT(relative_error(gg[i], cg[i]), 3e-2) << "gradient group " << i;
+}
+
+TEST(GpuTrain, OneStepMatchesTheCpuEngine) {
+  require_gpu();
+  expect_one_step_matches_the_cpu({});
+}
+
+// The MX recipes through the whole model: the GPU's fused MX values (the permutation, SwiGLU),
+// the copies made at each gather from the fp32 masters, against the CPU's f32 reference of the
+// same recipe.
+TEST(GpuTrain, MxRecipesOneStepMatchTheCpuEngine) {
+  require_gpu();
+  for (const std::vector<std::string>& sets : std::vector<std::vector<std::string>>{
+           {"model.expert_recipe=mxfp8_wgrad_with_hp"},
+           {"model.expert_recipe=mxfp8_wgrad_with_hp", "parallel.ep_dispatch_dtype=mxfp8"},
+           {"model.expert_recipe=mxfp8"}}) {
+    SCOPED_TRACE(sets.back());
+    expect_one_step_matches_the_cpu(sets);
+  }
 }
 
 // transformers' tiny Qwen3-MoE (tests/fixtures/hf_qwen3moe/base) imported onto the GPU: the
@@ -206,6 +226,16 @@ TEST(GpuTrain, CudaGraphReplayIsBitIdentical) {
 // Two micro-batches per step (the first overwrites the expert gradients, the second adds: two
 // graphs), selective recompute inside the captured pass, and aux-loss-free balancing (router
 // biases rewritten between steps in place).
+// MX recipes: the weights' copies and the operands' MX values are made inside the captured pass
+// (graph memory, none left after it); with a full recompute the backward's gather makes the
+// forward's copies too.
+TEST(GpuTrain, CudaGraphReplayIsBitIdenticalWithMxRecipes) {
+  require_gpu();
+  expect_graphs_match_eager({"model.expert_recipe=mxfp8_wgrad_with_hp"}, 8, /*recast=*/false);
+  expect_graphs_match_eager({"model.expert_recipe=mxfp8", "model.checkpoint=\"full\""}, 8,
+                            /*recast=*/false);
+}
+
 TEST(GpuTrain, CudaGraphReplayWithAccumulationRecomputeAndBiases) {
   require_gpu();
   expect_graphs_match_eager(

@@ -270,10 +270,15 @@ TEST(ExpertRecipeTraining, EveryRecipeLearnsTheTinyLanguages) {
 // the optimizer just wrote: training with them equals, bit for bit and step after step, training
 // where each product quantizes the current weights itself (the same model with the groups' MX
 // copies switched off). Copies left from an earlier step would part the two from the second
-// step on. None outlive the pass, and the expert matrices keep no compute copy.
-TEST(ExpertRecipeTraining, MxWeightCopiesAreMadeFromEachStepsWeights) {
+// step on. None outlive the pass, and the expert matrices keep no compute copy. With a full
+// checkpointing policy the backward reruns the forward's products, and its gather makes the
+// forward's copies too.
+class MxCopies : public ::testing::TestWithParam<const char*> {};
+
+TEST_P(MxCopies, AreMadeFromEachStepsWeights) {
   const std::string tiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
-  const Config cfg = load_config(tiny, {"model.expert_recipe=mxfp8_wgrad_with_hp"});
+  const Config cfg = load_config(tiny, {"model.expert_recipe=mxfp8_wgrad_with_hp",
+                                        std::string("model.checkpoint=\"") + GetParam() + "\""});
   Qwen3Moe with_copies(cfg.model, 3), own_copies(cfg.model, 3);
   int switched_off = 0;
   for (auto& u : own_copies.units())
@@ -314,6 +319,8 @@ TEST(ExpertRecipeTraining, MxWeightCopiesAreMadeFromEachStepsWeights) {
   EXPECT_NE(losses[1], losses[0]);  // the weights moved between the steps
   EXPECT_NE(losses[2], losses[1]);
 }
+
+INSTANTIATE_TEST_SUITE_P(Checkpoint, MxCopies, ::testing::Values("none", "full"));
 
 // The weight-gradient tap (bench_mx_wgrad_error's) sees every expert weight gradient's operands,
 // down then gate|up per layer, last layer first, with matching rows; unset, it sees nothing.
