@@ -322,6 +322,28 @@ TEST_P(MxCopies, AreMadeFromEachStepsWeights) {
 
 INSTANTIATE_TEST_SUITE_P(Checkpoint, MxCopies, ::testing::Values("none", "full"));
 
+// A product given the weight's copies without the one it reads (a gather made them for the other
+// pass) says so, rather than reading an empty tensor.
+TEST(ExpertGemm, AMissingMxCopyIsNamed) {
+  const Tensor w = testing::randn({2, 64, 32}, 3, 0.1, DType::kF64);
+  ops::MxWeightCopies backward_only;
+  ops::make_mx_weight_copies(w, MxScaleRule::kRceil, DType::kF64, ops::MxCopyUse::kBackward,
+                             backward_only);
+  EXPECT_FALSE(backward_only.along_k.defined());
+  ASSERT_TRUE(backward_only.along_n.defined());
+  ops::ExpertPermutation p;
+  Tensor index = Tensor::empty({4, 1}, DType::kI32);
+  for (int32_t t = 0; t < 4; ++t) index.data<int32_t>()[t] = t % 2;
+  ops::make_expert_permutation(index, 2, p);
+  const Tensor x = testing::randn({4, 64}, 4, 1.0, DType::kF64);
+  Tensor out = Tensor::zeros({4, 32}, DType::kF64);
+  const ops::ExpertPrecision prec{ops::ExpertRecipe::kMxfp8WgradWithHp, MxScaleRule::kRceil};
+  const std::string e = testing::error_of(
+      [&] { ops::expert_gemm_forward(x, w, p.expert_rows(), prec, out, {&backward_only}); });
+  EXPECT_NE(e.find("forward MX product"), std::string::npos) << e;
+  EXPECT_NE(e.find("fsdp::gather's use"), std::string::npos) << e;
+}
+
 // The weight-gradient tap (bench_mx_wgrad_error's) sees every expert weight gradient's operands,
 // down then gate|up per layer, last layer first, with matching rows; unset, it sees nothing.
 TEST(ExpertRecipeTraining, WeightGradientTapSeesEveryProductsOperands) {

@@ -272,5 +272,36 @@ TEST(MxTensorShape, ErrorsNameTheDimension) {
             std::string::npos);
 }
 
+// The round trips and the row writers' MX values name what is wrong with their operands.
+TEST(MxRoundTrip, ErrorsNameTheOperand) {
+  const Tensor x = Tensor::zeros({64, 96}, DType::kF32);
+  Tensor wrong_t = Tensor::zeros({64, 96}, DType::kF32);  // should be (96, 64)
+  const std::string t =
+      testing::error_of([&] { ops::mx_round_trip_transposed(x, MxScaleRule::kRceil, wrong_t); });
+  EXPECT_NE(t.find("mx_round_trip_transposed output"), std::string::npos) << t;
+  EXPECT_NE(t.find("96, 64"), std::string::npos) << t;
+  Tensor small = Tensor::zeros({32, 96}, DType::kF32);
+  const std::string shape =
+      testing::error_of([&] { ops::mx_round_trip(x, MxAxis::kDim0, MxScaleRule::kRceil, small); });
+  EXPECT_NE(shape.find("input's shape (64, 96)"), std::string::npos) << shape;
+  Tensor ints = Tensor::zeros({64, 96}, DType::kI32);
+  const std::string dtype =
+      testing::error_of([&] { ops::mx_round_trip(x, MxAxis::kDim0, MxScaleRule::kRceil, ints); });
+  EXPECT_NE(dtype.find("f32, bf16 or f64"), std::string::npos) << dtype;
+
+  Tensor out = Tensor::zeros({4, 96}, DType::kF32), values = Tensor::zeros({4, 64}, DType::kF32);
+  const ops::MxValuesOut mx{&values, MxScaleRule::kRceil};
+  const std::string mismatch =
+      testing::error_of([&] { ops::check_mx_values("permute_rows", out, &mx); });
+  EXPECT_NE(mismatch.find("permute_rows"), std::string::npos) << mismatch;
+  EXPECT_NE(mismatch.find("match the output f32 (4, 96)"), std::string::npos) << mismatch;
+  Tensor narrow = Tensor::zeros({4, 48}, DType::kF32), narrow_values = narrow.clone();
+  const ops::MxValuesOut mx48{&narrow_values, MxScaleRule::kRceil};
+  const std::string blocks =
+      testing::error_of([&] { ops::check_mx_values("swiglu_forward", narrow, &mx48); });
+  EXPECT_NE(blocks.find("multiple of 32 columns"), std::string::npos) << blocks;
+  EXPECT_NE(blocks.find("(4, 48)"), std::string::npos) << blocks;
+}
+
 }  // namespace
 }  // namespace mt
