@@ -322,6 +322,45 @@ TEST_P(MxCopies, AreMadeFromEachStepsWeights) {
 
 INSTANTIATE_TEST_SUITE_P(Checkpoint, MxCopies, ::testing::Values("none", "full"));
 
+// Under each MX recipe the checkpointing policies give the same gradients bit for bit: a forward
+// whose rows the backward makes again writes only their MX values, in place (ForwardRows); the
+// backward's rows and products are the same either way.
+TEST(ExpertRecipeTraining, CheckpointPoliciesGiveIdenticalGradientsUnderMxRecipes) {
+  const std::string tiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
+  Tensor tokens = Tensor::empty({33}, DType::kI64);
+  const CounterRng rng{9, 1};
+  for (const std::vector<std::string>& recipe : std::vector<std::vector<std::string>>{
+           {"model.expert_recipe=mxfp8_wgrad_with_hp"},
+           {"model.expert_recipe=mxfp8_wgrad_with_hp", "parallel.ep_dispatch_dtype=mxfp8"},
+           {"model.expert_recipe=mxfp8"}}) {
+    SCOPED_TRACE(recipe.back());
+    std::vector<std::vector<Tensor>> grads;
+    for (const char* policy : {"none", "selective", "full"}) {
+      std::vector<std::string> sets = recipe;
+      sets.push_back(std::string("model.checkpoint=\"") + policy + "\"");
+      const Config cfg = load_config(tiny, sets);
+      for (int64_t i = 0; i < tokens.numel(); ++i)
+        tokens.data<int64_t>()[i] = static_cast<int64_t>(rng.below(i, cfg.model.vocab_size));
+      const Batch b = testing::reference_batch(tokens);
+      Qwen3Moe model(cfg.model, 3);
+      model.zero_grad();
+      model.forward_backward(
+          b, {1.0 / static_cast<double>(b.masked_tokens()), cfg.model.aux_loss_coef});
+      std::vector<Tensor> g;
+      for (auto& u : model.units())
+        for (auto& grp : u.groups) g.push_back(grp.grad_shard.clone());
+      grads.push_back(std::move(g));
+    }
+    for (size_t p = 1; p < grads.size(); ++p)
+      for (size_t i = 0; i < grads[0].size(); ++i)
+        EXPECT_TRUE(testing::same_bytes(grads[p][i], grads[0][i]))
+            << "policy " << p << " group " << i;
+    EXPECT_GT(relative_error(grads[0].back(),
+                             Tensor::zeros(grads[0].back().shape(), grads[0].back().dtype())),
+              0.5);  // not trivially zero
+  }
+}
+
 // A product given the weight's copies without the one it reads (a gather made them for the other
 // pass) says so, rather than reading an empty tensor.
 TEST(ExpertGemm, AMissingMxCopyIsNamed) {

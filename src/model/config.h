@@ -82,8 +82,16 @@ struct ModelConfig {
   DType stat_dtype() const { return on_gpu() ? DType::kF32 : compute_dtype; }
 
   moe::MoeConfig moe() const {
-    return {dim,     moe_dim,          n_experts,      top_k, norm_topk_prob,
-            routing, expert_precision, pad_expert_rows};
+    return {dim,
+            moe_dim,
+            n_experts,
+            top_k,
+            norm_topk_prob,
+            routing,
+            expert_precision,
+            pad_expert_rows,
+            checkpoint == CheckpointPolicy::kNone ? moe::ForwardRows::kKept
+                                                  : moe::ForwardRows::kRecomputed};
   }
   int64_t q_dim() const { return n_heads * head_dim; }
   int64_t kv_dim() const { return n_kv_heads * head_dim; }

@@ -59,24 +59,29 @@ bool rows_arrive_mx(const MoeConfig& c) {
   return c.expert_precision.dispatch == ops::DispatchDtype::kMxfp8;
 }
 
+// What reads a permutation's expert rows: the weight gradient (the rows themselves), the MX
+// product (their MX values), or both.
+enum class RowReaders : uint8_t { kWeightGradient, kProduct, kBoth };
+
 // Permutes `tokens` into the expert rows `rows` (allocated here) and returns what an MX product
 // reading them multiplies: under an MX recipe their MX values along the hidden dimension, made by
-// the permutation (in place when the rows arrive as MX values: with ep 1 the permutation rounds
-// them, once; with EP the wire did), else beside them (the weight gradient takes the rows
-// themselves), or undefined when no MX product reads them (`for_product` false, or bf16).
+// the permutation: in place when the rows arrive as MX values (with ep 1 the permutation rounds
+// them, once; with EP the wire did) or when only the product reads them, else beside them;
+// undefined when no MX product reads them.
 Tensor permute_expert_rows(const MoeConfig& c, const MoeActivations& a, const Tensor& tokens,
-                           Tensor& rows, bool for_product) {
+                           Tensor& rows, RowReaders readers) {
   const ops::ExpertPrecision& p = c.expert_precision;
+  const bool product = p.mx_forward_and_input() && readers != RowReaders::kWeightGradient;
   rows = Tensor::empty({a.perm.rows(), c.dim}, tokens.dtype(), tokens.device());
   Tensor values;
-  if (rows_arrive_mx(c))
+  if (rows_arrive_mx(c) || (product && readers == RowReaders::kProduct))
     values = rows;
-  else if (p.mx_forward_and_input() && for_product)
+  else if (product)
     values = Tensor::empty(rows.shape(), rows.dtype(), rows.device());
   const bool make = values.defined() && !(rows_arrive_mx(c) && a.exchange);
   const ops::MxValuesOut mx{&values, p.rule};
   ops::permute_rows(tokens, a.perm, rows, make ? &mx : nullptr);
-  return p.mx_forward_and_input() && for_product ? values : Tensor();
+  return product ? values : Tensor();
 }
 
 // On the GPU every expert's rows start on a 128-row boundary: the forward and input-gradient
@@ -131,10 +136,16 @@ void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, co
   if (a.exchange && !a.xr.defined()) a.xr = a.exchange->dispatch(hn, c.expert_precision);
   if (a.exchange && !a.wr.defined()) a.wr = a.exchange->dispatch(a.routing.expert_weight);
   const ops::ExpertPrecision& prec = c.expert_precision;
+  // Whether anything past the forward's products reads the rows and SwiGLU output made here: a
+  // backward fill's are its own; a forward's are read by the backward unless it makes them again.
+  const bool rows_read = fill == FillFor::kBackward || c.forward_rows == ForwardRows::kKept;
   // The forward product's rows: their MX values under an MX recipe, when it runs in this fill.
   Tensor xe_mx;
   if (!a.xe.defined())
-    xe_mx = permute_expert_rows(c, a, tokens_here(a, hn), a.xe, !a.gate_up.defined());
+    xe_mx = permute_expert_rows(c, a, tokens_here(a, hn), a.xe,
+                                a.gate_up.defined() ? RowReaders::kWeightGradient
+                                : rows_read         ? RowReaders::kBoth
+                                                    : RowReaders::kProduct);
   if (!a.row_weight.defined()) {
     // Each choice's routing weight moved to its expert row: the scatter (Rt, k, 1) -> (R, 1) that
     // is unpermute_rows' backward.
@@ -155,7 +166,7 @@ void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, co
     a.act = Tensor::empty({r, c.moe_dim}, dt, dev);
     std::optional<ops::MxValuesOut> mx;
     if (prec.mx_forward_and_input() && fill == FillFor::kForward) {
-      a.act_mx = Tensor::empty(a.act.shape(), dt, dev);
+      a.act_mx = rows_read ? Tensor::empty(a.act.shape(), dt, dev) : a.act;
       mx = ops::MxValuesOut{&a.act_mx, prec.rule};
     }
     ops::swiglu_forward(a.gate_up, a.act, swiglu_rows(a), mx ? &*mx : nullptr);
@@ -189,7 +200,7 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
   const ops::ExpertPrecision& prec = c.expert_precision;
   const Tensor dy_here = a.exchange ? a.exchange->dispatch(dout, prec) : dout;
   Tensor dye;
-  Tensor dye_mx = permute_expert_rows(c, a, dy_here, dye, true);
+  Tensor dye_mx = permute_expert_rows(c, a, dy_here, dye, RowReaders::kBoth);
   Tensor dact = Tensor::empty({r, c.moe_dim}, dt, dev);
   ops::expert_gemm_backward_input(dye, w.w_down, rows, prec, dact,
                                   {w.down_mx, dye_mx.defined() ? &dye_mx : nullptr});

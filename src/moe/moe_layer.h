@@ -20,6 +20,11 @@
 
 namespace mt::moe {
 
+// Whether the forward's expert rows and SwiGLU output are kept for the backward or dropped and
+// made again there (the block's checkpointing policy). Recomputed, an MX recipe's forward writes
+// only the MX values its products read, in place.
+enum class ForwardRows : uint8_t { kKept, kRecomputed };
+
 // What the layer needs of the model's configuration (model/config.h makes it: ModelConfig::moe).
 struct MoeConfig {
   int64_t dim = 0, moe_dim = 0, n_experts = 0, top_k = 1;
@@ -28,6 +33,7 @@ struct MoeConfig {
   ops::ExpertPrecision expert_precision;
   // On the GPU, expert segments start on 128-row boundaries (ops/grouped_gemm.h).
   bool pad_expert_rows = true;
+  ForwardRows forward_rows = ForwardRows::kKept;
 };
 
 struct MoeWeights {
