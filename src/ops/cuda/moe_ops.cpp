@@ -146,20 +146,18 @@ bool scatter_token_rows(const Tensor& src, const Tensor& row_of_choice, int64_t 
   MT_CHECK(src.dtype() == dst.dtype() && row_of_choice.numel() == src.dim(0) * k,
            "scatter of {} {} rows (top-{}) into {} {}", dtype_name(src.dtype()),
            shape_str(src.shape()), k, dtype_name(dst.dtype()), shape_str(dst.shape()));
-  if (mx && (src.dtype() == DType::kF32 || src.dtype() == DType::kBF16)) {
-    const cudaError_t err = kernels::scatter_token_rows(
-        src.dtype(), src.raw(), row_of_choice.data<int32_t>(), src.dim(0), static_cast<int>(k),
-        dst.raw(), dst.dim(1), {mx->values->raw(), mx->rule}, stream());
-    if (err != cudaErrorNotSupported) {
-      MT_CUDA_CHECK(err);
-      return true;
-    }
-  }
-  const CopyUnits u = copy_units(src, dst.dim(1));
-  MT_CUDA_CHECK(kernels::scatter_token_rows(u.storage, src.raw(), row_of_choice.data<int32_t>(),
-                                            src.dim(0), static_cast<int>(k), dst.raw(), u.per_row,
-                                            {nullptr, MxScaleRule::kRceil}, stream()));
-  return false;
+  // The fused MX values need the rows' own float storage; otherwise rows move as raw units.
+  const bool fusable = src.dtype() == DType::kF32 || src.dtype() == DType::kBF16;
+  return launch_row_writer(fusable ? mx : nullptr, [&](const ops::MxValuesOut* with) {
+    if (with)
+      return kernels::scatter_token_rows(src.dtype(), src.raw(), row_of_choice.data<int32_t>(),
+                                         src.dim(0), static_cast<int>(k), dst.raw(), dst.dim(1),
+                                         mx_values_out(with), stream());
+    const CopyUnits u = copy_units(src, dst.dim(1));
+    return kernels::scatter_token_rows(u.storage, src.raw(), row_of_choice.data<int32_t>(),
+                                       src.dim(0), static_cast<int>(k), dst.raw(), u.per_row,
+                                       mx_values_out(nullptr), stream());
+  });
 }
 
 void sum_token_rows(const Tensor& rows, const Tensor& row_of_choice, const Tensor* residual,

@@ -2,8 +2,10 @@
 // operands: the kernels' storage type of a GPU tensor, and device scratch from the caching
 // allocator (after the first step it never reaches cudaMalloc).
 #pragma once
+#include "core/cuda_check.h"
 #include "core/tensor.h"
 #include "ops/cuda/kernels.h"
+#include "ops/mx.h"
 
 namespace mt::cuda {
 
@@ -36,6 +38,26 @@ inline Tensor gpu_empty(const Shape& s, DType d) {
 // t itself when it is on the GPU, else a device copy (statistics a caller may hold on the host).
 inline Tensor on_device(const Tensor& t) {
   return t.device() == Device::kCUDA ? t : t.to(Device::kCUDA);
+}
+
+// The kernels' view of an ops::MxValuesOut (null: none).
+inline kernels::MxValuesOut mx_values_out(const ops::MxValuesOut* mx) {
+  return mx ? kernels::MxValuesOut{mx->values->raw(), mx->rule}
+            : kernels::MxValuesOut{nullptr, MxScaleRule::kRceil};
+}
+
+// A row writer's launch with mx (ops::MxValuesOut, nullable): whether its kernel wrote the MX
+// values. A kernel that cannot fuse them returns cudaErrorNotSupported, launching nothing: then
+// `launch(nullptr)` writes the output alone and the caller runs ops::write_mx_values.
+template <class Launch>
+bool launch_row_writer(const ops::MxValuesOut* mx, Launch&& launch) {
+  const cudaError_t err = launch(mx);
+  if (mx && err == cudaErrorNotSupported) {
+    MT_CUDA_CHECK(launch(nullptr));
+    return false;
+  }
+  MT_CUDA_CHECK(err);
+  return mx != nullptr;
 }
 
 }  // namespace mt::cuda

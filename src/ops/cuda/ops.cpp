@@ -273,35 +273,17 @@ kernels::SwigluRows swiglu_rows(const int32_t* row_token, const Tensor* row_weig
 }
 }  // namespace
 
-namespace {
-// The kernels' view of an MxValuesOut; a kernel that cannot fuse it returns cudaErrorNotSupported
-// (nothing launched), which the wrapper answers with false.
-kernels::MxValuesOut mx_values_out(const ops::MxValuesOut* mx) {
-  return mx ? kernels::MxValuesOut{mx->values->raw(), mx->rule}
-            : kernels::MxValuesOut{nullptr, MxScaleRule::kRceil};
-}
-bool launched_fused(cudaError_t err, const ops::MxValuesOut* mx) {
-  if (mx && err == cudaErrorNotSupported) return false;
-  MT_CUDA_CHECK(err);
-  return mx != nullptr;
-}
-}  // namespace
-
 bool swiglu_forward(const Tensor& h, Tensor& a, const int32_t* row_token, const Tensor* row_weight,
                     const ops::MxValuesOut* mx) {
   const profile::Phase phase("gpu.swiglu_forward");
   const int64_t m = h.dim(0), f = h.dim(1) / 2;
   expect_shape(a, {m, f}, "swiglu out");
   same_storage_type(h, a, "swiglu out");
-  const cudaError_t err = kernels::swiglu_forward(storage_of(h, "swiglu h"), h.raw(), a.raw(), m, f,
-                                                  swiglu_rows(row_token, row_weight, nullptr),
-                                                  mx_values_out(mx), stream());
-  if (launched_fused(err, mx)) return true;
-  if (mx)
-    MT_CUDA_CHECK(kernels::swiglu_forward(storage_of(h, "swiglu h"), h.raw(), a.raw(), m, f,
-                                          swiglu_rows(row_token, row_weight, nullptr),
-                                          mx_values_out(nullptr), stream()));
-  return false;
+  return launch_row_writer(mx, [&](const ops::MxValuesOut* with) {
+    return kernels::swiglu_forward(storage_of(h, "swiglu h"), h.raw(), a.raw(), m, f,
+                                   swiglu_rows(row_token, row_weight, nullptr), mx_values_out(with),
+                                   stream());
+  });
 }
 
 bool swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const int32_t* row_token,
@@ -312,14 +294,11 @@ bool swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const int32_
   expect_shape(dh, h.shape(), "swiglu dh");
   same_storage_type(h, da, "swiglu da");
   same_storage_type(h, dh, "swiglu dh");
-  auto launch = [&](const ops::MxValuesOut* with) {
+  return launch_row_writer(mx, [&](const ops::MxValuesOut* with) {
     return kernels::swiglu_backward(storage_of(h, "swiglu h"), h.raw(), da.raw(), dh.raw(), m, f,
                                     swiglu_rows(row_token, row_weight, drow_weight),
                                     mx_values_out(with), stream());
-  };
-  if (launched_fused(launch(mx), mx)) return true;
-  if (mx) MT_CUDA_CHECK(launch(nullptr));
-  return false;
+  });
 }
 
 void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
