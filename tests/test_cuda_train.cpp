@@ -27,49 +27,81 @@ void require_gpu() {
   if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU: run this test on the GPU machine";
 }
 
-std::vector<Tensor> grads_on_host(Trainer& t) {
-  std::vector<Tensor> out;
+// One step of the tiny preset with `sets` on the CPU (f32) or the GPU (bf16 compute): its
+// metrics and every parameter group's gradient, on the host.
+struct OneStep {
+  StepMetrics metrics;
+  std::vector<Tensor> grads;
+  std::vector<ParamKind> kinds;
+};
+OneStep one_step(std::vector<std::string> sets, Device device) {
+  // Forced-balanced routing: bf16 and f32 logits must not pick different experts.
+  sets.insert(sets.end(), {"model.routing=balanced", "train.steps=4"});
+  if (device == Device::kCUDA) sets.push_back("hardware.device=cuda");
+  Trainer t(load_config(kTiny, sets));
+  RunOptions one;
+  one.steps = 1;
+  OneStep out{t.run(one).front(), {}, {}};
   for (auto& u : t.model().units())
-    for (auto& g : u.groups) out.push_back(g.grad_shard.to(Device::kCPU));
+    for (auto& g : u.groups) {
+      out.grads.push_back(g.grad_shard.to(Device::kCPU));
+      out.kinds.push_back(g.kind);
+    }
   return out;
 }
 
 // One step on the GPU (bf16 compute) against the CPU engine (f32) with the same overrides: loss,
 // aux loss and grad norm, and every parameter group's gradient, within bf16 accuracy.
-void expect_one_step_matches_the_cpu(std::vector<std::string> sets) {
-  // Forced-balanced routing: bf16 and f32 logits must not pick different experts.
-  sets.insert(sets.end(), {"model.routing=balanced", "train.steps=4"});
-  std::vector<std::string> gpu_sets = sets;
-  gpu_sets.push_back("hardware.device=cuda");
-  Trainer cpu(load_config(kTiny, sets)), gpu(load_config(kTiny, gpu_sets));
-  RunOptions one;
-  one.steps = 1;
-  const StepMetrics c = cpu.run(one).front(), g = gpu.run(one).front();
-  EXPECT_NEAR(g.loss, c.loss, 1e-2 * c.loss);
-  EXPECT_NEAR(g.aux_loss, c.aux_loss, 1e-2 * c.aux_loss);
-  EXPECT_NEAR(g.grad_norm, c.grad_norm, 3e-2 * c.grad_norm);
-  const auto cg = grads_on_host(cpu), gg = grads_on_host(gpu);
-  ASSERT_EQ(cg.size(), gg.size());
-  for (size_t i = 0; i < cg.size(); ++i)
-    EXPECT_LT(relative_error(gg[i], cg[i]), 3e-2) << "gradient group " << i;
-}
-
 TEST(GpuTrain, OneStepMatchesTheCpuEngine) {
   require_gpu();
-  expect_one_step_matches_the_cpu({});
+  const OneStep c = one_step({}, Device::kCPU), g = one_step({}, Device::kCUDA);
+  EXPECT_NEAR(g.metrics.loss, c.metrics.loss, 1e-2 * c.metrics.loss);
+  EXPECT_NEAR(g.metrics.aux_loss, c.metrics.aux_loss, 1e-2 * c.metrics.aux_loss);
+  EXPECT_NEAR(g.metrics.grad_norm, c.metrics.grad_norm, 3e-2 * c.metrics.grad_norm);
+  ASSERT_EQ(c.grads.size(), g.grads.size());
+  for (size_t i = 0; i < c.grads.size(); ++i)
+    EXPECT_LT(relative_error(g.grads[i], c.grads[i]), 3e-2) << "gradient group " << i;
 }
 
 // The MX recipes through the whole model: the GPU's fused MX values (the permutation, SwiGLU),
 // the copies made at each gather from the fp32 masters, against the CPU's f32 reference of the
-// same recipe.
+// same recipe. The GPU quantizes bf16-rounded operands and the CPU f32 ones: where the two
+// straddle an E4M3 rounding midpoint (about 2^-9 / 2^-3, 1.6% of the elements) the quantized
+// values differ by a whole E4M3 step (6-12%), and each of the recipe's up to six quantized
+// operands adds that to bf16's own error, so the expert groups are held to 6e-2 (the dense ones
+// to bf16's 3e-2). What proves the GPU runs the recipe rather than bf16: its expert gradients
+// are nearer the CPU's of the same recipe than the CPU's bf16 ones.
 TEST(GpuTrain, MxRecipesOneStepMatchTheCpuEngine) {
   require_gpu();
+  const OneStep cpu_bf16 = one_step({}, Device::kCPU);
   for (const std::vector<std::string>& sets : std::vector<std::vector<std::string>>{
            {"model.expert_recipe=mxfp8_wgrad_with_hp"},
            {"model.expert_recipe=mxfp8_wgrad_with_hp", "parallel.ep_dispatch_dtype=mxfp8"},
            {"model.expert_recipe=mxfp8"}}) {
     SCOPED_TRACE(sets.back());
-    expect_one_step_matches_the_cpu(sets);
+    const OneStep c = one_step(sets, Device::kCPU), g = one_step(sets, Device::kCUDA);
+    EXPECT_NEAR(g.metrics.loss, c.metrics.loss, 1e-2 * c.metrics.loss);
+    EXPECT_NEAR(g.metrics.aux_loss, c.metrics.aux_loss, 1e-2 * c.metrics.aux_loss);
+    EXPECT_NEAR(g.metrics.grad_norm, c.metrics.grad_norm, 3e-2 * c.metrics.grad_norm);
+    ASSERT_EQ(c.grads.size(), g.grads.size());
+    int experts = 0;
+    for (size_t i = 0; i < c.grads.size(); ++i) {
+      const double err = relative_error(g.grads[i], c.grads[i]);
+      const double to_bf16 = relative_error(g.grads[i], cpu_bf16.grads[i]);
+      const double recipe = relative_error(c.grads[i], cpu_bf16.grads[i]);
+      std::printf(
+          "%s group %zu (%s): GPU to CPU %.2e, GPU to CPU bf16 %.2e, CPU to CPU bf16 %.2e\n",
+          sets.back().c_str(), i, g.kinds[i] == ParamKind::kExpert ? "experts" : "dense", err,
+          to_bf16, recipe);
+      if (g.kinds[i] != ParamKind::kExpert) {
+        EXPECT_LT(err, 3e-2) << "gradient group " << i;
+        continue;
+      }
+      ++experts;
+      EXPECT_LT(err, 6e-2) << "gradient group " << i;
+      EXPECT_LT(err, to_bf16) << "gradient group " << i << " is nearer bf16's than its recipe's";
+    }
+    EXPECT_GT(experts, 0);
   }
 }
 

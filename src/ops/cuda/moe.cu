@@ -357,7 +357,9 @@ __global__ void scatter_token_rows_mx_kernel(const T* src, const int32_t* row_of
       if (values != dst)
         for (int j = 0; j < k; ++j)
           if (rows[j] >= 0) *reinterpret_cast<uint4*>(dst + rows[j] * width + c) = raw;
-      load_n<T, P>(src + t * width + c, v);
+      const T* packed = reinterpret_cast<const T*>(&raw);  // the row's pack, read once
+#pragma unroll
+      for (int i = 0; i < P; ++i) v[i] = to_float(packed[i]);
     }
     mx_round_trip_lanes<P>(v, mx.rule, active);
     if (!active) continue;
