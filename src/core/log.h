@@ -1,4 +1,5 @@
-// The one global: a logger that prefixes rank and time. Everything else is owned state.
+// The one global: the process's logger (spdlog), each line "[moetrain LEVEL rRANK] message",
+// info and below on stdout, warnings and errors on stderr. Everything else is owned state.
 #pragma once
 #include <fmt/format.h>
 

@@ -7,9 +7,27 @@
 #include <mutex>
 #include <utility>
 
+#if MOETRAIN_HAS_CUDA
+#include <nvtx3/nvToolsExt.h>  // header-only: a no-op unless a profiler (nsys) is attached
+#endif
+
 namespace mt::profile {
 
 namespace {
+// Every Phase and Span is also an NVTX range, so an Nsight Systems timeline shows the step's
+// phases over the kernels they queued.
+void range_push(const char* name) {
+#if MOETRAIN_HAS_CUDA
+  nvtxRangePushA(name);
+#else
+  (void)name;
+#endif
+}
+void range_pop() {
+#if MOETRAIN_HAS_CUDA
+  nvtxRangePop();
+#endif
+}
 
 struct Totals {
   std::mutex mutex;
@@ -87,6 +105,7 @@ const char* current_phase() {
 
 Phase::Phase(const char* name) : name_(name), parent_(innermost_phase) {
   innermost_phase = name;
+  range_push(name);
   if (!enabled()) return;
   wait_for_device();
   if (totals().peak_probe) peak_at_start_ = totals().peak_probe();
@@ -95,6 +114,7 @@ Phase::Phase(const char* name) : name_(name), parent_(innermost_phase) {
 
 Phase::~Phase() {
   innermost_phase = parent_;
+  range_pop();
   if (!enabled()) return;
   wait_for_device();
   const double ms =
@@ -124,6 +144,7 @@ void set_device_clock(DeviceClock clock) {
 
 Span::Span(const char* name, bool on_device)
     : name_(name), on_device_(on_device && device_clock().mark) {
+  range_push(name);
   if (on_device_)
     device_start_ = device_clock().mark();
   else
@@ -131,6 +152,7 @@ Span::Span(const char* name, bool on_device)
 }
 
 Span::~Span() {
+  range_pop();
   SpanTotals& t = span_totals();
   if (!on_device_) {
     add_ms(t.ms, name_,
