@@ -53,9 +53,7 @@ std::vector<T> transposed(const T* a, int64_t rows, int64_t cols) {
 
 void gemm(const Tensor& a, Transpose ta, const Tensor& b, Transpose tb, Tensor& c, Accumulate acc) {
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(a))
-    return cuda::gemm(a, ta == Transpose::kYes, b, tb == Transpose::kYes, c,
-                      acc == Accumulate::kYes);
+  if (on_gpu(a)) return cuda::gemm(a, ta, b, tb, c, acc);
 #endif
   expect_cpu(a, "gemm a");
   MT_CHECK(a.ndim() == 2 && b.ndim() == 2 && c.ndim() == 2, "gemm needs 2-d tensors, got {} {} {}",
@@ -84,11 +82,11 @@ void linear_forward(const Tensor& x, const Tensor& w, Tensor& y) {
 }
 
 void linear_forward_residual(const Tensor& x, const Tensor& w, const Tensor& residual, Tensor& y) {
-  MT_CHECK(residual.shape() == y.shape() && residual.dtype() == y.dtype() &&
-               residual.raw() != y.raw(),
-           "linear residual {} {} for output {} {} (same shape and dtype, another buffer)",
-           dtype_name(residual.dtype()), shape_str(residual.shape()), dtype_name(y.dtype()),
-           shape_str(y.shape()));
+  MT_CHECK(
+      residual.shape() == y.shape() && residual.dtype() == y.dtype() && residual.raw() != y.raw(),
+      "linear residual {} {} for output {} {} (same shape and dtype, another buffer)",
+      dtype_name(residual.dtype()), shape_str(residual.shape()), dtype_name(y.dtype()),
+      shape_str(y.shape()));
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(x)) return cuda::gemm_residual(x, w, residual, y);
 #endif

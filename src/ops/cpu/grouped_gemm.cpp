@@ -81,8 +81,7 @@ void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const Expert
 void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const ExpertRows& rows,
                                   Tensor& dw, Accumulate accumulate) {
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(x))
-    return cuda::grouped_gemm_backward_weight(x, dy, rows, dw, accumulate == Accumulate::kYes);
+  if (on_gpu(x)) return cuda::grouped_gemm_backward_weight(x, dy, rows, dw, accumulate);
 #endif
   const GroupDims g = check_group(x, dw, rows);
   if (accumulate == Accumulate::kNo) dw.zero_();

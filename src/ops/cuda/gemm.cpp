@@ -63,8 +63,9 @@ namespace {
 
 // D = op(a) op(b) + beta C through cuBLASLt; C and D may be one buffer (accumulation) or two (a
 // residual read by the epilogue).
-void lt_matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor* c, Tensor& d,
-               float beta) {
+void lt_matmul(const Tensor& a, ops::Transpose op_of_a, const Tensor& b, ops::Transpose op_of_b,
+               const Tensor* c, Tensor& d, float beta) {
+  const bool ta = op_of_a == ops::Transpose::kYes, tb = op_of_b == ops::Transpose::kYes;
   const int64_t m = ta ? a.dim(1) : a.dim(0), k = ta ? a.dim(0) : a.dim(1);
   const int64_t n = tb ? b.dim(0) : b.dim(1);
   MT_CHECK(a.dtype() == b.dtype(), "GPU gemm operands differ: {} vs {}", dtype_name(a.dtype()),
@@ -113,9 +114,10 @@ void lt_matmul(const Tensor& a, bool ta, const Tensor& b, bool tb, const Tensor*
 
 }  // namespace
 
-void gemm(const Tensor& a, bool ta, const Tensor& b, bool tb, Tensor& c, bool accumulate) {
+void gemm(const Tensor& a, ops::Transpose ta, const Tensor& b, ops::Transpose tb, Tensor& c,
+          ops::Accumulate acc) {
   const profile::Phase phase("gpu.gemm");
-  lt_matmul(a, ta, b, tb, nullptr, c, accumulate ? 1.0f : 0.0f);
+  lt_matmul(a, ta, b, tb, nullptr, c, acc == ops::Accumulate::kYes ? 1.0f : 0.0f);
 }
 
 void gemm_residual(const Tensor& a, const Tensor& b, const Tensor& c, Tensor& d) {
@@ -123,7 +125,7 @@ void gemm_residual(const Tensor& a, const Tensor& b, const Tensor& c, Tensor& d)
   MT_CHECK(c.dtype() == d.dtype() && c.shape() == d.shape(), "GEMM residual {} {} for {} {}",
            dtype_name(c.dtype()), shape_str(c.shape()), dtype_name(d.dtype()),
            shape_str(d.shape()));
-  lt_matmul(a, false, b, false, &c, d, 1.0f);
+  lt_matmul(a, ops::Transpose::kNo, b, ops::Transpose::kNo, &c, d, 1.0f);
 }
 
 }  // namespace mt::cuda

@@ -122,8 +122,9 @@ void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const ops::E
 }
 
 void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const ops::ExpertRows& rows,
-                                  Tensor& dw, bool accumulate) {
+                                  Tensor& dw, ops::Accumulate acc) {
   const profile::Phase phase("gpu.grouped_gemm_backward_weight");
+  const bool accumulate = acc == ops::Accumulate::kYes;
   const int64_t m = x.dim(0), e = dw.dim(0), k = dw.dim(1), n = dw.dim(2);
   expect_shape(x, {m, k}, "grouped gemm x");
   expect_shape(dy, {m, n}, "grouped gemm dy");

@@ -4,6 +4,7 @@
 #pragma once
 #include "core/tensor.h"
 #include "ops/attention.h"
+#include "ops/gemm.h"
 #include "ops/grouped_gemm.h"
 #include "ops/mx.h"
 #include "ops/optim.h"
@@ -13,8 +14,8 @@
 namespace mt::cuda {
 
 // c (M, N) = op(a) op(b) (+ c): a, b f32 or bf16; c the same or f32 (weight gradients).
-void gemm(const Tensor& a, bool transpose_a, const Tensor& b, bool transpose_b, Tensor& c,
-          bool accumulate);
+void gemm(const Tensor& a, ops::Transpose ta, const Tensor& b, ops::Transpose tb, Tensor& c,
+          ops::Accumulate acc);
 // d (M, N) = a b + c, c read by the epilogue (bf16 a, b, c, d; c and d distinct).
 void gemm_residual(const Tensor& a, const Tensor& b, const Tensor& c, Tensor& d);
 // Grouped GEMMs over experts with the rows' offsets and segments on the device: no host sync.
@@ -23,7 +24,7 @@ void grouped_gemm_forward(const Tensor& x, const Tensor& w, const ops::ExpertRow
 void grouped_gemm_backward_input(const Tensor& dy, const Tensor& w, const ops::ExpertRows& rows,
                                  Tensor& dx);
 void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const ops::ExpertRows& rows,
-                                  Tensor& dw, bool accumulate);
+                                  Tensor& dw, ops::Accumulate acc);
 
 // Attention, lse f32: cuDNN's fused SDPA where it applies (bf16, head dims multiples of 8 up
 // to 256; deterministic backward), else the reference kernel (ops.cpp).
