@@ -20,11 +20,27 @@
 #define MT_CUDA_CHECK_LAUNCH() MT_CUDA_CHECK(cudaGetLastError())
 
 namespace mt::cuda {
-// The stream every op, copy and collective of the calling thread runs on: the per-thread default
-// stream. Each thread of the NCCL tests (one GPU each) has its own, and a CUDA graph can capture
-// it (the legacy default stream cannot be captured).
-inline cudaStream_t stream() {
-  return cudaStreamPerThread;
+namespace detail {
+inline thread_local cudaStream_t current_stream = cudaStreamPerThread;
 }
+// The stream every op, copy and collective of the calling thread runs on: the per-thread default
+// stream, or inside a StreamScope its stream. Each thread of the NCCL tests (one GPU each) has its
+// own, and a CUDA graph can capture it (the legacy default stream cannot be captured).
+inline cudaStream_t stream() {
+  return detail::current_stream;
+}
+// While alive, the thread's work goes to `s` (ops/cuda/stream.h: a side stream's work).
+class StreamScope {
+ public:
+  explicit StreamScope(cudaStream_t s) : previous_(detail::current_stream) {
+    detail::current_stream = s;
+  }
+  ~StreamScope() { detail::current_stream = previous_; }
+  StreamScope(const StreamScope&) = delete;
+  StreamScope& operator=(const StreamScope&) = delete;
+
+ private:
+  cudaStream_t previous_;
+};
 }  // namespace mt::cuda
 #endif

@@ -98,6 +98,10 @@ void release(ParamGroup& g) {
 }
 
 void begin_backward(ParamGroup& g) {
+  if (g.grad_shard_stale) {
+    g.grad_shard.zero_();
+    g.grad_shard_stale = false;
+  }
   if (!g.sharded()) return;
   const Shape full{g.shard.numel() * g.comm->size()};
   // Expert gradients are written whole by their first writer (see ParamGroup::grads_unwritten).
@@ -134,7 +138,11 @@ void abandon_in_flight(ParamGroup& g) {
   g.grads = Tensor();
 }
 
+void await_update(ParamUnit& u) {
+  if (u.await_update) u.await_update();
+}
 void gather(ParamUnit& u, ops::MxCopyUse use) {
+  await_update(u);
   for (auto& g : u.groups) gather(g, use);
 }
 void prefetch(ParamUnit& u) {
@@ -144,6 +152,7 @@ void release(ParamUnit& u) {
   for (auto& g : u.groups) release(g);
 }
 void begin_backward(ParamUnit& u) {
+  await_update(u);
   for (auto& g : u.groups) begin_backward(g);
 }
 void reduce_gradients(ParamUnit& u, double divide_factor) {
@@ -168,7 +177,17 @@ UnitSchedule::UnitSchedule(std::vector<ParamUnit>& units, double grad_divide_fac
 void UnitSchedule::forward_begin(size_t i) {
   gather((*units_)[i], ops::MxCopyUse::kForward);
   gathered_[i] = true;
-  if (i + 1 < units_->size()) prefetch((*units_)[i + 1]);
+  if (i + 1 < units_->size()) {
+    // A prefetch's collective reads the next unit's shards: after its update. An unsharded
+    // unit gathers nothing, and its forward waits for its own update when it begins.
+    ParamUnit& next = (*units_)[i + 1];
+    for (const ParamGroup& g : next.groups)
+      if (g.sharded()) {
+        await_update(next);
+        break;
+      }
+    prefetch(next);
+  }
 }
 
 void UnitSchedule::forward_end(size_t i) {

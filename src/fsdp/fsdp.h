@@ -78,6 +78,9 @@ class UnitSchedule {
   std::vector<bool> reads_, gathered_, gradients_;
 };
 
+// Orders what the thread queues next after the optimizer's last update of u, when that update
+// runs beside the passes (ParamUnit::await_update); gather and begin_backward call it.
+void await_update(ParamUnit& u);
 void gather(ParamUnit& u, ops::MxCopyUse use);
 void prefetch(ParamUnit& u);
 void release(ParamUnit& u);

@@ -9,6 +9,7 @@
 // master copy, what the optimizer updates); `params` and `grads` exist only while the unit is in
 // use (fsdp/fsdp.h gathers and releases them).
 #pragma once
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -60,6 +61,11 @@ struct ParamGroup {
   // adding: the expert gradients (96% of a Qwen3-MoE's parameters) are then never zero-filled,
   // and their GEMMs never read them back.
   bool grads_unwritten = false;
+  // True when grad_shard still holds the last step's gradients, which that step's optimizer
+  // update may still be reading (on the GPU it runs beside the next passes): the group's first
+  // backward of the step zeroes them (fsdp::begin_backward), once the pass has waited for the
+  // update (ParamUnit::await_update). Qwen3Moe::zero_grad sets it.
+  bool grad_shard_stale = false;
   // A gather started by fsdp::prefetch and not yet waited for (gather waits).
   std::shared_ptr<dist::PendingCollective> gathering;
   // A gradient reduce-scatter started by fsdp::reduce_gradients, and the chunk it writes, not
@@ -109,6 +115,11 @@ struct ParamGroup {
 struct ParamUnit {
   std::string name;
   std::vector<ParamGroup> groups;
+  // Set by an optimizer whose update of this unit runs beside the passes (train/optimizer.h:
+  // AdamW on a GPU side stream): a pass calls it before it reads the unit's parameters or
+  // writes its gradients, and it orders what the pass queues after the update (it does not
+  // wait on the host). Unset: the update is already ordered before the pass.
+  std::function<void()> await_update;
 };
 
 // Lays a group out from specs (offsets, numel, the master dtype) without storage: a model builds

@@ -69,6 +69,7 @@ namespace captured {
 struct PassKey {
   int64_t tokens = 0, docs = 0, longest = 0;
   std::vector<bool> expert_grads_unwritten;  // per layer: overwrite or accumulate
+  std::vector<bool> grad_shards_stale;       // per group: zeroed by the pass or added to
   auto operator<=>(const PassKey&) const = default;
 };
 
@@ -116,17 +117,17 @@ Qwen3Moe::Qwen3Moe(const ModelConfig& c, uint64_t seed, dist::DeviceMesh* mesh)
     if (mesh->world().size() > 1) comms_.batch = &mesh->world();
   }
   const DType dt = cfg_.master_dtype();
-  ParamUnit embed{"embed", {}};
+  ParamUnit embed{"embed", {}, {}};
   embed.groups.push_back(
       make_param_group(ParamKind::kDense, {{"embed.table", {c.vocab_size, c.dim}}}, dt));
   units_.push_back(std::move(embed));
   for (int64_t l = 0; l < c.n_layers; ++l)
-    units_.push_back(ParamUnit{fmt::format("layers.{}", l),
-                               make_block_groups(c, l, first_expert, local_experts)});
+    units_.push_back(ParamUnit{
+        fmt::format("layers.{}", l), make_block_groups(c, l, first_expert, local_experts), {}});
   std::vector<ParamSpec> head_specs = {{"head.norm", {c.dim}, true}};
   if (!c.tie_word_embeddings) head_specs.push_back({"head.out", {c.dim, c.vocab_size}});
   units_.push_back(
-      ParamUnit{"head", {make_param_group(ParamKind::kDense, std::move(head_specs), dt)}});
+      ParamUnit{"head", {make_param_group(ParamKind::kDense, std::move(head_specs), dt)}, {}});
   for (auto& u : units_)
     for (auto& g : u.groups) {
       allocate_group(g);
@@ -155,7 +156,7 @@ void Qwen3Moe::zero_grad() {
       if (g.kind == ParamKind::kExpert && !g.sharded())
         g.grads_unwritten = true;  // the backward overwrites them: no fill
       else
-        g.grad_shard.zero_();
+        g.grad_shard_stale = true;  // zeroed by the step's first backward of the group
     }
   for (auto& l : expert_load_) l.zero_();
 }
@@ -241,10 +242,14 @@ void Qwen3Moe::run_graphed(const Batch& b, const LossScale& scale) {
     graphs_->buffers = std::move(now);
   }
   const Batch padded = padded_documents(b);
-  captured::PassKey key{padded.size(), padded.cu_seqlens.numel() - 1, padded.max_seqlen, {}};
+  captured::PassKey key{padded.size(), padded.cu_seqlens.numel() - 1, padded.max_seqlen, {}, {}};
   std::vector<ParamGroup*> experts;
   for (size_t u = 1; u + 1 < units_.size(); ++u) experts.push_back(&units_[u].groups[1]);
   for (ParamGroup* g : experts) key.expert_grads_unwritten.push_back(g->grads_unwritten);
+  std::vector<ParamGroup*> groups;
+  for (auto& u : units_)
+    for (auto& g : u.groups) groups.push_back(&g);
+  for (ParamGroup* g : groups) key.grad_shards_stale.push_back(g->grad_shard_stale);
   captured::Pass& cp = graphs_->passes[key];
   captured::stage_inputs(padded, cp.inputs);
   auto body = [&] {
@@ -252,6 +257,8 @@ void Qwen3Moe::run_graphed(const Batch& b, const LossScale& scale) {
     // from the flags the key was made of, and with no collective of the capture in flight.
     for (size_t l = 0; l < experts.size(); ++l)
       experts[l]->grads_unwritten = key.expert_grads_unwritten[l];
+    for (size_t i = 0; i < groups.size(); ++i)
+      groups[i]->grad_shard_stale = key.grad_shards_stale[i];
     if (cp.interrupted) {
       for (auto& u : units_)
         for (auto& g : u.groups) fsdp::abandon_in_flight(g);
@@ -267,6 +274,7 @@ void Qwen3Moe::run_graphed(const Batch& b, const LossScale& scale) {
   if (cp.work.run(body, what)) {
     ++graphs_->replays;
     for (ParamGroup* g : experts) g->grads_unwritten = false;  // what pass() would have set
+    for (ParamGroup* g : groups) g->grad_shard_stale = false;
     // The replay's collectives were captured, not issued: their communicators' watchdogs watch
     // the whole replay instead (a dead peer stops this rank with its name, not a hang).
     for (dist::Communicator* comm : pass_communicators())

@@ -206,6 +206,8 @@ const std::vector<Field>& fields() {
       member("hardware", "peak_tflops", &Config::hardware, &HardwareConfig::peak_tflops),
       member("hardware", "threads", &Config::hardware, &HardwareConfig::threads),
       member("hardware", "cuda_graphs", &Config::hardware, &HardwareConfig::cuda_graphs),
+      member("hardware", "overlap_optimizer", &Config::hardware,
+             &HardwareConfig::overlap_optimizer),
   };
   return f;
 }

@@ -57,10 +57,11 @@ struct EvalConfig {
 };
 
 struct HardwareConfig {
-  std::string device = "auto";  // auto (the CLI picks the GPU when it can) | cpu | cuda
-  double peak_tflops = 0;       // for MFU; 0: estimate for the device
-  int64_t threads = 0;          // CPU threads; 0: all cores
-  bool cuda_graphs = true;      // replay each training pass as a CUDA graph (not with ep > 1)
+  std::string device = "auto";    // auto (the CLI picks the GPU when it can) | cpu | cuda
+  double peak_tflops = 0;         // for MFU; 0: estimate for the device
+  int64_t threads = 0;            // CPU threads; 0: all cores
+  bool cuda_graphs = true;        // replay each training pass as a CUDA graph (not with ep > 1)
+  bool overlap_optimizer = false;  // the GPU's AdamW step beside the next forward (side stream)
 };
 
 // The most CPU threads per rank: a bound that catches typos before they allocate.

@@ -3,6 +3,7 @@
 #include <cmath>
 #include <initializer_list>
 #include <numbers>
+#include <optional>
 
 #include "core/log.h"
 #include "core/profile.h"
@@ -12,6 +13,7 @@
 #if MOETRAIN_HAS_CUDA
 #include "ops/cuda/graph.h"
 #include "ops/cuda/ops.h"
+#include "ops/cuda/stream.h"
 #endif
 
 namespace mt {
@@ -31,10 +33,17 @@ struct AdamW::Captured {
   Tensor scalars;
   cuda::CapturedWork work;
   std::vector<const void*> buffers;
+  // The update beside the passes: its stream, the point of the passes' stream it starts from,
+  // and the end of each unit's update.
+  std::unique_ptr<cuda::SideStream> side;
+  std::vector<std::shared_ptr<cuda::Fence>> updated;
+  std::unique_ptr<cuda::Fence> ready_fence;
 #endif
 };
 
-AdamW::~AdamW() = default;
+AdamW::~AdamW() {
+  update_beside_passes(false);  // the units outlive the optimizer: no hook may point at it
+}
 
 namespace {
 // An unsharded group's persistent cast copy, rewritten by the update in the same pass.
@@ -44,7 +53,7 @@ Tensor* persistent_compute(ParamGroup& g) {
 }  // namespace
 
 AdamW::AdamW(std::vector<ParamUnit>& units, const TrainConfig& t, dist::Communicator* norm_group)
-    : cfg_(t), norm_group_(norm_group), captured_(std::make_unique<Captured>()) {
+    : units_(&units), cfg_(t), norm_group_(norm_group), captured_(std::make_unique<Captured>()) {
   for (auto& u : units)
     for (auto& g : u.groups) {
       groups_.push_back(&g);
@@ -90,12 +99,24 @@ void AdamW::step_gpu(const ops::AdamWHyper& h) {
   else
     c.scalars = cuda::adamw_scalars(h);
   auto body = [&] {
-    for (size_t i = 0; i < groups_.size(); ++i) {
-      ParamGroup& g = *groups_[i];
-      cuda::adamw_step(g.shard, g.grad_shard, state_[2 * i], state_[2 * i + 1], c.scalars,
-                       persistent_compute(g));
+    size_t i = 0;
+    for (size_t u = 0; u < units_->size(); ++u) {
+      for (size_t k = 0; k < (*units_)[u].groups.size(); ++k, ++i) {
+        ParamGroup& g = *groups_[i];
+        cuda::adamw_step(g.shard, g.grad_shard, state_[2 * i], state_[2 * i + 1], c.scalars,
+                         persistent_compute(g));
+      }
+      if (c.side) c.updated[u]->record();
     }
   };
+  // Beside the passes: the side stream starts after everything queued so far (the gradients'
+  // reductions and norm, the scalars), and the step runs there, captured or not.
+  std::optional<cuda::StreamScope> beside;
+  if (c.side) {
+    c.ready_fence->record();
+    beside.emplace(c.side->get());
+    c.ready_fence->wait();
+  }
   if (!graphs_on_ || profile::enabled()) return body();
   std::vector<const void*> buffers = {c.scalars.raw()};
   for (size_t i = 0; i < groups_.size(); ++i) {
@@ -112,6 +133,38 @@ void AdamW::step_gpu(const ops::AdamWHyper& h) {
   c.work.run(body, "the optimizer step");
 #else
   (void)h;
+#endif
+}
+
+void AdamW::update_beside_passes(bool on) {
+#if MOETRAIN_HAS_CUDA
+  Captured& c = *captured_;
+  if (on == (c.side != nullptr)) return;
+  if (groups_.empty() || groups_.front()->shard.device() != Device::kCUDA) return;
+  c.work.drop();  // the captured step records the units' fences, or does not
+  if (!on) {
+    wait_for_update();
+    for (ParamUnit& u : *units_) u.await_update = nullptr;
+    c.side.reset();
+    c.updated.clear();
+    c.ready_fence.reset();
+    return;
+  }
+  c.side = std::make_unique<cuda::SideStream>();
+  c.ready_fence = std::make_unique<cuda::Fence>();
+  for (ParamUnit& u : *units_) {
+    auto updated = std::make_shared<cuda::Fence>();
+    c.updated.push_back(updated);
+    u.await_update = [updated] { updated->wait(); };
+  }
+#else
+  (void)on;
+#endif
+}
+
+void AdamW::wait_for_update() {
+#if MOETRAIN_HAS_CUDA
+  for (const auto& f : captured_->updated) f->wait();
 #endif
 }
 

@@ -27,6 +27,15 @@ class AdamW {
   // On the GPU, step() replays its launches as a CUDA graph, the learning rate and clipping
   // factor read from device memory (captured at the second step, again when a buffer moved).
   void use_cuda_graphs(bool on) { graphs_on_ = on; }
+  // On the GPU, step() queues its update on a side stream, unit by unit in the units' order, and
+  // returns: the next passes wait for each unit's update only where they first read its
+  // parameters or write its gradients (ParamUnit::await_update), so the update of the later
+  // units runs while the first ones compute the next forward. The same kernels on the same
+  // values: bit-identical to the update in line. Anything else that reads the parameters or
+  // moments (a checkpoint, an export) calls wait_for_update() first. No effect on the CPU.
+  void update_beside_passes(bool on);
+  // The thread's stream waits for the last step's update (on the host: nothing to wait for).
+  void wait_for_update();
   // sqrt of the sum of squares of every gradient element of the model, each counted once.
   double grad_norm() const;
   // Returns the norm; when it exceeds max_norm, the next step() scales the gradients so that the
@@ -38,7 +47,8 @@ class AdamW {
   std::vector<Tensor>& state() { return state_; }
 
  private:
-  std::vector<ParamGroup*> groups_;
+  std::vector<ParamUnit>* units_;
+  std::vector<ParamGroup*> groups_;  // the units' groups, in order
   std::vector<Tensor> state_;
   TrainConfig cfg_;
   dist::Communicator* norm_group_;

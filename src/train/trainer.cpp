@@ -99,6 +99,7 @@ Trainer::Trainer(const Config& c, dist::Communicator* world) : cfg_(c), world_(w
   model_ = std::make_unique<Qwen3Moe>(cfg_.model, c.train.seed, mesh_.get());
   opt_ = std::make_unique<AdamW>(model_->units(), c.train, world_);
   opt_->use_cuda_graphs(cfg_.model.on_gpu() && c.hardware.cuda_graphs);
+  opt_->update_beside_passes(cfg_.model.on_gpu() && c.hardware.overlap_optimizer);
   if (cfg_.model.on_gpu() && c.hardware.cuda_graphs && c.parallel.ep > 1 &&
       c.model.ep_exchange == moe::ExchangeMode::kHostCounts && is_rank0())
     log::info(
@@ -117,6 +118,7 @@ Trainer::Trainer(const Config& c, dist::Communicator* world) : cfg_(c), world_(w
 }
 
 void Trainer::resume(const std::string& path) {
+  opt_->wait_for_update();
   const TrainState st = load_checkpoint(path, *model_, *opt_, world_);
   step_ = st.step;
   if (st.run_id != 0) run_id_ = st.run_id;
@@ -125,6 +127,7 @@ void Trainer::resume(const std::string& path) {
 }
 
 std::string Trainer::save(const std::string& dir) {
+  opt_->wait_for_update();
   return save_checkpoint(dir, *model_, *opt_, {step_, data_->position(), run_id_}, world_);
 }
 
@@ -333,6 +336,7 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
   while (step_ < last) {
     StepMetrics m = train_step();
     if (eval_docs_ && (m.step % cfg_.eval.every == 0 || m.step == last)) {
+      opt_->wait_for_update();
       const EvalResult e =
           evaluate_tokens(*model_, eval_docs_->view(), t.batch_rows, t.seq_len, world_);
       m.eval_loss = e.mean();
@@ -373,11 +377,14 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
     }
     const bool at_interval = cfg_.checkpoint.every > 0 && m.step % cfg_.checkpoint.every == 0;
     if (!cfg_.checkpoint.dir.empty() && (at_interval || m.step == last)) {
+      opt_->wait_for_update();
       const std::string path = save_checkpoint(cfg_.checkpoint.dir, *model_, *opt_,
                                                {step_, data_->position(), run_id_}, world_);
       if (is_rank0()) log::info("checkpoint: {}", path);
     }
   }
+  // Whoever reads the model next (an export, a caller) sees the last update.
+  opt_->wait_for_update();
   if (!opt.export_hf.empty()) export_hf(*model_, opt.export_hf, DType::kBF16, world_);
   return all;
 }

@@ -1,0 +1,41 @@
+// Streams beside the thread's own (core/cuda_check.h: cuda::stream()), and the points where one
+// waits for another. A CUDA runtime service, not op code: work moves to a side stream by a
+// StreamScope, and every op queues on whatever stream() is.
+#pragma once
+#include <cuda_runtime_api.h>
+
+#include "core/cuda_check.h"  // cuda::stream(), cuda::StreamScope
+
+namespace mt::cuda {
+
+// A point in a stream's work that other streams wait for. Recorded or waited for while the
+// thread's stream is being captured, it becomes an external node of the graph: the replay
+// records it, or waits for its latest record at the time the replay runs, so that a captured
+// pass can wait for work queued outside its graph (an optimizer step on a side stream).
+class Fence {
+ public:
+  Fence();
+  ~Fence();
+  Fence(const Fence&) = delete;
+  Fence& operator=(const Fence&) = delete;
+  void record();      // after the work queued on the thread's stream so far
+  void wait() const;  // the thread's stream waits for the latest record (none: no wait)
+
+ private:
+  cudaEvent_t event_ = nullptr;
+};
+
+// A non-blocking stream of the current device, owned.
+class SideStream {
+ public:
+  SideStream();
+  ~SideStream();
+  SideStream(const SideStream&) = delete;
+  SideStream& operator=(const SideStream&) = delete;
+  cudaStream_t get() const { return stream_; }
+
+ private:
+  cudaStream_t stream_ = nullptr;
+};
+
+}  // namespace mt::cuda
