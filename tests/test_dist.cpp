@@ -25,9 +25,11 @@
 #include "dist/mesh.h"
 #include "fsdp/fsdp.h"
 #include "moe/expert_exchange.h"
+#include "ops/elementwise.h"
 #include "processes.h"
 #include "testing.h"
 #include "train/checkpoint.h"
+#include "train/data_loader.h"
 #include "train/trainer.h"
 
 namespace mt {
@@ -575,6 +577,77 @@ INSTANTIATE_TEST_SUITE_P(
 
 namespace mt {
 namespace {
+
+// The contract an optimizer update beside the passes relies on (ParamUnit::await_update, the
+// GPU's hardware.overlap_optimizer): a pass calls a unit's hook before it reads the unit's
+// parameters (its gather, an FSDP prefetch of its shards) or writes its gradients, and the
+// gradients zero_grad left are zeroed, not added to. Here each hook applies the unit's "update"
+// (its master shards scaled) only when called, and the gradients are poisoned before zero_grad:
+// the pass must give the loss and gradients, bit for bit, of a pass after the update applied at
+// once, on one rank and on sharded in-process ranks (prefetches, expert parallelism).
+TEST(Fsdp, PassesWaitForEachUnitsUpdateBeforeReadingItOrWritingItsGradients) {
+  for (const auto& [world, ep] : {std::pair{1, 1}, std::pair{2, 1}, std::pair{2, 2}}) {
+    SCOPED_TRACE(fmt::format("world {}, ep {}", world, ep));
+    std::vector<std::string> sets = small_model(2);
+    sets.push_back("parallel.world=" + std::to_string(world));
+    sets.push_back("parallel.ep=" + std::to_string(ep));
+    const Config c = parse_config_string("", sets);
+    run_in_process(world, [&](Communicator& comm) {
+      Trainer t(c, world > 1 ? &comm : nullptr);
+      RunOptions one;
+      one.steps = 1;
+      t.run(one);  // gradients and moments of a step: what a real update follows
+      Qwen3Moe& model = t.model();
+      auto data = make_data_loader(c);
+      const Batch b = data->next(c.train.batch_rows, c.train.seq_len);
+      const LossScale scale{1.0 / static_cast<double>(b.masked_tokens()), c.model.aux_loss_coef};
+      std::vector<Tensor> before;
+      for (auto& u : model.units())
+        for (auto& g : u.groups) before.push_back(g.shard.clone());
+      const auto update = [](ParamUnit& u) {
+        for (auto& g : u.groups) ops::scale_(g.shard, 1.0 + 1.0 / 64);
+      };
+      const auto pass = [&](bool deferred) {
+        size_t k = 0;
+        for (auto& u : model.units())
+          for (auto& g : u.groups) {
+            g.shard.copy_from(before[k++]);
+            g.grad_shard.copy_from(Tensor::poisoned(g.grad_shard.shape(), g.grad_shard.dtype()));
+            g.compute = Tensor();  // a cast copy of the old values would be stale
+          }
+        std::vector<int> calls(model.units().size(), 0);
+        for (size_t i = 0; i < model.units().size(); ++i) {
+          ParamUnit& u = model.units()[i];
+          if (!deferred) {
+            update(u);
+            continue;
+          }
+          u.await_update = [&u, &calls, i, &update] {
+            if (calls[i]++ == 0) update(u);
+          };
+        }
+        model.zero_grad();
+        const MicroBatchLosses l = model.forward_backward(b, scale);
+        for (auto& u : model.units()) u.await_update = nullptr;
+        for (size_t i = 0; deferred && i < calls.size(); ++i)
+          EXPECT_GT(calls[i], 0) << model.units()[i].name << ": its update was never awaited";
+        std::vector<Tensor> grads;
+        for (auto& u : model.units())
+          for (auto& g : u.groups) grads.push_back(g.grad_shard.clone());
+        return std::pair{l.ce_sum, grads};
+      };
+      const auto [at_once_loss, at_once] = pass(false);
+      const auto [deferred_loss, deferred] = pass(true);
+      EXPECT_EQ(deferred_loss, at_once_loss);
+      ASSERT_EQ(deferred.size(), at_once.size());
+      for (size_t k = 0; k < at_once.size(); ++k) {
+        ASSERT_TRUE(all_finite(at_once[k])) << "group " << k << ": the poison was added to";
+        EXPECT_EQ(std::memcmp(deferred[k].raw(), at_once[k].raw(), at_once[k].nbytes()), 0)
+            << "group " << k;
+      }
+    });
+  }
+}
 
 TEST(DistCheckpoint, ShardedResumeIsBitIdenticalAndAnotherEpIsResharded) {
   const std::string dir = (std::filesystem::temp_directory_path() / "mt_dist_ckpt").string();
