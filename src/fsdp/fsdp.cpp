@@ -1,5 +1,7 @@
 #include "fsdp/fsdp.h"
 
+#include <algorithm>
+
 #include "ops/elementwise.h"
 
 namespace mt::fsdp {
@@ -146,6 +148,12 @@ void gather(ParamUnit& u, ops::MxCopyUse use) {
   for (auto& g : u.groups) gather(g, use);
 }
 void prefetch(ParamUnit& u) {
+  // A gather it starts reads the unit's shards: after their update. One that starts none (an
+  // unsharded unit) leaves the wait to the unit's gather, so the work queued meanwhile runs
+  // beside the update.
+  if (std::any_of(u.groups.begin(), u.groups.end(),
+                  [](const ParamGroup& g) { return g.sharded() && !g.gathering; }))
+    await_update(u);
   for (auto& g : u.groups) prefetch(g);
 }
 void release(ParamUnit& u) {
@@ -177,17 +185,7 @@ UnitSchedule::UnitSchedule(std::vector<ParamUnit>& units, double grad_divide_fac
 void UnitSchedule::forward_begin(size_t i) {
   gather((*units_)[i], ops::MxCopyUse::kForward);
   gathered_[i] = true;
-  if (i + 1 < units_->size()) {
-    // A prefetch's collective reads the next unit's shards: after its update. An unsharded
-    // unit gathers nothing, and its forward waits for its own update when it begins.
-    ParamUnit& next = (*units_)[i + 1];
-    for (const ParamGroup& g : next.groups)
-      if (g.sharded()) {
-        await_update(next);
-        break;
-      }
-    prefetch(next);
-  }
+  if (i + 1 < units_->size()) prefetch((*units_)[i + 1]);
 }
 
 void UnitSchedule::forward_end(size_t i) {

@@ -79,7 +79,8 @@ class UnitSchedule {
 };
 
 // Orders what the thread queues next after the optimizer's last update of u, when that update
-// runs beside the passes (ParamUnit::await_update); gather and begin_backward call it.
+// runs beside the passes (ParamUnit::await_update); gather, begin_backward and a prefetch that
+// starts a gather call it.
 void await_update(ParamUnit& u);
 void gather(ParamUnit& u, ops::MxCopyUse use);
 void prefetch(ParamUnit& u);

@@ -377,9 +377,7 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
     }
     const bool at_interval = cfg_.checkpoint.every > 0 && m.step % cfg_.checkpoint.every == 0;
     if (!cfg_.checkpoint.dir.empty() && (at_interval || m.step == last)) {
-      opt_->wait_for_update();
-      const std::string path = save_checkpoint(cfg_.checkpoint.dir, *model_, *opt_,
-                                               {step_, data_->position(), run_id_}, world_);
+      const std::string path = save(cfg_.checkpoint.dir);
       if (is_rank0()) log::info("checkpoint: {}", path);
     }
   }
