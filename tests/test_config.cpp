@@ -41,6 +41,9 @@ TEST(Config, WrongTypeNamesKey) {
             std::string::npos);
   EXPECT_NE(config_error("[model]\ncheckpoint = \"some\"\n").find("valid: none, selective, full"),
             std::string::npos);
+  EXPECT_NE(config_error("", {"hardware.overlap_optimizer=\"yes\""})
+                .find("hardware.overlap_optimizer must be true or false"),
+            std::string::npos);
 }
 
 TEST(Config, ImpossibleShapesNameTheSizes) {
