@@ -7,6 +7,10 @@ out=${OUT:-/tmp/moetrain-gpu}
 mkdir -p "$out"
 export LD_LIBRARY_PATH="$bundle:${LD_LIBRARY_PATH:-}"
 export NCCL_NVLS_ENABLE=0
+# The device API (symmetric windows, LSA) must run on the NCCL it was built against (2.28.9, as
+# PyTorch's wheel there carries it; the system's is older): that one first.
+nccl_dir=$(python3 -c 'import nvidia.nccl, os; print(os.path.join(list(nvidia.nccl.__path__)[0], "lib"))' 2>/dev/null)
+[ -n "$nccl_dir" ] && export LD_LIBRARY_PATH="$nccl_dir:$LD_LIBRARY_PATH"
 # cuDNN comes from the machine: the system's, else the one PyTorch's wheels carry.
 if ! ldconfig -p | grep -q 'libcudnn.so.9'; then
   cudnn_dir=$(python3 -c 'import nvidia.cudnn, os; print(os.path.join(nvidia.cudnn.__path__[0], "lib"))' 2>/dev/null)
@@ -17,7 +21,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 status=$?
 "$bundle/test_cuda_mx" --gtest_output="json:$out/test_cuda_mx.json" >>"$out/test_cuda_ops.log" 2>&1 || status=1
 # The training tests read configs/ from the source tree they were built in: run from here.
-MOETRAIN_SOURCE_DIR="$PWD" "$bundle/test_cuda_train" >>"$out/test_cuda_ops.log" 2>&1 || status=1
+MOETRAIN_SOURCE_DIR="$PWD" MOETRAIN_BIN="$bundle/moetrain" "$bundle/test_cuda_train" \
+  >>"$out/test_cuda_ops.log" 2>&1 || status=1
 # NCCL: one GPU, and two when present (collectives, then 2-GPU training against 1 GPU); a hang
 # is cut off rather than eating the machine's time.
 MOETRAIN_SOURCE_DIR="$PWD" MOETRAIN_BIN="$bundle/moetrain" timeout 300 "$bundle/test_cuda_dist" \

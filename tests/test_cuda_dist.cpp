@@ -4,10 +4,17 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
+#include <cstring>
 #include <map>
 
+#include "core/cuda_check.h"
+#include "core/mx.h"
+#include "core/rng.h"
 #include "dist/nccl_backend.h"
+#include "dist/nccl_lsa.h"
 #include "ops/cuda/device.h"
+#include "ops/mx.h"
 #include "processes.h"
 
 namespace mt {
@@ -228,6 +235,174 @@ TEST(Nccl, TwoGpuGraphedPassesMatchEager) {
   expect_same_steps(r, "eager", {"graphed"}, 6);
 }
 
+// A scatter's parts for the device-path tests: rows of every codec the kernels have (16-, 4- and
+// 1-byte copies, MXFP8 from bf16 with a partial last warp step, MXFP8 from f32), valued by their
+// source rank, their magnitudes spread over many scales (a zero block, subnormal ones).
+struct ScatterCase {
+  Tensor slot, choices, weights, narrow, rows, rows_f32, counts;
+  static constexpr int64_t kWidth = 544, kWidthF32 = 96;
+  ScatterCase(int rank, int ranks, int64_t n, std::vector<int32_t>* sent) {
+    slot = Tensor::empty({n, ranks}, DType::kI32);
+    sent->assign(ranks, 0);
+    const CounterRng rng{17, static_cast<uint64_t>(rank)};
+    for (int64_t t = 0; t < n; ++t)
+      for (int p = 0; p < ranks; ++p)
+        slot.data<int32_t>()[t * ranks + p] = rng.below(t * ranks + p, 10) < 7 ? (*sent)[p]++ : -1;
+    auto spread = [&](int64_t width, uint64_t seed, DType dt) {
+      Tensor x = Tensor::empty({n, width}, DType::kF32);
+      const CounterRng g{seed, static_cast<uint64_t>(rank)};
+      for (int64_t i = 0; i < n * width; ++i) {
+        const int64_t t = i / width, block = i % width / 32;
+        const int shift = static_cast<int>((t * 7 + block * 13) % 40) - (t % 5 == 2 ? 140 : 20);
+        x.data<float>()[i] =
+            t % 5 == 1 && block == 0 ? 0.0f : std::ldexp(static_cast<float>(g.normal(i)), shift);
+      }
+      return x.to(dt);
+    };
+    choices = Tensor::empty({n, 8}, DType::kI32);
+    for (int64_t i = 0; i < n * 8; ++i)
+      choices.data<int32_t>()[i] = static_cast<int32_t>(1000 * rank + i);
+    weights = spread(3, 5, DType::kF32);
+    narrow = spread(3, 6, DType::kBF16);
+    rows = spread(kWidth, 7, DType::kBF16);
+    rows_f32 = spread(kWidthF32, 8, DType::kF32);
+    counts = Tensor::empty({ranks, 2}, DType::kI64);
+    for (int p = 0; p < ranks; ++p) {
+      counts.data<int64_t>()[2 * p] = (*sent)[p];
+      counts.data<int64_t>()[2 * p + 1] = 100 * rank + p;
+    }
+  }
+  std::vector<const Tensor*> parts() const { return {&choices, &weights, &narrow, &rows}; }
+};
+
+// What rank `to` must hold in recv[i] (part i of ScatterCase's parts, then rows_f32) at the
+// places rank `from` wrote: the rows as they are, the MXFP8 parts as their MX values (the CPU
+// reference's round trip), bit for bit; and from's per-peer row.
+void expect_scattered(const ScatterCase& from_case, int from, int to, int ranks, int64_t n,
+                      const std::vector<Tensor>& recv, const Tensor& counts_in, MxScaleRule rule,
+                      const char* what) {
+  std::vector<Tensor> want = {from_case.choices, from_case.weights, from_case.narrow,
+                              Tensor::empty(from_case.rows.shape(), DType::kBF16),
+                              Tensor::empty(from_case.rows_f32.shape(), DType::kF32)};
+  ops::mx_round_trip(from_case.rows, MxAxis::kDim0, rule, want[3]);
+  ops::mx_round_trip(from_case.rows_f32, MxAxis::kDim0, rule, want[4]);
+  for (size_t i = 0; i < want.size(); ++i) {
+    const Tensor got = recv[i].to(Device::kCPU);
+    const size_t row_bytes = want[i].nbytes() / n;
+    for (int64_t t = 0; t < n; ++t) {
+      const int32_t s = from_case.slot.data<int32_t>()[t * ranks + to];
+      if (s < 0) continue;
+      const auto* g = static_cast<const char*>(got.raw()) + (from * n + s) * row_bytes;
+      const auto* w = static_cast<const char*>(want[i].raw()) + t * row_bytes;
+      ASSERT_EQ(std::memcmp(g, w, row_bytes), 0)
+          << what << ": part " << i << ", row " << t << " from " << from << " to " << to;
+    }
+  }
+  const Tensor c = counts_in.to(Device::kCPU);
+  EXPECT_EQ(c.item(2 * from), from_case.counts.item(2 * to)) << what;
+  EXPECT_EQ(c.item(2 * from + 1), 100 * from + to) << what;
+}
+
+// The device path's two kernels over 1 to 4 ranks emulated on one GPU (every peer's window on
+// this GPU, the barriers replaced by the order of the launches), every codec in one scatter,
+// against the definition computed on the host; outputs poisoned first. What this cannot test,
+// the barriers and the LSA pointers, the next test and the two-GPU tests do.
+TEST(LsaScatter, EmulatedRanksPlaceEveryPartOfEveryCodec) {
+  if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU: run this test on the GPU machine";
+  const int64_t n = 301;
+  for (const MxScaleRule rule : {MxScaleRule::kRceil, MxScaleRule::kFloor})
+    for (int ranks = 1; ranks <= 4; ++ranks) {
+      const std::string what =
+          std::to_string(ranks) + " ranks, " + std::string(mx_scale_rule_name(rule));
+      std::vector<ScatterCase> cases;
+      std::vector<std::vector<int32_t>> sent(ranks);
+      for (int r = 0; r < ranks; ++r) cases.emplace_back(r, ranks, n, &sent[r]);
+      struct OnDevice {
+        std::vector<Tensor> send, recv;
+        Tensor slot, counts, counts_in, window;
+        dist::LsaPlan plan;
+      };
+      std::vector<OnDevice> dev(ranks);
+      std::vector<void*> windows(ranks);
+      for (int r = 0; r < ranks; ++r) {
+        OnDevice& d = dev[r];
+        for (const Tensor* t : cases[r].parts()) d.send.push_back(t->to(Device::kCUDA));
+        d.send.push_back(cases[r].rows_f32.to(Device::kCUDA));
+        dist::RowScatter s;
+        d.slot = cases[r].slot.to(Device::kCUDA);
+        s.slot = &d.slot;
+        s.capacity = n;
+        d.recv.reserve(d.send.size());
+        for (size_t i = 0; i < d.send.size(); ++i) {
+          d.recv.push_back(
+              Tensor::poisoned({ranks * n, d.send[i].dim(1)}, d.send[i].dtype(), Device::kCUDA));
+          s.parts.push_back({&d.send[i], &d.recv[i],
+                             i >= 3 ? dist::RowWire::kMxfp8 : dist::RowWire::kAsIs, rule});
+        }
+        d.counts = cases[r].counts.to(Device::kCUDA);
+        d.counts_in = Tensor::poisoned({ranks, 2}, DType::kI64, Device::kCUDA);
+        s.to_peers = &d.counts;
+        s.from_peers = &d.counts_in;
+        dist::check_row_scatter(s, ranks);
+        ASSERT_TRUE(dist::make_lsa_plan(s, ranks, SIZE_MAX, &d.plan)) << what;
+        // The codecs this case exists to cover, one per part.
+        const dist::LsaCodec codecs[] = {dist::LsaCodec::kCopy16, dist::LsaCodec::kCopy4,
+                                         dist::LsaCodec::kCopy1, dist::LsaCodec::kMxfp8Bf16,
+                                         dist::LsaCodec::kMxfp8F32};
+        ASSERT_EQ(d.plan.n_parts, 5) << what;
+        for (int i = 0; i < 5; ++i)
+          EXPECT_EQ(d.plan.parts[i].codec, codecs[i]) << what << " part " << i;
+        d.window = Tensor::poisoned({static_cast<int64_t>(d.plan.window_bytes)}, DType::kU8,
+                                    Device::kCUDA);
+        windows[r] = d.window.raw();
+      }
+      std::vector<dist::LsaPlan> plans;
+      for (const OnDevice& d : dev) plans.push_back(d.plan);
+      ASSERT_EQ(cudaSuccess,
+                dist::emulated_scatter(plans.data(), ranks, windows.data(), 8, cuda::stream()));
+      cuda::synchronize();
+      for (int to = 0; to < ranks; ++to)
+        for (int from = 0; from < ranks; ++from)
+          ASSERT_NO_FATAL_FAILURE(expect_scattered(cases[from], from, to, ranks, n, dev[to].recv,
+                                                   dev[to].counts_in, rule, what.c_str()));
+    }
+}
+
+// The device path through NCCL itself on one GPU (a one-rank window, its LSA pointer and
+// barriers): every codec in one scatter, as the definition says.
+TEST(LsaScatter, OneRankThroughNcclPlacesEveryPart) {
+  if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU: run this test on the GPU machine";
+  with_nccl(1, [](dist::Communicator& c) {
+    const int64_t n = 301;
+    std::vector<int32_t> sent;
+    const ScatterCase host(0, 1, n, &sent);
+    std::vector<Tensor> send, recv;
+    for (const Tensor* t : host.parts()) send.push_back(t->to(Device::kCUDA));
+    send.push_back(host.rows_f32.to(Device::kCUDA));
+    Tensor slot = host.slot.to(Device::kCUDA), counts = host.counts.to(Device::kCUDA);
+    Tensor counts_in = Tensor::poisoned({1, 2}, DType::kI64, Device::kCUDA);
+    dist::RowScatter s;
+    s.slot = &slot;
+    s.capacity = n;
+    recv.reserve(send.size());
+    for (size_t i = 0; i < send.size(); ++i) {
+      recv.push_back(Tensor::poisoned({n, send[i].dim(1)}, send[i].dtype(), Device::kCUDA));
+      s.parts.push_back(
+          {&send[i], &recv[i], i >= 3 ? dist::RowWire::kMxfp8 : dist::RowWire::kAsIs});
+    }
+    s.to_peers = &counts;
+    s.from_peers = &counts_in;
+    std::string why;
+    const size_t reserved = c.reserve_scatter(1 << 20, 8, &why);
+    ASSERT_GT(reserved, 0u) << why;
+    dist::LsaPlan plan;
+    ASSERT_TRUE(dist::make_lsa_plan(s, 1, reserved, &plan));  // the device path takes it
+    c.scatter_rows(s);
+    cuda::synchronize();
+    expect_scattered(host, 0, 0, 1, n, recv, counts_in, MxScaleRule::kRceil, "one NCCL rank");
+  });
+}
+
 // The device-initiated exchange (rows written into the peer's memory by a kernel, counts never
 // on the host) against the host-count reference, with ep 2 and the untrained router's uneven
 // routing: the same rows reach the same experts in the same order and come back summed in the
@@ -235,6 +410,8 @@ TEST(Nccl, TwoGpuGraphedPassesMatchEager) {
 // bit; and captured as one CUDA graph per pass, replayed, it gives the eager run's numbers.
 TEST(Nccl, TwoGpuDeviceExchangeMatchesTheHostCountReference) {
   if (cuda::device_count() < 2) GTEST_SKIP() << "needs two GPUs (the nvidia-h200-x2 machine)";
+  const std::string kMx =
+      " --set model.expert_recipe=mxfp8_wgrad_with_hp --set parallel.ep_dispatch_dtype=mxfp8";
   const std::string common =
       " launch -n 2 --" + tiny_on_gpu() + " --set parallel.ep=2 --set train.batch_rows=8 --steps 6";
   CaseRuns r;
@@ -242,13 +419,18 @@ TEST(Nccl, TwoGpuDeviceExchangeMatchesTheHostCountReference) {
       common,
       {{"host", " --set parallel.ep_exchange=host --set hardware.cuda_graphs=false"},
        {"device", " --set parallel.ep_exchange=device --set hardware.cuda_graphs=false"},
-       {"device_graphed", " --set parallel.ep_exchange=device --set hardware.cuda_graphs=true"}},
+       {"device_graphed", " --set parallel.ep_exchange=device --set hardware.cuda_graphs=true"},
+       {"host_mx", " --set parallel.ep_exchange=host --set hardware.cuda_graphs=false" + kMx},
+       {"device_mx", " --set parallel.ep_exchange=device --set hardware.cuda_graphs=true" + kMx}},
       r));
   EXPECT_NE(r.logs["device"].find("expert exchange: device-initiated"), std::string::npos)
       << r.logs["device"];
   EXPECT_NE(r.logs["device_graphed"].find("captured the training pass"), std::string::npos)
       << r.logs["device_graphed"];
   expect_same_steps(r, "host", {"device", "device_graphed"}, 6);
+  // The MXFP8 wire: quantized in the send kernel, dequantized in the receive kernel, as the
+  // reference quantizes before its all-to-all and dequantizes after.
+  expect_same_steps(r, "host_mx", {"device_mx"}, 6);
 }
 
 // A peer dying mid-run, with the survivor's passes replayed as CUDA graphs (their collectives

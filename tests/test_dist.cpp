@@ -26,6 +26,7 @@
 #include "fsdp/fsdp.h"
 #include "moe/expert_exchange.h"
 #include "ops/elementwise.h"
+#include "ops/mx.h"
 #include "processes.h"
 #include "testing.h"
 #include "train/checkpoint.h"
@@ -226,6 +227,20 @@ Tensor exchange_routing(const std::string& kind, int rank) {
   return index;
 }
 
+// Runs fn on two in-process ranks for each exchange mode and routing of exchange_routing, with
+// the rank's routing and a name for the case.
+void for_each_exchange_case(
+    const std::function<void(Communicator&, moe::ExchangeMode, const Tensor& index,
+                             const std::string& kind, const std::string& what)>& fn) {
+  for (const moe::ExchangeMode mode :
+       {moe::ExchangeMode::kHostCounts, moe::ExchangeMode::kDeviceCounts})
+    for (const std::string kind : {"spread", "one_rank", "one_expert"}) {
+      const std::string what = kind + " " + std::string(moe::exchange_mode_name(mode));
+      run_in_process(
+          2, [&](Communicator& c) { fn(c, mode, exchange_routing(kind, c.rank()), kind, what); });
+    }
+}
+
 // The exchange against its definition, computed on the host from both ranks' routings: rank q
 // receives, from each source p in order, the tokens of p with a choice on q, in token order,
 // with their choices as q's experts (-1 elsewhere): packed (host counts) or from place p * N of
@@ -234,13 +249,10 @@ Tensor exchange_routing(const std::string& kind, int rank) {
 TEST(ExpertExchange, SendsEachTokenOncePerRankAndCombineIsItsAdjoint) {
   const int world = 2;
   const int64_t n = 6, k = 2, experts = 4, width = 3;
-  for (const moe::ExchangeMode mode :
-       {moe::ExchangeMode::kHostCounts, moe::ExchangeMode::kDeviceCounts})
-    for (const std::string kind : {"spread", "one_rank", "one_expert"}) {
-      const std::string what = kind + " " + std::string(moe::exchange_mode_name(mode));
-      run_in_process(world, [&](Communicator& c) {
+  for_each_exchange_case(
+      [&](Communicator& c, moe::ExchangeMode mode, const Tensor& index, const std::string& kind,
+          const std::string& what) {
         const int r = c.rank();
-        const Tensor index = exchange_routing(kind, r);
         moe::ExpertExchange ex(c, index, experts, mode);
         const bool packed = mode == moe::ExchangeMode::kHostCounts;
         // The expected arrivals: (source, token) at a receive row, and their local choices.
@@ -314,7 +326,6 @@ TEST(ExpertExchange, SendsEachTokenOncePerRankAndCombineIsItsAdjoint) {
         for (int64_t i = 0; i < n * width; ++i)
           EXPECT_NEAR(with.item(i), cy.item(i) + res.item(i), 1e-14) << what;
       });
-    }
 }
 
 // scatter_rows' default path (all_to_all): every row at rank * capacity + its slot in each
@@ -352,6 +363,158 @@ TEST(InProcess, ScatterRowsPlacesEveryRowAtItsSlot) {
     const std::string e = testing::error_of([&] { c.scatter_rows(rows, bad, capacity, recv); });
     EXPECT_NE(e.find("slots must run 0, 1, ..."), std::string::npos) << e;
   });
+}
+
+// A scatter of several parts with one layout (the default path): an i32 part, an f64 part, an
+// MXFP8 part of f32 rows (arriving as their MX values along the row, bit for bit: the wire's
+// quantization is ops::mx_quantize, each rule) and the per-peer rows, in one call; every row at
+// rank * capacity + its slot; parts and per-peer rows that do not fit are named.
+TEST(InProcess, ScatterRowsMovesEveryPartWithOneLayout) {
+  const int world = 3;
+  const int64_t n = 6, capacity = 8, width = 64;
+  for (const MxScaleRule rule : {MxScaleRule::kRceil, MxScaleRule::kFloor})
+    run_in_process(world, [&](Communicator& c) {
+      const int r = c.rank();
+      // Row t goes to peer p when (t + 2p + r) % 4 != 0.
+      auto goes = [](int64_t t, int p, int from) { return (t + 2 * p + from) % 4 != 0; };
+      Tensor slot = Tensor::empty({n, world}, DType::kI32);
+      std::vector<int32_t> next(world, 0);
+      for (int64_t t = 0; t < n; ++t)
+        for (int p = 0; p < world; ++p)
+          slot.data<int32_t>()[t * world + p] = goes(t, p, r) ? next[p]++ : -1;
+      auto ids_of = [&](int from) {
+        Tensor ids = Tensor::empty({n, 3}, DType::kI32);
+        for (int64_t i = 0; i < n * 3; ++i)
+          ids.data<int32_t>()[i] = static_cast<int32_t>(1000 * from + i);
+        return ids;
+      };
+      // Rows spread over magnitudes (several scales per row, a zero block, a subnormal one).
+      auto rows_of = [&](int from) {
+        Tensor x = testing::randn({n, width}, 50 + from).to(DType::kF32);
+        for (int64_t t = 0; t < n; ++t)
+          for (int64_t d = 0; d < width; ++d) {
+            float* v = x.data<float>() + t * width + d;
+            if (d < 32 && t == 1)
+              *v = 0.0f;
+            else
+              *v *= std::ldexp(1.0f,
+                               static_cast<int>((t * 7 + d / 32 * 13) % 40) - (t == 2 ? 140 : 20));
+          }
+        return x;
+      };
+      const Tensor ids = ids_of(r);
+      const Tensor f64 = testing::randn({n, 5}, 40 + r);
+      const Tensor x = rows_of(r);
+      Tensor ids_in = Tensor::empty({world * capacity, 3}, DType::kI32);
+      Tensor f64_in = Tensor::poisoned({world * capacity, 5}, DType::kF64);
+      Tensor x_in = Tensor::poisoned({world * capacity, width}, DType::kF32);
+      Tensor counts = Tensor::empty({world, 2}, DType::kI64);
+      for (int p = 0; p < world; ++p) {
+        counts.data<int64_t>()[p * 2] = next[p];
+        counts.data<int64_t>()[p * 2 + 1] = 10 * r + p;
+      }
+      Tensor counts_in = Tensor::poisoned({world, 2}, DType::kI64);
+      dist::RowScatter s;
+      s.slot = &slot;
+      s.capacity = capacity;
+      s.parts = {{&ids, &ids_in}, {&f64, &f64_in}, {&x, &x_in, dist::RowWire::kMxfp8, rule}};
+      s.to_peers = &counts;
+      s.from_peers = &counts_in;
+      c.scatter_rows(s);
+      for (int q = 0; q < world; ++q) {
+        const Tensor theirs = ids_of(q), their_f64 = testing::randn({n, 5}, 40 + q);
+        Tensor their_mx = Tensor::empty({n, width}, DType::kF32);
+        ops::mx_round_trip(rows_of(q), MxAxis::kDim0, rule, their_mx);
+        int64_t at = 0;
+        for (int64_t t = 0; t < n; ++t) {
+          if (!goes(t, r, q)) continue;
+          const int64_t place = q * capacity + at++;
+          for (int64_t d = 0; d < 3; ++d)
+            ASSERT_EQ(ids_in.data<int32_t>()[place * 3 + d], theirs.data<int32_t>()[t * 3 + d]);
+          for (int64_t d = 0; d < 5; ++d)
+            ASSERT_EQ(f64_in.item(place * 5 + d), their_f64.item(t * 5 + d));
+          ASSERT_EQ(std::memcmp(x_in.data<float>() + place * width,
+                                their_mx.data<float>() + t * width, width * sizeof(float)),
+                    0)
+              << "MXFP8 row " << t << " from " << q;
+        }
+        EXPECT_EQ(counts_in.item(q * 2), at) << "count from " << q;
+        EXPECT_EQ(counts_in.item(q * 2 + 1), 10 * q + r);
+      }
+      // The MX values differ from the rows (the test would pass on a plain copy otherwise).
+      Tensor mine = Tensor::empty({n, width}, DType::kF32);
+      ops::mx_round_trip(x, MxAxis::kDim0, rule, mine);
+      EXPECT_NE(std::memcmp(mine.data<float>(), x.data<float>(), x.nbytes()), 0);
+
+      Tensor narrow = Tensor::empty({world * capacity, 4}, DType::kF64);
+      dist::RowScatter bad = s;
+      bad.parts = {{&f64, &narrow}};
+      bad.to_peers = nullptr;
+      bad.from_peers = nullptr;
+      std::string e = testing::error_of([&] { c.scatter_rows(bad); });
+      EXPECT_NE(e.find("scatter_rows of f64 (6, 5) into f64 (24, 4)"), std::string::npos) << e;
+      Tensor odd = Tensor::empty({n, 40}, DType::kF32),
+             odd_in = Tensor::empty({world * capacity, 40}, DType::kF32);
+      bad.parts = {{&odd, &odd_in, dist::RowWire::kMxfp8}};
+      e = testing::error_of([&] { c.scatter_rows(bad); });
+      EXPECT_NE(e.find("an MXFP8 part of f32 (6, 40) (needs f32, bf16 or f64 rows"),
+                std::string::npos)
+          << e;
+      bad.parts = {};
+      bad.to_peers = &counts;
+      e = testing::error_of([&] { c.scatter_rows(bad); });
+      EXPECT_NE(e.find("per-peer rows need both"), std::string::npos) << e;
+    });
+}
+
+// The plan's own dispatch (DispatchRows: with device counts in the exchange that sends the
+// choices and counts) gives what dispatch gives after the plan, rows and MXFP8 rows alike, in
+// both modes; and the receive buffer it needs is what window_bytes says.
+TEST(ExpertExchange, ThePlansDispatchEqualsDispatchAfterIt) {
+  const int64_t n = 6, experts = 4, width = 64;
+  ops::ExpertPrecision mx;
+  mx.recipe = ops::ExpertRecipe::kMxfp8WgradWithHp;
+  mx.dispatch = ops::DispatchDtype::kMxfp8;
+  for_each_exchange_case([&](Communicator& c, moe::ExchangeMode mode, const Tensor& index,
+                             const std::string&, const std::string& what) {
+    const int r = c.rank();
+    const Tensor x = testing::randn({n, width}, 60 + r).to(DType::kF32);
+    const Tensor w = testing::randn({n, 2}, 70 + r).to(DType::kF32);
+    Tensor x_there, x_mx_there, w_there;
+    moe::ExpertExchange ex(c, index, experts, mode,
+                           {{&x, &x_there}, {&x, &x_mx_there, mx}, {&w, &w_there}});
+    const moe::ExpertExchange after(c, index, experts, mode);
+    const std::vector<std::pair<Tensor, Tensor>> pairs = {{x_there, after.dispatch(x)},
+                                                          {x_mx_there, after.dispatch(x, mx)},
+                                                          {w_there, after.dispatch(w)}};
+    // Compare the places that hold a token (local_index has a choice there, or the row
+    // came through the host path, which packs them).
+    for (size_t i = 0; i < pairs.size(); ++i) {
+      const auto& [got, want] = pairs[i];
+      ASSERT_EQ(got.shape(), want.shape()) << what;
+      const int64_t wd = got.dim(1);
+      for (int64_t row = 0; row < got.dim(0); ++row) {
+        bool held = mode == moe::ExchangeMode::kHostCounts;
+        for (int64_t j = 0; j < 2; ++j)
+          held |= after.local_index().data<int32_t>()[row * 2 + j] >= 0;
+        if (!held) continue;
+        EXPECT_EQ(std::memcmp(got.data<float>() + row * wd, want.data<float>() + row * wd,
+                              wd * sizeof(float)),
+                  0)
+            << what << " part " << i << " row " << row;
+      }
+    }
+    Tensor mxv = Tensor::empty({n, width}, DType::kF32);
+    ops::mx_round_trip(x, MxAxis::kDim0, mx.rule, mxv);
+    EXPECT_NE(std::memcmp(mxv.data<float>(), x.data<float>(), x.nbytes()), 0);
+  });
+  // The plan's exchange with rows of 2048 bf16 at top-8 of 128 over 2 ranks, 16 places: the
+  // choices, the rows and the weights per place, the counts, each section 16-byte aligned.
+  const size_t places = 2 * 16;
+  EXPECT_EQ(moe::ExpertExchange::window_bytes(2, 16, 8, 128, 2048, DType::kBF16, {}),
+            (2 * 65 * 8 + 15) / 16 * 16 + places * (8 * 4 + 2048 * 2 + 8 * 4));
+  EXPECT_EQ(moe::ExpertExchange::window_bytes(2, 16, 8, 128, 2048, DType::kBF16, mx),
+            places * 2048 * 2);  // combine's bf16 rows are the larger
 }
 
 // --- equivalence with one rank -------------------------------------------------------------

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "core/mx_format.h"
 #include "core/tensor.h"
 
 namespace mt::dist {
@@ -23,6 +24,56 @@ class PendingCollective {
   virtual ~PendingCollective() = default;
   virtual void wait() = 0;
 };
+
+// How a part of a row scatter crosses: as its bytes, or as MXFP8 (E4M3 data + E8M0 scales, 1 x 32
+// blocks along the row, MxScaleRule), arriving as its MX values in the rows' dtype (what
+// ops::mx_round_trip along the row gives).
+enum class RowWire : uint8_t { kAsIs, kMxfp8 };
+
+// One part of a row scatter: send (n, W) rows in the sender's order, any dtype (kMxfp8: f32, bf16
+// or f64, which is rounded to f32 first; W a multiple of 32); recv (size * capacity, W) of send's
+// dtype, allocated by the caller.
+struct ScatterPart {
+  const Tensor* send = nullptr;
+  Tensor* recv = nullptr;
+  RowWire wire = RowWire::kAsIs;
+  MxScaleRule rule = MxScaleRule::kRceil;
+};
+
+// A scatter of several parts with one layout: slot i32 (n, size): row t of every part goes to
+// peer p's recv at row rank * capacity + slot[t, p], or nowhere for -1. A peer's slots are
+// distinct, below `capacity` and increase with t. Rows of recv no peer wrote are undefined.
+// Beside the rows, optionally, one row per peer (the counts that say which places hold rows):
+// row p of to_peers (size, C) arrives as row `rank` of peer p's from_peers (size, C).
+struct RowScatter {
+  const Tensor* slot = nullptr;
+  int64_t capacity = 0;
+  std::vector<ScatterPart> parts;
+  const Tensor* to_peers = nullptr;
+  Tensor* from_peers = nullptr;
+};
+
+// What a part puts in the device path's receive buffer per place (the layout of
+// scatter_window): its row as it crosses.
+struct ScatterRowShape {
+  int64_t width = 0;      // W
+  size_t elem_bytes = 0;  // of the rows' dtype
+  RowWire wire = RowWire::kAsIs;
+};
+// The device path's receive buffer for a scatter of these parts over `ranks` ranks of `capacity`
+// places, with per-peer rows of peer_row_bytes: the per-peer rows (ranks of them), then each
+// part's places (an MXFP8 part's E4M3 data, then its scales), every section 16-byte aligned.
+struct ScatterWindow {
+  size_t peer_rows = 0;              // offset of the per-peer rows (0)
+  std::vector<size_t> data, scales;  // per part: offset of its rows (and MXFP8 scales)
+  size_t bytes = 0;                  // the whole
+};
+ScatterWindow scatter_window(int ranks, int64_t capacity, const std::vector<ScatterRowShape>& parts,
+                             size_t peer_row_bytes);
+
+// Checks a scatter's tensors against each other over `ranks` ranks (an mt::Error names the
+// first that does not fit).
+void check_row_scatter(const RowScatter& s, int ranks);
 
 class Communicator {
  public:
@@ -47,18 +98,18 @@ class Communicator {
   // recv_rows[p] rows arrive from peer p, in peer order.
   virtual void all_to_all(const Tensor& send, const std::vector<int64_t>& send_rows, Tensor& recv,
                           const std::vector<int64_t>& recv_rows) = 0;
-  // Rows to peers into fixed places, for exchanges whose counts stay on the device: send (n, W)
-  // rows of any dtype; slot i32 (n, size): row t goes to peer p's recv at row
-  // rank * capacity + slot[t, p], or nowhere for -1. A peer's slots are distinct, below
-  // `capacity` and increase with t. recv (size * capacity, W): rows no peer wrote are undefined.
-  // The default sends through all_to_all (it reads the slots on the host); NCCL within one node
-  // writes the rows into the peers' buffers from a kernel (symmetric memory over NVLink, nothing
-  // on the host: a CUDA graph can hold it).
-  virtual void scatter_rows(const Tensor& send, const Tensor& slot, int64_t capacity, Tensor& recv);
-  // Reserves the device path's buffer for scatter_rows of up to `bytes` of recv, moved by `ctas`
-  // thread blocks, once, before any capture (registering it is collective); returns the bytes
-  // reserved, 0 when this backend has no device path (scatter_rows then takes the default;
-  // *why says why).
+  // Rows to peers into fixed places, for exchanges whose counts stay on the device (RowScatter
+  // below): every part's rows go where the slots say, in one exchange. The default sends through
+  // all_to_all (it reads the slots on the host); NCCL within one node writes every part straight
+  // into the peers' buffers from one kernel (symmetric memory over NVLink, nothing on the host: a
+  // CUDA graph can hold it), quantizing an MXFP8 part as it sends it.
+  virtual void scatter_rows(const RowScatter& s);
+  // One part of rows as they are.
+  void scatter_rows(const Tensor& send, const Tensor& slot, int64_t capacity, Tensor& recv);
+  // Reserves the device path's buffer for scatter_rows of up to `bytes` (ScatterWindow::bytes),
+  // moved by `ctas` thread blocks, once, before any capture (registering it is collective);
+  // returns the bytes reserved, 0 when this backend has no device path (scatter_rows then takes
+  // the default; *why says why). A scatter larger than the reserve takes the default too.
   virtual size_t reserve_scatter(size_t bytes, int ctas, std::string* why) {
     (void)bytes;
     (void)ctas;

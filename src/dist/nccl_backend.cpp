@@ -174,23 +174,16 @@ class NcclCommunicator final : public Communicator {
     return lsa_ ? lsa_->bytes() : 0;
   }
 
-  void scatter_rows(const Tensor& send, const Tensor& slot, int64_t capacity,
-                    Tensor& recv) override {
-    if (!lsa_ || lsa_->bytes() < recv.nbytes() || send.device() != Device::kCUDA)
-      return Communicator::scatter_rows(send, slot, capacity, recv);
-    MT_CHECK(send.ndim() == 2 && recv.ndim() == 2 && send.dtype() == recv.dtype() &&
-                 recv.dim(0) == size_ * capacity && recv.dim(1) == send.dim(1) &&
-                 slot.numel() == send.dim(0) * size_ && slot.dtype() == DType::kI32 &&
-                 slot.device() == Device::kCUDA,
-             "scatter_rows of {} {} with slots {} into {} {} ({} places per rank)",
-             dtype_name(send.dtype()), shape_str(send.shape()), shape_str(slot.shape()),
-             dtype_name(recv.dtype()), shape_str(recv.shape()), capacity);
+  using Communicator::scatter_rows;
+  void scatter_rows(const RowScatter& s) override {
+    check_row_scatter(s, size_);
+    LsaPlan plan;
+    if (!lsa_ || !make_lsa_plan(s, size_, lsa_->bytes(), &plan))
+      return Communicator::scatter_rows(s);
     begin("scatter_rows");
-    const int64_t row_bytes = send.dim(1) * static_cast<int64_t>(dtype_size(send.dtype()));
-    MT_CUDA_CHECK(lsa_->scatter(send.numel() ? send.raw() : nullptr, send.dim(0), row_bytes,
-                                slot.data<int32_t>(), capacity, recv.raw(), cuda::stream()));
+    MT_CUDA_CHECK(lsa_->scatter(plan, cuda::stream()));
     // A peer that never arrives at the kernel's barriers leaves it spinning: the watchdog sees
-    // it unfinished and ends the rank (a replayed graph's copy is watched by watch_queued).
+    // it unfinished and ends the rank (a replayed graph's kernels are watched by watch_queued).
     cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
     MT_CUDA_CHECK(cudaStreamIsCapturing(cuda::stream(), &capturing));
     if (capturing == cudaStreamCaptureStatusNone) hand_to_watchdog("scatter_rows", cuda::stream());
@@ -422,6 +415,57 @@ std::unique_ptr<Communicator> connect_nccl_world(const Rendezvous& r, Communicat
   ncclComm_t comm = nullptr;
   MT_NCCL_CHECK(ncclCommInitRank(&comm, r.world, id, r.rank));
   return std::make_unique<NcclCommunicator>(comm, r.local_rank, r.timeout_s);
+}
+
+bool make_lsa_plan(const RowScatter& s, int ranks, size_t window_limit, LsaPlan* plan) {
+  if (s.parts.size() > static_cast<size_t>(kLsaMaxParts) || s.slot->device() != Device::kCUDA)
+    return false;
+  std::vector<ScatterRowShape> shapes;
+  for (const ScatterPart& part : s.parts) {
+    if (part.send->device() != Device::kCUDA) return false;
+    shapes.push_back({part.send->dim(1), dtype_size(part.send->dtype()), part.wire});
+  }
+  const size_t peer_row_bytes = s.to_peers ? s.to_peers->nbytes() / ranks : 0;
+  if (s.to_peers && (s.to_peers->device() != Device::kCUDA || peer_row_bytes % 4 != 0))
+    return false;
+  const ScatterWindow window = scatter_window(ranks, s.capacity, shapes, peer_row_bytes);
+  if (window.bytes > window_limit) return false;
+  *plan = LsaPlan{};
+  plan->n_parts = static_cast<int>(s.parts.size());
+  plan->n = s.slot->dim(0);
+  plan->slot = s.slot->data<int32_t>();
+  plan->capacity = s.capacity;
+  plan->to_peers = s.to_peers ? s.to_peers->raw() : nullptr;
+  plan->from_peers = s.from_peers ? s.from_peers->raw() : nullptr;
+  plan->peer_row_bytes = static_cast<int64_t>(peer_row_bytes);
+  plan->peer_offset = window.peer_rows;
+  plan->window_bytes = window.bytes;
+  for (size_t i = 0; i < s.parts.size(); ++i) {
+    const ScatterPart& part = s.parts[i];
+    LsaPart& out = plan->parts[i];
+    out.send = part.send->numel() ? part.send->raw() : nullptr;
+    out.recv = part.recv->numel() ? part.recv->raw() : nullptr;
+    out.width = part.send->dim(1);
+    out.elem_bytes = static_cast<int64_t>(dtype_size(part.send->dtype()));
+    out.rule = part.rule;
+    out.data_offset = window.data[i];
+    out.scales_offset = window.scales[i];
+    const auto aligned = [&](size_t a) {
+      return reinterpret_cast<uintptr_t>(out.send) % a == 0 &&
+             reinterpret_cast<uintptr_t>(out.recv) % a == 0 &&
+             static_cast<size_t>(out.width * out.elem_bytes) % a == 0;
+    };
+    if (part.wire == RowWire::kMxfp8) {
+      const DType dt = part.send->dtype();
+      if (!aligned(16) || (dt != DType::kBF16 && dt != DType::kF32)) return false;
+      out.codec = part.send->dtype() == DType::kBF16 ? LsaCodec::kMxfp8Bf16 : LsaCodec::kMxfp8F32;
+    } else {
+      out.codec = aligned(16)  ? LsaCodec::kCopy16
+                  : aligned(4) ? LsaCodec::kCopy4
+                               : LsaCodec::kCopy1;
+    }
+  }
+  return true;
 }
 
 }  // namespace mt::dist

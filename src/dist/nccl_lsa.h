@@ -1,11 +1,17 @@
 // Rows written straight into the peers' memory over NVLink, with NCCL's device API: a symmetric
 // buffer (ncclMemAlloc, registered once as a window on the communicator) and a device
-// communicator with one LSA barrier per CTA. The scatter kernel passes a barrier (every peer has
-// finished with its buffer), stores each row at its place in the peer's window through the
-// peer's LSA pointer, passes a second barrier (every row has landed), and the window is copied
-// into the caller's tensor. Nothing waits on the host, so a CUDA graph can hold it. Needs every
-// rank in one LSA team (one node, P2P) and the NCCL release it was built against at run time
-// (the device API has no ABI guarantee across releases).
+// communicator with one LSA barrier per CTA. One send kernel passes a barrier (every peer is done
+// with its buffer), stores every part of each row at its place in the peer's window through the
+// peer's LSA pointer (an MXFP8 part quantized on the way: E4M3 data and E8M0 scales, two lanes
+// per 32-element block) together with the per-peer rows, and passes a second barrier (every row
+// has landed); one receive kernel then moves this rank's window into the callers' tensors (an
+// MXFP8 part dequantized on the way). Nothing waits on the host, so a CUDA graph can hold it.
+// Needs every rank in one LSA team (one node, P2P) and the NCCL release it was built against at
+// run time (the device API has no ABI guarantee across releases).
+//
+// The same two kernels run over ranks emulated on one GPU (emulated_scatter: the peers' windows
+// as plain pointers, the barriers replaced by the order of the launches), which is how one GPU
+// tests everything but the barriers and the LSA pointers.
 #pragma once
 #include <cuda_runtime_api.h>
 #include <nccl.h>
@@ -14,7 +20,41 @@
 #include <memory>
 #include <string>
 
+#include "core/mx_format.h"
+
 namespace mt::dist {
+
+inline constexpr int kLsaMaxParts = 6;
+
+// How a part crosses: its bytes in units of 16, 4 or 1 bytes (the widest its rows and pointers
+// allow), or MXFP8 quantized from bf16 or f32 rows (and dequantized into them on arrival).
+enum class LsaCodec : uint8_t { kCopy16, kCopy4, kCopy1, kMxfp8Bf16, kMxfp8F32 };
+
+struct LsaPart {
+  const void* send = nullptr;  // n rows of width elements of elem_bytes
+  void* recv = nullptr;        // ranks * capacity rows of the same
+  int64_t width = 0;
+  int64_t elem_bytes = 0;
+  LsaCodec codec = LsaCodec::kCopy1;
+  MxScaleRule rule = MxScaleRule::kRceil;
+  size_t data_offset = 0, scales_offset = 0;  // in the window (dist::scatter_window)
+};
+
+// One scatter: slot i32 (n, ranks) on the device: row t of every part goes to peer p's window at
+// place (rank * capacity + slot[t, p]) (-1: not to p); row p of to_peers (peer_row_bytes, a
+// multiple of 4) to peer p's per-peer rows at row `rank`, which arrive in from_peers.
+struct LsaPlan {
+  LsaPart parts[kLsaMaxParts];
+  int n_parts = 0;
+  int64_t n = 0;
+  const int32_t* slot = nullptr;
+  int64_t capacity = 0;
+  const void* to_peers = nullptr;
+  void* from_peers = nullptr;
+  int64_t peer_row_bytes = 0;
+  size_t peer_offset = 0;
+  size_t window_bytes = 0;  // what the layout needs
+};
 
 class LsaScatter {
  public:
@@ -27,16 +67,20 @@ class LsaScatter {
   LsaScatter& operator=(const LsaScatter&) = delete;
 
   size_t bytes() const;
-  // send: n rows of row_bytes; slot i32 (n, ranks) on the device: row t goes to peer p's window
-  // at row (rank * capacity + slot[t, p]) (-1: not to p); then `out` (ranks * capacity rows)
-  // receives this rank's window. Everything on `stream`.
-  cudaError_t scatter(const void* send, int64_t n, int64_t row_bytes, const int32_t* slot,
-                      int64_t capacity, void* out, cudaStream_t stream);
+  // The send kernel, then the receive kernel, on `stream` (cudaErrorInvalidValue when the plan
+  // needs more than the window).
+  cudaError_t scatter(const LsaPlan& plan, cudaStream_t stream);
 
  private:
   struct State;
   explicit LsaScatter(std::unique_ptr<State> s);
   std::unique_ptr<State> s_;
 };
+
+// The same kernels over `ranks` (at most 8) ranks emulated on this GPU: plans[r] is rank r's
+// plan, windows[r] its receive buffer (plans[r].window_bytes of device memory). Every rank's send
+// kernel runs, then every rank's receive kernel, on `stream`, with `ctas` blocks.
+cudaError_t emulated_scatter(const LsaPlan* plans, int ranks, void* const* windows, int ctas,
+                             cudaStream_t stream);
 
 }  // namespace mt::dist

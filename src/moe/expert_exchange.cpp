@@ -1,5 +1,6 @@
 #include "moe/expert_exchange.h"
 
+#include <algorithm>
 #include <array>
 #include <numeric>
 
@@ -25,7 +26,7 @@ bool parse_exchange_mode(std::string_view name, ExchangeMode* out) {
 }
 
 ExpertExchange::ExpertExchange(dist::Communicator& ep, const Tensor& expert_index, int64_t experts,
-                               ExchangeMode mode)
+                               ExchangeMode mode, const std::vector<DispatchRows>& with)
     : ep_(&ep), mode_(mode), tokens_(expert_index.dim(0)) {
   const Device device = expert_index.device();
   const profile::Span span("ep.counts", device == Device::kCUDA);
@@ -34,10 +35,35 @@ ExpertExchange::ExpertExchange(dist::Communicator& ep, const Tensor& expert_inde
   const int64_t local = experts / peers;
   Tensor to_peer = Tensor::empty({tokens_, peers}, DType::kI32, device);
   ops::peer_choices(expert_index, peers, local, to_peer);
-  if (mode == ExchangeMode::kHostCounts)
+  if (mode == ExchangeMode::kHostCounts) {
     plan_host_counts(expert_index, to_peer, local);
-  else
-    plan_device_counts(expert_index, to_peer, local);
+    for (const DispatchRows& d : with) *d.out = dispatch(*d.rows, d.wire);
+  } else {
+    plan_device_counts(expert_index, to_peer, local, with);
+  }
+}
+
+namespace {
+dist::RowWire row_wire(const ops::ExpertPrecision& wire) {
+  return wire.dispatch == ops::DispatchDtype::kMxfp8 ? dist::RowWire::kMxfp8 : dist::RowWire::kAsIs;
+}
+}  // namespace
+
+size_t ExpertExchange::window_bytes(int ep, int64_t tokens, int64_t top_k, int64_t experts,
+                                    int64_t dim, DType row_dtype,
+                                    const ops::ExpertPrecision& wire) {
+  const std::vector<dist::ScatterRowShape> parts = {
+      {top_k, sizeof(int32_t), dist::RowWire::kAsIs},  // the choices
+      {dim, dtype_size(row_dtype), row_wire(wire)},    // the rows
+      {top_k, sizeof(float), dist::RowWire::kAsIs},    // their routing weights
+  };
+  const size_t counts = static_cast<size_t>(experts / ep + 1) * sizeof(int64_t);
+  const size_t plan = dist::scatter_window(ep, tokens, parts, counts).bytes;
+  // Combine and the backward send rows as they are.
+  const size_t rows =
+      dist::scatter_window(ep, tokens, {{dim, dtype_size(row_dtype), dist::RowWire::kAsIs}}, 0)
+          .bytes;
+  return std::max(plan, rows);
 }
 
 // counts = [sent | received], each (peers, L + 1): per rank its experts' choices, then its
@@ -70,18 +96,17 @@ void ExpertExchange::plan_host_counts(const Tensor& expert_index, const Tensor& 
   ops::local_choices(choices, ep_->rank(), local, local_index_);
 }
 
-// The counts go device to device (a fixed all-to-all of one row per rank) and stay there: they
-// mark which places of each region hold a token (local_choices, region_slots).
+// One exchange sends the tokens' choices, the rows `with` names, and each rank's counts (a row per
+// peer); the counts stay on the device and mark which places of each region hold a token
+// (local_choices, region_slots).
 void ExpertExchange::plan_device_counts(const Tensor& expert_index, const Tensor& to_peer,
-                                        int64_t local) {
+                                        int64_t local, const std::vector<DispatchRows>& with) {
   const Device device = expert_index.device();
   const int peers = ep_->size();
   const int64_t k = expert_index.dim(1);
   Tensor sent = Tensor::empty({peers, local + 1}, DType::kI64, device);
   Tensor received = Tensor::empty({peers, local + 1}, DType::kI64, device);
   ops::peer_counts(expert_index, peers, local, sent);
-  const std::vector<int64_t> one_row(peers, 1);
-  ep_->all_to_all(sent, one_row, received, one_row);
 
   received_tokens_ = peers * tokens_;
   local_rows_ = received_tokens_ * std::min(k, local);
@@ -92,9 +117,23 @@ void ExpertExchange::plan_device_counts(const Tensor& expert_index, const Tensor
   from_peers_.row_of_choice = Tensor::empty({tokens_ * peers}, DType::kI32, device);
   Tensor back_rows = from_peers_.row_of_choice.reshape({tokens_, peers});
   ops::slots_within_experts(to_peer, to_peers_, tokens_, back_rows);
+
+  Tensor choices = Tensor::empty({received_tokens_, k}, DType::kI32, device);
+  dist::RowScatter s;
+  s.slot = &send_slot_;
+  s.capacity = tokens_;
+  s.parts.push_back({&expert_index, &choices});
+  for (const DispatchRows& d : with) {
+    MT_CHECK(d.rows->ndim() == 2 && d.rows->dim(0) == tokens_, "dispatch of {} rows for {} tokens",
+             shape_str(d.rows->shape()), tokens_);
+    *d.out = Tensor::empty({received_tokens_, d.rows->dim(1)}, d.rows->dtype(), device);
+    s.parts.push_back({d.rows, d.out, row_wire(d.wire), d.wire.rule});
+  }
+  s.to_peers = &sent;
+  s.from_peers = &received;
+  ep_->scatter_rows(s);
   return_slot_ = Tensor::empty({received_tokens_, peers}, DType::kI32, device);
   ops::region_slots(received, tokens_, return_slot_);
-  const Tensor choices = send_rows(expert_index);
   local_index_ = Tensor::empty(choices.shape(), DType::kI32, device);
   ops::local_choices(choices, ep_->rank(), local, local_index_, &received);
 }
@@ -118,30 +157,58 @@ Tensor ExpertExchange::dispatch(const Tensor& rows, const ops::ExpertPrecision& 
   MT_CHECK(rows.ndim() == 2 && rows.dim(0) == tokens_, "dispatch of {} rows for {} tokens",
            shape_str(rows.shape()), tokens_);
   if (wire.dispatch == ops::DispatchDtype::kBf16) return send_rows(rows);
+  Tensor received = Tensor::empty({received_tokens_, rows.dim(1)}, rows.dtype(), device);
+  if (mode_ == ExchangeMode::kDeviceCounts) {  // quantized as it is sent, once per token
+    dist::RowScatter s;
+    s.slot = &send_slot_;
+    s.capacity = tokens_;
+    s.parts.push_back({&rows, &received, dist::RowWire::kMxfp8, wire.rule});
+    ep_->scatter_rows(s);
+    return received;
+  }
   // Each token quantized once, before it is sent (to one rank or several).
   MxTensor out = MxTensor::empty(rows.shape(), MxAxis::kDim0, device);
   ops::mx_quantize(rows, wire.rule, out);
   MxTensor in = MxTensor::empty({received_tokens_, rows.dim(1)}, MxAxis::kDim0, device);
   in.data() = send_rows(out.data());
   in.scales() = send_rows(out.scales());
-  Tensor received = Tensor::empty({received_tokens_, rows.dim(1)}, rows.dtype(), device);
   ops::mx_dequantize(in, received);
   return received;
 }
 
 void ExpertExchange::combine(const Tensor& rows, Tensor& out, const Tensor* residual) const {
-  const profile::Span span("ep.combine", rows.device() == Device::kCUDA);
-  MT_CHECK(rows.ndim() == 2 && rows.dim(0) == received_tokens_,
-           "combine of {} rows for {} received tokens", shape_str(rows.shape()), received_tokens_);
-  expect_shape(out, {tokens_, rows.dim(1)}, "combined rows");
-  if (mode_ == ExchangeMode::kDeviceCounts) {
-    Tensor back = Tensor::empty({received_tokens_, rows.dim(1)}, rows.dtype(), rows.device());
-    ep_->scatter_rows(rows, return_slot_, tokens_, back);
-    return ops::combine_forward(back, from_peers_, out, residual);
+  combine({{&rows, &out, residual}});
+}
+
+void ExpertExchange::combine(const std::vector<CombineRows>& parts) const {
+  if (parts.empty()) return;
+  const Device device = parts.front().rows->device();
+  const profile::Span span("ep.combine", device == Device::kCUDA);
+  for (const CombineRows& p : parts) {
+    MT_CHECK(p.rows->ndim() == 2 && p.rows->dim(0) == received_tokens_,
+             "combine of {} rows for {} received tokens", shape_str(p.rows->shape()),
+             received_tokens_);
+    expect_shape(*p.out, {tokens_, p.rows->dim(1)}, "combined rows");
   }
-  Tensor back = Tensor::empty({to_peers_.rows(), rows.dim(1)}, rows.dtype(), rows.device());
-  ep_->all_to_all(rows, recv_tokens_, back, send_tokens_);
-  ops::combine_forward(back, to_peers_, out, residual);
+  if (mode_ == ExchangeMode::kDeviceCounts) {
+    std::vector<Tensor> back(parts.size());
+    dist::RowScatter s;
+    s.slot = &return_slot_;
+    s.capacity = tokens_;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      back[i] = Tensor::empty(parts[i].rows->shape(), parts[i].rows->dtype(), device);
+      s.parts.push_back({parts[i].rows, &back[i]});
+    }
+    ep_->scatter_rows(s);
+    for (size_t i = 0; i < parts.size(); ++i)
+      ops::combine_forward(back[i], from_peers_, *parts[i].out, parts[i].residual);
+    return;
+  }
+  for (const CombineRows& p : parts) {
+    Tensor back = Tensor::empty({to_peers_.rows(), p.rows->dim(1)}, p.rows->dtype(), device);
+    ep_->all_to_all(*p.rows, recv_tokens_, back, send_tokens_);
+    ops::combine_forward(back, to_peers_, *p.out, p.residual);
+  }
 }
 
 }  // namespace mt::moe

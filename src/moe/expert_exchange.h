@@ -17,11 +17,14 @@
 // - kDeviceCounts: nothing is read on the host, so a CUDA graph can hold the layer. Every rank
 //   owns a region of N places (its micro-batch's tokens: the most it can send) in each peer's
 //   receive buffer; rows go straight to their place (Communicator::scatter_rows: a kernel over
-//   NVLink with NCCL's symmetric memory within a node); the counts travel device to device and
-//   mark which places hold a token. Buffers have the worst case's size: ep * N tokens received,
+//   NVLink with NCCL's symmetric memory within a node); the counts travel with the first rows,
+//   device to device, and mark which places hold a token. The plan sends the tokens' choices,
+//   their counts and the rows given to it (DispatchRows: the layer's activations and routing
+//   weights) in one exchange. Buffers have the worst case's size: ep * N tokens received,
 //   ep * N * min(k, L) expert rows (rows past the routed ones name no token and are skipped).
 //
-// The MXFP8 wire (dispatch's `wire`) sends 1 + 1/32 bytes per element instead of 2.
+// The MXFP8 wire (dispatch's `wire`) sends 1 + 1/32 bytes per element instead of 2; with device
+// counts the send kernel quantizes the rows and the receive kernel dequantizes them.
 #pragma once
 #include <vector>
 
@@ -36,12 +39,28 @@ enum class ExchangeMode : uint8_t { kHostCounts, kDeviceCounts };
 std::string_view exchange_mode_name(ExchangeMode m);  // "host", "device"
 bool parse_exchange_mode(std::string_view name, ExchangeMode* out);
 
+// Rows in token order that the plan dispatches along with the tokens' choices (with device
+// counts in the same exchange): *out is set to what dispatch(*rows, wire) returns.
+struct DispatchRows {
+  const Tensor* rows = nullptr;
+  Tensor* out = nullptr;
+  ops::ExpertPrecision wire = {};
+};
+
 class ExpertExchange {
  public:
   // expert_index i32 (N, k): the choices of this rank's N tokens over all `experts`, on the
   // rows' device (every rank of the group has the same N). Collective over `ep`.
   ExpertExchange(dist::Communicator& ep, const Tensor& expert_index, int64_t experts,
-                 ExchangeMode mode = ExchangeMode::kHostCounts);
+                 ExchangeMode mode = ExchangeMode::kHostCounts,
+                 const std::vector<DispatchRows>& with = {});
+
+  // The receive buffer (bytes) that a device path needs for the largest exchange of a layer over
+  // `ep` ranks of `tokens` tokens with top_k choices of `experts`: the plan's (the choices, the
+  // counts, rows of `dim` elements of row_dtype on `wire` and their f32 routing weights) or a
+  // row of row_dtype as it is (combine, the backward).
+  static size_t window_bytes(int ep, int64_t tokens, int64_t top_k, int64_t experts, int64_t dim,
+                             DType row_dtype, const ops::ExpertPrecision& wire);
 
   int64_t tokens() const { return tokens_; }  // N
   // Rows of dispatch's output: the tokens received (Rt), or with device counts ep * N places.
@@ -62,10 +81,19 @@ class ExpertExchange {
   // rows (Rt, W) -> out (N, W): each token's rows from the ranks it went to, summed in rank
   // order, plus residual[t] when given (float dtypes). The adjoint of dispatch.
   void combine(const Tensor& rows, Tensor& out, const Tensor* residual = nullptr) const;
+  // Several combines in one exchange (with device counts: the backward's weight and input
+  // gradients), each as combine(*rows, *out, residual) gives.
+  struct CombineRows {
+    const Tensor* rows = nullptr;
+    Tensor* out = nullptr;
+    const Tensor* residual = nullptr;
+  };
+  void combine(const std::vector<CombineRows>& parts) const;
 
  private:
   void plan_host_counts(const Tensor& expert_index, const Tensor& to_peer, int64_t local);
-  void plan_device_counts(const Tensor& expert_index, const Tensor& to_peer, int64_t local);
+  void plan_device_counts(const Tensor& expert_index, const Tensor& to_peer, int64_t local,
+                          const std::vector<DispatchRows>& with);
   // Rows to their places: (N, W) -> (Rt, W) (device counts) or the host path's all-to-all.
   Tensor send_rows(const Tensor& rows) const;
 

@@ -124,8 +124,12 @@ void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, co
     }
     a.aux_loss = ops::router_aux_loss(a.aux_stats);
     if (comms.ep) {
+      // The plan dispatches the tokens and their routing weights with their choices.
+      std::vector<DispatchRows> with;
+      if (!a.xr.defined()) with.push_back({&hn, &a.xr, c.expert_precision});
+      if (!a.wr.defined()) with.push_back({&a.routing.expert_weight, &a.wr});
       a.exchange = std::make_shared<ExpertExchange>(*comms.ep, a.routing.expert_index, c.n_experts,
-                                                    comms.exchange);
+                                                    comms.exchange, with);
       ops::make_expert_permutation(a.exchange->local_index(), c.n_experts / comms.ep->size(),
                                    a.perm, segment_align(c, hn), a.exchange->local_rows());
     } else {
@@ -226,7 +230,6 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
   Tensor dweight_here = a.exchange ? Tensor::empty({here, c.top_k}, wt, dev) : dweight;
   Tensor dweight_rows = dweight_here.reshape({here, c.top_k, 1});
   ops::unpermute_rows(drow_weight, a.perm, dweight_rows);
-  if (a.exchange) a.exchange->combine(dweight_here, dweight);
   Tensor dxe = Tensor::empty({r, c.dim}, dt, dev);
   ops::expert_gemm_backward_input(dgate_up, w.w_gate_up, rows, prec, dxe,
                                   {w.gate_up_mx, dgate_up_mx.defined() ? &dgate_up_mx : nullptr});
@@ -235,11 +238,12 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
   ops::expert_gemm_backward_weight(a.xe, dgate_up, rows, c.expert_precision, g.w_gate_up,
                                    expert_grads);
 
-  // The dispatch's backward: each token's rows summed where they are, then across the ranks.
+  // The dispatch's backward: each token's rows summed where they are, then across the ranks,
+  // with the routing weights' gradient in the same exchange.
   Tensor dhn = Tensor::empty({n, c.dim}, dt, dev);
   Tensor dx_here = a.exchange ? Tensor::empty({here, c.dim}, dt, dev) : dhn;
   ops::permute_rows_backward(dxe, a.perm, dx_here);
-  if (a.exchange) a.exchange->combine(dx_here, dhn);
+  if (a.exchange) a.exchange->combine({{&dweight_here, &dweight}, {&dx_here, &dhn}});
 
   Tensor dlogits = Tensor::empty({n, c.n_experts}, a.routing.scores.dtype(), dev);
   ops::router_backward(a.routing, router_options(c), a.aux_stats, dweight, aux_grad, dlogits);

@@ -144,13 +144,14 @@ void Trainer::draw_run_id() {
   run_id_ = id.data<int64_t>()[0];
 }
 
-// The device exchange's receive buffer, for its widest rows: a micro-batch's tokens from every
-// EP rank, dim activations each (its metadata rows are narrower), registered now, before any
-// pass is captured.
+// The device exchange's receive buffer, for its largest exchange (a micro-batch's tokens from
+// every EP rank with their choices, counts and routing weights), registered now, before any pass
+// is captured.
 void Trainer::reserve_exchange(const Config& c) {
   const int64_t tokens = c.train.batch_rows * c.train.seq_len;
-  const size_t bytes = static_cast<size_t>(c.parallel.ep * tokens * c.model.dim) *
-                       dtype_size(cfg_.model.activation_dtype());
+  const size_t bytes = moe::ExpertExchange::window_bytes(
+      static_cast<int>(c.parallel.ep), tokens, c.model.top_k, c.model.n_experts, c.model.dim,
+      cfg_.model.activation_dtype(), c.model.expert_precision);
   std::string why;
   const size_t got =
       mesh_->ep().reserve_scatter(bytes, static_cast<int>(c.parallel.ep_exchange_ctas), &why);
