@@ -12,6 +12,7 @@
 
 #include "core/cuda_check.h"
 #include "core/mx.h"
+#include "core/rng.h"
 #include "mx_cases.h"
 #include "ops/activation.h"
 #include "ops/expert_gemm.h"
@@ -66,6 +67,54 @@ TEST_P(GpuMx, QuantizeAndDequantizeMatchTheCpuBitForBit) {
 }
 
 INSTANTIATE_TEST_SUITE_P(Cases, GpuMx, testing::mx_case_values(), testing::mx_case_name);
+
+// Every block-scale exponent both rules can produce, against the CPU's (which divides by 448 for
+// RCEIL, as torchao does): one block per amax, amax over every f32 exponent (subnormals too) with
+// the mantissas where the scale can change (around 1.5 and 1.75, the ends) and random ones, plus
+// infinity, NaN and zero; the other 31 elements fractions of it, signed. Both axes, f32 and bf16
+// input, scales and data bit for bit.
+TEST(GpuMx, EveryScaleExponentMatchesTheCpu) {
+  std::vector<uint32_t> amax;
+  const CounterRng rng{fresh_seed(), 3};
+  for (uint32_t field = 0; field < 255; ++field) {
+    for (uint32_t m : {0u, 1u, 0x3FFFFFu, 0x400000u, 0x400001u, 0x5FFFFFu, 0x600000u, 0x600001u,
+                       0x7FFFFEu, 0x7FFFFFu})
+      amax.push_back(field << 23 | m);
+    for (int i = 0; i < 6; ++i)
+      amax.push_back(field << 23 | static_cast<uint32_t>(rng.below(field * 8 + i, 1u << 23)));
+  }
+  amax.push_back(0x7F800000u);                     // infinity
+  amax.push_back(0x7FC00000u);                     // NaN
+  while (amax.size() % 8 != 0) amax.push_back(0);  // the dim1 kernel's 16-byte rows; zero blocks
+  const auto blocks = static_cast<int64_t>(amax.size());
+  Tensor rows = Tensor::empty({blocks, kMxBlock}, DType::kF32);
+  Tensor cols = Tensor::empty({kMxBlock, blocks}, DType::kF32);
+  for (int64_t b = 0; b < blocks; ++b) {
+    float a = 0.0f;
+    std::memcpy(&a, &amax[b], sizeof(a));
+    for (int64_t i = 0; i < kMxBlock; ++i) {
+      // The amax at a place that moves with the block; the others below it, half of them negative.
+      const float frac = static_cast<float>(rng.uniform(1000 + b * kMxBlock + i));
+      const float v = i == b % kMxBlock ? a : (i % 2 ? -1.0f : 1.0f) * a * frac;
+      rows.data<float>()[b * kMxBlock + i] = v;
+      cols.data<float>()[i * blocks + b] = v;
+    }
+  }
+  for (const MxScaleRule rule : {MxScaleRule::kRceil, MxScaleRule::kFloor})
+    for (const DType dt : {DType::kF32, DType::kBF16})
+      for (const MxAxis axis : {MxAxis::kDim0, MxAxis::kDim1}) {
+        SCOPED_TRACE(std::string(mx_scale_rule_name(rule)) + " " + std::string(dtype_name(dt)) +
+                     " " + std::string(mx_axis_name(axis)));
+        const Tensor x = (axis == MxAxis::kDim0 ? rows : cols).to(dt);
+        MxTensor want = MxTensor::poisoned(x.shape(), axis);
+        ops::mx_quantize(x, rule, want);
+        MxTensor got = MxTensor::poisoned(x.shape(), axis, Device::kCUDA);
+        ops::mx_quantize(x.to(Device::kCUDA), rule, got);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_TRUE(same_bytes(got.scales(), want.scales()));
+        EXPECT_TRUE(same_bytes(got.data(), want.data()));
+      }
+}
 
 TEST(GpuMx, RefusesWhatTheKernelsCannotRead) {
   MxTensor q = MxTensor::empty({64, 36}, MxAxis::kDim1, Device::kCUDA);

@@ -28,6 +28,12 @@ struct BlockScale {
   float factor;
 };
 
+// RCEIL's scale of biased exponent s (in [0, 254]) and the factor its elements take: 2^(127-s),
+// or 1 for s = 0 (every element then rounds to zero in E4M3).
+__device__ __forceinline__ BlockScale from_exponent(int s) {
+  return {static_cast<uint8_t>(s), s == 0 ? 1.0f : pow2(127 - s)};
+}
+
 __device__ __forceinline__ BlockScale block_scale(MxScaleRule rule, uint32_t amax_bits) {
   const float amax = __uint_as_float(amax_bits);
   if (rule == MxScaleRule::kFloor) {
@@ -37,17 +43,25 @@ __device__ __forceinline__ BlockScale block_scale(MxScaleRule rule, uint32_t ama
     const uint8_t s = static_cast<uint8_t>(unbiased + 127);
     return {s, pow2(127 - max(static_cast<int>(s), 1))};  // divisor clamped to >= 2^-126
   }
+  // RCEIL without the division: for amax = M * 2^j (M in [1, 2)) whose quotient by 448 = 1.75 * 2^8
+  // is a normal float, fl32(amax / 448) is a power of two only when M = 1.75 exactly (the values
+  // next to 1.75 * 2^j lie over half an ulp of the quotient away from 2^(j - 8)), so its ceil(log2)
+  // is j - 8, plus one when M > 1.75. Smaller, infinite and NaN amax take the division below.
+  const uint32_t field = amax_bits >> 23;
+  if (field >= 16 && field < 255)
+    return from_exponent(static_cast<int>(field) - 8 +
+                         ((amax_bits & 0x7FFFFFu) > 0x600000u ? 1 : 0));
   const float descale = __fdiv_rn(amax, 448.0f);
   if (isnan(descale)) return {0xFF, descale};
   if (isinf(descale)) return {0xFE, pow2(-127)};
   const uint32_t bits = __float_as_uint(descale);
-  const uint32_t field = bits >> 23, mantissa = bits & 0x7FFFFFu;
+  const uint32_t q_field = bits >> 23, mantissa = bits & 0x7FFFFFu;
   int s;
-  if (field == 0)
+  if (q_field == 0)
     s = mantissa > 0x400000u ? 1 : 0;  // zero or subnormal: above 2^-127 rounds up to 2^-126
   else
-    s = min(static_cast<int>(field) + (mantissa != 0 ? 1 : 0), 254);
-  return {static_cast<uint8_t>(s), s == 0 ? 1.0f : pow2(127 - s)};
+    s = min(static_cast<int>(q_field) + (mantissa != 0 ? 1 : 0), 254);
+  return from_exponent(s);
 }
 
 // Two products rounded to f32, then to E4M3 with saturation and round-to-nearest-even (NaN ->
