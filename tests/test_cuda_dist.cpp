@@ -400,6 +400,16 @@ TEST(LsaScatter, OneRankThroughNcclPlacesEveryPart) {
     c.scatter_rows(s);
     cuda::synchronize();
     expect_scattered(host, 0, 0, 1, n, recv, counts_in, MxScaleRule::kRceil, "one NCCL rank");
+    // The path without the device API (each region whole through NCCL's all-to-all) gives the same.
+    for (size_t i = 0; i < recv.size(); ++i) {
+      recv[i] = Tensor::poisoned(recv[i].shape(), recv[i].dtype(), Device::kCUDA);
+      s.parts[i].recv = &recv[i];
+    }
+    counts_in = Tensor::poisoned({1, 2}, DType::kI64, Device::kCUDA);
+    c.dist::Communicator::scatter_rows(s);
+    cuda::synchronize();
+    expect_scattered(host, 0, 0, 1, n, recv, counts_in, MxScaleRule::kRceil,
+                     "one NCCL rank, all-to-all");
   });
 }
 

@@ -811,6 +811,37 @@ TEST(GpuTensor, OutOfMemoryReleasesTheGraphPoolAndWorkIsCapturedAgain) {
   EXPECT_EQ(out.to(Device::kCPU).item(5), 3.0);
 }
 
+// ops::place_rows on the GPU against the CPU, every byte of the output (both start from the same
+// poison, so the places no row names must stay as they were): rows of 16-, 4- and 1-byte units,
+// 1 to 8 peers, a third of the slots -1.
+TEST(ExpertChoices, PlaceRowsMatchesTheCpu) {
+  if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU: run this test on the GPU machine";
+  const uint64_t seed = fresh_seed();
+  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  std::mt19937_64 gen(seed);
+  const int64_t n = 777;
+  for (const auto& [dtype, width] : std::vector<std::pair<DType, int64_t>>{
+           {DType::kBF16, 2048}, {DType::kI32, 8}, {DType::kF32, 3}, {DType::kBF16, 3}})
+    for (int peers : {1, 3, 8}) {
+      const std::string what = std::string(dtype_name(dtype)) + " x " + std::to_string(width) +
+                               ", " + std::to_string(peers) + " peers";
+      const int64_t capacity = n + 5;
+      Tensor slot = Tensor::empty({n, peers}, DType::kI32);
+      std::vector<int32_t> next(peers, 0);
+      for (int64_t t = 0; t < n; ++t)
+        for (int p = 0; p < peers; ++p)
+          slot.data<int32_t>()[t * peers + p] = gen() % 3 == 0 ? -1 : next[p]++;
+      Tensor x = Tensor::empty({n, width}, dtype);
+      for (size_t i = 0; i < x.nbytes(); ++i) static_cast<uint8_t*>(x.raw())[i] = gen() % 251;
+      Tensor want = Tensor::poisoned({peers * capacity, width}, dtype);
+      Tensor got = want.to(Device::kCUDA);
+      ops::place_rows(x, slot, capacity, want);
+      ops::place_rows(x.to(Device::kCUDA), slot.to(Device::kCUDA), capacity, got);
+      const Tensor host = got.to(Device::kCPU);
+      EXPECT_EQ(std::memcmp(host.raw(), want.raw(), want.nbytes()), 0) << what;
+    }
+}
+
 // The expert-parallel choices on the device against the host reference, bit for bit, outputs
 // poisoned first: peer_choices, peer_counts and local_choices over 1, 2, 4 and 8 ranks, then the
 // receiving rank's permutation with the other ranks' choices skipped (dense with the exact count

@@ -462,6 +462,21 @@ TEST(Permute, PeerAndLocalChoices) {
   for (int i = 0; i < 8; ++i) EXPECT_EQ(local.item(i), want_local[i]) << i;
 }
 
+// Three rows to two ranks of three places: each row at p * 3 + its slot for every rank it goes to,
+// the places no row names left as they were; a slot past the places is named.
+TEST(Permute, PlaceRowsPutsEachRowAtItsPlaces) {
+  Tensor x = i32({10, 11, 20, 21, 30, 31}).reshape({3, 2});
+  Tensor slot = i32({0, -1, 1, 0, -1, 2}).reshape({3, 2});
+  Tensor out = Tensor::empty({6, 2}, DType::kI32);
+  std::fill(out.data<int32_t>(), out.data<int32_t>() + 12, -7);
+  ops::place_rows(x, slot, 3, out);
+  const std::vector<int> want = {10, 11, 20, 21, -7, -7, 20, 21, -7, -7, 30, 31};
+  for (int i = 0; i < 12; ++i) EXPECT_EQ(out.item(i), want[i]) << i;
+  Tensor bad = i32({0, -1, 1, 0, -1, 3}).reshape({3, 2});
+  const std::string e = error_of([&] { ops::place_rows(x, bad, 3, out); });
+  EXPECT_NE(e.find("slot 3 of row 2 for rank 1: 3 places per rank"), std::string::npos) << e;
+}
+
 // Segments aligned to 4 rows: each expert's rows from a multiple of 4, in the dense order, the
 // padding naming no token; rows moved through the padded layout come back unchanged.
 TEST(Permute, PaddedSegmentsKeepTheDenseOrder) {

@@ -14,26 +14,17 @@ size_t align16(size_t bytes) {
   return (bytes + 15) / 16 * 16;
 }
 
-// Rows of `send` moved to their places in every peer's `recv` along `layout` (the host's reading
-// of the slots): the rows peer-major, one all_to_all, each peer's block to its region.
-void move_rows(Communicator& c, const Tensor& send, const ops::ExpertPermutation& layout,
-               const std::vector<int64_t>& send_rows, const std::vector<int64_t>& recv_rows,
-               int64_t capacity, Tensor& recv) {
-  const Device device = send.device();
-  const int64_t width = send.dim(1);
-  int64_t total = 0;
-  for (int64_t n : recv_rows) total += n;
-  Tensor ordered = Tensor::empty({layout.rows(), width}, send.dtype(), device);
-  ops::permute_rows(send, layout, ordered);
-  Tensor received = Tensor::empty({total, width}, send.dtype(), device);
-  c.all_to_all(ordered, send_rows, received, recv_rows);
-  int64_t at = 0;
-  for (size_t p = 0; p < recv_rows.size(); ++p) {
-    if (recv_rows[p] == 0) continue;
-    Tensor region = recv.view(static_cast<int64_t>(p) * capacity * width, {recv_rows[p], width});
-    region.copy_from(received.view(at * width, {recv_rows[p], width}));
-    at += recv_rows[p];
-  }
+// Rows of `send` to their places in every peer's `recv`: each peer's region laid out here whole
+// (ops::place_rows), then one all_to_all of `capacity` rows per peer, which lands region by region
+// in rank order, as recv is laid out. Nothing is read on the host (the counts are fixed), so a
+// CUDA graph can hold it; the places no row was put at cross too, undefined.
+void move_rows(Communicator& c, const Tensor& send, const Tensor& slot, int64_t capacity,
+               Tensor& recv) {
+  const int peers = c.size();
+  Tensor regions = Tensor::empty({peers * capacity, send.dim(1)}, send.dtype(), send.device());
+  ops::place_rows(send, slot, capacity, regions);
+  const std::vector<int64_t> rows(peers, capacity);
+  c.all_to_all(regions, rows, recv, rows);
 }
 
 }  // namespace
@@ -103,73 +94,26 @@ void Communicator::scatter_rows(const Tensor& send, const Tensor& slot, int64_t 
   scatter_rows(s);
 }
 
-// The slots read on the host become the send layout (peer-major, slot order: a permutation over
-// the peers whose rows are the slots' order, since they increase with t) and the row counts of
-// one all_to_all per part; an MXFP8 part is quantized before and dequantized after its move.
+// Each part's regions in one fixed-size all_to_all (an MXFP8 part quantized before and
+// dequantized after it), the per-peer rows in another: the path for backends without a device
+// path (CPU ranks, NCCL across nodes), and the reference the device path is tested against.
 void Communicator::scatter_rows(const RowScatter& s) {
   const int peers = size();
   check_row_scatter(s, peers);
-  const Tensor& slot = *s.slot;
-  const int64_t n = slot.dim(0);
-  const int64_t capacity = s.capacity;
   if (s.to_peers) {
     const std::vector<int64_t> one(peers, 1);
     all_to_all(*s.to_peers, one, *s.from_peers, one);
   }
-  if (s.parts.empty()) return;
-
-  const Tensor host = slot.to(Device::kCPU);
-  const int32_t* sl = host.data<int32_t>();
-  std::vector<int64_t> send_rows(peers, 0);
-  for (int64_t t = 0; t < n; ++t)
-    for (int p = 0; p < peers; ++p) {
-      const int32_t at = sl[t * peers + p];
-      if (at < 0) continue;
-      MT_CHECK(at == send_rows[p] && at < capacity,
-               "scatter slot {} of row {} for rank {}: slots must run 0, 1, ... below {}", at, t, p,
-               capacity);
-      ++send_rows[p];
-    }
-  ops::ExpertPermutation layout;
-  layout.expert_offsets = Tensor::empty({peers + 1}, DType::kI64);
-  int64_t* off = layout.expert_offsets.data<int64_t>();
-  off[0] = 0;
-  for (int p = 0; p < peers; ++p) off[p + 1] = off[p] + send_rows[p];
-  layout.source_token = Tensor::empty({off[peers]}, DType::kI32);
-  layout.row_of_choice = Tensor::empty({n * peers}, DType::kI32);
-  for (int64_t t = 0; t < n; ++t)
-    for (int p = 0; p < peers; ++p) {
-      const int32_t at = sl[t * peers + p];
-      const int64_t row = at < 0 ? -1 : off[p] + at;
-      layout.row_of_choice.data<int32_t>()[t * peers + p] = static_cast<int32_t>(row);
-      if (row >= 0) layout.source_token.data<int32_t>()[row] = static_cast<int32_t>(t);
-    }
-  const Device device = slot.device();
-  layout.source_token = layout.source_token.to(device);
-  layout.row_of_choice = layout.row_of_choice.to(device);
-  layout.segments = layout.expert_offsets;
-
-  // Each peer's row count for this rank, then the parts' rows.
-  Tensor counts = Tensor::empty({peers}, DType::kI64), theirs = Tensor::empty({peers}, DType::kI64);
-  for (int p = 0; p < peers; ++p) counts.data<int64_t>()[p] = send_rows[p];
-  const std::vector<int64_t> one(peers, 1);
-  Tensor counts_dev = counts.to(device), theirs_dev = theirs.to(device);
-  all_to_all(counts_dev, one, theirs_dev, one);
-  theirs = theirs_dev.to(Device::kCPU);
-  std::vector<int64_t> recv_rows(peers);
-  for (int p = 0; p < peers; ++p) recv_rows[p] = theirs.data<int64_t>()[p];
   for (const ScatterPart& part : s.parts) {
     if (part.wire == RowWire::kAsIs) {
-      move_rows(*this, *part.send, layout, send_rows, recv_rows, capacity, *part.recv);
+      move_rows(*this, *part.send, *s.slot, s.capacity, *part.recv);
       continue;
     }
-    const Shape shape = part.send->shape();
-    MxTensor out = MxTensor::empty(shape, MxAxis::kDim0, part.send->device());
+    MxTensor out = MxTensor::empty(part.send->shape(), MxAxis::kDim0, part.send->device());
     ops::mx_quantize(*part.send, part.rule, out);
-    // Rows no peer wrote stay undefined; here they decode whatever the buffer held (poisoned).
-    MxTensor in = MxTensor::poisoned(part.recv->shape(), MxAxis::kDim0, part.recv->device());
-    move_rows(*this, out.data(), layout, send_rows, recv_rows, capacity, in.data());
-    move_rows(*this, out.scales(), layout, send_rows, recv_rows, capacity, in.scales());
+    MxTensor in = MxTensor::empty(part.recv->shape(), MxAxis::kDim0, part.recv->device());
+    move_rows(*this, out.data(), *s.slot, s.capacity, in.data());
+    move_rows(*this, out.scales(), *s.slot, s.capacity, in.scales());
     ops::mx_dequantize(in, *part.recv);
   }
 }

@@ -99,10 +99,11 @@ class Communicator {
   virtual void all_to_all(const Tensor& send, const std::vector<int64_t>& send_rows, Tensor& recv,
                           const std::vector<int64_t>& recv_rows) = 0;
   // Rows to peers into fixed places, for exchanges whose counts stay on the device (RowScatter
-  // below): every part's rows go where the slots say, in one exchange. The default sends through
-  // all_to_all (it reads the slots on the host); NCCL within one node writes every part straight
-  // into the peers' buffers from one kernel (symmetric memory over NVLink, nothing on the host: a
-  // CUDA graph can hold it), quantizing an MXFP8 part as it sends it.
+  // above): every part's rows go where the slots say. Nothing is read on the host, so a CUDA
+  // graph can hold it. The default lays each peer's region out whole and sends it with
+  // all_to_all (capacity rows per peer, the empty places too); NCCL within one node writes every
+  // part straight into the peers' buffers from one kernel (symmetric memory over NVLink),
+  // quantizing an MXFP8 part as it sends it.
   virtual void scatter_rows(const RowScatter& s);
   // One part of rows as they are.
   void scatter_rows(const Tensor& send, const Tensor& slot, int64_t capacity, Tensor& recv);

@@ -61,6 +61,11 @@ void slots_within_experts(const Tensor& expert_index, const ExpertPermutation& p
 // received from peer p) goes back to peer p at slot s, when s is below received_counts[p, L]
 // (ops::peer_counts' layout); every other entry -1.
 void region_slots(const Tensor& received_counts, int64_t capacity, Tensor& out);
+// place_rows: out (peers * capacity, W) gets row t of x (N, W) at row p * capacity + slot[t, p]
+// for every slot[t, p] >= 0 (slot i32 (N, peers)); its other rows are left as they are. Any
+// dtype (the rows' bytes). A slot at or past `capacity` is an error on the CPU and writes nothing
+// on the GPU. What a fixed-capacity exchange sends each peer, its region whole.
+void place_rows(const Tensor& x, const Tensor& slot, int64_t capacity, Tensor& out);
 
 // xp (M, D) = x (N, D) rows gathered into expert-major order; padding rows are left as they are.
 // The row moves copy any dtype; the sums (permute_rows_backward, combine_forward) need a float.

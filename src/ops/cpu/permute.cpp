@@ -183,6 +183,31 @@ void region_slots(const Tensor& received_counts, int64_t capacity, Tensor& out) 
   }
 }
 
+void place_rows(const Tensor& x, const Tensor& slot, int64_t capacity, Tensor& out) {
+  const int64_t n = x.dim(0), width = x.dim(1);
+  const int64_t peers = slot.ndim() == 2 ? slot.dim(1) : -1;
+  expect_shape(slot, {n, peers}, "place_rows slots");
+  expect_dtype(slot, DType::kI32, "place_rows slots");
+  expect_shape(out, {peers * capacity, width}, "placed rows");
+  MT_CHECK(x.dtype() == out.dtype(), "place_rows of {} rows into {}", dtype_name(x.dtype()),
+           dtype_name(out.dtype()));
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(x)) return cuda::place_rows(x, slot, capacity, out);
+#endif
+  const size_t row_bytes = static_cast<size_t>(width) * dtype_size(x.dtype());
+  const char* src = static_cast<const char*>(x.raw());
+  char* dst = static_cast<char*>(out.raw());
+  const int32_t* s = slot.data<int32_t>();
+  for (int64_t t = 0; t < n; ++t)
+    for (int64_t p = 0; p < peers; ++p) {
+      const int32_t at = s[t * peers + p];
+      if (at < 0) continue;
+      MT_CHECK(at < capacity, "slot {} of row {} for rank {}: {} places per rank", at, t, p,
+               capacity);
+      std::memcpy(dst + (p * capacity + at) * row_bytes, src + t * row_bytes, row_bytes);
+    }
+}
+
 void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp, const MxValuesOut* mx) {
   const int64_t d = x.dim(1), m = p.rows();
   expect_shape(xp, {m, d}, "permuted rows");

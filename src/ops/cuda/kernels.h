@@ -193,6 +193,9 @@ cudaError_t slots_within_experts(const int32_t* index, const int32_t* row, const
                                  int64_t n, int64_t region_rows, int32_t* out, cudaStream_t stream);
 cudaError_t region_slots(const int64_t* received, int peers, int width, int64_t capacity,
                          int32_t* out, cudaStream_t stream);
+// ops::place_rows over rows of row_bytes.
+cudaError_t place_rows(const void* x, int64_t n, int64_t row_bytes, const int32_t* slot, int peers,
+                       int64_t capacity, void* out, cudaStream_t stream);
 // ops::peer_counts: counts i64 (peers, per_peer + 1); peers * (per_peer + 1) ints of shared memory.
 cudaError_t peer_counts(const int32_t* index, int64_t n, int k, int peers, int per_peer,
                         int64_t* counts, cudaStream_t stream);

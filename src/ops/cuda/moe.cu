@@ -506,6 +506,21 @@ __global__ void slots_kernel(const int32_t* index, const int32_t* row, const int
   out[i] = e < 0 ? -1 : static_cast<int32_t>(row[i] - offsets[e] + e * region_rows);
 }
 
+// A warp per row of x: each of its places, the row's units striding over the lanes.
+template <class U>
+__global__ void place_rows_kernel(const U* x, int64_t n, int64_t units, const int32_t* slot,
+                                  int peers, int64_t capacity, U* out) {
+  const int64_t warps = int64_t{gridDim.x} * (blockDim.x / 32);
+  const int lane = threadIdx.x % 32;
+  for (int64_t t = blockIdx.x * int64_t{blockDim.x / 32} + threadIdx.x / 32; t < n; t += warps)
+    for (int p = 0; p < peers; ++p) {
+      const int32_t s = slot[t * peers + p];
+      if (s < 0 || s >= capacity) continue;
+      U* dst = out + (p * capacity + s) * units;
+      for (int64_t c = lane; c < units; c += 32) dst[c] = x[t * units + c];
+    }
+}
+
 __global__ void region_slots_kernel(const int64_t* received, int peers, int width, int64_t capacity,
                                     int32_t* out) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
@@ -769,6 +784,29 @@ cudaError_t region_slots(const int64_t* received, int peers, int width, int64_t 
   if (n == 0) return cudaSuccess;
   region_slots_kernel<<<(n + kBlock - 1) / kBlock, kBlock, 0, stream>>>(received, peers, width,
                                                                         capacity, out);
+  return cudaGetLastError();
+}
+
+cudaError_t place_rows(const void* x, int64_t n, int64_t row_bytes, const int32_t* slot, int peers,
+                       int64_t capacity, void* out, cudaStream_t stream) {
+  if (n == 0 || row_bytes == 0 || peers == 0) return cudaSuccess;
+  const auto aligned = [&](size_t a) {
+    return row_bytes % static_cast<int64_t>(a) == 0 && reinterpret_cast<uintptr_t>(x) % a == 0 &&
+           reinterpret_cast<uintptr_t>(out) % a == 0;
+  };
+  const auto blocks = static_cast<unsigned>(std::min<int64_t>((n + 7) / 8, 132 * 16));
+  if (aligned(16))
+    place_rows_kernel<uint4><<<blocks, kBlock, 0, stream>>>(static_cast<const uint4*>(x), n,
+                                                            row_bytes / 16, slot, peers, capacity,
+                                                            static_cast<uint4*>(out));
+  else if (aligned(4))
+    place_rows_kernel<uint32_t><<<blocks, kBlock, 0, stream>>>(static_cast<const uint32_t*>(x), n,
+                                                               row_bytes / 4, slot, peers, capacity,
+                                                               static_cast<uint32_t*>(out));
+  else
+    place_rows_kernel<uint8_t><<<blocks, kBlock, 0, stream>>>(static_cast<const uint8_t*>(x), n,
+                                                              row_bytes, slot, peers, capacity,
+                                                              static_cast<uint8_t*>(out));
   return cudaGetLastError();
 }
 

@@ -138,6 +138,13 @@ void region_slots(const Tensor& received_counts, int64_t capacity, Tensor& out) 
                                       out.data<int32_t>(), stream()));
 }
 
+void place_rows(const Tensor& x, const Tensor& slot, int64_t capacity, Tensor& out) {
+  const Tensor s = on_device(slot);
+  MT_CUDA_CHECK(kernels::place_rows(
+      x.raw(), x.dim(0), x.dim(1) * static_cast<int64_t>(dtype_size(x.dtype())), s.data<int32_t>(),
+      static_cast<int>(s.dim(1)), capacity, out.raw(), stream()));
+}
+
 bool scatter_token_rows(const Tensor& src, const Tensor& row_of_choice, int64_t k, Tensor& dst,
                         const ops::MxValuesOut* mx) {
   const profile::Phase phase("gpu.scatter_token_rows");

@@ -78,6 +78,7 @@ void local_choices(const Tensor& expert_index, int64_t rank, int64_t per_peer, T
 void slots_within_experts(const Tensor& expert_index, const ops::ExpertPermutation& p,
                           int64_t region_rows, Tensor& out);
 void region_slots(const Tensor& received_counts, int64_t capacity, Tensor& out);
+void place_rows(const Tensor& x, const Tensor& slot, int64_t capacity, Tensor& out);
 // dst[row_of_choice[t * k + j]] = src[t]: the expert-major permutation, each token read once.
 // The three row writers below take an optional ops::MxValuesOut (checked by the front door) and
 // return whether their kernel wrote it (false: the caller runs ops::write_mx_values).
