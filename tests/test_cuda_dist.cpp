@@ -14,6 +14,7 @@
 #include "dist/nccl_backend.h"
 #include "dist/nccl_lsa.h"
 #include "ops/cuda/device.h"
+#include "ops/cuda/graph.h"
 #include "ops/mx.h"
 #include "processes.h"
 
@@ -369,7 +370,8 @@ TEST(LsaScatter, EmulatedRanksPlaceEveryPartOfEveryCodec) {
 }
 
 // The device path through NCCL itself on one GPU (a one-rank window, its LSA pointer and
-// barriers): every codec in one scatter, as the definition says.
+// barriers) and the path without it (regions through NCCL's all-to-all): every codec in one
+// scatter, as the definition says, eagerly and replayed from a CUDA graph.
 TEST(LsaScatter, OneRankThroughNcclPlacesEveryPart) {
   if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU: run this test on the GPU machine";
   with_nccl(1, [](dist::Communicator& c) {
@@ -410,6 +412,22 @@ TEST(LsaScatter, OneRankThroughNcclPlacesEveryPart) {
     cuda::synchronize();
     expect_scattered(host, 0, 0, 1, n, recv, counts_in, MxScaleRule::kRceil,
                      "one NCCL rank, all-to-all");
+    // Neither path waits for the host: both are captured as CUDA graphs and replay correctly.
+    for (const bool device_path : {true, false}) {
+      auto graph = cuda::Graph::capture([&] {
+        if (device_path)
+          c.scatter_rows(s);
+        else
+          c.dist::Communicator::scatter_rows(s);
+      });
+      for (Tensor& t : recv) cudaMemset(t.raw(), 0xFF, t.nbytes());
+      cudaMemset(counts_in.raw(), 0xFF, counts_in.nbytes());
+      graph->launch();
+      cuda::synchronize();
+      expect_scattered(
+          host, 0, 0, 1, n, recv, counts_in, MxScaleRule::kRceil,
+          device_path ? "one NCCL rank, graphed" : "one NCCL rank, all-to-all graphed");
+    }
   });
 }
 
