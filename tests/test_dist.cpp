@@ -513,8 +513,9 @@ TEST(ExpertExchange, ThePlansDispatchEqualsDispatchAfterIt) {
   const size_t places = 2 * 16;
   EXPECT_EQ(moe::ExpertExchange::window_bytes(2, 16, 8, 128, 2048, DType::kBF16, {}),
             (2 * 65 * 8 + 15) / 16 * 16 + places * (8 * 4 + 2048 * 2 + 8 * 4));
+  // With the MXFP8 wire the backward's combine (the weights' gradient, bf16 rows) is the larger.
   EXPECT_EQ(moe::ExpertExchange::window_bytes(2, 16, 8, 128, 2048, DType::kBF16, mx),
-            places * 2048 * 2);  // combine's bf16 rows are the larger
+            places * (8 * 4 + 2048 * 2));
 }
 
 // --- equivalence with one rank -------------------------------------------------------------

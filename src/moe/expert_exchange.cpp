@@ -59,11 +59,13 @@ size_t ExpertExchange::window_bytes(int ep, int64_t tokens, int64_t top_k, int64
   };
   const size_t counts = static_cast<size_t>(experts / ep + 1) * sizeof(int64_t);
   const size_t plan = dist::scatter_window(ep, tokens, parts, counts).bytes;
-  // Combine and the backward send rows as they are.
-  const size_t rows =
-      dist::scatter_window(ep, tokens, {{dim, dtype_size(row_dtype), dist::RowWire::kAsIs}}, 0)
-          .bytes;
-  return std::max(plan, rows);
+  // Combine sends rows as they are; the backward's combine the routing weights' gradient too.
+  const size_t combine = dist::scatter_window(ep, tokens,
+                                              {{top_k, sizeof(float), dist::RowWire::kAsIs},
+                                               {dim, dtype_size(row_dtype), dist::RowWire::kAsIs}},
+                                              0)
+                             .bytes;
+  return std::max(plan, combine);
 }
 
 // counts = [sent | received], each (peers, L + 1): per rank its experts' choices, then its

@@ -57,8 +57,8 @@ class ExpertExchange {
 
   // The receive buffer (bytes) that a device path needs for the largest exchange of a layer over
   // `ep` ranks of `tokens` tokens with top_k choices of `experts`: the plan's (the choices, the
-  // counts, rows of `dim` elements of row_dtype on `wire` and their f32 routing weights) or a
-  // row of row_dtype as it is (combine, the backward).
+  // counts, rows of `dim` elements of row_dtype on `wire` and their f32 routing weights) or the
+  // backward's combine (the weights' gradient and rows of row_dtype as they are).
   static size_t window_bytes(int ep, int64_t tokens, int64_t top_k, int64_t experts, int64_t dim,
                              DType row_dtype, const ops::ExpertPrecision& wire);
 
