@@ -458,7 +458,7 @@ bool make_lsa_plan(const RowScatter& s, int ranks, size_t window_limit, LsaPlan*
     if (part.wire == RowWire::kMxfp8) {
       const DType dt = part.send->dtype();
       if (!aligned(16) || (dt != DType::kBF16 && dt != DType::kF32)) return false;
-      out.codec = part.send->dtype() == DType::kBF16 ? LsaCodec::kMxfp8Bf16 : LsaCodec::kMxfp8F32;
+      out.codec = dt == DType::kBF16 ? LsaCodec::kMxfp8Bf16 : LsaCodec::kMxfp8F32;
     } else {
       out.codec = aligned(16)  ? LsaCodec::kCopy16
                   : aligned(4) ? LsaCodec::kCopy4

@@ -121,13 +121,10 @@ void ExpertExchange::plan_device_counts(const Tensor& expert_index, const Tensor
   ops::slots_within_experts(to_peer, to_peers_, tokens_, back_rows);
 
   Tensor choices = Tensor::empty({received_tokens_, k}, DType::kI32, device);
-  dist::RowScatter s;
-  s.slot = &send_slot_;
-  s.capacity = tokens_;
+  dist::RowScatter s = dispatch_scatter();
   s.parts.push_back({&expert_index, &choices});
   for (const DispatchRows& d : with) {
-    MT_CHECK(d.rows->ndim() == 2 && d.rows->dim(0) == tokens_, "dispatch of {} rows for {} tokens",
-             shape_str(d.rows->shape()), tokens_);
+    check_token_rows(*d.rows);
     *d.out = Tensor::empty({received_tokens_, d.rows->dim(1)}, d.rows->dtype(), device);
     s.parts.push_back({d.rows, d.out, row_wire(d.wire), d.wire.rule});
   }
@@ -140,13 +137,21 @@ void ExpertExchange::plan_device_counts(const Tensor& expert_index, const Tensor
   ops::local_choices(choices, ep_->rank(), local, local_index_, &received);
 }
 
+void ExpertExchange::check_token_rows(const Tensor& rows) const {
+  MT_CHECK(rows.ndim() == 2 && rows.dim(0) == tokens_, "dispatch of {} rows for {} tokens",
+           shape_str(rows.shape()), tokens_);
+}
+
+dist::RowScatter ExpertExchange::dispatch_scatter() const {
+  dist::RowScatter s;
+  s.slot = &send_slot_;
+  s.capacity = tokens_;
+  return s;
+}
+
 Tensor ExpertExchange::send_rows(const Tensor& rows) const {
   const Device device = rows.device();
   Tensor received = Tensor::empty({received_tokens_, rows.dim(1)}, rows.dtype(), device);
-  if (mode_ == ExchangeMode::kDeviceCounts) {
-    ep_->scatter_rows(rows, send_slot_, tokens_, received);
-    return received;
-  }
   Tensor send = Tensor::empty({to_peers_.rows(), rows.dim(1)}, rows.dtype(), device);
   ops::permute_rows(rows, to_peers_, send);
   ep_->all_to_all(send, send_tokens_, received, recv_tokens_);
@@ -156,18 +161,15 @@ Tensor ExpertExchange::send_rows(const Tensor& rows) const {
 Tensor ExpertExchange::dispatch(const Tensor& rows, const ops::ExpertPrecision& wire) const {
   const Device device = rows.device();
   const profile::Span span("ep.dispatch", device == Device::kCUDA);
-  MT_CHECK(rows.ndim() == 2 && rows.dim(0) == tokens_, "dispatch of {} rows for {} tokens",
-           shape_str(rows.shape()), tokens_);
-  if (wire.dispatch == ops::DispatchDtype::kBf16) return send_rows(rows);
+  check_token_rows(rows);
   Tensor received = Tensor::empty({received_tokens_, rows.dim(1)}, rows.dtype(), device);
-  if (mode_ == ExchangeMode::kDeviceCounts) {  // quantized as it is sent, once per token
-    dist::RowScatter s;
-    s.slot = &send_slot_;
-    s.capacity = tokens_;
-    s.parts.push_back({&rows, &received, dist::RowWire::kMxfp8, wire.rule});
+  if (mode_ == ExchangeMode::kDeviceCounts) {  // an MXFP8 wire quantized as it is sent
+    dist::RowScatter s = dispatch_scatter();
+    s.parts.push_back({&rows, &received, row_wire(wire), wire.rule});
     ep_->scatter_rows(s);
     return received;
   }
+  if (wire.dispatch == ops::DispatchDtype::kBf16) return send_rows(rows);
   // Each token quantized once, before it is sent (to one rank or several).
   MxTensor out = MxTensor::empty(rows.shape(), MxAxis::kDim0, device);
   ops::mx_quantize(rows, wire.rule, out);

@@ -94,8 +94,11 @@ class ExpertExchange {
   void plan_host_counts(const Tensor& expert_index, const Tensor& to_peer, int64_t local);
   void plan_device_counts(const Tensor& expert_index, const Tensor& to_peer, int64_t local,
                           const std::vector<DispatchRows>& with);
-  // Rows to their places: (N, W) -> (Rt, W) (device counts) or the host path's all-to-all.
+  // Host counts: rows (N, W) -> (Rt, W) through all-to-all.
   Tensor send_rows(const Tensor& rows) const;
+  // Device counts: a scatter with dispatch's layout (send_slot_, N places a rank), no parts yet.
+  dist::RowScatter dispatch_scatter() const;
+  void check_token_rows(const Tensor& rows) const;  // (N, W), else an error naming both
 
   dist::Communicator* ep_;
   ExchangeMode mode_;
