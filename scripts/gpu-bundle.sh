@@ -7,7 +7,7 @@ cd "$(dirname "$0")/.."
 scripts/setup.sh >/dev/null
 rm -rf .gpu && mkdir -p .gpu
 cp build/moetrain build/tests/test_cuda_ops build/tests/test_cuda_mx build/tests/test_cuda_train build/tests/test_cuda_dist build/bench_gemm build/bench_moe_layer build/bench_attention build/bench_expert_exchange build/bench_mx build/bench_mx_wgrad_error .gpu/
-for b in bench_grouped_gemm_variants bench_batched_gemm_bound; do
+for b in bench_grouped_gemm_variants bench_batched_gemm_bound bench_mx_dim1_variants; do
   if [ -x "build/$b" ]; then cp "build/$b" .gpu/; fi  # workbenches, built on request
 done
 for lib in libfmt.so.9 libgomp.so.1 libtomlplusplus.so.3; do
