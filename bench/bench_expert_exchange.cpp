@@ -8,7 +8,11 @@
 // wire on the dispatch. Comparators in the same job: the raw NCCL all-to-all of the same
 // deduplicated rows with the counts known in advance, and the raw all-to-all of one row per
 // (token, expert), the bytes the exchange sent before it was deduplicated. GB/s: the bytes that
-// this GPU sends to the others in dispatch and combine, over the time. JSON lines from rank 0.
+// this GPU sends to the others in dispatch and combine, over the time. Last, the whole MoE layer
+// (Qwen3-30B-A3B's expert shape, forward and backward, replayed as a CUDA graph) with its tokens
+// in 1, 2 and 4 chunks, in turn and with each chunk's exchange on the lane beside the experts
+// (moe_layer.h): what chunking costs and what the overlap hides of the exchange. JSON lines from
+// rank 0.
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
@@ -19,6 +23,7 @@
 #include "dist/nccl_backend.h"
 #include "dist/socket_backend.h"
 #include "moe/expert_exchange.h"
+#include "moe/moe_layer.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/graph.h"
 #include "ops/permute.h"
@@ -47,6 +52,65 @@ Tensor random_routing(int rank) {
       index.data<int32_t>()[t * kTopK + j] = e;
     }
   return index;
+}
+
+// The MoE layer (d 2048, F 768, top-8 of 128, learned routing on random weights), forward and
+// backward, graphed, its exchange over `ep` with the tokens in chunks on the lane.
+void layer_chunks(int rank, int world, mt::dist::Communicator& ep, int ctas) {
+  constexpr int64_t kMoeDim = 768;
+  mt::moe::MoeConfig c;
+  c.dim = kDim;
+  c.moe_dim = kMoeDim;
+  c.n_experts = kExperts;
+  c.top_k = kTopK;
+  const int64_t local = kExperts / world;
+  const mt::moe::MoeWeights w{mt::bench::random_bf16({kDim, kExperts}, 11, 0.02),
+                              mt::bench::random_bf16({local, kDim, 2 * kMoeDim}, 12 + rank, 0.02),
+                              mt::bench::random_bf16({local, kMoeDim, kDim}, 13 + rank, 0.02)};
+  mt::moe::MoeWeights g{Tensor::zeros({kDim, kExperts}, DType::kF32, Device::kCUDA),
+                        Tensor::empty(w.w_gate_up.shape(), DType::kF32, Device::kCUDA),
+                        Tensor::empty(w.w_down.shape(), DType::kF32, Device::kCUDA)};
+  const Tensor hn = mt::bench::random_bf16({kTokens, kDim}, 14 + rank, 1.0);
+  const Tensor dout = mt::bench::random_bf16({kTokens, kDim}, 15 + rank, 1.0);
+  Tensor out = Tensor::empty({kTokens, kDim}, DType::kBF16, Device::kCUDA);
+  mt::moe::ExchangeLane lane;
+  // The chunks in turn and on the lane: what chunking costs the experts, what the lane hides.
+  // Each its own captured graph, timed in three alternating rounds.
+  struct Run {
+    int64_t chunks;
+    bool on_lane;
+    mt::cuda::CapturedWork work;
+    std::vector<double> ms;
+  };
+  Run runs[] = {{1, false, {}, {}},
+                {1, true, {}, {}},
+                {2, false, {}, {}},
+                {2, true, {}, {}},
+                {4, true, {}, {}}};
+  for (int round = 0; round < 3; ++round)
+    for (Run& r : runs) {
+      const mt::moe::MoeComms comms{&ep, nullptr, mt::moe::ExchangeMode::kDeviceCounts, r.chunks,
+                                    r.on_lane ? &lane : nullptr};
+      auto body = [&] {
+        mt::moe::MoeActivations a;
+        mt::moe::moe_fill(w, c, comms, Tensor(), hn, a);
+        mt::moe::moe_combine(w, c, comms, a, out);
+        (void)mt::moe::moe_backward(w, g, c, comms, hn, a, dout, 0.001, mt::ops::Accumulate::kNo);
+      };
+      r.ms.push_back(mt::bench::median_ms([&] { r.work.run(body, "the MoE layer"); }));
+    }
+  for (const Run& r : runs) {
+    if (rank != 0) continue;
+    std::printf(
+        "{\"bench\":\"moe_layer_ep_chunks\",\"gpus\":%d,\"tokens_per_rank\":%lld,\"dim\":%lld,"
+        "\"moe_dim\":%lld,\"experts\":%lld,\"top_k\":%lld,\"chunks\":%lld,\"lane\":%s,"
+        "\"ctas\":%d,\"ms\":%.3f,\"rounds_ms\":\"%.3f, %.3f, %.3f\"}\n",
+        world, static_cast<long long>(kTokens), static_cast<long long>(kDim),
+        static_cast<long long>(kMoeDim), static_cast<long long>(kExperts),
+        static_cast<long long>(kTopK), static_cast<long long>(r.chunks),
+        r.on_lane ? "true" : "false", ctas, mt::bench::median(r.ms), r.ms[0], r.ms[1], r.ms[2]);
+    std::fflush(stdout);
+  }
 }
 
 void run(int rank, int world, mt::dist::Communicator& boot, mt::dist::Communicator& ep) {
@@ -143,6 +207,7 @@ void run(int rank, int world, mt::dist::Communicator& boot, mt::dist::Communicat
   };
   line("raw_all_to_all_per_token", "bf16", raw(token_rows), crossing);
   line("raw_all_to_all_per_choice", "bf16", raw(choice_rows), crossing_per_choice);
+  if (reserved > 0) layer_chunks(rank, world, ep, ctas);
 }
 
 }  // namespace

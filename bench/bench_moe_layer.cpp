@@ -74,9 +74,9 @@ int main() {
     mt::moe::moe_fill(w, c.moe(), {}, Tensor(), hn, act);
     mark(1);
     Tensor layer_out = Tensor::empty({n, d}, DType::kBF16, Device::kCUDA);
-    mt::moe::moe_combine(w, c.moe(), act, layer_out);
+    mt::moe::moe_combine(w, c.moe(), {}, act, layer_out);
     mark(2);
-    (void)mt::moe::moe_backward(w, g, c.moe(), hn, act, dout, 0.001, first_write);
+    (void)mt::moe::moe_backward(w, g, c.moe(), {}, hn, act, dout, 0.001, first_write);
     mark(3);
   };
   const auto layer = [&] { marked_layer(nullptr); };
@@ -115,8 +115,9 @@ int main() {
     // Stages, each timed on its own with the earlier stages' outputs ready (where the time goes).
     const double router_ms = mt::bench::median_ms([&] {
       mt::moe::MoeActivations act;
-      act.xe = act.row_weight = act.gate_up = act.act =
-          hn;  // present: moe_fill stops after routing
+      act.chunks.resize(1);
+      mt::moe::MoeChunk& ch = act.chunks[0];
+      ch.xe = ch.row_weight = ch.gate_up = ch.act = hn;  // present: moe_fill stops after routing
       mt::moe::moe_fill(w, c.moe(), {}, Tensor(), hn,
                         act);  // router GEMM, top-k, stats, permutation
     });
@@ -127,9 +128,10 @@ int main() {
     });
     Tensor out = Tensor::empty({n, d}, DType::kBF16, Device::kCUDA);
     const double combine_ms =
-        mt::bench::median_ms([&] { mt::moe::moe_combine(w, c.moe(), full, out); });
-    const double backward_ms = mt::bench::median_ms(
-        [&] { (void)mt::moe::moe_backward(w, g, c.moe(), hn, full, dout, 0.001, first_write); });
+        mt::bench::median_ms([&] { mt::moe::moe_combine(w, c.moe(), {}, full, out); });
+    const double backward_ms = mt::bench::median_ms([&] {
+      (void)mt::moe::moe_backward(w, g, c.moe(), {}, hn, full, dout, 0.001, first_write);
+    });
     const std::array<double, 3> in_layer = stages_in_layer_ms();
     std::printf(
         "{\"bench\": \"moe_layer_stages\", \"routing\": \"%s\", \"router_topk_permutation_ms\": "

@@ -13,8 +13,10 @@
 #include "core/rng.h"
 #include "dist/nccl_backend.h"
 #include "dist/nccl_lsa.h"
+#include "moe/moe_layer.h"
 #include "ops/cuda/device.h"
 #include "ops/cuda/graph.h"
+#include "ops/elementwise.h"
 #include "ops/mx.h"
 #include "processes.h"
 
@@ -431,6 +433,99 @@ TEST(LsaScatter, OneRankThroughNcclPlacesEveryPart) {
   });
 }
 
+// The layer's tokens in chunks on one NCCL rank (its exchange on, through the device path:
+// nothing crosses, every kernel runs). With the exchanges on the lane beside the experts the
+// layer gives, bit for bit, the chunks run in turn on the thread's stream, eagerly and replayed
+// from one CUDA graph that holds both streams (and so does one chunk, its backward's combine on
+// the lane beside the weight gradients); and the chunks give the layer in one chunk to the
+// rounding of the experts' weight gradients, which add the chunks' products in turn.
+TEST(MoeLayer, OneRankChunksOnTheLaneGiveTheChunksInTurn) {
+  if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU: run this test on the GPU machine";
+  with_nccl(1, [](dist::Communicator& comm) {
+    const int64_t n = 1000, d = 256, f = 128, e = 16, k = 4;
+    moe::MoeConfig c;
+    c.dim = d;
+    c.moe_dim = f;
+    c.n_experts = e;
+    c.top_k = k;
+    std::string why;
+    ASSERT_GT(comm.reserve_scatter(
+                  moe::ExpertExchange::window_bytes(1, n, k, e, d, DType::kBF16, {}), 16, &why),
+              0u)
+        << why;
+    auto input = [](const Shape& s, uint64_t seed, double scale) {
+      Tensor t = Tensor::empty(s, DType::kF32);
+      const CounterRng rng{seed, 5};
+      for (int64_t i = 0; i < t.numel(); ++i) t.set_item(i, scale * rng.normal(i));
+      return t.to(DType::kBF16).to(Device::kCUDA);
+    };
+    const moe::MoeWeights w{input({d, e}, 1, 0.1), input({e, d, 2 * f}, 2, 0.06),
+                            input({e, f, d}, 3, 0.09)};
+    const Tensor hn = input({n, d}, 4, 1.0), dout = input({n, d}, 5, 1.0);
+    struct Result {
+      Tensor out, dhn;
+      moe::MoeWeights g;
+    };
+    auto poisoned_result = [&] {
+      return Result{Tensor::poisoned({n, d}, DType::kBF16, Device::kCUDA),
+                    Tensor::poisoned({n, d}, DType::kBF16, Device::kCUDA),
+                    {Tensor::zeros({d, e}, DType::kF32, Device::kCUDA),
+                     Tensor::poisoned(w.w_gate_up.shape(), DType::kF32, Device::kCUDA),
+                     Tensor::poisoned(w.w_down.shape(), DType::kF32, Device::kCUDA)}};
+    };
+    // One layer into res (allocated outside, so that a replay writes the same buffers).
+    auto layer = [&](const moe::MoeComms& comms, Result& res) {
+      moe::MoeActivations a;
+      moe::moe_fill(w, c, comms, Tensor(), hn, a);
+      moe::moe_combine(w, c, comms, a, res.out);
+      res.dhn.copy_from(
+          moe::moe_backward(w, res.g, c, comms, hn, a, dout, 0.01, ops::Accumulate::kNo));
+    };
+    auto host = [](const Result& r) {
+      return std::vector<Tensor>{
+          r.out.to(Device::kCPU).to(DType::kF32), r.dhn.to(Device::kCPU).to(DType::kF32),
+          r.g.router.to(Device::kCPU), r.g.w_gate_up.to(Device::kCPU), r.g.w_down.to(Device::kCPU)};
+    };
+    const char* names[] = {"output", "d hn", "d router", "d w_gate_up", "d w_down"};
+    moe::ExchangeLane lane;
+    const moe::MoeComms in_turn{&comm, nullptr, moe::ExchangeMode::kDeviceCounts, 3, nullptr};
+    const moe::MoeComms beside{&comm, nullptr, moe::ExchangeMode::kDeviceCounts, 3, &lane};
+    const moe::MoeComms whole{&comm, nullptr, moe::ExchangeMode::kDeviceCounts, 1, nullptr};
+    const moe::MoeComms whole_beside{&comm, nullptr, moe::ExchangeMode::kDeviceCounts, 1, &lane};
+    Result ref = poisoned_result(), lane_eager = poisoned_result(), one = poisoned_result(),
+           one_lane = poisoned_result();
+    layer(in_turn, ref);
+    layer(beside, lane_eager);
+    layer(whole, one);
+    layer(whole_beside, one_lane);
+    // Graphed: the warm-up runs eagerly, the second run is captured and replayed; the buffers
+    // the graph writes are poisoned again before a last replay.
+    Result graphed = poisoned_result();
+    cuda::CapturedWork work;
+    for (int run = 0; run < 3; ++run) {
+      const bool replayed = work.run([&] { layer(beside, graphed); }, "the chunked layer");
+      EXPECT_EQ(replayed, run > 0) << "run " << run;
+      if (run == 1) {
+        for (Tensor* t : {&graphed.out, &graphed.dhn, &graphed.g.w_gate_up, &graphed.g.w_down})
+          cudaMemset(t->raw(), 0xFF, t->nbytes());
+        cudaMemset(graphed.g.router.raw(), 0, graphed.g.router.nbytes());
+      }
+    }
+    cuda::synchronize();
+    const std::vector<Tensor> r = host(ref), l = host(lane_eager), gr = host(graphed),
+                              o = host(one), ol = host(one_lane);
+    for (size_t i = 0; i < r.size(); ++i) {
+      // One chunk, its backward's combine on the lane beside the weight gradients.
+      EXPECT_EQ(relative_error(ol[i], o[i]), 0.0) << names[i] << ": one chunk on the lane";
+      EXPECT_GT(ops::sum_of_squares(r[i]), 0.0) << names[i];
+      EXPECT_EQ(relative_error(l[i], r[i]), 0.0) << names[i] << ": on the lane, eager";
+      EXPECT_EQ(relative_error(gr[i], r[i]), 0.0) << names[i] << ": on the lane, replayed";
+      // bf16 rows (output, d hn: half an ulp is 2e-3) and f32 sums in another order.
+      EXPECT_LE(relative_error(o[i], r[i]), i < 2 ? 4e-3 : 1e-5) << names[i] << ": one chunk";
+    }
+  });
+}
+
 // The device-initiated exchange (rows written into the peer's memory by a kernel, counts never
 // on the host) against the host-count reference, with ep 2 and the untrained router's uneven
 // routing: the same rows reach the same experts in the same order and come back summed in the
@@ -449,7 +544,13 @@ TEST(Nccl, TwoGpuDeviceExchangeMatchesTheHostCountReference) {
        {"device", " --set parallel.ep_exchange=device --set hardware.cuda_graphs=false"},
        {"device_graphed", " --set parallel.ep_exchange=device --set hardware.cuda_graphs=true"},
        {"host_mx", " --set parallel.ep_exchange=host --set hardware.cuda_graphs=false" + kMx},
-       {"device_mx", " --set parallel.ep_exchange=device --set hardware.cuda_graphs=true" + kMx}},
+       {"device_mx", " --set parallel.ep_exchange=device --set hardware.cuda_graphs=true" + kMx},
+       {"host_chunks",
+        " --set parallel.ep_exchange=host --set hardware.cuda_graphs=false --set "
+        "parallel.ep_chunks=3"},
+       {"device_chunks",
+        " --set parallel.ep_exchange=device --set hardware.cuda_graphs=true --set "
+        "parallel.ep_chunks=3"}},
       r));
   EXPECT_NE(r.logs["device"].find("expert exchange: device-initiated"), std::string::npos)
       << r.logs["device"];
@@ -459,6 +560,9 @@ TEST(Nccl, TwoGpuDeviceExchangeMatchesTheHostCountReference) {
   // The MXFP8 wire: quantized in the send kernel, dequantized in the receive kernel, as the
   // reference quantizes before its all-to-all and dequantizes after.
   expect_same_steps(r, "host_mx", {"device_mx"}, 6);
+  // The layer's tokens in three chunks, each exchange on the lane beside the experts (the device
+  // run captured with both streams), against the reference in the same chunks.
+  expect_same_steps(r, "host_chunks", {"device_chunks"}, 6);
 }
 
 // A peer dying mid-run, with the survivor's passes replayed as CUDA graphs (their collectives

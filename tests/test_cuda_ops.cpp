@@ -547,10 +547,10 @@ TEST_P(GpuCase, MoeLayerForwardBackwardMatchesCpu) {
   moe::moe_fill(cw, c.moe(), {}, Tensor(), hn, ca);
   moe::moe_fill(gw, c.moe(), {}, Tensor(), gpu(hn), ga);
   Tensor cout_ = Tensor::empty({n, d}, DType::kF32), gout = gpu_out({n, d});
-  moe::moe_combine(cw, c.moe(), ca, cout_);
-  moe::moe_combine(gw, c.moe(), ga, gout);
-  const Tensor cdh = moe::moe_backward(cw, cg, c.moe(), hn, ca, dout, 0.01);
-  const Tensor gdh = moe::moe_backward(gw, gg, c.moe(), gpu(hn), ga, gpu(dout), 0.01);
+  moe::moe_combine(cw, c.moe(), {}, ca, cout_);
+  moe::moe_combine(gw, c.moe(), {}, ga, gout);
+  const Tensor cdh = moe::moe_backward(cw, cg, c.moe(), {}, hn, ca, dout, 0.01);
+  const Tensor gdh = moe::moe_backward(gw, gg, c.moe(), {}, gpu(hn), ga, gpu(dout), 0.01);
   // A chain of bf16 GEMMs and activations: each stage rounds, so 2e-2 end to end.
   const double tol = 2e-2;
   EXPECT_LT(relative_error(gout.to(DType::kF32), cout_), tol) << "layer output";
@@ -588,8 +588,8 @@ TEST_P(GpuCase, MoeRouterRunsInFp32OnMasterWeights) {
   const Tensor glogits = ga.logits.to(Device::kCPU);
   ASSERT_TRUE(all_finite(glogits));
   EXPECT_LT(relative_error(glogits, ca.logits), 1e-5) << "logits, seed " << seed;
-  const Tensor cdh = moe::moe_backward(cw, cg, c.moe(), hn, ca, dout, 1.0);
-  const Tensor gdh = moe::moe_backward(gw, gg, c.moe(), gpu(hn), ga, gpu(dout), 1.0);
+  const Tensor cdh = moe::moe_backward(cw, cg, c.moe(), {}, hn, ca, dout, 1.0);
+  const Tensor gdh = moe::moe_backward(gw, gg, c.moe(), {}, gpu(hn), ga, gpu(dout), 1.0);
   const Tensor grouter = gg.router.to(Device::kCPU);
   double norm = 0;
   for (int64_t i = 0; i < cg.router.numel(); ++i) norm += std::abs(cg.router.item(i));

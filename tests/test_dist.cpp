@@ -25,6 +25,7 @@
 #include "dist/mesh.h"
 #include "fsdp/fsdp.h"
 #include "moe/expert_exchange.h"
+#include "moe/moe_layer.h"
 #include "ops/elementwise.h"
 #include "ops/mx.h"
 #include "processes.h"
@@ -467,6 +468,76 @@ TEST(InProcess, ScatterRowsMovesEveryPartWithOneLayout) {
     });
 }
 
+// The layer with its tokens in chunks, each with its own exchange, against the layer in one
+// chunk, on two ranks in f64 (each rank its own tokens and its half of the experts), for each
+// exchange mode, with and without a lane (on the CPU a lane runs the exchanges in order) and with
+// every routing the router gives here: the learned one, balanced, and all of a rank's tokens on
+// one expert (a bias of 10 on it). Every token's rows and their sums are the same, so the output,
+// d hn and the router's gradient are equal bit for bit; the experts' weight gradients add the
+// chunks' products in turn (1e-12).
+TEST(MoeLayer, ChunksGiveTheUnchunkedLayersOutputAndGradients) {
+  const int64_t n = 23, d = 8, f = 6, e = 4;
+  moe::MoeConfig c;
+  c.dim = d;
+  c.moe_dim = f;
+  c.n_experts = e;
+  c.top_k = 2;
+  for (const moe::ExchangeMode mode :
+       {moe::ExchangeMode::kHostCounts, moe::ExchangeMode::kDeviceCounts})
+    for (const std::string routing : {"learned", "balanced", "one_expert"})
+      run_in_process(2, [&](Communicator& comm) {
+        const int r = comm.rank();
+        c.routing =
+            routing == "balanced" ? ops::RoutingMode::kBalanced : ops::RoutingMode::kLearned;
+        Tensor bias = Tensor::zeros({e}, DType::kF64);
+        if (routing == "one_expert") bias.set_item(3, 10.0);
+        const moe::MoeWeights w{testing::randn({d, e}, 7, 0.5),
+                                testing::randn({e / 2, d, 2 * f}, 11 + r, 0.4),
+                                testing::randn({e / 2, f, d}, 13 + r, 0.4)};
+        const Tensor hn = testing::randn({n, d}, 17 + r), dout = testing::randn({n, d}, 19 + r);
+        struct Result {
+          Tensor out, dhn;
+          moe::MoeWeights g;
+        };
+        auto layer = [&](int64_t chunks, moe::ExchangeLane* lane) {
+          moe::MoeComms comms{&comm, &comm, mode, chunks, lane};
+          moe::MoeActivations a;
+          moe::moe_fill(w, c, comms, bias, hn, a);
+          EXPECT_EQ(static_cast<int64_t>(a.chunks.size()), chunks);
+          for (size_t i = 0; i < a.chunks.size(); ++i) {  // consecutive, in order, all tokens
+            EXPECT_EQ(a.chunks[i].begin, i == 0 ? 0 : a.chunks[i - 1].end);
+            EXPECT_GT(a.chunks[i].end, a.chunks[i].begin);
+          }
+          EXPECT_EQ(a.chunks.back().end, n);
+          Result res{Tensor::poisoned({n, d}, DType::kF64),
+                     Tensor(),
+                     {Tensor::zeros(w.router.shape(), DType::kF64),
+                      Tensor::poisoned(w.w_gate_up.shape(), DType::kF64),
+                      Tensor::poisoned(w.w_down.shape(), DType::kF64)}};
+          moe::moe_combine(w, c, comms, a, res.out);
+          res.dhn = moe::moe_backward(w, res.g, c, comms, hn, a, dout, 0.01, ops::Accumulate::kNo);
+          return res;
+        };
+        const Result one = layer(1, nullptr);
+        moe::ExchangeLane lane;
+        for (const int64_t chunks : {1, 2, 3, 5})
+          for (moe::ExchangeLane* l : {static_cast<moe::ExchangeLane*>(nullptr), &lane}) {
+            const std::string what = routing + " " + std::string(moe::exchange_mode_name(mode)) +
+                                     " chunks " + std::to_string(chunks) +
+                                     (l ? " on the lane" : "") + " rank " + std::to_string(r);
+            const Result got = layer(chunks, l);
+            EXPECT_EQ(relative_error(got.out, one.out), 0.0) << what;
+            EXPECT_EQ(relative_error(got.dhn, one.dhn), 0.0) << what;
+            EXPECT_EQ(relative_error(got.g.router, one.g.router), 0.0) << what;
+            EXPECT_LE(relative_error(got.g.w_gate_up, one.g.w_gate_up), 1e-12) << what;
+            EXPECT_LE(relative_error(got.g.w_down, one.g.w_down), 1e-12) << what;
+          }
+        // Not a layer of zeros: every output and gradient holds values.
+        for (const Tensor* t : {&one.out, &one.dhn, &one.g.router, &one.g.w_gate_up, &one.g.w_down})
+          EXPECT_GT(ops::sum_of_squares(*t), 0.0) << routing;
+      });
+}
+
 // The plan's own dispatch (DispatchRows: with device counts in the exchange that sends the
 // choices and counts) gives what dispatch gives after the plan, rows and MXFP8 rows alike, in
 // both modes; and the receive buffer it needs is what window_bytes says.
@@ -631,20 +702,23 @@ void expect_same(const std::map<std::string, Tensor>& a, const std::map<std::str
 }
 
 // (W, ep) against one rank holding the whole batch, with each routing: the router's (learned),
-// the benchmarks' fixed patterns, and every token on experts 0 and 1 (concentrate_routing).
+// the benchmarks' fixed patterns, and every token on experts 0 and 1 (concentrate_routing); with
+// ep > 1 also with the layer's tokens in chunks, each with its own exchange.
 struct EquivalenceCase {
   int world, ep;
   const char* routing = "learned";  // model.routing, or "concentrated"
   const char* exchange = "device";  // parallel.ep_exchange
+  int chunks = 1;                   // parallel.ep_chunks
 };
 class Equivalence : public ::testing::TestWithParam<EquivalenceCase> {};
 
 TEST_P(Equivalence, OneStepLossAndGradientsThenThreeStepsParameters) {
-  const auto [world, ep, routing, exchange] = GetParam();
+  const auto [world, ep, routing, exchange, chunks] = GetParam();
   const bool concentrated = std::string(routing) == "concentrated";
   std::vector<std::string> sets = {
       std::string("model.routing=") + (concentrated ? "learned" : routing),
-      std::string("parallel.ep_exchange=") + exchange};
+      std::string("parallel.ep_exchange=") + exchange,
+      "parallel.ep_chunks=" + std::to_string(chunks)};
   // The fixed patterns run over each rank's token positions: skewed's cold round-robin has period
   // 6 (E = 8: 6 cold experts), so micro-batches of a multiple of 6 tokens route as the whole
   // batch does.
@@ -687,6 +761,7 @@ struct MxCase {
   int world, ep;
   const char* recipe;
   const char* dispatch = "bf16";  // parallel.ep_dispatch_dtype (mxfp8 with mxfp8: requant_dim1)
+  int chunks = 1;  // parallel.ep_chunks (not with mxfp8: each chunk blocks its own rows)
 };
 class EquivalenceMx : public ::testing::TestWithParam<MxCase> {};
 
@@ -694,7 +769,8 @@ TEST_P(EquivalenceMx, OneStepGradientsThenThreeStepsParameters) {
   const MxCase m = GetParam();
   std::vector<std::string> mx = {"model.dim=32", "model.moe_dim=32",
                                  std::string("model.expert_recipe=") + m.recipe,
-                                 std::string("parallel.ep_dispatch_dtype=") + m.dispatch};
+                                 std::string("parallel.ep_dispatch_dtype=") + m.dispatch,
+                                 "parallel.ep_chunks=" + std::to_string(m.chunks)};
   if (std::string(m.dispatch) == "mxfp8" && std::string(m.recipe) == "mxfp8")
     mx.push_back("model.requant_dim1=true");
   const Snapshot ref1 = train(0, 1, 1, mx), got1 = train(m.world, m.ep, 1, mx);
@@ -709,31 +785,34 @@ TEST_P(EquivalenceMx, OneStepGradientsThenThreeStepsParameters) {
       1e-4);
 }
 
-INSTANTIATE_TEST_SUITE_P(WorldEpRecipe, EquivalenceMx,
-                         ::testing::Values(MxCase{2, 1, "mxfp8_wgrad_with_hp"},
-                                           MxCase{4, 2, "mxfp8_wgrad_with_hp"},
-                                           MxCase{4, 4, "mxfp8_wgrad_with_hp"},
-                                           MxCase{2, 2, "mxfp8"}, MxCase{4, 4, "mxfp8"},
-                                           MxCase{4, 2, "mxfp8_wgrad_with_hp", "mxfp8"},
-                                           MxCase{2, 2, "mxfp8", "mxfp8"}),
-                         [](const auto& info) {
-                           return "W" + std::to_string(info.param.world) + "_ep" +
-                                  std::to_string(info.param.ep) + "_" + info.param.recipe +
-                                  "_dispatch_" + info.param.dispatch;
-                         });
+INSTANTIATE_TEST_SUITE_P(
+    WorldEpRecipe, EquivalenceMx,
+    ::testing::Values(MxCase{2, 1, "mxfp8_wgrad_with_hp"}, MxCase{4, 2, "mxfp8_wgrad_with_hp"},
+                      MxCase{4, 4, "mxfp8_wgrad_with_hp"}, MxCase{2, 2, "mxfp8"},
+                      MxCase{4, 4, "mxfp8"}, MxCase{4, 2, "mxfp8_wgrad_with_hp", "mxfp8"},
+                      MxCase{2, 2, "mxfp8", "mxfp8"},
+                      MxCase{4, 2, "mxfp8_wgrad_with_hp", "mxfp8", 3}),
+    [](const auto& info) {
+      return "W" + std::to_string(info.param.world) + "_ep" + std::to_string(info.param.ep) + "_" +
+             info.param.recipe + "_dispatch_" + info.param.dispatch +
+             (info.param.chunks > 1 ? "_chunks" + std::to_string(info.param.chunks) : "");
+    });
 
 INSTANTIATE_TEST_SUITE_P(
     WorldEpRouting, Equivalence,
-    ::testing::Values(EquivalenceCase{1, 1}, EquivalenceCase{2, 1}, EquivalenceCase{2, 2},
-                      EquivalenceCase{4, 2}, EquivalenceCase{4, 4}, EquivalenceCase{2, 2, "skewed"},
-                      EquivalenceCase{4, 4, "skewed"}, EquivalenceCase{4, 2, "balanced"},
-                      EquivalenceCase{2, 2, "concentrated"}, EquivalenceCase{4, 4, "concentrated"},
-                      EquivalenceCase{2, 2, "learned", "host"},
-                      EquivalenceCase{4, 2, "skewed", "host"},
-                      EquivalenceCase{4, 4, "concentrated", "host"}),
+    ::testing::Values(
+        EquivalenceCase{1, 1}, EquivalenceCase{2, 1}, EquivalenceCase{2, 2}, EquivalenceCase{4, 2},
+        EquivalenceCase{4, 4}, EquivalenceCase{2, 2, "skewed"}, EquivalenceCase{4, 4, "skewed"},
+        EquivalenceCase{4, 2, "balanced"}, EquivalenceCase{2, 2, "concentrated"},
+        EquivalenceCase{4, 4, "concentrated"}, EquivalenceCase{2, 2, "learned", "host"},
+        EquivalenceCase{4, 2, "skewed", "host"}, EquivalenceCase{4, 4, "concentrated", "host"},
+        EquivalenceCase{2, 2, "learned", "device", 2}, EquivalenceCase{4, 2, "skewed", "device", 3},
+        EquivalenceCase{4, 4, "concentrated", "device", 3},
+        EquivalenceCase{2, 2, "balanced", "host", 2}),
     [](const auto& info) {
       return "W" + std::to_string(info.param.world) + "_ep" + std::to_string(info.param.ep) + "_" +
-             info.param.routing + "_" + info.param.exchange;
+             info.param.routing + "_" + info.param.exchange +
+             (info.param.chunks > 1 ? "_chunks" + std::to_string(info.param.chunks) : "");
     });
 
 }  // namespace

@@ -26,7 +26,9 @@ thread_local bool in_graph_pool = false;
 // is aligned malloc. The CUDA one caches freed blocks by (pool, GPU, rounded size) and reuses
 // them, so a training step's allocations stop reaching cudaMalloc (and its implicit syncs) after
 // step 1; the GPU is the calling thread's current one (a process drives one GPU, or one per
-// thread in the NCCL tests). Reuse is safe because all of a GPU's work runs on one stream.
+// thread in the NCCL tests). A block is reused only on the stream it was allocated on (the
+// thread's cuda::stream() then), in that stream's order; a tensor that another stream also uses
+// must stay alive until its own stream has waited for that use (moe/exchange_lane.h).
 struct DeviceAllocator {
   explicit DeviceAllocator(Device d) : device(d) {}
   const Device device;
@@ -38,12 +40,14 @@ struct DeviceAllocator {
   struct Key {
     bool graph;
     int gpu;
+    uintptr_t stream;  // the stream it was allocated on
     size_t size;
     auto operator<=>(const Key&) const = default;
   };
   struct Block {
     int gpu;
     bool graph;
+    uintptr_t stream;
   };
   std::map<Key, std::vector<void*>> cached;   // CUDA: free blocks
   std::unordered_map<void*, Block> block_of;  // CUDA: every block from cudaMalloc, live or free
@@ -81,7 +85,7 @@ struct DeviceAllocator {
     std::lock_guard<std::mutex> lock(mu);
     const Block b = block_of.at(p);
     if (b.graph) graph_live -= static_cast<int64_t>(bytes);
-    cached[{b.graph, b.gpu, rounded(bytes)}].push_back(p);
+    cached[{b.graph, b.gpu, b.stream, rounded(bytes)}].push_back(p);
   }
 
 #if MOETRAIN_HAS_CUDA
@@ -139,9 +143,10 @@ struct DeviceAllocator {
     int gpu = 0;
     MT_CUDA_CHECK(cudaGetDevice(&gpu));
     const bool graph = in_graph_pool;
+    const auto stream = reinterpret_cast<uintptr_t>(cuda::stream());
     {
       std::lock_guard<std::mutex> lock(mu);
-      auto it = cached.find({graph, gpu, size});
+      auto it = cached.find({graph, gpu, stream, size});
       if (it != cached.end() && !it->second.empty()) {
         void* p = it->second.back();
         it->second.pop_back();
@@ -168,7 +173,7 @@ struct DeviceAllocator {
       if (p == nullptr) throw Error(ExitCode::kOutOfMemory, out_of_memory_message(size, gpu));
     }
     std::lock_guard<std::mutex> lock(mu);
-    block_of[p] = {gpu, graph};
+    block_of[p] = {gpu, graph, stream};
     return p;
 #else
     (void)size;

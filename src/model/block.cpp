@@ -47,7 +47,7 @@ void drop_for_policy(BlockActivations& a, CheckpointPolicy policy) {
   a.xn = a.attn_rstd = a.qn = a.q_rstd = a.kn = a.k_rstd = a.qr = a.kr = Tensor();
   a.h = a.hn = a.mlp_rstd = Tensor();
   // The gathers are rebuilt; the exchange's outputs (xr, wr) stay: no re-sending.
-  a.moe.xe = a.moe.row_weight = a.moe.act = Tensor();
+  a.moe.drop_expert_rows();
   if (policy == CheckpointPolicy::kSelective) return;
   a.q = a.k = a.v = Tensor();
   a.moe = moe::MoeActivations();
@@ -157,7 +157,8 @@ Tensor block_forward(const BlockParams& p, const ModelConfig& c, const BlockInpu
   block_fill(p, c, in, a, moe::FillFor::kForward);
   Tensor out = new_like(x);
   const profile::Phase phase("moe.combine");
-  moe::moe_combine(p.moe, c.moe(), a.moe, out, &a.h);  // the residual add in the combine's pass
+  moe::moe_combine(p.moe, c.moe(), in.comms, a.moe, out,
+                   &a.h);  // the residual add in the combine's pass
   a.tokens_per_expert = a.moe.routing.tokens_per_expert;
   a.aux_loss = a.moe.aux_loss;
   a.aux_stats = a.moe.aux_stats;
@@ -177,7 +178,8 @@ Tensor block_backward(const BlockParams& p, BlockParams& g, const ModelConfig& c
   // MoE half: out = h + moe(rmsnorm(h)).
   std::optional<profile::Phase> phase(std::in_place, "moe.backward");
   Tensor dh = dout.clone();
-  Tensor dhn = moe::moe_backward(p.moe, g.moe, c.moe(), a.hn, a.moe, dout, aux_grad, expert_grads);
+  Tensor dhn =
+      moe::moe_backward(p.moe, g.moe, c.moe(), in.comms, a.hn, a.moe, dout, aux_grad, expert_grads);
   Tensor tmp = new_like(a.x);
   ops::rmsnorm_backward(a.h, p.mlp_norm, a.mlp_rstd, dhn, tmp, g.mlp_norm);
   ops::add_(dh, tmp);

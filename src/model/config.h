@@ -56,6 +56,12 @@ struct ModelConfig {
   // How the expert-parallel exchange sizes its rows (moe/expert_exchange.h): "device" (fixed
   // capacity, counts on the device, graph-capturable) or "host" (counts read on the host).
   moe::ExchangeMode ep_exchange = moe::ExchangeMode::kDeviceCounts;
+  // With ep > 1: the MoE layer's tokens in this many chunks, each chunk's exchange beside the
+  // experts' work on another (moe::MoeComms::chunks), 1 to moe::kMaxExchangeChunks.
+  int64_t ep_chunks = 1;
+  // With ep > 1 on the GPU: the exchanges on a stream beside the experts' (moe/exchange_lane.h);
+  // false runs them in turn on the pass's stream.
+  bool ep_overlap = true;
   // --- numerics and memory ---
   // The experts' GEMMs (ops/expert_gemm.h): bf16, mxfp8 or mxfp8_wgrad_with_hp, with the MX
   // scale rule; MX recipes need dim and moe_dim to be multiples of 32.

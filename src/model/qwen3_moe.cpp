@@ -114,6 +114,11 @@ Qwen3Moe::Qwen3Moe(const ModelConfig& c, uint64_t seed, dist::DeviceMesh* mesh)
     local_experts = mesh->experts_per_rank();
     if (mesh->ep_size() > 1) comms_.ep = &mesh->ep();
     comms_.exchange = c.ep_exchange;
+    comms_.chunks = c.ep_chunks;
+    if (mesh->ep_size() > 1 && c.ep_overlap) {
+      lane_ = std::make_unique<moe::ExchangeLane>();
+      comms_.lane = lane_.get();
+    }
     if (mesh->world().size() > 1) comms_.batch = &mesh->world();
   }
   const DType dt = cfg_.master_dtype();

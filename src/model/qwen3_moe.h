@@ -98,6 +98,7 @@ class Qwen3Moe {
   ModelConfig cfg_;
   dist::DeviceMesh* mesh_ = nullptr;
   moe::MoeComms comms_;
+  std::unique_ptr<moe::ExchangeLane> lane_;  // with ep > 1: where the exchanges run
   std::vector<ParamUnit> units_;  // [0] embed, [1..L] layers, [L+1] head
   std::vector<Tensor> router_bias_;
   std::vector<Tensor> expert_load_;

@@ -34,22 +34,22 @@ DType router_dtype(const Tensor& hn) {
 
 // The padding marks of the expert rows (ops::swiglu_forward): the permutation's, when its layout
 // is padded.
-const Tensor* padding_marks(const MoeActivations& a) {
-  return a.perm.align > 1 ? &a.perm.source_token : nullptr;
+const Tensor* padding_marks(const MoeChunk& ch) {
+  return ch.perm.align > 1 ? &ch.perm.source_token : nullptr;
 }
 
 // What SwiGLU needs of the expert rows: their padding marks and routing weights.
-ops::SwigluRows swiglu_rows(const MoeActivations& a) {
-  return {padding_marks(a), &a.row_weight};
+ops::SwigluRows swiglu_rows(const MoeChunk& ch) {
+  return {padding_marks(ch), &ch.row_weight};
 }
 
-// The tokens the experts here take their rows from, and their routing weights (N, k): this
-// rank's own, or with EP the ones received.
-const Tensor& tokens_here(const MoeActivations& a, const Tensor& hn) {
-  return a.exchange ? a.xr : hn;
+// The tokens the experts here take their rows from, and their routing weights: this rank's own
+// (the chunk's rows of hn and of the routing), or with EP the ones received.
+Tensor tokens_here(const MoeChunk& ch, const Tensor& hn) {
+  return ch.exchange ? ch.xr : hn.slice_rows(ch.begin, ch.end);
 }
-const Tensor& weights_here(const MoeActivations& a) {
-  return a.exchange ? a.wr : a.routing.expert_weight;
+Tensor weights_here(const MoeActivations& a, const MoeChunk& ch) {
+  return ch.exchange ? ch.wr : a.routing.expert_weight.slice_rows(ch.begin, ch.end);
 }
 
 // Whether the rows reach the experts as MX values along the hidden dimension (an MXFP8 dispatch:
@@ -68,21 +68,54 @@ enum class RowReaders : uint8_t { kWeightGradient, kProduct, kBoth };
 // the permutation: in place when the rows arrive as MX values (with ep 1 the permutation rounds
 // them, once; with EP the wire did) or when only the product reads them, else beside them;
 // undefined when no MX product reads them.
-Tensor permute_expert_rows(const MoeConfig& c, const MoeActivations& a, const Tensor& tokens,
+Tensor permute_expert_rows(const MoeConfig& c, const MoeChunk& ch, const Tensor& tokens,
                            Tensor& rows, RowReaders readers) {
   const ops::ExpertPrecision& p = c.expert_precision;
   const bool product = p.mx_forward_and_input() && readers != RowReaders::kWeightGradient;
-  rows = Tensor::empty({a.perm.rows(), c.dim}, tokens.dtype(), tokens.device());
+  rows = Tensor::empty({ch.perm.rows(), c.dim}, tokens.dtype(), tokens.device());
   Tensor values;
   if (rows_arrive_mx(c) || (product && readers == RowReaders::kProduct))
     values = rows;
   else if (product)
     values = Tensor::empty(rows.shape(), rows.dtype(), rows.device());
-  const bool make = values.defined() && !(rows_arrive_mx(c) && a.exchange);
+  const bool make = values.defined() && !(rows_arrive_mx(c) && ch.exchange);
   const ops::MxValuesOut mx{&values, p.rule};
-  ops::permute_rows(tokens, a.perm, rows, make ? &mx : nullptr);
+  ops::permute_rows(tokens, ch.perm, rows, make ? &mx : nullptr);
   return product ? values : Tensor();
 }
+
+// The layer's exchanges: on the comms' lane when there is one, else in the caller's order. Keeps
+// what the thread's stream made for a run until the run is joined (exchange_lane.h).
+class Exchanges {
+ public:
+  Exchanges(const MoeComms& comms, Device device) : lane_(comms.lane), device_(device) {}
+  ~Exchanges() { join_all(); }
+  Exchanges(const Exchanges&) = delete;
+  Exchanges& operator=(const Exchanges&) = delete;
+
+  ExchangeLane::Point run(const std::function<void()>& work, std::vector<Tensor> keep = {}) {
+    if (!lane_) {
+      work();
+      return 0;
+    }
+    for (Tensor& t : keep) kept_.push_back(std::move(t));
+    return last_ = lane_->run(device_, work);
+  }
+  void join(ExchangeLane::Point p) {
+    if (lane_) lane_->join(p);
+  }
+  void join_all() {
+    if (lane_ && last_ >= 0) lane_->join(last_);
+    last_ = -1;
+    kept_.clear();
+  }
+
+ private:
+  ExchangeLane* lane_;
+  Device device_;
+  ExchangeLane::Point last_ = -1;
+  std::vector<Tensor> kept_;
+};
 
 // On the GPU every expert's rows start on a 128-row boundary: the forward and input-gradient
 // GEMMs then run whole row tiles per expert with one TMA descriptor per operand
@@ -96,10 +129,102 @@ void set_weight_gradient_tap(WeightGradientTap tap) {
   weight_gradient_tap() = std::move(tap);
 }
 
-void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, const Tensor& bias,
-              const Tensor& hn, MoeActivations& a, FillFor fill) {
+void MoeActivations::drop_expert_rows() {
+  for (MoeChunk& ch : chunks) ch.xe = ch.row_weight = ch.act = Tensor();
+}
+
+namespace {
+
+// The chunks of a routed layer: consecutive tokens, sizes within one of each other (every EP rank
+// has the same N, so the same chunks), each with its exchange (planned on the lane, the layer's
+// activations and routing weights sent with it) and its permutation. Fields already present stay.
+void make_chunks(const MoeConfig& c, const MoeComms& comms, const Tensor& hn, MoeActivations& a,
+                 Exchanges& ex) {
+  const int64_t n = hn.dim(0);
+  const int64_t count =
+      comms.ep ? std::clamp<int64_t>(comms.chunks, 1, std::max<int64_t>(n, 1)) : 1;
+  a.chunks.resize(count);
+  for (int64_t i = 0; i < count; ++i) {
+    a.chunks[i].begin = n * i / count;
+    a.chunks[i].end = n * (i + 1) / count;
+  }
+  if (!comms.ep) {
+    ops::make_expert_permutation(a.routing.expert_index, c.n_experts, a.chunks[0].perm,
+                                 segment_align(c, hn));
+    return;
+  }
+  std::vector<ExchangeLane::Point> planned(count);
+  for (int64_t i = 0; i < count; ++i) {
+    MoeChunk& ch = a.chunks[i];
+    planned[i] = ex.run([&] {
+      const Tensor rows = hn.slice_rows(ch.begin, ch.end);
+      const Tensor choices = a.routing.expert_index.slice_rows(ch.begin, ch.end);
+      const Tensor weights = a.routing.expert_weight.slice_rows(ch.begin, ch.end);
+      // The plan dispatches the tokens and their routing weights with their choices.
+      std::vector<DispatchRows> with;
+      if (!ch.xr.defined()) with.push_back({&rows, &ch.xr, c.expert_precision});
+      if (!ch.wr.defined()) with.push_back({&weights, &ch.wr});
+      ch.exchange =
+          std::make_shared<ExpertExchange>(*comms.ep, choices, c.n_experts, comms.exchange, with);
+    });
+  }
+  for (int64_t i = 0; i < count; ++i) {
+    MoeChunk& ch = a.chunks[i];
+    ex.join(planned[i]);
+    ops::make_expert_permutation(ch.exchange->local_index(), c.n_experts / comms.ep->size(),
+                                 ch.perm, segment_align(c, hn), ch.exchange->local_rows());
+  }
+}
+
+// Everything of one chunk a fill computes: its undefined fields after the routing.
+void fill_chunk(const MoeWeights& w, const MoeConfig& c, const MoeActivations& a, const Tensor& hn,
+                MoeChunk& ch, FillFor fill) {
   const DType dt = hn.dtype();
   const Device dev = hn.device();
+  const ops::ExpertPrecision& prec = c.expert_precision;
+  // Whether anything past the forward's products reads the rows and SwiGLU output made here: a
+  // backward fill's are its own; a forward's are read by the backward unless it makes them again.
+  const bool rows_read = fill == FillFor::kBackward || c.forward_rows == ForwardRows::kKept;
+  // The forward product's rows: their MX values under an MX recipe, when it runs in this fill.
+  Tensor xe_mx;
+  if (!ch.xe.defined())
+    xe_mx = permute_expert_rows(c, ch, tokens_here(ch, hn), ch.xe,
+                                ch.gate_up.defined() ? RowReaders::kWeightGradient
+                                : rows_read          ? RowReaders::kBoth
+                                                     : RowReaders::kProduct);
+  if (!ch.row_weight.defined()) {
+    // Each choice's routing weight moved to its expert row: the scatter (Rt, k, 1) -> (R, 1) that
+    // is unpermute_rows' backward.
+    const Tensor weight = weights_here(a, ch);
+    Tensor rows = Tensor::empty({ch.perm.rows(), 1}, weight.dtype(), dev);
+    ops::unpermute_rows_backward(weight.reshape({weight.dim(0), weight.dim(1), 1}), ch.perm, rows);
+    ch.row_weight = rows.reshape({ch.perm.rows()});
+  }
+  const int64_t r = ch.xe.dim(0);
+  if (!ch.gate_up.defined()) {
+    ch.gate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
+    const ops::MxOperands made{w.gate_up_mx, rows_arrive_mx(c) ? &ch.xe
+                                             : xe_mx.defined() ? &xe_mx
+                                                               : nullptr};
+    ops::expert_gemm_forward(ch.xe, w.w_gate_up, ch.perm.expert_rows(), prec, ch.gate_up, made);
+  }
+  if (!ch.act.defined()) {
+    ch.act = Tensor::empty({r, c.moe_dim}, dt, dev);
+    std::optional<ops::MxValuesOut> mx;
+    if (prec.mx_forward_and_input() && fill == FillFor::kForward) {
+      ch.act_mx = rows_read ? Tensor::empty(ch.act.shape(), dt, dev) : ch.act;
+      mx = ops::MxValuesOut{&ch.act_mx, prec.rule};
+    }
+    ops::swiglu_forward(ch.gate_up, ch.act, swiglu_rows(ch), mx ? &*mx : nullptr);
+  }
+}
+
+}  // namespace
+
+void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, const Tensor& bias,
+              const Tensor& hn, MoeActivations& a, FillFor fill) {
+  const Device dev = hn.device();
+  Exchanges ex(comms, dev);
   if (!a.routing.expert_index.defined()) {
     if (!a.logits.defined()) {
       a.logits = Tensor::empty({hn.dim(0), c.n_experts}, router_dtype(hn), dev);
@@ -123,127 +248,127 @@ void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, co
       a.aux_stats.tokens.data<int64_t>()[0] *= comms.batch->size();
     }
     a.aux_loss = ops::router_aux_loss(a.aux_stats);
-    if (comms.ep) {
-      // The plan dispatches the tokens and their routing weights with their choices.
-      std::vector<DispatchRows> with;
-      if (!a.xr.defined()) with.push_back({&hn, &a.xr, c.expert_precision});
-      if (!a.wr.defined()) with.push_back({&a.routing.expert_weight, &a.wr});
-      a.exchange = std::make_shared<ExpertExchange>(*comms.ep, a.routing.expert_index, c.n_experts,
-                                                    comms.exchange, with);
-      ops::make_expert_permutation(a.exchange->local_index(), c.n_experts / comms.ep->size(),
-                                   a.perm, segment_align(c, hn), a.exchange->local_rows());
-    } else {
-      ops::make_expert_permutation(a.routing.expert_index, c.n_experts, a.perm,
-                                   segment_align(c, hn));
+    make_chunks(c, comms, hn, a, ex);
+  }
+  for (MoeChunk& ch : a.chunks) {
+    // Outputs the exchange's plan made and a checkpointing policy dropped are sent again.
+    if (ch.exchange && (!ch.xr.defined() || !ch.wr.defined())) {
+      const Tensor rows = hn.slice_rows(ch.begin, ch.end);
+      const Tensor weights = a.routing.expert_weight.slice_rows(ch.begin, ch.end);
+      ex.join(ex.run([&] {
+        if (!ch.xr.defined()) ch.xr = ch.exchange->dispatch(rows, c.expert_precision);
+        if (!ch.wr.defined()) ch.wr = ch.exchange->dispatch(weights);
+      }));
     }
-  }
-  if (a.exchange && !a.xr.defined()) a.xr = a.exchange->dispatch(hn, c.expert_precision);
-  if (a.exchange && !a.wr.defined()) a.wr = a.exchange->dispatch(a.routing.expert_weight);
-  const ops::ExpertPrecision& prec = c.expert_precision;
-  // Whether anything past the forward's products reads the rows and SwiGLU output made here: a
-  // backward fill's are its own; a forward's are read by the backward unless it makes them again.
-  const bool rows_read = fill == FillFor::kBackward || c.forward_rows == ForwardRows::kKept;
-  // The forward product's rows: their MX values under an MX recipe, when it runs in this fill.
-  Tensor xe_mx;
-  if (!a.xe.defined())
-    xe_mx = permute_expert_rows(c, a, tokens_here(a, hn), a.xe,
-                                a.gate_up.defined() ? RowReaders::kWeightGradient
-                                : rows_read         ? RowReaders::kBoth
-                                                    : RowReaders::kProduct);
-  if (!a.row_weight.defined()) {
-    // Each choice's routing weight moved to its expert row: the scatter (Rt, k, 1) -> (R, 1) that
-    // is unpermute_rows' backward.
-    const Tensor& weight = weights_here(a);
-    Tensor rows = Tensor::empty({a.perm.rows(), 1}, weight.dtype(), dev);
-    ops::unpermute_rows_backward(weight.reshape({weight.dim(0), weight.dim(1), 1}), a.perm, rows);
-    a.row_weight = rows.reshape({a.perm.rows()});
-  }
-  const int64_t r = a.xe.dim(0);
-  if (!a.gate_up.defined()) {
-    a.gate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
-    const ops::MxOperands made{w.gate_up_mx, rows_arrive_mx(c) ? &a.xe
-                                             : xe_mx.defined() ? &xe_mx
-                                                               : nullptr};
-    ops::expert_gemm_forward(a.xe, w.w_gate_up, a.perm.expert_rows(), prec, a.gate_up, made);
-  }
-  if (!a.act.defined()) {
-    a.act = Tensor::empty({r, c.moe_dim}, dt, dev);
-    std::optional<ops::MxValuesOut> mx;
-    if (prec.mx_forward_and_input() && fill == FillFor::kForward) {
-      a.act_mx = rows_read ? Tensor::empty(a.act.shape(), dt, dev) : a.act;
-      mx = ops::MxValuesOut{&a.act_mx, prec.rule};
-    }
-    ops::swiglu_forward(a.gate_up, a.act, swiglu_rows(a), mx ? &*mx : nullptr);
+    fill_chunk(w, c, a, hn, ch, fill);
   }
 }
 
-void moe_combine(const MoeWeights& w, const MoeConfig& c, MoeActivations& a, Tensor& out,
-                 const Tensor* residual) {
-  Tensor ye = Tensor::empty({a.act.dim(0), c.dim}, a.act.dtype(), a.act.device());
-  ops::expert_gemm_forward(a.act, w.w_down, a.perm.expert_rows(), c.expert_precision, ye,
-                           {w.down_mx, a.act_mx.defined() ? &a.act_mx : nullptr});
-  a.act_mx = Tensor();
-  if (!a.exchange) return ops::combine_forward(ye, a.perm, out, residual);
-  // Each received token's expert outputs summed here, then one row back per (token, rank).
-  Tensor partial = Tensor::empty({a.xr.dim(0), c.dim}, ye.dtype(), ye.device());
-  ops::combine_forward(ye, a.perm, partial);
-  a.exchange->combine(partial, out, residual);
+void moe_combine(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, MoeActivations& a,
+                 Tensor& out, const Tensor* residual) {
+  Exchanges ex(comms, out.device());
+  for (MoeChunk& ch : a.chunks) {
+    Tensor ye = Tensor::empty({ch.act.dim(0), c.dim}, ch.act.dtype(), ch.act.device());
+    ops::expert_gemm_forward(ch.act, w.w_down, ch.perm.expert_rows(), c.expert_precision, ye,
+                             {w.down_mx, ch.act_mx.defined() ? &ch.act_mx : nullptr});
+    ch.act_mx = Tensor();
+    Tensor out_rows = out.slice_rows(ch.begin, ch.end);
+    Tensor res_rows = residual ? residual->slice_rows(ch.begin, ch.end) : Tensor();
+    const Tensor* res = residual ? &res_rows : nullptr;
+    if (!ch.exchange) {
+      ops::combine_forward(ye, ch.perm, out_rows, res);
+      continue;
+    }
+    // Each received token's expert outputs summed here, then one row back per (token, rank).
+    Tensor partial = Tensor::empty({ch.xr.dim(0), c.dim}, ye.dtype(), ye.device());
+    ops::combine_forward(ye, ch.perm, partial);
+    ex.run([&] { ch.exchange->combine(partial, out_rows, res); }, {partial});
+  }
 }
 
-Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, const Tensor& hn,
-                    const MoeActivations& a, const Tensor& dout, double aux_grad,
+Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, const MoeComms& comms,
+                    const Tensor& hn, const MoeActivations& a, const Tensor& dout, double aux_grad,
                     ops::Accumulate expert_grads) {
-  const int64_t n = hn.dim(0), r = a.xe.dim(0), here = tokens_here(a, hn).dim(0);
+  const int64_t n = hn.dim(0);
   const DType dt = hn.dtype();
   const Device dev = hn.device();
-  const ops::ExpertRows rows = a.perm.expert_rows();
+  const ops::ExpertPrecision& prec = c.expert_precision;
+  const DType wt = a.routing.expert_weight.dtype();
+  Tensor dhn = Tensor::empty({n, c.dim}, dt, dev);
+  Tensor dweight = Tensor::empty({n, c.top_k}, wt, dev);
+  Exchanges ex(comms, dev);
   // The combine's backward: every expert row receives its token's gradient (the routing weights
   // are in the rows' activations). dY travels as the dispatch sends the rows (MX values along the
-  // hidden dimension with an MXFP8 dispatch); the input-gradient product takes its MX values,
-  // made by the permutation as the forward's rows' are.
-  const ops::ExpertPrecision& prec = c.expert_precision;
-  const Tensor dy_here = a.exchange ? a.exchange->dispatch(dout, prec) : dout;
-  Tensor dye;
-  Tensor dye_mx = permute_expert_rows(c, a, dy_here, dye, RowReaders::kBoth);
-  Tensor dact = Tensor::empty({r, c.moe_dim}, dt, dev);
-  ops::expert_gemm_backward_input(dye, w.w_down, rows, prec, dact,
-                                  {w.down_mx, dye_mx.defined() ? &dye_mx : nullptr});
-  dye_mx = Tensor();
-  tap_weight_gradient("down", a.act, dye, rows);
-  ops::expert_gemm_backward_weight(a.act, dye, rows, c.expert_precision, g.w_down, expert_grads);
-
-  Tensor dgate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
-  Tensor drow_weight = Tensor::empty({r, 1}, a.row_weight.dtype(), dev);
-  Tensor drow_weight_flat = drow_weight.reshape({r});
-  Tensor dgate_up_mx;
-  std::optional<ops::MxValuesOut> dgate_up_values;
-  if (prec.mx_forward_and_input()) {
-    dgate_up_mx = Tensor::empty(dgate_up.shape(), dt, dev);
-    dgate_up_values = ops::MxValuesOut{&dgate_up_mx, prec.rule};
+  // hidden dimension with an MXFP8 dispatch): each chunk's on the lane before any expert work, so
+  // that the next chunk's crosses while the experts take this one.
+  std::vector<Tensor> dy_here(a.chunks.size());
+  std::vector<ExchangeLane::Point> dispatched(a.chunks.size());
+  for (size_t i = 0; i < a.chunks.size(); ++i) {
+    const MoeChunk& ch = a.chunks[i];
+    const Tensor rows = dout.slice_rows(ch.begin, ch.end);
+    if (!ch.exchange) {
+      dy_here[i] = rows;
+      continue;
+    }
+    dispatched[i] = ex.run([&] { dy_here[i] = ch.exchange->dispatch(rows, prec); });
   }
-  ops::swiglu_backward(a.gate_up, dact, dgate_up, swiglu_rows(a), &drow_weight_flat,
-                       dgate_up_values ? &*dgate_up_values : nullptr);
-  // The routing weights' gradient, back from the expert rows to the choices (N, k); with EP a
-  // choice's gradient comes from its expert's rank, zeros from the others.
-  const DType wt = a.routing.expert_weight.dtype();
-  Tensor dweight = Tensor::empty({n, c.top_k}, wt, dev);
-  Tensor dweight_here = a.exchange ? Tensor::empty({here, c.top_k}, wt, dev) : dweight;
-  Tensor dweight_rows = dweight_here.reshape({here, c.top_k, 1});
-  ops::unpermute_rows(drow_weight, a.perm, dweight_rows);
-  Tensor dxe = Tensor::empty({r, c.dim}, dt, dev);
-  ops::expert_gemm_backward_input(dgate_up, w.w_gate_up, rows, prec, dxe,
-                                  {w.gate_up_mx, dgate_up_mx.defined() ? &dgate_up_mx : nullptr});
-  dgate_up_mx = Tensor();
-  tap_weight_gradient("gate_up", a.xe, dgate_up, rows);
-  ops::expert_gemm_backward_weight(a.xe, dgate_up, rows, c.expert_precision, g.w_gate_up,
-                                   expert_grads);
+  for (size_t i = 0; i < a.chunks.size(); ++i) {
+    const MoeChunk& ch = a.chunks[i];
+    const ops::Accumulate grads = i == 0 ? expert_grads : ops::Accumulate::kYes;
+    const int64_t r = ch.xe.dim(0), here = tokens_here(ch, hn).dim(0);
+    const ops::ExpertRows rows = ch.perm.expert_rows();
+    if (ch.exchange) ex.join(dispatched[i]);
+    // The input-gradient product takes dY's MX values, made by the permutation as the forward's
+    // rows' are.
+    Tensor dye;
+    Tensor dye_mx = permute_expert_rows(c, ch, dy_here[i], dye, RowReaders::kBoth);
+    dy_here[i] = Tensor();
+    Tensor dact = Tensor::empty({r, c.moe_dim}, dt, dev);
+    ops::expert_gemm_backward_input(dye, w.w_down, rows, prec, dact,
+                                    {w.down_mx, dye_mx.defined() ? &dye_mx : nullptr});
+    dye_mx = Tensor();
 
-  // The dispatch's backward: each token's rows summed where they are, then across the ranks,
-  // with the routing weights' gradient in the same exchange.
-  Tensor dhn = Tensor::empty({n, c.dim}, dt, dev);
-  Tensor dx_here = a.exchange ? Tensor::empty({here, c.dim}, dt, dev) : dhn;
-  ops::permute_rows_backward(dxe, a.perm, dx_here);
-  if (a.exchange) a.exchange->combine({{&dweight_here, &dweight}, {&dx_here, &dhn}});
+    Tensor dgate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
+    Tensor drow_weight = Tensor::empty({r, 1}, ch.row_weight.dtype(), dev);
+    Tensor drow_weight_flat = drow_weight.reshape({r});
+    Tensor dgate_up_mx;
+    std::optional<ops::MxValuesOut> dgate_up_values;
+    if (prec.mx_forward_and_input()) {
+      dgate_up_mx = Tensor::empty(dgate_up.shape(), dt, dev);
+      dgate_up_values = ops::MxValuesOut{&dgate_up_mx, prec.rule};
+    }
+    ops::swiglu_backward(ch.gate_up, dact, dgate_up, swiglu_rows(ch), &drow_weight_flat,
+                         dgate_up_values ? &*dgate_up_values : nullptr);
+    // The routing weights' gradient, back from the expert rows to the choices; with EP a
+    // choice's gradient comes from its expert's rank, zeros from the others.
+    Tensor dweight_rows = dweight.slice_rows(ch.begin, ch.end);
+    Tensor dweight_here = ch.exchange ? Tensor::empty({here, c.top_k}, wt, dev) : dweight_rows;
+    Tensor dweight_3d = dweight_here.reshape({here, c.top_k, 1});
+    ops::unpermute_rows(drow_weight, ch.perm, dweight_3d);
+    Tensor dxe = Tensor::empty({r, c.dim}, dt, dev);
+    ops::expert_gemm_backward_input(dgate_up, w.w_gate_up, rows, prec, dxe,
+                                    {w.gate_up_mx, dgate_up_mx.defined() ? &dgate_up_mx : nullptr});
+    dgate_up_mx = Tensor();
+
+    // The dispatch's backward: each token's rows summed where they are, then across the ranks,
+    // with the routing weights' gradient in the same exchange, which crosses (on the lane) while
+    // the experts' weight gradients, which nothing waits for here, are computed.
+    Tensor dhn_rows = dhn.slice_rows(ch.begin, ch.end);
+    Tensor dx_here = ch.exchange ? Tensor::empty({here, c.dim}, dt, dev) : dhn_rows;
+    ops::permute_rows_backward(dxe, ch.perm, dx_here);
+    dxe = Tensor();
+    if (ch.exchange)
+      ex.run(
+          [&] {
+            ch.exchange->combine({{&dweight_here, &dweight_rows}, {&dx_here, &dhn_rows}});
+          },
+          {dweight_here, dx_here});
+    tap_weight_gradient("down", ch.act, dye, rows);
+    ops::expert_gemm_backward_weight(ch.act, dye, rows, prec, g.w_down, grads);
+    tap_weight_gradient("gate_up", ch.xe, dgate_up, rows);
+    ops::expert_gemm_backward_weight(ch.xe, dgate_up, rows, prec, g.w_gate_up, grads);
+  }
+  ex.join_all();
 
   Tensor dlogits = Tensor::empty({n, c.n_experts}, a.routing.scores.dtype(), dev);
   ops::router_backward(a.routing, router_options(c), a.aux_stats, dweight, aux_grad, dlogits);

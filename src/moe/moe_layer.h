@@ -12,6 +12,7 @@
 
 #include "core/tensor.h"
 #include "dist/communicator.h"
+#include "moe/exchange_lane.h"
 #include "moe/expert_exchange.h"
 #include "ops/expert_gemm.h"
 #include "ops/gemm.h"
@@ -46,20 +47,32 @@ struct MoeWeights {
   const ops::MxWeightCopies* down_mx = nullptr;
 };
 
+// The most chunks a layer's tokens go through the experts in (MoeComms::chunks): each takes two
+// of the lane's points a pass.
+inline constexpr int64_t kMaxExchangeChunks = 16;
+static_assert(2 * kMaxExchangeChunks + 2 <= ExchangeLane::kPoints);
+
 // The process groups the layer talks to; null members mean "not split".
 struct MoeComms {
   dist::Communicator* ep = nullptr;     // EP group: experts are spread over it
   dist::Communicator* batch = nullptr;  // every rank holding part of the batch (aux statistics)
   ExchangeMode exchange = ExchangeMode::kDeviceCounts;  // how the EP exchange sizes its rows
+  // With EP: the layer's tokens go through the experts in this many chunks of consecutive tokens
+  // (at most N), each with its own exchange. With a lane the exchanges run on it: the backward's
+  // combine of each chunk crosses while the experts' weight gradients are computed (with one
+  // chunk too), and with several chunks the experts compute on one chunk while the next chunk's
+  // dispatch or the previous chunk's combine crosses; each chunk then pays its own products and
+  // accumulates its share of the experts' weight gradients (docs/benchmarks.md has the costs).
+  // Without a lane everything runs in turn, with the same results (the CPU ranks' tests).
+  int64_t chunks = 1;
+  ExchangeLane* lane = nullptr;
 };
 
-// What the forward leaves for the backward. A field left undefined is recomputed by moe_fill.
-// N local tokens, Rt tokens here (with EP: the tokens received; without: Rt = N), R rows for
-// this rank's experts (R = N*k without EP; a padded layout has more, see ops/permute.h).
-struct MoeActivations {
-  Tensor logits;                             // (N, E)       GEMM output
-  ops::Routing routing;                      // scores, choices, weights, counts
-  ops::AuxStats aux_stats;                   // of the whole batch (all ranks)
+// One chunk of the layer's tokens on its way through the experts. Rt tokens here (with EP: the
+// tokens received; without: Rt = N), R rows for this rank's experts (R = N*k without EP; a padded
+// layout has more, see ops/permute.h).
+struct MoeChunk {
+  int64_t begin = 0, end = 0;                // its tokens: [begin, end) of the layer's N
   std::shared_ptr<ExpertExchange> exchange;  // EP: who sends what where (null without EP)
   ops::ExpertPermutation perm;               // the tokens here -> this rank's experts' rows
   Tensor xr;                                 // (Rt, D)      EP: the tokens received (comm output)
@@ -71,15 +84,27 @@ struct MoeActivations {
   // Under an MX recipe, act's MX values for the down projection's forward: made with act by a
   // forward fill, consumed (and dropped) by moe_combine.
   Tensor act_mx;
+};
+
+// What the forward leaves for the backward. A field left undefined is recomputed by moe_fill;
+// the chunks are made with the routing (one without EP).
+struct MoeActivations {
+  Tensor logits;            // (N, E)       GEMM output
+  ops::Routing routing;     // scores, choices, weights, counts
+  ops::AuxStats aux_stats;  // of the whole batch (all ranks)
+  std::vector<MoeChunk> chunks;
   Tensor aux_loss;  // per-layer load-balancing loss (no coefficient): one f64 on the device
+  // Drops every chunk's expert rows, their routing weights and SwiGLU output (a checkpointing
+  // policy: a fill gathers and computes them again; the exchange's outputs stay).
+  void drop_expert_rows();
 };
 
 ops::RouterOptions router_options(const MoeConfig& c);
 
 // Numerics studies (bench/mx_wgrad_error.cpp): when set, moe_backward calls it with the operands
-// of each expert weight gradient just before multiplying them, "down" then "gate_up" per layer,
-// layers in the backward's order (the last first). Eager passes only: a captured pass runs no
-// host code. One process-wide observer; null (the default) costs nothing.
+// of each expert weight gradient just before multiplying them, "down" then "gate_up" per layer
+// (per chunk, with chunks), layers in the backward's order (the last first). Eager passes only: a
+// captured pass runs no host code. One process-wide observer; null (the default) costs nothing.
 using WeightGradientTap = std::function<void(std::string_view product, const Tensor& x,
                                              const Tensor& dy, const ops::ExpertRows& rows)>;
 void set_weight_gradient_tap(WeightGradientTap tap);
@@ -93,13 +118,13 @@ void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, co
 // out (N, D) = the experts' down projection of a.act, back in token order and summed over each
 // token's choices (+ residual, in the same pass); requires a filled `a` (its act_mx is used and
 // dropped). The expert outputs are not kept.
-void moe_combine(const MoeWeights& w, const MoeConfig& c, MoeActivations& a, Tensor& out,
-                 const Tensor* residual = nullptr);
+void moe_combine(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, MoeActivations& a,
+                 Tensor& out, const Tensor* residual = nullptr);
 // Returns d hn (N, D); weight gradients accumulate into g. aux_grad = d(total) / d(aux_loss).
 // expert_grads: kYes adds to g's expert gradients, kNo overwrites them (their first write of a
 // step); the router gradient always accumulates.
-Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, const Tensor& hn,
-                    const MoeActivations& a, const Tensor& dout, double aux_grad,
+Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, const MoeComms& comms,
+                    const Tensor& hn, const MoeActivations& a, const Tensor& dout, double aux_grad,
                     ops::Accumulate expert_grads = ops::Accumulate::kYes);
 
 }  // namespace mt::moe

@@ -154,6 +154,10 @@ const std::vector<Field>& fields() {
            throw ConfigError(
                fmt::format("config: parallel.ep_exchange = \"{}\" (valid: device, host)", v.s));
        }},
+      {"parallel", "ep_chunks", FieldType::kInt,
+       [](Config& c, const Value& v) { c.model.ep_chunks = v.i; }},
+      {"parallel", "ep_overlap", FieldType::kBool,
+       [](Config& c, const Value& v) { c.model.ep_overlap = v.b; }},
       {"parallel", "ep_dispatch_dtype", FieldType::kString,
        [](Config& c, const Value& v) {
          if (!ops::parse_dispatch_dtype(v.s, &c.model.expert_precision.dispatch))
@@ -374,6 +378,9 @@ void validate_config(const Config& c) {
   if (c.model.n_experts % p.ep != 0)
     throw ConfigError(fmt::format("config: parallel.ep = {} must divide model.n_experts = {}", p.ep,
                                   c.model.n_experts));
+  if (c.model.ep_chunks < 1 || c.model.ep_chunks > moe::kMaxExchangeChunks)
+    throw ConfigError(fmt::format("config: parallel.ep_chunks = {} must be in [1, {}]",
+                                  c.model.ep_chunks, moe::kMaxExchangeChunks));
   if (p.ep_exchange_ctas < 1 || p.ep_exchange_ctas > 1024)
     throw ConfigError(fmt::format("config: parallel.ep_exchange_ctas = {} must be in [1, 1024]",
                                   p.ep_exchange_ctas));

@@ -12,7 +12,7 @@ bool capturing() {
 }
 }  // namespace
 
-Fence::Fence() {
+Fence::Fence(FenceReach reach) : reach_(reach) {
   MT_CUDA_CHECK(cudaEventCreateWithFlags(&event_, cudaEventDisableTiming));
 }
 
@@ -21,13 +21,15 @@ Fence::~Fence() {
 }
 
 void Fence::record() {
+  const bool external = reach_ == FenceReach::kBeyondGraph && capturing();
   MT_CUDA_CHECK(cudaEventRecordWithFlags(
-      event_, stream(), capturing() ? cudaEventRecordExternal : cudaEventRecordDefault));
+      event_, stream(), external ? cudaEventRecordExternal : cudaEventRecordDefault));
 }
 
 void Fence::wait() const {
+  const bool external = reach_ == FenceReach::kBeyondGraph && capturing();
   MT_CUDA_CHECK(cudaStreamWaitEvent(stream(), event_,
-                                    capturing() ? cudaEventWaitExternal : cudaEventWaitDefault));
+                                    external ? cudaEventWaitExternal : cudaEventWaitDefault));
 }
 
 SideStream::SideStream() {

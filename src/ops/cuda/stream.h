@@ -4,17 +4,23 @@
 #pragma once
 #include <cuda_runtime_api.h>
 
+#include <cstdint>
+
 #include "core/cuda_check.h"  // cuda::stream(), cuda::StreamScope
 
 namespace mt::cuda {
 
-// A point in a stream's work that other streams wait for. Recorded or waited for while the
-// thread's stream is being captured, it becomes an external node of the graph: the replay
-// records it, or waits for its latest record at the time the replay runs, so that a captured
-// pass can wait for work queued outside its graph (an optimizer step on a side stream).
+// What a fence recorded or waited for while the thread's stream is being captured becomes: an
+// external node of the graph (the replay records it, or waits for its latest record when the
+// replay runs, so that a captured pass can wait for work queued outside its graph: an optimizer
+// step on a side stream), or an edge within the graph (another stream's work captured with the
+// thread's, forked from it and joined back: the expert exchange's lane).
+enum class FenceReach : uint8_t { kBeyondGraph, kWithinGraph };
+
+// A point in a stream's work that other streams wait for.
 class Fence {
  public:
-  Fence();
+  explicit Fence(FenceReach reach = FenceReach::kBeyondGraph);
   ~Fence();
   Fence(const Fence&) = delete;
   Fence& operator=(const Fence&) = delete;
@@ -23,6 +29,7 @@ class Fence {
 
  private:
   cudaEvent_t event_ = nullptr;
+  FenceReach reach_;
 };
 
 // A non-blocking stream of the current device, owned.
