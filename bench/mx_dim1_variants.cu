@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <utility>
 #include <vector>
@@ -272,7 +273,22 @@ int main() {
   struct Shape {
     int64_t batch, rows, cols;
   };
-  for (const Shape s : {Shape{1, 16384, 2048}, Shape{128, 2048, 768}}) {
+  // MX_DIM1_SHAPES="BxRxC,...": other shapes (default: the issue's and the experts' weights);
+  // MX_DIM1_SHIPPED_ONLY=1: the shipped kernel alone beside the copy.
+  std::vector<Shape> shapes = {{1, 16384, 2048}, {128, 2048, 768}};
+  if (const char* env = std::getenv("MX_DIM1_SHAPES")) {
+    shapes.clear();
+    for (const char* p = env; *p;) {
+      long b = 0, r = 0, c = 0;
+      int used = 0;
+      if (std::sscanf(p, "%ldx%ldx%ld%n", &b, &r, &c, &used) != 3) break;
+      shapes.push_back({b, r, c});
+      p += used;
+      if (*p == ',') ++p;
+    }
+  }
+  const bool shipped_only = std::getenv("MX_DIM1_SHIPPED_ONLY") != nullptr;
+  for (const Shape s : shapes) {
     Buffers b{s.batch, s.rows, s.cols, s.batch * s.rows * s.cols, {}, {}, {}, nullptr};
     for (int i = 0; i < kRotate; ++i) {
       Bf16* x;
@@ -299,6 +315,7 @@ int main() {
             [&](int i) { cudaMemcpyAsync(b.copy, b.x[i], b.n * 2, cudaMemcpyDeviceToDevice); });
         const double copy_gbps = 4.0 * b.n / (copy_ms * 1e-3) / 1e9;
         for (const Variant& v : variants) {
+          if (shipped_only && &v != &variants[0]) continue;
           WORKBENCH_CHECK(cudaMemset(b.data[0], 0xA5, b.n));
           WORKBENCH_CHECK(cudaMemset(b.scales[0], 0xA5, b.n / kMxBlock));
           v.launch(b, 0, rule);
