@@ -42,8 +42,9 @@ line = {"bench": "model_step", "preset": os.path.basename(sys.argv[5]).removesuf
         "mfu": round(statistics.median(r["mfu"] for r in steady), 4),
         "peak_gib": round(max(r["peak_bytes"] for r in rows) / 2**30, 2),
         "final_loss": round(rows[-1]["loss"], 4)}
-if "exchange_ms" in rows[-1]:
-    line["exchange_ms"] = round(statistics.median(r["exchange_ms"] for r in steady), 2)
+for key in ("exchange_ms", "exchange_exposed_ms"):  # with ep > 1 (eager passes: graphs time none)
+    if key in rows[-1]:
+        line[key] = round(statistics.median(r[key] for r in steady), 2)
 print(json.dumps(line))
 PY
 done

@@ -736,6 +736,8 @@ TEST_P(Equivalence, OneStepLossAndGradientsThenThreeStepsParameters) {
     EXPECT_GT(got1.metrics[0].exchange_ms, 0.0);
   else
     EXPECT_EQ(got1.metrics[0].exchange_ms, 0.0);
+  // On CPU ranks every exchange is waited for: all of it is exposed.
+  EXPECT_EQ(got1.metrics[0].exchange_exposed_ms, got1.metrics[0].exchange_ms);
   EXPECT_EQ(ref1.metrics[0].exchange_ms, 0.0);
   if (concentrated)  // experts 2..7 had no rows: their gradients are zero, the others' not
     for (int64_t e = 0; e < 8; ++e) {
@@ -1233,6 +1235,7 @@ TEST(Launch, ScalingScriptReportsEveryEpAndRouting) {
     EXPECT_GT(j.at("tokens_per_s_per_gpu").get<double>(), 0.0) << overrides;
     const bool split = overrides.find("parallel.ep=2") != std::string::npos;
     EXPECT_EQ(j.contains("exchange_ms"), split) << overrides;
+    EXPECT_EQ(j.contains("exchange_exposed_ms"), split) << overrides;
     if (split) {
       EXPECT_GT(j.at("exchange_ms").get<double>(), 0.0) << overrides;
     }

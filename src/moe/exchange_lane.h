@@ -33,8 +33,10 @@ class ExchangeLane {
 
   // Runs `work` (host code whose GPU work on `device` goes to the lane) and returns its end.
   Point run(Device device, const std::function<void()>& work);
-  // The thread's stream waits for the lane's work up to p (every run before it included).
+  // The thread's stream waits for the lane's work up to p (every run before it included). On the
+  // GPU the wait is a profile::Span named kExposedSpan: the exchange time the overlap left exposed.
   void join(Point p);
+  static constexpr const char* kExposedSpan = "exposed.ep_exchange";
 
  private:
   struct Streams;  // the CUDA stream and the marks, made at the first GPU run

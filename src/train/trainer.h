@@ -27,6 +27,9 @@ struct StepMetrics {
   // Device time in expert-parallel dispatch and combine (count exchange, row all-to-alls,
   // regrouping), forward and backward; 0 without expert parallelism.
   double exchange_ms = 0;
+  // Of it, the time the pass's stream stood waiting for the exchange: with the exchanges beside
+  // the experts (parallel.ep_overlap on the GPU) measured at each wait, else all of it.
+  double exchange_exposed_ms = 0;
   // Validation loss over eval.data after this step (eval.every); NaN when not evaluated.
   double eval_loss = std::numeric_limits<double>::quiet_NaN();
 };
