@@ -104,11 +104,11 @@ void layer_chunks(int rank, int world, mt::dist::Communicator& ep, int ctas) {
     std::printf(
         "{\"bench\":\"moe_layer_ep_chunks\",\"gpus\":%d,\"tokens_per_rank\":%lld,\"dim\":%lld,"
         "\"moe_dim\":%lld,\"experts\":%lld,\"top_k\":%lld,\"chunks\":%lld,\"lane\":%s,"
-        "\"ctas\":%d,\"ms\":%.3f,\"rounds_ms\":\"%.3f, %.3f, %.3f\"}\n",
+        "\"ctas\":%d,\"ms\":%.3f,\"rounds_ms\":\"%s\"}\n",
         world, static_cast<long long>(kTokens), static_cast<long long>(kDim),
         static_cast<long long>(kMoeDim), static_cast<long long>(kExperts),
         static_cast<long long>(kTopK), static_cast<long long>(r.chunks),
-        r.on_lane ? "true" : "false", ctas, mt::bench::median(r.ms), r.ms[0], r.ms[1], r.ms[2]);
+        r.on_lane ? "true" : "false", ctas, mt::bench::median(r.ms), mt::bench::join(r.ms).c_str());
     std::fflush(stdout);
   }
 }
