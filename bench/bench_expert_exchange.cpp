@@ -19,13 +19,13 @@
 #include <cstdlib>
 
 #include "bench/bench_util.h"
+#include "core/cuda/device.h"
+#include "core/cuda/graph.h"
 #include "dist/launcher.h"
 #include "dist/nccl_backend.h"
 #include "dist/socket_backend.h"
 #include "moe/expert_exchange.h"
 #include "moe/moe_layer.h"
-#include "ops/cuda/device.h"
-#include "ops/cuda/graph.h"
 #include "ops/permute.h"
 
 namespace {

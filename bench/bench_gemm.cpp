@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
-#include "core/cuda_check.h"
+#include "core/cuda/check.h"
 #include "ops/cuda/kernels.h"
 #include "ops/gemm.h"
 #include "ops/grouped_gemm.h"

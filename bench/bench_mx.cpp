@@ -11,7 +11,7 @@
 #include <vector>
 
 #include "bench/bench_util.h"
-#include "core/cuda_check.h"
+#include "core/cuda/check.h"
 #include "core/mx.h"
 #include "ops/mx.h"
 

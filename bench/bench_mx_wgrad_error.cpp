@@ -28,7 +28,7 @@
 #include "train/config.h"
 #include "train/trainer.h"
 #if MOETRAIN_HAS_CUDA
-#include "ops/cuda/device.h"
+#include "core/cuda/device.h"
 #endif
 
 namespace {

@@ -9,7 +9,7 @@
 #include <string>
 #include <vector>
 
-#include "core/cuda_check.h"
+#include "core/cuda/check.h"
 #include "core/rng.h"
 #include "core/tensor.h"
 

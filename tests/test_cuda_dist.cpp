@@ -8,14 +8,14 @@
 #include <cstring>
 #include <map>
 
-#include "core/cuda_check.h"
+#include "core/cuda/check.h"
+#include "core/cuda/device.h"
+#include "core/cuda/graph.h"
 #include "core/mx.h"
 #include "core/rng.h"
 #include "dist/nccl_backend.h"
 #include "dist/nccl_lsa.h"
 #include "moe/moe_layer.h"
-#include "ops/cuda/device.h"
-#include "ops/cuda/graph.h"
 #include "ops/elementwise.h"
 #include "ops/mx.h"
 #include "processes.h"

@@ -10,7 +10,7 @@
 #include <string>
 #include <tuple>
 
-#include "core/cuda_check.h"
+#include "core/cuda/check.h"
 #include "core/mx.h"
 #include "core/rng.h"
 #include "mx_cases.h"

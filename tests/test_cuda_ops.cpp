@@ -12,12 +12,12 @@
 #include <random>
 #include <tuple>
 
+#include "core/cuda/device.h"
+#include "core/cuda/graph.h"
 #include "model/config.h"
 #include "moe/moe_layer.h"
 #include "ops/activation.h"
 #include "ops/attention.h"
-#include "ops/cuda/device.h"
-#include "ops/cuda/graph.h"
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/ops.h"
 #include "ops/embedding.h"

@@ -10,8 +10,8 @@
 #include <cstring>
 #include <filesystem>
 
+#include "core/cuda/device.h"
 #include "hf_fixture.h"
-#include "ops/cuda/device.h"
 #include "processes.h"
 #include "train/hf_import.h"
 #include "train/safetensors.h"

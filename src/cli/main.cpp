@@ -29,7 +29,7 @@
 #include "train/token_file.h"
 #include "train/trainer.h"
 #if MOETRAIN_HAS_CUDA
-#include "ops/cuda/device.h"
+#include "core/cuda/device.h"
 #endif
 #if MOETRAIN_HAS_NCCL
 #include "dist/nccl_backend.h"

@@ -11,7 +11,7 @@
 #include <unordered_map>
 #include <vector>
 
-#include "core/cuda_check.h"
+#include "core/cuda/check.h"
 #include "core/log.h"
 #include "core/profile.h"
 

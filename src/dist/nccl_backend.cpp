@@ -15,7 +15,7 @@
 #include <string>
 #include <thread>
 
-#include "core/cuda_check.h"
+#include "core/cuda/check.h"
 #include "core/error.h"
 #include "core/log.h"
 #include "dist/nccl_lsa.h"

@@ -19,8 +19,8 @@
 #include "ops/norm.h"
 #include "ops/route.h"
 #if MOETRAIN_HAS_CUDA
-#include "ops/cuda/device.h"
-#include "ops/cuda/graph.h"
+#include "core/cuda/device.h"
+#include "core/cuda/graph.h"
 #endif
 
 namespace mt {

@@ -3,7 +3,7 @@
 #include "core/error.h"
 #include "core/profile.h"
 #if MOETRAIN_HAS_CUDA
-#include "ops/cuda/stream.h"
+#include "core/cuda/stream.h"
 #endif
 
 namespace mt::moe {

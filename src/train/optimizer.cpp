@@ -11,9 +11,9 @@
 #include "ops/elementwise.h"
 #include "ops/optim.h"
 #if MOETRAIN_HAS_CUDA
-#include "ops/cuda/graph.h"
+#include "core/cuda/graph.h"
+#include "core/cuda/stream.h"
 #include "ops/cuda/ops.h"
-#include "ops/cuda/stream.h"
 #endif
 
 namespace mt {

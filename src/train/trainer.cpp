@@ -22,7 +22,7 @@
 #include "train/hf_export.h"
 #include "train/hf_import.h"
 #if MOETRAIN_HAS_CUDA
-#include "ops/cuda/device.h"
+#include "core/cuda/device.h"
 #endif
 
 namespace mt {

@@ -164,4 +164,20 @@ inline int grid_for(int64_t n, int block = kBlock) {
   return static_cast<int>(std::min<int64_t>((n + block - 1) / block, 65535 * 8));
 }
 
+// A block's shared histogram of e bins (dynamic shared memory): zeroed at the start, then added
+// to the global counts with one atomic per non-empty bin (many choices on few addresses would
+// serialise on global atomics).
+__device__ __forceinline__ void zero_block_histogram(int* hist, int e) {
+  for (int c = threadIdx.x; c < e; c += blockDim.x) hist[c] = 0;
+  __syncthreads();
+}
+
+__device__ __forceinline__ void flush_block_histogram(const int* hist, int e, int64_t* counts) {
+  __syncthreads();
+  for (int c = threadIdx.x; c < e; c += blockDim.x)
+    if (hist[c] != 0)
+      atomicAdd(reinterpret_cast<unsigned long long*>(counts + c),
+                static_cast<unsigned long long>(hist[c]));
+}
+
 }  // namespace mt::cuda

@@ -5,7 +5,7 @@
 
 #include <mutex>
 
-#include "core/cuda_check.h"
+#include "core/cuda/check.h"
 #include "core/profile.h"
 #include "ops/cuda/ops.h"
 

@@ -1,6 +1,6 @@
 // The CUDA kernels' launch API: raw pointers, sizes and a stream (DeepEP's habit), so that the
 // .cu files need neither Tensor nor fmt. Each returns the launch's cudaError_t; the Tensor-level
-// wrappers (ops.cpp) check shapes and dtypes and turn errors into mt::Error.
+// wrappers (ops/cuda/<family>.cpp) check shapes and dtypes and turn errors into mt::Error.
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -149,7 +149,7 @@ struct RaggedLayout {
 cudaError_t attention_ragged_layout(const int32_t* cu_seqlens, int docs, int padded_docs,
                                     RaggedStrides strides, RaggedLayout out, cudaStream_t stream);
 
-// --- MoE layer (moe.cu) ---
+// --- router (route.cu) ---
 // The routing kernels keep one token's experts in a warp's registers and its choices in lanes.
 constexpr int kMaxRoutedExperts = 1024;
 constexpr int kMaxRoutedTopK = 16;
@@ -171,6 +171,8 @@ cudaError_t column_sum(const float* scores, int64_t n, int e, float* partial, fl
 cudaError_t router_backward(const float* scores, const int32_t* index, const float* dweight,
                             const int64_t* counts, double aux_scale, int64_t n, int e, int k,
                             bool norm_topk, float* dlogits, cudaStream_t stream);
+
+// --- expert permutation and the exchange's layouts (permute.cu) ---
 size_t permutation_workspace(int64_t m, int e);
 // Stable expert-major layout of m = n*k choices: row_of_choice i32 (m), offsets i64 (e + 1).
 // align 1: dense, source_token i32 (m), segments unused. align > 1: each expert's segment
@@ -199,6 +201,24 @@ cudaError_t place_rows(const void* x, int64_t n, int64_t row_bytes, const int32_
 // ops::peer_counts: counts i64 (peers, per_peer + 1); peers * (per_peer + 1) ints of shared memory.
 cudaError_t peer_counts(const int32_t* index, int64_t n, int k, int peers, int per_peer,
                         int64_t* counts, cudaStream_t stream);
+cudaError_t gather_rows(DType s, const void* src, const int32_t* index, void* dst, int64_t rows,
+                        int64_t width, cudaStream_t stream);
+// out[t] = residual[t] (when not null) + sum_j rows[row_of_choice[t*k + j]].
+cudaError_t sum_token_rows(DType s, const void* rows, const int32_t* row_of_choice,
+                           const void* residual, int64_t tokens, int k, void* out, int64_t width,
+                           cudaStream_t stream);
+// dst[row_of_choice[t, j]] = src[t] for t < tokens, j < k (each source row read once); with mx,
+// its rows' MX values too (cudaErrorNotSupported, nothing launched, when it cannot fuse them).
+cudaError_t scatter_token_rows(DType s, const void* src, const int32_t* row_of_choice,
+                               int64_t tokens, int k, void* dst, int64_t width, MxValuesOut mx,
+                               cudaStream_t stream);
+// out[s] (width) += sum over r in [offsets[s], offsets[s+1]) of rows[order[r]], in order.
+// out is f32 (out_f32) or the rows' type.
+cudaError_t segment_sum_rows(DType s, const void* rows, const int32_t* order,
+                             const int64_t* offsets, int64_t segments, int64_t width, void* out,
+                             bool out_f32, cudaStream_t stream);
+
+// --- MX quantization (mx.cu) ---
 // MX quantization (ops/mx.h): x (batch, rows, cols), f32 or bf16, 16-byte aligned -> E4M3 data
 // and E8M0 scales in core/mx.h's layout for `axis`, and back to f32 or bf16 in the logical
 // layout (16-byte aligned). dim1 needs rows of a multiple of 16 bytes (cols * element size).
@@ -219,24 +239,10 @@ cudaError_t mx_round_trip(DType in, const void* x, MxAxis axis, MxScaleRule rule
 cudaError_t mx_round_trip_expert_rows(DType t, const void* x, int64_t m, int64_t k,
                                       ExpertSegments rows, int experts, int64_t* block_prefix,
                                       MxScaleRule rule, void* out, cudaStream_t stream);
+
+// --- element-wise (elementwise.cu) ---
 // f32 -> bf16 (round to nearest even) or bf16 -> f32; `from` names the source type.
 cudaError_t convert(DType from, const void* src, void* dst, int64_t n, cudaStream_t stream);
-cudaError_t gather_rows(DType s, const void* src, const int32_t* index, void* dst, int64_t rows,
-                        int64_t width, cudaStream_t stream);
-// out[t] = residual[t] (when not null) + sum_j rows[row_of_choice[t*k + j]].
-cudaError_t sum_token_rows(DType s, const void* rows, const int32_t* row_of_choice,
-                           const void* residual, int64_t tokens, int k, void* out, int64_t width,
-                           cudaStream_t stream);
-// dst[row_of_choice[t, j]] = src[t] for t < tokens, j < k (each source row read once); with mx,
-// its rows' MX values too (cudaErrorNotSupported, nothing launched, when it cannot fuse them).
-cudaError_t scatter_token_rows(DType s, const void* src, const int32_t* row_of_choice,
-                               int64_t tokens, int k, void* dst, int64_t width, MxValuesOut mx,
-                               cudaStream_t stream);
-// out[s] (width) += sum over r in [offsets[s], offsets[s+1]) of rows[order[r]], in order.
-// out is f32 (out_f32) or the rows' type.
-cudaError_t segment_sum_rows(DType s, const void* rows, const int32_t* order,
-                             const int64_t* offsets, int64_t segments, int64_t width, void* out,
-                             bool out_f32, cudaStream_t stream);
 // Deterministic sum of x^2 into *result on the host (waits for the stream).
 size_t sum_of_squares_workspace();
 cudaError_t sum_of_squares(DType s, const void* x, int64_t n, void* workspace, double* result,

@@ -1,7 +1,7 @@
 // Tensor-level wrappers of the MX kernels (mx.cu); shapes and dtypes are checked by ops/mx.h.
 #include <cstdint>
 
-#include "core/cuda_check.h"
+#include "core/cuda/check.h"
 #include "core/profile.h"
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/operands.h"

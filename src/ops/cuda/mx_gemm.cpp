@@ -1,6 +1,6 @@
 // The MX expert product on the GPU (ops/mx_gemm.h): the fused kernel over 128-row segments
 // (cutlass/mx_gemm_sm90.cu), else the definition (dequantize, then the bf16 grouped GEMM).
-#include "core/cuda_check.h"
+#include "core/cuda/check.h"
 #include "core/profile.h"
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/operands.h"

@@ -1,8 +1,8 @@
-// What every Tensor-level CUDA wrapper (ops.cpp, moe_ops.cpp, gemm.cpp, cudnn/) needs of its
+// What every Tensor-level CUDA wrapper (ops/cuda/<family>.cpp, cudnn/) needs of its
 // operands: the kernels' storage type of a GPU tensor, and device scratch from the caching
 // allocator (after the first step it never reaches cudaMalloc).
 #pragma once
-#include "core/cuda_check.h"
+#include "core/cuda/check.h"
 #include "core/tensor.h"
 #include "ops/cuda/kernels.h"
 #include "ops/mx.h"
@@ -29,6 +29,13 @@ inline CopyUnits copy_units(const Tensor& t, int64_t width) {
   MT_CHECK(bytes % 2 == 0, "rows of {} x {} ({} bytes) cannot be moved on the GPU (even bytes)",
            width, dtype_name(t.dtype()), bytes);
   return {DType::kBF16, bytes / 2};
+}
+
+// a and b have the same dtype, b on the GPU (an output beside its input).
+inline void same_storage_type(const Tensor& a, const Tensor& b, const char* name) {
+  MT_CHECK(a.dtype() == b.dtype() && b.device() == Device::kCUDA,
+           "{} is {} on {}, expected {} on the GPU", name, dtype_name(b.dtype()),
+           b.device() == Device::kCUDA ? "the GPU" : "the CPU", dtype_name(a.dtype()));
 }
 
 inline Tensor gpu_empty(const Shape& s, DType d) {

@@ -1,6 +1,7 @@
 // The CUDA launchers, one line per op: the ops in src/ops/*.h call these when their tensors are
 // on the GPU. Same shapes and semantics as the CPU reference; storage f32 or bf16 (compute in
-// fp32); saved statistics (rstd, lse) are always f32. All run on the default stream.
+// fp32); saved statistics (rstd, lse) are always f32. All run on the thread's stream
+// (cuda::stream()).
 #pragma once
 #include "core/tensor.h"
 #include "ops/attention.h"
@@ -27,7 +28,7 @@ void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const ops::
                                   Tensor& dw, ops::Accumulate acc);
 
 // Attention, lse f32: cuDNN's fused SDPA where it applies (bf16, head dims multiples of 8 up
-// to 256; deterministic backward), else the reference kernel (ops.cpp).
+// to 256; deterministic backward), else the reference kernel (attention.cu).
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
                        const ops::Documents& docs, double scale, Tensor& out, Tensor& lse);
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
@@ -53,12 +54,12 @@ void cudnn_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                               const Tensor& lse, const Tensor& dout, const ops::Documents& docs,
                               double scale, bool deterministic, Tensor& dq, Tensor& dk, Tensor& dv,
                               int64_t workspace_budget_bytes = kAttentionWorkspaceBudget);
-// Embedding (moe_ops.cpp): forward is a row gather; backward sums the rows of each id in token
+// Embedding (embedding.cpp): forward is a row gather; backward sums the rows of each id in token
 // order (sorted by id, deterministic) into dtable.
 void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out);
 void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable);
 
-// MoE layer (moe_ops.cpp): logits, scores, weights f32; rows f32 or bf16.
+// Router and permutation (route.cpp, permute.cpp): logits, scores, weights f32; rows f32 or bf16.
 void router_forward(const Tensor& logits, const Tensor& bias, int top_k, bool norm_topk,
                     ops::RoutingMode mode, ops::Routing& out);
 ops::AuxStats router_aux_stats(const ops::Routing& r);  // counts and sums stay on the GPU

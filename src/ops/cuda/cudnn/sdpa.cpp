@@ -15,7 +15,7 @@
 #include <mutex>
 #include <tuple>
 
-#include "core/cuda_check.h"
+#include "core/cuda/check.h"
 #include "core/profile.h"
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/ops.h"

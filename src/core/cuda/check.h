@@ -29,7 +29,7 @@ inline thread_local cudaStream_t current_stream = cudaStreamPerThread;
 inline cudaStream_t stream() {
   return detail::current_stream;
 }
-// While alive, the thread's work goes to `s` (ops/cuda/stream.h: a side stream's work).
+// While alive, the thread's work goes to `s` (core/cuda/stream.h: a side stream's work).
 class StreamScope {
  public:
   explicit StreamScope(cudaStream_t s) : previous_(detail::current_stream) {

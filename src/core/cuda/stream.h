@@ -1,4 +1,4 @@
-// Streams beside the thread's own (core/cuda_check.h: cuda::stream()), and the points where one
+// Streams beside the thread's own (core/cuda/check.h: cuda::stream()), and the points where one
 // waits for another. A CUDA runtime service, not op code: work moves to a side stream by a
 // StreamScope, and every op queues on whatever stream() is.
 #pragma once
@@ -6,7 +6,7 @@
 
 #include <cstdint>
 
-#include "core/cuda_check.h"  // cuda::stream(), cuda::StreamScope
+#include "core/cuda/check.h"  // cuda::stream(), cuda::StreamScope
 
 namespace mt::cuda {
 

@@ -1,10 +1,10 @@
-#include "ops/cuda/graph.h"
+#include "core/cuda/graph.h"
 
 #include <cuda_runtime_api.h>
 
 #include <exception>
 
-#include "core/cuda_check.h"
+#include "core/cuda/check.h"
 #include "core/log.h"
 #include "core/tensor.h"
 

@@ -1,6 +1,6 @@
-#include "ops/cuda/stream.h"
+#include "core/cuda/stream.h"
 
-#include "core/cuda_check.h"
+#include "core/cuda/check.h"
 
 namespace mt::cuda {
 

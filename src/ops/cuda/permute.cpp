@@ -1,74 +1,12 @@
-// Tensor-level wrappers of the MoE kernels (moe.cu): checks, device allocations from the
-// caching allocator, and the launch.
-#include "core/cuda_check.h"
+// The expert permutation ops on the GPU (ops/cuda/ops.h): checks with named messages, then
+// permute.cu.
+#include "core/cuda/check.h"
 #include "core/profile.h"
 #include "ops/cuda/kernels.h"
 #include "ops/cuda/operands.h"
 #include "ops/cuda/ops.h"
 
 namespace mt::cuda {
-
-void router_forward(const Tensor& logits, const Tensor& bias, int top_k, bool norm_topk,
-                    ops::RoutingMode mode, ops::Routing& out) {
-  const profile::Phase phase("gpu.router_forward");
-  expect_dtype(logits, DType::kF32, "router logits (GPU: f32)");
-  const int64_t n = logits.dim(0), e = logits.dim(1);
-  MT_CHECK(e <= kernels::kMaxRoutedExperts && top_k <= kernels::kMaxRoutedTopK,
-           "GPU routing: {} experts, top-{}; the kernels take up to {} experts and top-{}", e,
-           top_k, kernels::kMaxRoutedExperts, kernels::kMaxRoutedTopK);
-  out.scores = gpu_empty({n, e}, DType::kF32);
-  out.expert_index = gpu_empty({n, top_k}, DType::kI32);
-  out.expert_weight = gpu_empty({n, top_k}, DType::kF32);
-  out.tokens_per_expert = gpu_empty({e}, DType::kI64);
-  MT_CUDA_CHECK(kernels::router_forward(
-      logits.data<float>(), bias.defined() ? bias.data<float>() : nullptr, n, static_cast<int>(e),
-      top_k, norm_topk, mode, out.scores.data<float>(), out.expert_index.data<int32_t>(),
-      out.expert_weight.data<float>(), out.tokens_per_expert.data<int64_t>(), stream()));
-}
-
-ops::AuxStats router_aux_stats(const ops::Routing& r) {
-  const profile::Phase phase("gpu.router_aux_stats");
-  const int64_t n = r.scores.dim(0), e = r.scores.dim(1);
-  ops::AuxStats s{r.tokens_per_expert.clone(), gpu_empty({e}, DType::kF32),
-                  Tensor::empty({1}, DType::kI64)};
-  Tensor partial = gpu_empty(
-      {static_cast<int64_t>(kernels::column_sum_workspace(static_cast<int>(e)) / sizeof(float))},
-      DType::kF32);
-  MT_CUDA_CHECK(kernels::column_sum(r.scores.data<float>(), n, static_cast<int>(e),
-                                    partial.data<float>(), s.score_sum.data<float>(), stream()));
-  s.tokens.data<int64_t>()[0] = n;
-  return s;
-}
-
-Tensor router_aux_loss(const ops::AuxStats& s) {
-  const int64_t e = s.score_sum.numel();
-  const double n = static_cast<double>(s.tokens.item(0));
-  Tensor out = gpu_empty({1}, DType::kF64);
-  MT_CUDA_CHECK(kernels::router_aux_loss(on_device(s.tokens_per_expert).data<int64_t>(),
-                                         s.score_sum.data<float>(), static_cast<int>(e),
-                                         n > 0 ? static_cast<double>(e) / (n * n) : 0.0,
-                                         out.data<double>(), stream()));
-  return out;
-}
-
-void add_aux_stats(const ops::AuxStats& layer, ops::AuxStats& pooled) {
-  MT_CUDA_CHECK(kernels::add_aux_stats(
-      on_device(layer.tokens_per_expert).data<int64_t>(), layer.score_sum.data<float>(),
-      static_cast<int>(layer.score_sum.numel()), pooled.tokens_per_expert.data<int64_t>(),
-      pooled.score_sum.data<float>(), stream()));
-}
-
-void router_backward(const ops::Routing& r, int top_k, bool norm_topk, const ops::AuxStats& stats,
-                     const Tensor& dweight, double aux_grad, Tensor& dlogits) {
-  const profile::Phase phase("gpu.router_backward");
-  const int64_t n = r.scores.dim(0), e = r.scores.dim(1);
-  const double total = static_cast<double>(stats.tokens.item(0));
-  const Tensor counts = on_device(stats.tokens_per_expert);
-  MT_CUDA_CHECK(kernels::router_backward(
-      r.scores.data<float>(), r.expert_index.data<int32_t>(), dweight.data<float>(),
-      counts.data<int64_t>(), aux_grad * static_cast<double>(e) / (total * total), n,
-      static_cast<int>(e), top_k, norm_topk, dlogits.data<float>(), stream()));
-}
 
 void make_expert_permutation(const Tensor& expert_index, int64_t experts, int64_t align,
                              int64_t routed, ops::ExpertPermutation& out) {
@@ -175,58 +113,6 @@ void sum_token_rows(const Tensor& rows, const Tensor& row_of_choice, const Tenso
   MT_CUDA_CHECK(kernels::sum_token_rows(storage_of(rows), rows.raw(), row_of_choice.data<int32_t>(),
                                         residual ? residual->raw() : nullptr, out.dim(0),
                                         static_cast<int>(k), out.raw(), out.dim(1), stream()));
-}
-
-void embedding_forward(const Tensor& ids, const Tensor& table, Tensor& out) {
-  const profile::Phase phase("gpu.embedding_forward");
-  MT_CHECK(ids.device() == Device::kCUDA && ids.dtype() == DType::kI32,
-           "ids must be i32 on the GPU");
-  gather_rows(table, ids, out);
-}
-
-void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable) {
-  const profile::Phase phase("gpu.embedding_backward");
-  MT_CHECK(ids.device() == Device::kCUDA && ids.dtype() == DType::kI32,
-           "ids must be i32 on the GPU");
-  MT_CHECK(dout.dtype() == dtable.dtype() || dtable.dtype() == DType::kF32,
-           "embedding gradient {} into a {} table (valid: the same dtype or f32)",
-           dtype_name(dout.dtype()), dtype_name(dtable.dtype()));
-  // Token positions sorted by id (stable), then each id's rows summed in token order.
-  ops::ExpertPermutation by_id;
-  cuda::make_expert_permutation(ids.reshape({ids.numel(), 1}), dtable.dim(0), 1, -1, by_id);
-  MT_CUDA_CHECK(
-      kernels::segment_sum_rows(storage_of(dout), dout.raw(), by_id.source_token.data<int32_t>(),
-                                by_id.expert_offsets.data<int64_t>(), dtable.dim(0), dtable.dim(1),
-                                dtable.raw(), dtable.dtype() == DType::kF32, stream()));
-}
-
-double sum_of_squares(const Tensor& x) {
-  const profile::Phase phase("gpu.sum_of_squares");
-  Tensor ws = gpu_empty({static_cast<int64_t>(kernels::sum_of_squares_workspace())}, DType::kU8);
-  double result = 0;
-  MT_CUDA_CHECK(
-      kernels::sum_of_squares(storage_of(x), x.raw(), x.numel(), ws.raw(), &result, stream()));
-  return result;
-}
-
-void scale_(Tensor& x, double factor) {
-  const profile::Phase phase("gpu.scale_");
-  MT_CUDA_CHECK(
-      kernels::scale(storage_of(x), x.raw(), static_cast<float>(factor), x.numel(), stream()));
-}
-
-void convert(const Tensor& src, Tensor& dst) {
-  const profile::Phase phase("gpu.convert");
-  MT_CHECK(src.numel() == dst.numel() && src.dtype() != dst.dtype(), "convert of {} {} into {} {}",
-           dtype_name(src.dtype()), shape_str(src.shape()), dtype_name(dst.dtype()),
-           shape_str(dst.shape()));
-  storage_of(dst);
-  MT_CUDA_CHECK(kernels::convert(storage_of(src), src.raw(), dst.raw(), src.numel(), stream()));
-}
-
-void add(const Tensor& a, const Tensor& b, Tensor& out) {
-  const profile::Phase phase("gpu.add");
-  MT_CUDA_CHECK(kernels::add(storage_of(a), a.raw(), b.raw(), out.raw(), a.numel(), stream()));
 }
 
 }  // namespace mt::cuda

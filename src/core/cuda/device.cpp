@@ -1,12 +1,12 @@
 // GPU discovery, the whole-device wait and the event clock: what the CLI and the profiler need
 // without pulling in the kernels' headers (host code only: compiled as C++).
-#include "ops/cuda/device.h"
+#include "core/cuda/device.h"
 
 #include <cuda_runtime.h>
 
 #include <vector>
 
-#include "core/cuda_check.h"
+#include "core/cuda/check.h"
 #include "core/profile.h"
 
 namespace mt::cuda {

@@ -1,7 +1,8 @@
-// The MoE layer's own kernels: routing (softmax, top-k, renormalisation, counts), the stable
-// expert-major permutation (CUB radix sort by expert), row gathers in both directions, the
-// weighted combine and its backward, and the router backward. Every result is deterministic:
-// sums run in a fixed order, counts are integer atomics.
+// The expert permutation's kernels: the stable expert-major layout (CUB radix sort by expert),
+// row gathers and scatters in both directions (the scatter optionally writing the rows' MX
+// values), the weighted sums of a token's rows and of sorted segments, and the expert-parallel
+// exchange's layouts (peer choices and counts, slots, regions, placed rows). Deterministic: sums
+// run in a fixed order, counts are integer atomics.
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
 
@@ -11,212 +12,6 @@
 namespace mt::cuda {
 
 namespace {
-
-constexpr int kMaxTopK = kernels::kMaxRoutedTopK;
-constexpr int kRouterWarps = 16;  // warps per block of the routing kernels
-
-// Experts per lane of a warp-per-token routing kernel: lane L holds experts L, L + 32, ...
-// (coalesced loads); two instantiations, up to 128 and up to 1024 experts.
-constexpr int kMaxExperts = kernels::kMaxRoutedExperts;
-constexpr int per_lane_for(int e) {
-  return e <= 128 ? 4 : kMaxExperts / 32;
-}
-
-// Element i of a register array with a runtime index, without spilling it to local memory.
-template <int N>
-__device__ __forceinline__ float select(const float (&v)[N], int i) {
-  float out = 0.f;
-#pragma unroll
-  for (int j = 0; j < N; ++j)
-    if (j == i) out = v[j];
-  return out;
-}
-
-// A block's shared histogram of e bins (dynamic shared memory): zeroed at the start, then added
-// to the global counts with one atomic per non-empty bin (many choices on few addresses would
-// serialise on global atomics).
-__device__ __forceinline__ void zero_block_histogram(int* hist, int e) {
-  for (int c = threadIdx.x; c < e; c += blockDim.x) hist[c] = 0;
-  __syncthreads();
-}
-
-__device__ __forceinline__ void flush_block_histogram(const int* hist, int e, int64_t* counts) {
-  __syncthreads();
-  for (int c = threadIdx.x; c < e; c += blockDim.x)
-    if (hist[c] != 0)
-      atomicAdd(reinterpret_cast<unsigned long long*>(counts + c),
-                static_cast<unsigned long long>(hist[c]));
-}
-
-// One warp per token: softmax over the lanes' experts, then k rounds of a warp arg-max over the
-// biased scores not yet taken (ties: the lower expert, as the CPU's stable order), lane j keeping
-// choice j. Counts go to a per-block shared histogram first: one global atomic per expert and
-// block instead of one per choice (128k choices on 128 addresses serialise).
-template <int kPerLane>
-__global__ void router_kernel(const float* logits, const float* bias, int64_t n, int e, int k,
-                              bool norm_topk, ops::RoutingMode mode, float* scores, int32_t* index,
-                              float* weight, int64_t* counts) {
-  extern __shared__ int hist[];
-  zero_block_histogram(hist, e);
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = int64_t{gridDim.x} * (blockDim.x / 32);
-  for (int64_t t = blockIdx.x * int64_t{blockDim.x / 32} + threadIdx.x / 32; t < n; t += warps) {
-    const float* l = logits + t * e;
-    float s[kPerLane];
-    float m = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int c = lane + 32 * i;
-      s[i] = c < e ? l[c] : -INFINITY;
-      m = fmaxf(m, s[i]);
-    }
-    m = warp_max(m);
-    float sum = 0.f;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      s[i] = lane + 32 * i < e ? expf(s[i] - m) : 0.f;
-      sum += s[i];
-    }
-    sum = warp_sum(sum);
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int c = lane + 32 * i;
-      s[i] /= sum;
-      if (c < e) scores[t * e + c] = s[i];
-    }
-    uint32_t taken = 0;  // bit i: expert lane + 32 i already chosen
-    float wsum = 0.f, my_score = 0.f;
-    int my_expert = 0;
-    for (int j = 0; j < k; ++j) {
-      int best = -1;
-      float best_key = 0.f, best_score = 0.f;
-      if (mode != ops::RoutingMode::kLearned) {
-        best = ops::fixed_choice(mode, t, j, k, e);
-        best_score = __shfl_sync(0xffffffffu, select(s, best / 32), best % 32);
-      } else {
-#pragma unroll
-        for (int i = 0; i < kPerLane; ++i) {
-          const int c = lane + 32 * i;
-          if (c >= e || (taken >> i & 1u)) continue;
-          const float key = s[i] + (bias ? bias[c] : 0.f);
-          if (best < 0 || key > best_key) best = c, best_key = key, best_score = s[i];
-        }
-        for (int o = 16; o > 0; o >>= 1) {
-          const int oc = __shfl_xor_sync(0xffffffffu, best, o);
-          const float ok = __shfl_xor_sync(0xffffffffu, best_key, o);
-          const float os = __shfl_xor_sync(0xffffffffu, best_score, o);
-          if (oc >= 0 && (best < 0 || ok > best_key || (ok == best_key && oc < best)))
-            best = oc, best_key = ok, best_score = os;
-        }
-        // NaN keys break the order's symmetry: lane 0's answer is everyone's.
-        best = __shfl_sync(0xffffffffu, best, 0);
-        best_score = __shfl_sync(0xffffffffu, best_score, 0);
-        if (best % 32 == lane) taken |= 1u << (best / 32);
-      }
-      if (lane == j) my_expert = best, my_score = best_score;
-      wsum += best_score;
-    }
-    if (lane < k) {
-      index[t * k + lane] = my_expert;
-      weight[t * k + lane] = norm_topk ? my_score / wsum : my_score;
-      atomicAdd(&hist[my_expert], 1);
-    }
-  }
-  flush_block_histogram(hist, e, counts);
-}
-
-// score_sum[c] = sum over tokens of scores[t, c]: partial sums over kSumChunks row chunks
-// (enough blocks to fill the GPU), then the chunks in order. Deterministic.
-constexpr int kSumChunks = 128;
-
-__global__ void column_sum_partial_kernel(const float* scores, int64_t n, int e, float* partial) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= e) return;
-  const int64_t rows = (n + gridDim.y - 1) / gridDim.y;
-  const int64_t begin = blockIdx.y * rows, end = min(n, begin + rows);
-  float s = 0.f;
-  for (int64_t t = begin; t < end; ++t) s += scores[t * e + c];
-  partial[blockIdx.y * e + c] = s;
-}
-
-__global__ void column_sum_final_kernel(const float* partial, int chunks, int e, float* out) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= e) return;
-  float s = 0.f;
-  for (int k = 0; k < chunks; ++k) s += partial[k * e + c];
-  out[c] = s;
-}
-
-// One warp per token, lanes over experts as the forward: d(score) = the aux term plus the
-// combine weights' gradient through the renormalisation, then the softmax backward.
-template <int kPerLane>
-__global__ void router_backward_kernel(const float* scores, const int32_t* index,
-                                       const float* dweight, const int64_t* counts,
-                                       double aux_scale, int64_t n, int e, int k, bool norm_topk,
-                                       float* dlogits) {
-  const int lane = threadIdx.x % 32;
-  const int64_t warps = int64_t{gridDim.x} * (blockDim.x / 32);
-  for (int64_t t = blockIdx.x * int64_t{blockDim.x / 32} + threadIdx.x / 32; t < n; t += warps) {
-    const float* s_row = scores + t * e;
-    float s[kPerLane], ds[kPerLane];
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int c = lane + 32 * i;
-      s[i] = c < e ? s_row[c] : 0.f;
-      ds[i] = c < e ? static_cast<float>(aux_scale * counts[c]) : 0.f;
-    }
-    // Lane j < k holds choice j.
-    int chosen = 0;
-    float dw = 0.f, sc = 0.f;
-    if (lane < k) {
-      chosen = index[t * k + lane];
-      dw = dweight[t * k + lane];
-      sc = s_row[chosen];
-    }
-    float add = dw;
-    if (norm_topk) {
-      const float sum = warp_sum(sc);
-      const float dot = warp_sum(dw * sc / sum);
-      add = (dw - dot) / sum;
-    }
-    for (int j = 0; j < k; ++j) {
-      const int c = __shfl_sync(0xffffffffu, chosen, j);
-      const float a = __shfl_sync(0xffffffffu, add, j);
-      if (c % 32 == lane) {
-#pragma unroll
-        for (int i = 0; i < kPerLane; ++i)
-          if (i == c / 32) ds[i] += a;
-      }
-    }
-    float inner = 0.f;
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) inner += ds[i] * s[i];
-    inner = warp_sum(inner);
-#pragma unroll
-    for (int i = 0; i < kPerLane; ++i) {
-      const int c = lane + 32 * i;
-      if (c < e) dlogits[t * e + c] = s[i] * (ds[i] - inner);
-    }
-  }
-}
-
-// One block: per-thread partial sums in double, then a fixed tree (deterministic).
-__global__ void add_aux_stats_kernel(const int64_t* counts, const float* score_sum, int e,
-                                     int64_t* pooled_counts, float* pooled_sum) {
-  const int c = blockIdx.x * blockDim.x + threadIdx.x;
-  if (c >= e) return;
-  pooled_counts[c] += counts[c];
-  pooled_sum[c] += score_sum[c];
-}
-
-__global__ void aux_loss_kernel(const int64_t* counts, const float* score_sum, int e, double scale,
-                                double* out) {
-  double s = 0;
-  for (int c = threadIdx.x; c < e; c += kBlock)
-    s += static_cast<double>(counts[c]) * static_cast<double>(score_sum[c]);
-  s = block_sum_fixed_order(s);
-  if (threadIdx.x == 0) *out = scale * s;
-}
 
 __global__ void iota_kernel(int32_t* v, int64_t n) {
   const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
@@ -265,18 +60,6 @@ __global__ void histogram_shared_kernel(const int32_t* expert_index, int64_t m, 
        i += int64_t{gridDim.x} * blockDim.x)
     if (expert_index[i] >= 0) atomicAdd(&hist[expert_index[i]], 1);
   flush_block_histogram(hist, e, counts);
-}
-
-__global__ void convert_kernel_f32_bf16(const float* src, __nv_bfloat16* dst, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x)
-    dst[i] = __float2bfloat16_rn(src[i]);
-}
-
-__global__ void convert_kernel_bf16_f32(const __nv_bfloat16* src, float* dst, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x)
-    dst[i] = __bfloat162float(src[i]);
 }
 
 // dst[i] = src[index[i]] rows of `width` elements (16-byte chunks when aligned).
@@ -405,55 +188,6 @@ __global__ void segment_sum_kernel(const T* rows, const int32_t* order, const in
   }
 }
 
-// Deterministic sum of squares: per-block partials over fixed ranges, then one block adds them
-// in order (in double).
-constexpr int kSquareBlocks = 1024;
-
-template <class T>
-__global__ void sum_squares_partial_kernel(const T* x, int64_t n, float* partial) {
-  const int64_t per_block = (n + gridDim.x - 1) / gridDim.x;
-  const int64_t begin = blockIdx.x * per_block, end = min(n, begin + per_block);
-  float s = 0.f;
-  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
-    const float v = to_float(x[i]);
-    s += v * v;
-  }
-  s = block_sum(s);
-  if (threadIdx.x == 0) partial[blockIdx.x] = s;
-}
-
-__global__ void sum_partials_kernel(const float* partial, int count, double* out) {
-  if (threadIdx.x != 0) return;
-  double s = 0;
-  for (int i = 0; i < count; ++i) s += partial[i];
-  *out = s;
-}
-
-template <class T>
-__global__ void scale_kernel(T* x, float s, int64_t n) {
-  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x)
-    x[i] = from_float<T>(to_float(x[i]) * s);
-}
-
-// Packs over the first `packs` x P elements, then single elements.
-template <class T>
-__global__ void add_kernel(const T* a, const T* b, T* out, int64_t n, int64_t packs) {
-  constexpr int P = Pack<T>::kSize;
-  const int64_t first = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  const int64_t stride = int64_t{gridDim.x} * blockDim.x;
-  for (int64_t i = first; i < packs; i += stride) {
-    float x[P], y[P];
-    load_n<T, P>(a + i * P, x);
-    load_n<T, P>(b + i * P, y);
-#pragma unroll
-    for (int k = 0; k < P; ++k) x[k] += y[k];
-    store_n<T, P>(out + i * P, x);
-  }
-  for (int64_t i = packs * P + first; i < n; i += stride)
-    out[i] = from_float<T>(to_float(a[i]) + to_float(b[i]));
-}
-
 // One thread per token: entry p of its row is p when a choice lies in [p*L, (p+1)*L), else -1.
 __global__ void peer_choices_kernel(const int32_t* index, int64_t n, int k, int peers, int per_peer,
                                     int32_t* out) {
@@ -535,66 +269,6 @@ __global__ void region_slots_kernel(const int64_t* received, int peers, int widt
 
 namespace kernels {
 
-cudaError_t router_forward(const float* logits, const float* bias, int64_t n, int e, int k,
-                           bool norm_topk, ops::RoutingMode mode, float* scores, int32_t* index,
-                           float* weight, int64_t* counts, cudaStream_t stream) {
-  if (k > kMaxTopK || e > kMaxExperts) return cudaErrorInvalidValue;
-  if (cudaError_t err = cudaMemsetAsync(counts, 0, sizeof(int64_t) * e, stream); err != cudaSuccess)
-    return err;
-  if (n == 0) return cudaSuccess;
-  // Few blocks, many tokens each: every block flushes its histogram once.
-  const int grid =
-      static_cast<int>(std::min<int64_t>((n + kRouterWarps - 1) / kRouterWarps, 2 * sm_count()));
-  const size_t smem = sizeof(int) * e;
-  if (per_lane_for(e) == 4)
-    router_kernel<4><<<grid, 32 * kRouterWarps, smem, stream>>>(
-        logits, bias, n, e, k, norm_topk, mode, scores, index, weight, counts);
-  else
-    router_kernel<kMaxExperts / 32><<<grid, 32 * kRouterWarps, smem, stream>>>(
-        logits, bias, n, e, k, norm_topk, mode, scores, index, weight, counts);
-  return cudaGetLastError();
-}
-
-cudaError_t router_aux_loss(const int64_t* counts, const float* score_sum, int e, double scale,
-                            double* out, cudaStream_t stream) {
-  aux_loss_kernel<<<1, kBlock, 0, stream>>>(counts, score_sum, e, scale, out);
-  return cudaGetLastError();
-}
-
-cudaError_t add_aux_stats(const int64_t* counts, const float* score_sum, int e,
-                          int64_t* pooled_counts, float* pooled_sum, cudaStream_t stream) {
-  add_aux_stats_kernel<<<(e + 127) / 128, 128, 0, stream>>>(counts, score_sum, e, pooled_counts,
-                                                            pooled_sum);
-  return cudaGetLastError();
-}
-
-size_t column_sum_workspace(int e) {
-  return sizeof(float) * kSumChunks * e;
-}
-
-cudaError_t column_sum(const float* scores, int64_t n, int e, float* partial, float* out,
-                       cudaStream_t stream) {
-  const dim3 grid((e + 127) / 128, kSumChunks);
-  column_sum_partial_kernel<<<grid, 128, 0, stream>>>(scores, n, e, partial);
-  column_sum_final_kernel<<<(e + 127) / 128, 128, 0, stream>>>(partial, kSumChunks, e, out);
-  return cudaGetLastError();
-}
-
-cudaError_t router_backward(const float* scores, const int32_t* index, const float* dweight,
-                            const int64_t* counts, double aux_scale, int64_t n, int e, int k,
-                            bool norm_topk, float* dlogits, cudaStream_t stream) {
-  if (k > kMaxTopK || e > kMaxExperts) return cudaErrorInvalidValue;
-  if (n == 0) return cudaSuccess;
-  const int grid = grid_for(n, kRouterWarps);  // one warp per token
-  if (per_lane_for(e) == 4)
-    router_backward_kernel<4><<<grid, 32 * kRouterWarps, 0, stream>>>(
-        scores, index, dweight, counts, aux_scale, n, e, k, norm_topk, dlogits);
-  else
-    router_backward_kernel<kMaxExperts / 32><<<grid, 32 * kRouterWarps, 0, stream>>>(
-        scores, index, dweight, counts, aux_scale, n, e, k, norm_topk, dlogits);
-  return cudaGetLastError();
-}
-
 // Workspace layout: counts, aligned counts i64 (e + 1 each, rounded to 256 B) | choice, keys_out,
 // choice_out i32 (m each, each rounded to 256 B) | CUB's radix-sort scratch.
 namespace {
@@ -634,7 +308,7 @@ cudaError_t expert_permutation(const int32_t* expert_index, int64_t m, int k, in
   if (cudaError_t err = cudaMemsetAsync(counts, 0, sizeof(int64_t) * (e + 1), stream);
       err != cudaSuccess)
     return err;
-  if (m > 0 && e <= kMaxExperts)
+  if (m > 0 && e <= kernels::kMaxRoutedExperts)
     histogram_shared_kernel<<<static_cast<int>(std::min<int64_t>((m + 255) / 256, 2 * sm_count())),
                               256, sizeof(int) * e, stream>>>(expert_index, m, e, counts);
   else if (m > 0)
@@ -810,17 +484,6 @@ cudaError_t place_rows(const void* x, int64_t n, int64_t row_bytes, const int32_
   return cudaGetLastError();
 }
 
-cudaError_t convert(DType from, const void* src, void* dst, int64_t n, cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
-  if (from == DType::kF32)
-    convert_kernel_f32_bf16<<<grid_for(n), kBlock, 0, stream>>>(
-        static_cast<const float*>(src), static_cast<__nv_bfloat16*>(dst), n);
-  else
-    convert_kernel_bf16_f32<<<grid_for(n), kBlock, 0, stream>>>(
-        static_cast<const __nv_bfloat16*>(src), static_cast<float*>(dst), n);
-  return cudaGetLastError();
-}
-
 cudaError_t segment_sum_rows(DType s, const void* rows, const int32_t* order,
                              const int64_t* offsets, int64_t segments, int64_t width, void* out,
                              bool out_f32, cudaStream_t stream) {
@@ -833,46 +496,6 @@ cudaError_t segment_sum_rows(DType s, const void* rows, const int32_t* order,
     else
       segment_sum_kernel<T, T><<<segments, 128, 0, stream>>>(static_cast<const T*>(rows), order,
                                                              offsets, static_cast<T*>(out), width);
-  });
-  return cudaGetLastError();
-}
-
-size_t sum_of_squares_workspace() {
-  return sizeof(float) * kSquareBlocks + sizeof(double);
-}
-
-cudaError_t sum_of_squares(DType s, const void* x, int64_t n, void* workspace, double* result,
-                           cudaStream_t stream) {
-  auto* partial = static_cast<float*>(workspace);
-  auto* out = reinterpret_cast<double*>(partial + kSquareBlocks);
-  dispatch_storage(s, [&](auto tag) {
-    using T = decltype(tag);
-    sum_squares_partial_kernel<T>
-        <<<kSquareBlocks, kBlock, 0, stream>>>(static_cast<const T*>(x), n, partial);
-  });
-  sum_partials_kernel<<<1, 32, 0, stream>>>(partial, kSquareBlocks, out);
-  if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  return cudaMemcpyAsync(result, out, sizeof(double), cudaMemcpyDeviceToHost, stream) == cudaSuccess
-             ? cudaStreamSynchronize(stream)
-             : cudaGetLastError();
-}
-
-cudaError_t scale(DType s, void* x, float factor, int64_t n, cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
-  dispatch_storage(s, [&](auto tag) {
-    using T = decltype(tag);
-    scale_kernel<T><<<grid_for(n), kBlock, 0, stream>>>(static_cast<T*>(x), factor, n);
-  });
-  return cudaGetLastError();
-}
-
-cudaError_t add(DType s, const void* a, const void* b, void* out, int64_t n, cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
-  dispatch_storage(s, [&](auto tag) {
-    using T = decltype(tag);
-    const int64_t packs = packable<T>(Pack<T>::kSize, {a, b, out}) ? n / Pack<T>::kSize : 0;
-    add_kernel<T><<<grid_for(std::max<int64_t>(packs, 1)), kBlock, 0, stream>>>(
-        static_cast<const T*>(a), static_cast<const T*>(b), static_cast<T*>(out), n, packs);
   });
   return cudaGetLastError();
 }
