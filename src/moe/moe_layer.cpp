@@ -46,10 +46,10 @@ ops::SwigluRows swiglu_rows(const MoeChunk& ch) {
 // The tokens the experts here take their rows from, and their routing weights: this rank's own
 // (the chunk's rows of hn and of the routing), or with EP the ones received.
 Tensor tokens_here(const MoeChunk& ch, const Tensor& hn) {
-  return ch.exchange ? ch.xr : hn.slice_rows(ch.begin, ch.end);
+  return ch.exchange ? ch.xr : ch.rows_of(hn);
 }
 Tensor weights_here(const MoeActivations& a, const MoeChunk& ch) {
-  return ch.exchange ? ch.wr : a.routing.expert_weight.slice_rows(ch.begin, ch.end);
+  return ch.exchange ? ch.wr : ch.rows_of(a.routing.expert_weight);
 }
 
 // Whether the rows reach the experts as MX values along the hidden dimension (an MXFP8 dispatch:
@@ -157,9 +157,9 @@ void make_chunks(const MoeConfig& c, const MoeComms& comms, const Tensor& hn, Mo
   for (int64_t i = 0; i < count; ++i) {
     MoeChunk& ch = a.chunks[i];
     planned[i] = ex.run([&] {
-      const Tensor rows = hn.slice_rows(ch.begin, ch.end);
-      const Tensor choices = a.routing.expert_index.slice_rows(ch.begin, ch.end);
-      const Tensor weights = a.routing.expert_weight.slice_rows(ch.begin, ch.end);
+      const Tensor rows = ch.rows_of(hn);
+      const Tensor choices = ch.rows_of(a.routing.expert_index);
+      const Tensor weights = ch.rows_of(a.routing.expert_weight);
       // The plan dispatches the tokens and their routing weights with their choices.
       std::vector<DispatchRows> with;
       if (!ch.xr.defined()) with.push_back({&rows, &ch.xr, c.expert_precision});
@@ -253,8 +253,8 @@ void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, co
   for (MoeChunk& ch : a.chunks) {
     // Outputs the exchange's plan made and a checkpointing policy dropped are sent again.
     if (ch.exchange && (!ch.xr.defined() || !ch.wr.defined())) {
-      const Tensor rows = hn.slice_rows(ch.begin, ch.end);
-      const Tensor weights = a.routing.expert_weight.slice_rows(ch.begin, ch.end);
+      const Tensor rows = ch.rows_of(hn);
+      const Tensor weights = ch.rows_of(a.routing.expert_weight);
       ex.join(ex.run([&] {
         if (!ch.xr.defined()) ch.xr = ch.exchange->dispatch(rows, c.expert_precision);
         if (!ch.wr.defined()) ch.wr = ch.exchange->dispatch(weights);
@@ -272,8 +272,8 @@ void moe_combine(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms,
     ops::expert_gemm_forward(ch.act, w.w_down, ch.perm.expert_rows(), c.expert_precision, ye,
                              {w.down_mx, ch.act_mx.defined() ? &ch.act_mx : nullptr});
     ch.act_mx = Tensor();
-    Tensor out_rows = out.slice_rows(ch.begin, ch.end);
-    Tensor res_rows = residual ? residual->slice_rows(ch.begin, ch.end) : Tensor();
+    Tensor out_rows = ch.rows_of(out);
+    Tensor res_rows = residual ? ch.rows_of(*residual) : Tensor();
     const Tensor* res = residual ? &res_rows : nullptr;
     if (!ch.exchange) {
       ops::combine_forward(ye, ch.perm, out_rows, res);
@@ -305,7 +305,7 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
   std::vector<ExchangeLane::Point> dispatched(a.chunks.size());
   for (size_t i = 0; i < a.chunks.size(); ++i) {
     const MoeChunk& ch = a.chunks[i];
-    const Tensor rows = dout.slice_rows(ch.begin, ch.end);
+    const Tensor rows = ch.rows_of(dout);
     if (!ch.exchange) {
       dy_here[i] = rows;
       continue;
@@ -341,7 +341,7 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
                          dgate_up_values ? &*dgate_up_values : nullptr);
     // The routing weights' gradient, back from the expert rows to the choices; with EP a
     // choice's gradient comes from its expert's rank, zeros from the others.
-    Tensor dweight_rows = dweight.slice_rows(ch.begin, ch.end);
+    Tensor dweight_rows = ch.rows_of(dweight);
     Tensor dweight_here = ch.exchange ? Tensor::empty({here, c.top_k}, wt, dev) : dweight_rows;
     Tensor dweight_3d = dweight_here.reshape({here, c.top_k, 1});
     ops::unpermute_rows(drow_weight, ch.perm, dweight_3d);
@@ -353,7 +353,7 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
     // The dispatch's backward: each token's rows summed where they are, then across the ranks,
     // with the routing weights' gradient in the same exchange, which crosses (on the lane) while
     // the experts' weight gradients, which nothing waits for here, are computed.
-    Tensor dhn_rows = dhn.slice_rows(ch.begin, ch.end);
+    Tensor dhn_rows = ch.rows_of(dhn);
     Tensor dx_here = ch.exchange ? Tensor::empty({here, c.dim}, dt, dev) : dhn_rows;
     ops::permute_rows_backward(dxe, ch.perm, dx_here);
     dxe = Tensor();

@@ -84,6 +84,8 @@ struct MoeChunk {
   // Under an MX recipe, act's MX values for the down projection's forward: made with act by a
   // forward fill, consumed (and dropped) by moe_combine.
   Tensor act_mx;
+  // t's rows of this chunk's tokens (t has the layer's N rows).
+  Tensor rows_of(const Tensor& t) const { return t.slice_rows(begin, end); }
 };
 
 // What the forward leaves for the backward. A field left undefined is recomputed by moe_fill;
