@@ -17,13 +17,13 @@
 #include <vector>
 
 #include "bench/bench_util.h"
-#include "core/cuda_check.h"
+#include "core/cuda/check.h"
+#include "core/cuda/device.h"
+#include "core/cuda/graph.h"
 #include "core/log.h"
 #include "core/profile.h"
 #include "model/config.h"
 #include "moe/moe_layer.h"
-#include "ops/cuda/device.h"
-#include "ops/cuda/graph.h"
 #include "ops/elementwise.h"
 #include "ops/gemm.h"
 
@@ -160,8 +160,10 @@ int main() {
         mt::bench::join(dense_ms).c_str(), mt::bench::join(eager_ms).c_str());
     std::fflush(stdout);
   }
-  // The experts' precision recipes (ops/expert_gemm.h), balanced routing, alternating three
-  // times; peak: the layer's device memory high-water mark, one eager run.
+  // The experts' precision recipes (ops/expert_gemm.h), balanced routing, alternating over
+  // kRounds rounds: ms is each recipe's median, paired_ratio the median over the rounds of its
+  // time over bf16's in the same round (the GPU's clock drifts between rounds by more than the
+  // recipes differ); peak: the layer's device memory high-water mark, one eager run.
   {
     c.routing = mt::ops::RoutingMode::kBalanced;
     c.pad_expert_rows = true;
@@ -198,8 +200,9 @@ int main() {
       w.gate_up_mx = mx ? &gate_up_mx : nullptr;
       w.down_mx = mx ? &down_mx : nullptr;
     };
+    constexpr int kRounds = 7;
     std::vector<double> recipe_ms[kRecipes];
-    for (int round = 0; round < 3; ++round)
+    for (int round = 0; round < kRounds; ++round)
       for (int r = 0; r < kRecipes; ++r) {
         use_recipe(recipes[r]);
         recipe_ms[r].push_back(layer_ms(true));
@@ -213,15 +216,20 @@ int main() {
       mt::cuda::synchronize();
       const double peak_gib =
           static_cast<double>(mt::memory_stats(Device::kCUDA).peak_bytes - before) / (1 << 30);
+      std::vector<double> paired(kRounds);
+      for (int round = 0; round < kRounds; ++round)
+        paired[round] = recipe_ms[r][round] / recipe_ms[0][round];
       std::printf(
           "{\"bench\": \"moe_layer_recipe\", \"recipe\": \"%s\", \"dispatch\": \"%s\", "
           "\"routing\": \"balanced\", \"ms\": %.3f, \"ratio_to_bf16\": %.2f, "
+          "\"paired_ratio\": %.3f, \"paired_ratios\": \"%s\", "
           "\"layer_peak_gib\": %.2f, \"rounds_ms\": \"%s\", "
           "\"weight_mx_copies_ms_per_step\": %.3f}\n",
           std::string(mt::ops::expert_recipe_name(recipes[r].recipe)).c_str(),
           std::string(mt::ops::dispatch_dtype_name(recipes[r].dispatch)).c_str(),
           mt::bench::median(recipe_ms[r]),
-          mt::bench::median(recipe_ms[r]) / mt::bench::median(recipe_ms[0]), peak_gib,
+          mt::bench::median(recipe_ms[r]) / mt::bench::median(recipe_ms[0]),
+          mt::bench::median(paired), mt::bench::join(paired).c_str(), peak_gib,
           mt::bench::join(recipe_ms[r]).c_str(), r == 0 ? 0.0 : copies_ms);
     }
     use_recipe(recipes[0]);
