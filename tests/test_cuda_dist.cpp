@@ -18,7 +18,9 @@
 #include "moe/moe_layer.h"
 #include "ops/elementwise.h"
 #include "ops/mx.h"
+#include "ops/permute.h"
 #include "processes.h"
+#include "testing.h"
 
 namespace mt {
 namespace {
@@ -369,6 +371,154 @@ TEST(LsaScatter, EmulatedRanksPlaceEveryPartOfEveryCodec) {
           ASSERT_NO_FATAL_FAILURE(expect_scattered(cases[from], from, to, ranks, n, dev[to].recv,
                                                    dev[to].counts_in, rule, what.c_str()));
     }
+}
+
+// Summed parts (combine's reduction as it reads the window): each of ScatterCase's float parts
+// summed into m rows, row i of it the places of peer q's row (3i + q) % n where it came here (-1
+// for some), with a residual on two parts. Every codec's sum (16-byte packs of bf16 and f32, an
+// element at a time for rows of 3) against the definition: the same scatter's places, then
+// ops::combine_forward on the GPU, bit for bit; outputs poisoned first.
+struct SumCase {
+  std::vector<Tensor> send, places, sums, want, residual;
+  Tensor slot, index, window;
+  dist::LsaPlan plan, sum_plan;
+};
+
+void plan_sums(const std::vector<ScatterCase>& cases, int r, int ranks, int64_t n, int64_t m,
+               SumCase& d) {
+  const ScatterCase& mine = cases[r];
+  for (const Tensor* t : {&mine.weights, &mine.narrow, &mine.rows, &mine.rows_f32})
+    d.send.push_back(t->to(Device::kCUDA));
+  d.slot = mine.slot.to(Device::kCUDA);
+  Tensor index = Tensor::empty({m, ranks}, DType::kI32);
+  for (int q = 0; q < ranks; ++q) {
+    std::vector<int32_t> place(n, -1);  // of q's rows at this rank
+    int32_t at = 0;
+    for (int64_t t = 0; t < n; ++t)
+      if (cases[q].slot.data<int32_t>()[t * ranks + r] >= 0)
+        place[t] = static_cast<int32_t>(q * n + at++);
+    for (int64_t i = 0; i < m; ++i)
+      index.data<int32_t>()[i * ranks + q] = i % 7 == 3 ? -1 : place[(3 * i + q) % n];
+  }
+  d.index = index.to(Device::kCUDA);
+  dist::RowScatter plain, summed;
+  plain.slot = summed.slot = &d.slot;
+  plain.capacity = summed.capacity = n;
+  d.places.reserve(4);
+  d.sums.reserve(4);
+  d.residual.reserve(4);
+  for (size_t i = 0; i < 4; ++i) {
+    const Tensor& x = d.send[i];
+    d.places.push_back(Tensor::poisoned({ranks * n, x.dim(1)}, x.dtype(), Device::kCUDA));
+    d.sums.push_back(Tensor::poisoned({m, x.dim(1)}, x.dtype(), Device::kCUDA));
+    d.residual.push_back(
+        i >= 2 ? testing::randn({m, x.dim(1)}, 60 + i + 10 * r).to(x.dtype()).to(Device::kCUDA)
+               : Tensor());
+    plain.parts.push_back({&x, &d.places[i]});
+    summed.parts.push_back(
+        {&x, &d.sums[i], dist::RowWire::kAsIs, {}, &d.index, i >= 2 ? &d.residual[i] : nullptr});
+  }
+  dist::check_row_scatter(summed, ranks);
+  ASSERT_TRUE(dist::make_lsa_plan(plain, ranks, SIZE_MAX, &d.plan));
+  ASSERT_TRUE(dist::make_lsa_plan(summed, ranks, SIZE_MAX, &d.sum_plan));
+  const dist::LsaSum sums[] = {dist::LsaSum::kF32, dist::LsaSum::kBf16, dist::LsaSum::kBf16,
+                               dist::LsaSum::kF32};
+  const dist::LsaCodec codecs[] = {dist::LsaCodec::kCopy4, dist::LsaCodec::kCopy1,
+                                   dist::LsaCodec::kCopy16, dist::LsaCodec::kCopy16};
+  for (int i = 0; i < 4; ++i) {
+    EXPECT_EQ(d.sum_plan.parts[i].sum, sums[i]) << "part " << i;
+    EXPECT_EQ(d.sum_plan.parts[i].codec, codecs[i]) << "part " << i;
+  }
+  d.window =
+      Tensor::poisoned({static_cast<int64_t>(d.plan.window_bytes)}, DType::kU8, Device::kCUDA);
+}
+
+// The definition from the places: ops::combine_forward over them.
+void sums_from_places(SumCase& d) {
+  ops::ExpertPermutation back;
+  back.row_of_choice = d.index.reshape({d.index.numel()});
+  for (size_t i = 0; i < 4; ++i) {
+    d.want.push_back(Tensor::poisoned(d.sums[i].shape(), d.sums[i].dtype(), Device::kCUDA));
+    ops::combine_forward(d.places[i], back, d.want[i],
+                         d.residual[i].defined() ? &d.residual[i] : nullptr);
+  }
+}
+
+void expect_sums(const SumCase& d, const std::string& what) {
+  for (size_t i = 0; i < 4; ++i) {
+    const Tensor got = d.sums[i].to(Device::kCPU), want = d.want[i].to(Device::kCPU);
+    ASSERT_TRUE(all_finite(want)) << what << ": part " << i;  // every named place was written
+    EXPECT_EQ(std::memcmp(got.raw(), want.raw(), got.nbytes()), 0) << what << ": part " << i;
+  }
+}
+
+TEST(LsaScatter, EmulatedRanksSumTheirPlacesAsTheyArrive) {
+  if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU: run this test on the GPU machine";
+  const int64_t n = 301, m = 97;
+  for (int ranks = 1; ranks <= 4; ++ranks) {
+    const std::string what = std::to_string(ranks) + " ranks";
+    std::vector<ScatterCase> cases;
+    std::vector<std::vector<int32_t>> sent(ranks);
+    for (int r = 0; r < ranks; ++r) cases.emplace_back(r, ranks, n, &sent[r]);
+    std::vector<SumCase> dev(ranks);
+    std::vector<void*> windows(ranks);
+    std::vector<dist::LsaPlan> plain, summed;
+    for (int r = 0; r < ranks; ++r) {
+      ASSERT_NO_FATAL_FAILURE(plan_sums(cases, r, ranks, n, m, dev[r])) << what;
+      windows[r] = dev[r].window.raw();
+      plain.push_back(dev[r].plan);
+      summed.push_back(dev[r].sum_plan);
+    }
+    ASSERT_EQ(cudaSuccess,
+              dist::emulated_scatter(plain.data(), ranks, windows.data(), 8, cuda::stream()));
+    for (SumCase& d : dev) sums_from_places(d);
+    ASSERT_EQ(cudaSuccess,
+              dist::emulated_scatter(summed.data(), ranks, windows.data(), 8, cuda::stream()));
+    cuda::synchronize();
+    for (int r = 0; r < ranks; ++r) expect_sums(dev[r], what + ", rank " + std::to_string(r));
+  }
+}
+
+// The same through NCCL on one GPU: the device path (its window, LSA pointer and barriers) sums
+// as the default path (places through NCCL's all-to-all, then ops::combine_forward) does, bit for
+// bit, eagerly and replayed from a CUDA graph.
+TEST(LsaScatter, OneRankThroughNcclSumsAsTheAllToAllPath) {
+  if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU: run this test on the GPU machine";
+  with_nccl(1, [](dist::Communicator& c) {
+    const int64_t n = 301, m = 97;
+    std::vector<ScatterCase> cases;
+    std::vector<int32_t> sent;
+    cases.emplace_back(0, 1, n, &sent);
+    SumCase d;
+    ASSERT_NO_FATAL_FAILURE(plan_sums(cases, 0, 1, n, m, d));
+    std::string why;
+    const size_t reserved = c.reserve_scatter(1 << 20, 8, &why);
+    ASSERT_GT(reserved, 0u) << why;
+    for (size_t i = 0; i < 4; ++i)
+      d.want.push_back(Tensor::poisoned(d.sums[i].shape(), d.sums[i].dtype(), Device::kCUDA));
+    dist::RowScatter s;
+    s.slot = &d.slot;
+    s.capacity = n;
+    for (size_t i = 0; i < 4; ++i)
+      s.parts.push_back({&d.send[i],
+                         &d.want[i],
+                         dist::RowWire::kAsIs,
+                         {},
+                         &d.index,
+                         i >= 2 ? &d.residual[i] : nullptr});
+    dist::LsaPlan plan;
+    ASSERT_TRUE(dist::make_lsa_plan(s, 1, reserved, &plan));  // the device path takes it
+    c.dist::Communicator::scatter_rows(s);                    // the definition's path
+    for (size_t i = 0; i < 4; ++i) s.parts[i].recv = &d.sums[i];
+    c.scatter_rows(s);
+    cuda::synchronize();
+    expect_sums(d, "one NCCL rank");
+    auto graph = cuda::Graph::capture([&] { c.scatter_rows(s); });
+    for (Tensor& t : d.sums) cudaMemset(t.raw(), 0xFF, t.nbytes());
+    graph->launch();
+    cuda::synchronize();
+    expect_sums(d, "one NCCL rank, graphed");
+  });
 }
 
 // The device path through NCCL itself on one GPU (a one-rank window, its LSA pointer and

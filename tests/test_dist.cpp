@@ -468,6 +468,73 @@ TEST(InProcess, ScatterRowsMovesEveryPartWithOneLayout) {
     });
 }
 
+// A summed part (the default path: its places, then ops::combine_forward): each of M rows is its
+// residual plus the places its index names, in index order, written out in f64 here by hand;
+// -1 entries add nothing. A wrong index shape and an MXFP8 summed part are named.
+TEST(InProcess, ScatterRowsSumsAPartIntoItsRows) {
+  const int world = 3;
+  const int64_t n = 5, capacity = 6, width = 4, m = 7;
+  run_in_process(world, [&](Communicator& c) {
+    const int r = c.rank();
+    auto goes = [](int64_t t, int p, int from) { return (t + p + from) % 3 != 0; };
+    Tensor slot = Tensor::empty({n, world}, DType::kI32);
+    std::vector<int32_t> next(world, 0);
+    for (int64_t t = 0; t < n; ++t)
+      for (int p = 0; p < world; ++p)
+        slot.data<int32_t>()[t * world + p] = goes(t, p, r) ? next[p]++ : -1;
+    const Tensor rows = testing::randn({n, width}, 70 + r);
+    // Row i sums, from each peer q, the place of q's (i + q) % n-th row when it came here.
+    Tensor index = Tensor::empty({m, world}, DType::kI32);
+    std::vector<std::vector<int64_t>> source(m, std::vector<int64_t>(world, -1));
+    for (int q = 0; q < world; ++q) {
+      std::vector<int32_t> place_of(n, -1);
+      int32_t at = 0;
+      for (int64_t t = 0; t < n; ++t)
+        if (goes(t, r, q)) place_of[t] = static_cast<int32_t>(q * capacity + at++);
+      for (int64_t i = 0; i < m; ++i) {
+        const int64_t t = (i + q) % n;
+        index.data<int32_t>()[i * world + q] = i == 3 ? -1 : place_of[t];
+        if (i != 3 && place_of[t] >= 0) source[i][q] = t;
+      }
+    }
+    const Tensor residual = testing::randn({m, width}, 80 + r);
+    for (const bool with_residual : {false, true}) {
+      Tensor out = Tensor::poisoned({m, width}, DType::kF64);
+      dist::RowScatter s;
+      s.slot = &slot;
+      s.capacity = capacity;
+      s.parts = {
+          {&rows, &out, dist::RowWire::kAsIs, {}, &index, with_residual ? &residual : nullptr}};
+      c.scatter_rows(s);
+      int64_t summed = 0;
+      for (int64_t i = 0; i < m; ++i)
+        for (int64_t d = 0; d < width; ++d) {
+          double want = with_residual ? residual.item(i * width + d) : 0.0;
+          for (int q = 0; q < world; ++q)
+            if (source[i][q] >= 0) {
+              want += testing::randn({n, width}, 70 + q).item(source[i][q] * width + d);
+              summed += d == 0;
+            }
+          ASSERT_EQ(out.item(i * width + d), want) << "row " << i << ", column " << d;
+        }
+      EXPECT_GT(summed, m);  // rows of several peers were added up
+    }
+    Tensor out = Tensor::empty({m, width}, DType::kF64);
+    Tensor short_index = index.slice_rows(0, m - 1);
+    dist::RowScatter bad;
+    bad.slot = &slot;
+    bad.capacity = capacity;
+    bad.parts = {{&rows, &out, dist::RowWire::kAsIs, {}, &short_index}};
+    std::string e = testing::error_of([&] { c.scatter_rows(bad); });
+    EXPECT_NE(e.find("scatter_rows of f64 (5, 4) into f64 (7, 4)"), std::string::npos) << e;
+    const Tensor wide = testing::randn({n, 32}, 90).to(DType::kF32);
+    Tensor wide_out = Tensor::empty({m, 32}, DType::kF32);
+    bad.parts = {{&wide, &wide_out, dist::RowWire::kMxfp8, {}, &index}};
+    e = testing::error_of([&] { c.scatter_rows(bad); });
+    EXPECT_NE(e.find("a summed part of f32 rows on the MXFP8 wire"), std::string::npos) << e;
+  });
+}
+
 // The layer with its tokens in chunks, each with its own exchange, against the layer in one
 // chunk, on two ranks in f64 (each rank its own tokens and its half of the experts), for each
 // exchange mode, with and without a lane (on the CPU a lane runs the exchanges in order) and with

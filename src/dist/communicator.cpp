@@ -59,13 +59,29 @@ void check_row_scatter(const RowScatter& s, int peers) {
     MT_CHECK(part.send && part.recv, "scatter_rows: a part without its send or recv tensor");
     const Tensor& send = *part.send;
     const Tensor& recv = *part.recv;
+    const int64_t recv_rows = part.sum_index
+                                  ? (part.sum_index->ndim() == 2 ? part.sum_index->dim(0) : -1)
+                                  : peers * s.capacity;
     MT_CHECK(send.ndim() == 2 && recv.ndim() == 2 && send.dtype() == recv.dtype() &&
-                 send.dim(0) == n && recv.dim(0) == peers * s.capacity &&
-                 recv.dim(1) == send.dim(1) && send.device() == slot.device() &&
-                 recv.device() == slot.device(),
+                 send.dim(0) == n && recv.dim(0) == recv_rows && recv.dim(1) == send.dim(1) &&
+                 send.device() == slot.device() && recv.device() == slot.device(),
              "scatter_rows of {} {} into {} {} ({} places per rank, {} ranks, {} rows per part)",
              dtype_name(send.dtype()), shape_str(send.shape()), dtype_name(recv.dtype()),
              shape_str(recv.shape()), s.capacity, peers, n);
+    if (part.sum_index) {
+      expect_shape(*part.sum_index, {recv_rows, peers}, "scatter sum index");
+      expect_dtype(*part.sum_index, DType::kI32, "scatter sum index");
+      const DType t = send.dtype();
+      MT_CHECK(part.wire == RowWire::kAsIs &&
+                   (t == DType::kF32 || t == DType::kBF16 || t == DType::kF64),
+               "scatter_rows: a summed part of {} rows on the {} wire (needs f32, bf16 or f64 "
+               "rows as they are)",
+               dtype_name(send.dtype()), part.wire == RowWire::kMxfp8 ? "MXFP8" : "as-is");
+      if (part.residual) {
+        expect_shape(*part.residual, recv.shape(), "scatter sum residual");
+        expect_dtype(*part.residual, recv.dtype(), "scatter sum residual");
+      }
+    }
     if (part.wire == RowWire::kMxfp8)
       MT_CHECK((send.dtype() == DType::kF32 || send.dtype() == DType::kBF16 ||
                 send.dtype() == DType::kF64) &&
@@ -105,6 +121,15 @@ void Communicator::scatter_rows(const RowScatter& s) {
     all_to_all(*s.to_peers, one, *s.from_peers, one);
   }
   for (const ScatterPart& part : s.parts) {
+    if (part.sum_index) {
+      Tensor places = Tensor::empty({peers * s.capacity, part.send->dim(1)}, part.send->dtype(),
+                                    part.send->device());
+      move_rows(*this, *part.send, *s.slot, s.capacity, places);
+      ops::ExpertPermutation back;
+      back.row_of_choice = part.sum_index->reshape({part.sum_index->numel()});
+      ops::combine_forward(places, back, *part.recv, part.residual);
+      continue;
+    }
     if (part.wire == RowWire::kAsIs) {
       move_rows(*this, *part.send, *s.slot, s.capacity, *part.recv);
       continue;

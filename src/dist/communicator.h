@@ -33,11 +33,18 @@ enum class RowWire : uint8_t { kAsIs, kMxfp8 };
 // One part of a row scatter: send (n, W) rows in the sender's order, any dtype (kMxfp8: f32, bf16
 // or f64, which is rounded to f32 first; W a multiple of 32); recv (size * capacity, W) of send's
 // dtype, allocated by the caller.
+//
+// With sum_index (i32 (M, size)) the part arrives summed instead (an as-is part of float rows):
+// recv (M, W) row m = residual[m] (when given) + the places sum_index[m, j] for j in order (-1:
+// none), fp32 math, one rounding: ops::combine_forward over the places, which a device path
+// does as it reads its receive buffer, writing no places.
 struct ScatterPart {
   const Tensor* send = nullptr;
   Tensor* recv = nullptr;
   RowWire wire = RowWire::kAsIs;
   MxScaleRule rule = MxScaleRule::kRceil;
+  const Tensor* sum_index = nullptr;
+  const Tensor* residual = nullptr;
 };
 
 // A scatter of several parts with one layout: slot i32 (n, size): row t of every part goes to

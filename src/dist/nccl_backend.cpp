@@ -450,9 +450,18 @@ bool make_lsa_plan(const RowScatter& s, int ranks, size_t window_limit, LsaPlan*
     out.rule = part.rule;
     out.data_offset = window.data[i];
     out.scales_offset = window.scales[i];
+    if (part.sum_index) {
+      const DType dt = part.send->dtype();
+      if (dt != DType::kBF16 && dt != DType::kF32) return false;
+      out.sum = dt == DType::kBF16 ? LsaSum::kBf16 : LsaSum::kF32;
+      out.sum_index = part.sum_index->data<int32_t>();
+      out.residual = part.residual ? part.residual->raw() : nullptr;
+      out.sum_rows = part.recv->dim(0);
+    }
     const auto aligned = [&](size_t a) {
       return reinterpret_cast<uintptr_t>(out.send) % a == 0 &&
              reinterpret_cast<uintptr_t>(out.recv) % a == 0 &&
+             reinterpret_cast<uintptr_t>(out.residual) % a == 0 &&
              static_cast<size_t>(out.width * out.elem_bytes) % a == 0;
     };
     if (part.wire == RowWire::kMxfp8) {

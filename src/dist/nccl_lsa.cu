@@ -197,8 +197,43 @@ __device__ void receive_mx(const char* window, const LsaPart& part, int64_t plac
   }
 }
 
+// A summed part (LsaSum): recv row m = residual[m] + its places in j order, P elements a step
+// (a 16-byte pack, or 1), fp32 math, one rounding: what ops::combine_forward gives.
+template <class T, int P>
+__device__ void receive_sum(const char* window, const LsaPart& part, int ranks, int64_t at,
+                            int64_t step) {
+  const int64_t per_row = part.width / P;
+  const T* places = reinterpret_cast<const T*>(window + part.data_offset);
+  const T* residual = static_cast<const T*>(part.residual);
+  T* out = static_cast<T*>(part.recv);
+  for (int64_t u = at; u < part.sum_rows * per_row; u += step) {
+    const int64_t m = u / per_row, c = (u % per_row) * P;
+    float acc[P] = {};
+    if (residual) cuda::load_n<T, P>(residual + m * part.width + c, acc);
+    for (int j = 0; j < ranks; ++j) {
+      const int32_t place = part.sum_index[m * ranks + j];
+      if (place < 0) continue;
+      float x[P];
+      cuda::load_n<T, P>(places + static_cast<int64_t>(place) * part.width + c, x);
+#pragma unroll
+      for (int i = 0; i < P; ++i) acc[i] += x[i];
+    }
+    cuda::store_n<T, P>(out + m * part.width + c, acc);
+  }
+}
+
+template <class T>
+__device__ void receive_sum(const char* window, const LsaPart& part, int ranks, int64_t at,
+                            int64_t step) {
+  if (part.codec == LsaCodec::kCopy16)
+    receive_sum<T, 16 / sizeof(T)>(window, part, ranks, at, step);
+  else
+    receive_sum<T, 1>(window, part, ranks, at, step);
+}
+
 // This rank's window into the callers' tensors: the per-peer rows, then each part (whole
-// sections: places no peer wrote carry whatever the window held, as the contract allows).
+// sections: places no peer wrote carry whatever the window held, as the contract allows; a
+// summed part reads only the places its index names).
 __global__ void __launch_bounds__(256) receive_kernel(const char* window, LsaPlan plan, int ranks) {
   const int64_t at = int64_t{blockIdx.x} * blockDim.x + threadIdx.x;
   const int64_t step = int64_t{gridDim.x} * blockDim.x;
@@ -208,6 +243,13 @@ __global__ void __launch_bounds__(256) receive_kernel(const char* window, LsaPla
   const int64_t places = ranks * plan.capacity;
   for (int i = 0; i < plan.n_parts; ++i) {
     const LsaPart& part = plan.parts[i];
+    if (part.sum != LsaSum::kNone) {
+      if (part.sum == LsaSum::kBf16)
+        receive_sum<__nv_bfloat16>(window, part, ranks, at, step);
+      else
+        receive_sum<float>(window, part, ranks, at, step);
+      continue;
+    }
     const char* from = window + part.data_offset;
     const int64_t bytes = places * part.width * part.elem_bytes;
     switch (part.codec) {
@@ -233,8 +275,11 @@ __global__ void __launch_bounds__(256) receive_kernel(const char* window, LsaPla
 cudaError_t launch_receive(const char* window, const LsaPlan& plan, int ranks,
                            cudaStream_t stream) {
   int64_t units = ranks * plan.peer_row_bytes / 4;
-  for (int i = 0; i < plan.n_parts; ++i)
-    units = std::max<int64_t>(units, ranks * plan.capacity * plan.parts[i].width / kLaneElems);
+  for (int i = 0; i < plan.n_parts; ++i) {
+    const LsaPart& part = plan.parts[i];
+    const int64_t rows = part.sum == LsaSum::kNone ? ranks * plan.capacity : part.sum_rows;
+    units = std::max<int64_t>(units, rows * part.width / kLaneElems);
+  }
   if (units == 0) return cudaSuccess;
   const auto blocks = static_cast<unsigned>(std::min<int64_t>((units + 255) / 256, 132 * 8));
   receive_kernel<<<blocks, 256, 0, stream>>>(window, plan, ranks);

@@ -5,7 +5,8 @@
 // peer's LSA pointer (an MXFP8 part quantized on the way: E4M3 data and E8M0 scales, two lanes
 // per 32-element block) together with the per-peer rows, and passes a second barrier (every row
 // has landed); one receive kernel then moves this rank's window into the callers' tensors (an
-// MXFP8 part dequantized on the way). Nothing waits on the host, so a CUDA graph can hold it.
+// MXFP8 part dequantized on the way, a summed part added up into its rows: combine's reduction
+// as it reads the window). Nothing waits on the host, so a CUDA graph can hold it.
 // Needs every rank in one LSA team (one node, P2P) and the NCCL release it was built against at
 // run time (the device API has no ABI guarantee across releases).
 //
@@ -30,14 +31,25 @@ inline constexpr int kLsaMaxParts = 6;
 // allow), or MXFP8 quantized from bf16 or f32 rows (and dequantized into them on arrival).
 enum class LsaCodec : uint8_t { kCopy16, kCopy4, kCopy1, kMxfp8Bf16, kMxfp8F32 };
 
+// How a part arrives: its places copied (or decoded) into recv, or, for a kCopy part of bf16 or
+// f32 rows, summed into recv's rows (dist::ScatterPart::sum_index): row m = residual[m] (none:
+// 0) + the places sum_index[m * ranks + j] for j < ranks in that order (-1: none), fp32 math, one
+// rounding. kCopy16 sums 16-byte packs (recv, residual and the rows 16-byte aligned), the other
+// copy codecs an element at a time.
+enum class LsaSum : uint8_t { kNone, kBf16, kF32 };
+
 struct LsaPart {
   const void* send = nullptr;  // n rows of width elements of elem_bytes
-  void* recv = nullptr;        // ranks * capacity rows of the same
+  void* recv = nullptr;        // ranks * capacity rows of the same (sums: sum_rows rows)
   int64_t width = 0;
   int64_t elem_bytes = 0;
   LsaCodec codec = LsaCodec::kCopy1;
   MxScaleRule rule = MxScaleRule::kRceil;
   size_t data_offset = 0, scales_offset = 0;  // in the window (dist::scatter_window)
+  LsaSum sum = LsaSum::kNone;
+  const int32_t* sum_index = nullptr;  // (sum_rows, ranks) places
+  const void* residual = nullptr;      // (sum_rows, width) or null
+  int64_t sum_rows = 0;
 };
 
 // One scatter: slot i32 (n, ranks) on the device: row t of every part goes to peer p's window at

@@ -116,9 +116,8 @@ void ExpertExchange::plan_device_counts(const Tensor& expert_index, const Tensor
   send_slot_ = Tensor::empty({tokens_, peers}, DType::kI32, device);
   ops::slots_within_experts(to_peer, to_peers_, 0, send_slot_);
   // Combine's rows come back into the same regions: token t's row from rank p at p * N + slot.
-  from_peers_.row_of_choice = Tensor::empty({tokens_ * peers}, DType::kI32, device);
-  Tensor back_rows = from_peers_.row_of_choice.reshape({tokens_, peers});
-  ops::slots_within_experts(to_peer, to_peers_, tokens_, back_rows);
+  back_place_ = Tensor::empty({tokens_, peers}, DType::kI32, device);
+  ops::slots_within_experts(to_peer, to_peers_, tokens_, back_place_);
 
   Tensor choices = Tensor::empty({received_tokens_, k}, DType::kI32, device);
   dist::RowScatter s = dispatch_scatter();
@@ -194,18 +193,13 @@ void ExpertExchange::combine(const std::vector<CombineRows>& parts) const {
              received_tokens_);
     expect_shape(*p.out, {tokens_, p.rows->dim(1)}, "combined rows");
   }
-  if (mode_ == ExchangeMode::kDeviceCounts) {
-    std::vector<Tensor> back(parts.size());
+  if (mode_ == ExchangeMode::kDeviceCounts) {  // summed as they arrive
     dist::RowScatter s;
     s.slot = &return_slot_;
     s.capacity = tokens_;
-    for (size_t i = 0; i < parts.size(); ++i) {
-      back[i] = Tensor::empty(parts[i].rows->shape(), parts[i].rows->dtype(), device);
-      s.parts.push_back({parts[i].rows, &back[i]});
-    }
+    for (const CombineRows& p : parts)
+      s.parts.push_back({p.rows, p.out, dist::RowWire::kAsIs, {}, &back_place_, p.residual});
     ep_->scatter_rows(s);
-    for (size_t i = 0; i < parts.size(); ++i)
-      ops::combine_forward(back[i], from_peers_, *parts[i].out, parts[i].residual);
     return;
   }
   for (const CombineRows& p : parts) {

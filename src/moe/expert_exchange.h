@@ -109,7 +109,9 @@ class ExpertExchange {
   std::vector<int64_t> send_tokens_, recv_tokens_;  // host counts: per rank
   Tensor send_slot_;    // device counts: i32 (N, ep), the token's place in rank p's region
   Tensor return_slot_;  // device counts: i32 (ep * N, ep), where combine sends each place back
-  ops::ExpertPermutation from_peers_;  // device counts: row_of_choice (N, ep) into combine's rows
+  // Device counts: i32 (N, ep), the place of token t's row back from rank p in combine's
+  // receive buffer (-1: none), which combine sums as it arrives.
+  Tensor back_place_;
   Tensor local_index_;
 };
 
