@@ -7,7 +7,9 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <numeric>
 #include <random>
 #include <tuple>
@@ -34,7 +36,10 @@
 namespace mt {
 namespace {
 
+// A fresh seed per case, or with MOETRAIN_TEST_SEED set that seed for every case (to replay a
+// printed one: MOETRAIN_TEST_SEED=S test_cuda_ops --gtest_filter=THE_CASE).
 uint64_t fresh_seed() {
+  if (const char* fixed = std::getenv("MOETRAIN_TEST_SEED")) return std::stoull(fixed);
   static const uint64_t base = std::random_device{}();
   static uint64_t n = 0;
   return base + 1000 * n++;
@@ -384,6 +389,38 @@ struct RoutingCase {
   bool ties;  // logits (and bias) on a coarse grid: equal scores, so the tie order is checked
 };
 
+// The GPU ranks the biased scores in fp32, the CPU in fp64 from its own fp32 scores: two keys
+// within float rounding of each other (seen: a relative gap of 1.1e-7 among 257 x 1000) may be
+// ordered either way, and either choice is right. Rows of logits whose top k + 1 keys on the CPU
+// are not apart by more than 1e-5 (relative) are drawn again, so that the choices compared
+// exactly are well defined; exact ties stay (the "ties" cases: equal fp32 scores on both sides,
+// ordered by expert index).
+void separate_near_ties(Tensor& logits, const Tensor& bias, const ops::RouterOptions& opt,
+                        uint64_t seed) {
+  const int64_t n = logits.dim(0), e = logits.dim(1), k = opt.top_k;
+  for (int attempt = 1;; ++attempt) {
+    ops::Routing r;
+    ops::router_forward(logits, bias, opt, r);
+    int64_t redrawn = 0;
+    std::vector<double> key(e);
+    for (int64_t t = 0; t < n; ++t) {
+      for (int64_t c = 0; c < e; ++c)
+        key[c] = static_cast<double>(r.scores.data<float>()[t * e + c]) +
+                 (bias.defined() ? bias.data<float>()[c] : 0.0);
+      std::partial_sort(key.begin(), key.begin() + std::min(k + 1, e), key.end(), std::greater<>());
+      bool near = false;
+      for (int64_t j = 0; j + 1 < std::min(k + 1, e); ++j)
+        near |= key[j] - key[j + 1] <= 1e-5 * std::abs(key[j]);
+      if (!near) continue;
+      const Tensor row = testing::randn({e}, seed + 1000003 * attempt + t, 2.0, DType::kF32);
+      std::copy(row.data<float>(), row.data<float>() + e, logits.data<float>() + t * e);
+      ++redrawn;
+    }
+    if (redrawn == 0) return;
+    ASSERT_LT(attempt, 50) << redrawn << " rows still hold near-ties";
+  }
+}
+
 void check_routing(const RoutingCase& rc, uint64_t seed, ops::Routing& cr, ops::Routing& gr) {
   const std::string what =
       fmt::format("routing n {} e {} top-{}{}{}{}{}", rc.n, rc.e, rc.k,
@@ -396,6 +433,8 @@ void check_routing(const RoutingCase& rc, uint64_t seed, ops::Routing& cr, ops::
     for (int64_t i = 0; i < logits.numel(); ++i)
       logits.data<float>()[i] = std::round(logits.data<float>()[i] * 2) / 2;
     if (bias.defined()) bias = Tensor::zeros({rc.e}, DType::kF32);
+  } else if (rc.mode == ops::RoutingMode::kLearned) {
+    ASSERT_NO_FATAL_FAILURE(separate_near_ties(logits, bias, opt, seed));
   }
   ops::router_forward(logits, bias, opt, cr);
   ops::router_forward(logits.to(Device::kCUDA), bias.defined() ? bias.to(Device::kCUDA) : bias, opt,

@@ -37,7 +37,10 @@ SideStream::SideStream() {
 }
 
 SideStream::~SideStream() {
-  cudaStreamDestroy(stream_);  // returns at once; the work queued on it still runs
+  // The allocator keeps the blocks freed on this stream under its handle (core/tensor.cpp), and a
+  // stream made later may get the same handle: its work must be done before they can be reused.
+  (void)cudaStreamSynchronize(stream_);
+  cudaStreamDestroy(stream_);
 }
 
 }  // namespace mt::cuda

@@ -32,7 +32,7 @@ class Fence {
   FenceReach reach_;
 };
 
-// A non-blocking stream of the current device, owned.
+// A non-blocking stream of the current device, owned; destroying it waits for its work.
 class SideStream {
  public:
   SideStream();
