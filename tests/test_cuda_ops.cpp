@@ -881,6 +881,37 @@ TEST(ExpertChoices, PlaceRowsMatchesTheCpu) {
     }
 }
 
+// The peer slots' scan over many tiles (4096 tokens each) and tiles partly filled, against the
+// host, bit for bit: random peer choices, every token for every peer, none for one peer.
+TEST(ExpertChoices, PeerSlotsOverManyTilesMatchTheHost) {
+  if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU: run this test on the GPU machine";
+  const uint64_t seed = fresh_seed();
+  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  std::mt19937_64 gen(seed);
+  for (const int64_t n : {int64_t{1}, int64_t{4096}, int64_t{4097}, int64_t{50001}})
+    for (const int peers : {1, 2, 3, 8})
+      for (const std::string fill : {"random", "all", "none_for_the_last"}) {
+        const std::string what =
+            std::to_string(n) + " tokens, " + std::to_string(peers) + " peers, " + fill;
+        Tensor to = Tensor::empty({n, peers}, DType::kI32);
+        for (int64_t t = 0; t < n; ++t)
+          for (int p = 0; p < peers; ++p) {
+            const bool goes = fill == "all" || (fill == "random" ? gen() % 3 != 0 : p + 1 < peers);
+            to.data<int32_t>()[t * peers + p] = goes ? p : -1;
+          }
+        Tensor want = Tensor::empty({n, peers}, DType::kI32);
+        Tensor got = Tensor::poisoned({n, peers}, DType::kI32, Device::kCUDA);
+        ops::peer_slots(to, n, want);
+        ops::peer_slots(to.to(Device::kCUDA), n, got);
+        const Tensor host = got.to(Device::kCPU);
+        EXPECT_EQ(std::memcmp(host.raw(), want.raw(), want.nbytes()), 0) << what;
+        // The last token for peer 0 takes its region's last place when every token goes there.
+        if (fill == "all") {
+          EXPECT_EQ(host.data<int32_t>()[(n - 1) * peers], n - 1) << what;
+        }
+      }
+}
+
 // The expert-parallel choices on the device against the host reference, bit for bit, outputs
 // poisoned first: peer_choices, peer_counts and local_choices over 1, 2, 4 and 8 ranks, then the
 // receiving rank's permutation with the other ranks' choices skipped (dense with the exact count
@@ -918,6 +949,13 @@ TEST(ExpertChoices, MatchTheHostReference) {
       ops::peer_choices(index, peers, local, cp);
       ops::peer_choices(gindex, peers, local, gp);
       same(gp, cp, what + ": peer choices");
+      for (const int64_t region : {int64_t{0}, n}) {
+        Tensor cslot = Tensor::empty({n, peers}, DType::kI32);
+        Tensor gslot = Tensor::poisoned({n, peers}, DType::kI32, Device::kCUDA);
+        ops::peer_slots(cp, region, cslot);
+        ops::peer_slots(gp, region, gslot);
+        same(gslot, cslot, what + ": peer slots, regions of " + std::to_string(region));
+      }
       Tensor cc = Tensor::empty({peers, local + 1}, DType::kI64);
       Tensor gc = Tensor::poisoned({peers, local + 1}, DType::kI64, Device::kCUDA);
       ops::peer_counts(index, peers, local, cc);

@@ -451,6 +451,12 @@ TEST(Permute, PeerAndLocalChoices) {
   ops::peer_choices(index, 2, 2, peers);
   const std::vector<int> want = {0, 1, 0, -1, -1, 1, 0, 1};
   for (int i = 0; i < 8; ++i) EXPECT_EQ(peers.item(i), want[i]) << i;
+  // Each token's place in each peer's region: the tokens for that peer numbered in order, the
+  // regions 10 rows apart.
+  Tensor slots = Tensor::poisoned({4, 2}, DType::kI32);
+  ops::peer_slots(peers, 10, slots);
+  const std::vector<int> want_slots = {0, 10, 1, -1, -1, 11, 2, 12};
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(slots.item(i), want_slots[i]) << i;
   Tensor counts = Tensor::poisoned({2, 3}, DType::kI64);
   ops::peer_counts(index, 2, 2, counts);
   // Rank 0: expert 0 twice, expert 1 twice, 3 tokens; rank 1: expert 2 twice, 3 twice, 3 tokens.

@@ -112,12 +112,11 @@ void ExpertExchange::plan_device_counts(const Tensor& expert_index, const Tensor
 
   received_tokens_ = peers * tokens_;
   local_rows_ = received_tokens_ * std::min(k, local);
-  ops::make_expert_permutation(to_peer, peers, to_peers_, 1, tokens_ * peers);
   send_slot_ = Tensor::empty({tokens_, peers}, DType::kI32, device);
-  ops::slots_within_experts(to_peer, to_peers_, 0, send_slot_);
+  ops::peer_slots(to_peer, 0, send_slot_);
   // Combine's rows come back into the same regions: token t's row from rank p at p * N + slot.
   back_place_ = Tensor::empty({tokens_, peers}, DType::kI32, device);
-  ops::slots_within_experts(to_peer, to_peers_, tokens_, back_place_);
+  ops::peer_slots(to_peer, tokens_, back_place_);
 
   Tensor choices = Tensor::empty({received_tokens_, k}, DType::kI32, device);
   dist::RowScatter s = dispatch_scatter();

@@ -103,11 +103,11 @@ class ExpertExchange {
   dist::Communicator* ep_;
   ExchangeMode mode_;
   int64_t tokens_ = 0, received_tokens_ = 0, local_rows_ = 0;
-  // The send layout: a permutation over the EP ranks (host counts: its rows are sent as they
-  // are; device counts: each token's row of it gives the token's place in the peer's region).
+  // Host counts: the send layout, a permutation over the EP ranks whose rows are sent as they are.
   ops::ExpertPermutation to_peers_;
   std::vector<int64_t> send_tokens_, recv_tokens_;  // host counts: per rank
   Tensor send_slot_;    // device counts: i32 (N, ep), the token's place in rank p's region
+                        // (ops::peer_slots: rank q's tokens for p in token order)
   Tensor return_slot_;  // device counts: i32 (ep * N, ep), where combine sends each place back
   // Device counts: i32 (N, ep), the place of token t's row back from rank p in combine's
   // receive buffer (-1: none), which combine sums as it arrives.

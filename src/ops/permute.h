@@ -52,11 +52,10 @@ void local_choices(const Tensor& expert_index, int64_t rank, int64_t experts_per
                    const Tensor* received_counts = nullptr);
 
 // Fixed-capacity exchanges (Communicator::scatter_rows) place rows by slot:
-// slots_within_experts: out i32 (N, k) = the choice's position among its expert's rows of the
-// dense permutation p of expert_index (its row minus the expert's first), plus
-// expert * region_rows; -1 where the index is.
-void slots_within_experts(const Tensor& expert_index, const ExpertPermutation& p,
-                          int64_t region_rows, Tensor& out);
+// peer_slots: out i32 (N, peers) from to_peer (N, peers), peer_choices' output: entry p of row t
+// is -1 where to_peer's is, else p * region_rows + the number of rows before t with an entry for
+// p (the token's place in peer p's region, the tokens in order). One scan per peer.
+void peer_slots(const Tensor& to_peer, int64_t region_rows, Tensor& out);
 // region_slots: out i32 (peers * capacity, peers): row j = p * capacity + s (the s-th token
 // received from peer p) goes back to peer p at slot s, when s is below received_counts[p, L]
 // (ops::peer_counts' layout); every other entry -1.

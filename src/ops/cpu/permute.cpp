@@ -145,23 +145,27 @@ void local_choices(const Tensor& expert_index, int64_t rank, int64_t experts_per
   }
 }
 
-void slots_within_experts(const Tensor& expert_index, const ExpertPermutation& p,
-                          int64_t region_rows, Tensor& out) {
-  expect_dtype(expert_index, DType::kI32, "expert_index");
-  expect_shape(out, expert_index.shape(), "slots");
-  expect_dtype(out, DType::kI32, "slots");
-  MT_CHECK(p.align == 1 && p.row_of_choice.numel() == expert_index.numel(),
-           "slots of {} choices from a permutation of {} (align {}): needs the dense one",
-           expert_index.numel(), p.row_of_choice.numel(), p.align);
+void peer_slots(const Tensor& to_peer, int64_t region_rows, Tensor& out) {
+  expect_dtype(to_peer, DType::kI32, "peer choices");
+  MT_CHECK(to_peer.ndim() == 2, "peer choices of shape {}, expected (tokens, peers)",
+           shape_str(to_peer.shape()));
+  expect_shape(out, to_peer.shape(), "peer slots");
+  expect_dtype(out, DType::kI32, "peer slots");
+  const int64_t n = to_peer.dim(0), peers = to_peer.dim(1);
+  MT_CHECK(peers * std::max<int64_t>(region_rows, n) <= INT32_MAX,
+           "peer slots of {} tokens over {} peers ({} rows a region) pass i32", n, peers,
+           region_rows);
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(expert_index)) return cuda::slots_within_experts(expert_index, p, region_rows, out);
+  if (on_gpu(to_peer)) return cuda::peer_slots(to_peer, region_rows, out);
 #endif
-  const int32_t* idx = expert_index.data<int32_t>();
-  const int32_t* row = p.row_of_choice.data<int32_t>();
-  const int64_t* off = p.expert_offsets.data<int64_t>();
+  const int32_t* to = to_peer.data<int32_t>();
   int32_t* o = out.data<int32_t>();
-  for (int64_t i = 0; i < expert_index.numel(); ++i)
-    o[i] = idx[i] < 0 ? -1 : static_cast<int32_t>(row[i] - off[idx[i]] + idx[i] * region_rows);
+  for (int64_t p = 0; p < peers; ++p) {
+    int64_t next = 0;
+    for (int64_t t = 0; t < n; ++t)
+      o[t * peers + p] =
+          to[t * peers + p] < 0 ? -1 : static_cast<int32_t>(p * region_rows + next++);
+  }
 }
 
 void region_slots(const Tensor& received_counts, int64_t capacity, Tensor& out) {

@@ -191,8 +191,9 @@ cudaError_t peer_choices(const int32_t* index, int64_t n, int k, int peers, int 
 cudaError_t local_choices(const int32_t* index, int64_t n, int k, int first, int per_peer,
                           const int64_t* received, int64_t region, int32_t* out,
                           cudaStream_t stream);
-cudaError_t slots_within_experts(const int32_t* index, const int32_t* row, const int64_t* offsets,
-                                 int64_t n, int64_t region_rows, int32_t* out, cudaStream_t stream);
+// ops::peer_slots: to_peer and out i32 (n, peers).
+cudaError_t peer_slots(const int32_t* to_peer, int64_t n, int peers, int64_t region_rows,
+                       int32_t* out, cudaStream_t stream);
 cudaError_t region_slots(const int64_t* received, int peers, int width, int64_t capacity,
                          int32_t* out, cudaStream_t stream);
 // ops::place_rows over rows of row_bytes.

@@ -76,8 +76,7 @@ void peer_choices(const Tensor& expert_index, int64_t peers, int64_t per_peer, T
 void peer_counts(const Tensor& expert_index, int64_t peers, int64_t per_peer, Tensor& out);
 void local_choices(const Tensor& expert_index, int64_t rank, int64_t per_peer, Tensor& out,
                    const Tensor* received_counts);
-void slots_within_experts(const Tensor& expert_index, const ops::ExpertPermutation& p,
-                          int64_t region_rows, Tensor& out);
+void peer_slots(const Tensor& to_peer, int64_t region_rows, Tensor& out);
 void region_slots(const Tensor& received_counts, int64_t capacity, Tensor& out);
 void place_rows(const Tensor& x, const Tensor& slot, int64_t capacity, Tensor& out);
 // dst[row_of_choice[t * k + j]] = src[t]: the expert-major permutation, each token read once.

@@ -61,12 +61,11 @@ void local_choices(const Tensor& expert_index, int64_t rank, int64_t per_peer, T
       received_counts ? rows / received.dim(0) : rows, out.data<int32_t>(), stream()));
 }
 
-void slots_within_experts(const Tensor& expert_index, const ops::ExpertPermutation& p,
-                          int64_t region_rows, Tensor& out) {
-  MT_CUDA_CHECK(
-      kernels::slots_within_experts(expert_index.data<int32_t>(), p.row_of_choice.data<int32_t>(),
-                                    p.expert_offsets.data<int64_t>(), expert_index.numel(),
-                                    region_rows, out.data<int32_t>(), stream()));
+void peer_slots(const Tensor& to_peer, int64_t region_rows, Tensor& out) {
+  MT_CHECK(out.device() == Device::kCUDA, "peer slots must be on the GPU");
+  MT_CUDA_CHECK(kernels::peer_slots(to_peer.data<int32_t>(), to_peer.dim(0),
+                                    static_cast<int>(to_peer.dim(1)), region_rows,
+                                    out.data<int32_t>(), stream()));
 }
 
 void region_slots(const Tensor& received_counts, int64_t capacity, Tensor& out) {

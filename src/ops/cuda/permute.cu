@@ -3,6 +3,7 @@
 // values), the weighted sums of a token's rows and of sorted segments, and the expert-parallel
 // exchange's layouts (peer choices and counts, slots, regions, placed rows). Deterministic: sums
 // run in a fixed order, counts are integer atomics.
+#include <cub/block/block_scan.cuh>
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
 
@@ -232,12 +233,34 @@ __global__ void local_choices_kernel(const int32_t* index, int64_t n, int k, int
   out[i] = written && local >= 0 && local < per_peer ? local : -1;
 }
 
-__global__ void slots_kernel(const int32_t* index, const int32_t* row, const int64_t* offsets,
-                             int64_t n, int64_t region_rows, int32_t* out) {
-  const int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x;
-  if (i >= n) return;
-  const int32_t e = index[i];
-  out[i] = e < 0 ? -1 : static_cast<int32_t>(row[i] - offsets[e] + e * region_rows);
+// One block per peer: the tokens in tiles of kSlotThreads x kSlotItems (each thread a run of
+// kSlotItems consecutive tokens), a block-wide exclusive scan of the tokens for the peer within
+// the tile, plus the tiles before it.
+constexpr int kSlotThreads = 512;
+constexpr int kSlotItems = 8;
+
+__global__ void __launch_bounds__(kSlotThreads)
+    peer_slots_kernel(const int32_t* to_peer, int64_t n, int peers, int64_t region_rows,
+                      int32_t* out) {
+  using Scan = cub::BlockScan<int, kSlotThreads>;
+  __shared__ typename Scan::TempStorage scratch;
+  const int p = blockIdx.x;
+  int64_t before = p * region_rows;  // the places taken by the tiles before this one
+  for (int64_t tile = 0; tile < n; tile += int64_t{kSlotThreads} * kSlotItems) {
+    const int64_t first = tile + int64_t{threadIdx.x} * kSlotItems;
+    int goes[kSlotItems], place[kSlotItems];
+#pragma unroll
+    for (int i = 0; i < kSlotItems; ++i)
+      goes[i] = first + i < n && to_peer[(first + i) * peers + p] >= 0 ? 1 : 0;
+    int in_tile = 0;
+    Scan(scratch).ExclusiveSum(goes, place, in_tile);
+#pragma unroll
+    for (int i = 0; i < kSlotItems; ++i)
+      if (first + i < n)
+        out[(first + i) * peers + p] = goes[i] ? static_cast<int32_t>(before + place[i]) : -1;
+    before += in_tile;
+    __syncthreads();  // the scratch is reused by the next tile
+  }
 }
 
 // A warp per row of x: each of its places, the row's units striding over the lanes.
@@ -443,12 +466,10 @@ cudaError_t local_choices(const int32_t* index, int64_t n, int k, int first, int
   return cudaGetLastError();
 }
 
-cudaError_t slots_within_experts(const int32_t* index, const int32_t* row, const int64_t* offsets,
-                                 int64_t n, int64_t region_rows, int32_t* out,
-                                 cudaStream_t stream) {
-  if (n == 0) return cudaSuccess;
-  slots_kernel<<<(n + kBlock - 1) / kBlock, kBlock, 0, stream>>>(index, row, offsets, n,
-                                                                 region_rows, out);
+cudaError_t peer_slots(const int32_t* to_peer, int64_t n, int peers, int64_t region_rows,
+                       int32_t* out, cudaStream_t stream) {
+  if (n == 0 || peers == 0) return cudaSuccess;
+  peer_slots_kernel<<<peers, kSlotThreads, 0, stream>>>(to_peer, n, peers, region_rows, out);
   return cudaGetLastError();
 }
 
