@@ -39,7 +39,9 @@ SideStream::SideStream() {
 SideStream::~SideStream() {
   // The allocator keeps the blocks freed on this stream under its handle (core/tensor.cpp), and a
   // stream made later may get the same handle: its work must be done before they can be reused.
-  (void)cudaStreamSynchronize(stream_);
+  // A failed wait (a fault is sticky and shows again at the next call) leaves no error behind
+  // for a later launch check to misname.
+  if (cudaStreamSynchronize(stream_) != cudaSuccess) (void)cudaGetLastError();
   cudaStreamDestroy(stream_);
 }
 
