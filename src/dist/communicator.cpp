@@ -68,27 +68,25 @@ void check_row_scatter(const RowScatter& s, int peers) {
              "scatter_rows of {} {} into {} {} ({} places per rank, {} ranks, {} rows per part)",
              dtype_name(send.dtype()), shape_str(send.shape()), dtype_name(recv.dtype()),
              shape_str(recv.shape()), s.capacity, peers, n);
+    const DType t = send.dtype();
+    const bool float_rows = t == DType::kF32 || t == DType::kBF16 || t == DType::kF64;
     if (part.sum_index) {
       expect_shape(*part.sum_index, {recv_rows, peers}, "scatter sum index");
       expect_dtype(*part.sum_index, DType::kI32, "scatter sum index");
-      const DType t = send.dtype();
-      MT_CHECK(part.wire == RowWire::kAsIs &&
-                   (t == DType::kF32 || t == DType::kBF16 || t == DType::kF64),
+      MT_CHECK(part.wire == RowWire::kAsIs && float_rows,
                "scatter_rows: a summed part of {} rows on the {} wire (needs f32, bf16 or f64 "
                "rows as they are)",
-               dtype_name(send.dtype()), part.wire == RowWire::kMxfp8 ? "MXFP8" : "as-is");
+               dtype_name(t), part.wire == RowWire::kMxfp8 ? "MXFP8" : "as-is");
       if (part.residual) {
         expect_shape(*part.residual, recv.shape(), "scatter sum residual");
         expect_dtype(*part.residual, recv.dtype(), "scatter sum residual");
       }
     }
     if (part.wire == RowWire::kMxfp8)
-      MT_CHECK((send.dtype() == DType::kF32 || send.dtype() == DType::kBF16 ||
-                send.dtype() == DType::kF64) &&
-                   send.dim(1) % kMxBlock == 0,
+      MT_CHECK(float_rows && send.dim(1) % kMxBlock == 0,
                "scatter_rows: an MXFP8 part of {} {} (needs f32, bf16 or f64 rows of a multiple "
                "of {})",
-               dtype_name(send.dtype()), shape_str(send.shape()), kMxBlock);
+               dtype_name(t), shape_str(send.shape()), kMxBlock);
   }
   MT_CHECK(!s.to_peers == !s.from_peers,
            "scatter_rows: per-peer rows need both to_peers and from_peers");

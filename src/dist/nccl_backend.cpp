@@ -450,9 +450,10 @@ bool make_lsa_plan(const RowScatter& s, int ranks, size_t window_limit, LsaPlan*
     out.rule = part.rule;
     out.data_offset = window.data[i];
     out.scales_offset = window.scales[i];
+    const DType dt = part.send->dtype();
+    const bool kernel_rows = dt == DType::kBF16 || dt == DType::kF32;  // what the kernels decode
     if (part.sum_index) {
-      const DType dt = part.send->dtype();
-      if (dt != DType::kBF16 && dt != DType::kF32) return false;
+      if (!kernel_rows) return false;
       out.sum = dt == DType::kBF16 ? LsaSum::kBf16 : LsaSum::kF32;
       out.sum_index = part.sum_index->data<int32_t>();
       out.residual = part.residual ? part.residual->raw() : nullptr;
@@ -465,8 +466,7 @@ bool make_lsa_plan(const RowScatter& s, int ranks, size_t window_limit, LsaPlan*
              static_cast<size_t>(out.width * out.elem_bytes) % a == 0;
     };
     if (part.wire == RowWire::kMxfp8) {
-      const DType dt = part.send->dtype();
-      if (!aligned(16) || (dt != DType::kBF16 && dt != DType::kF32)) return false;
+      if (!aligned(16) || !kernel_rows) return false;
       out.codec = dt == DType::kBF16 ? LsaCodec::kMxfp8Bf16 : LsaCodec::kMxfp8F32;
     } else {
       out.codec = aligned(16)  ? LsaCodec::kCopy16
