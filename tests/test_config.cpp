@@ -173,6 +173,7 @@ TEST(Cli, HostileConfigsExitWithCode2NamingTheValue) {
       {t + "parallel.ep_chunks=0", "parallel.ep_chunks = 0 must be in [1, 16]"},
       {t + "parallel.ep_chunks=17", "parallel.ep_chunks = 17 must be in [1, 16]"},
       {t + "parallel.ep_overlap=2", "parallel.ep_overlap"},
+      {t + "parallel.reshard_after_forward=never", "parallel.reshard_after_forward"},
       {t + "eval.every=-1", "eval.every = -1 must be >= 0"},
       {t + "model.router_dtype=f64", "model.router_dtype = \"f64\" (valid: f32, bf16)"},
       {t + "model.aux_loss_form=global",

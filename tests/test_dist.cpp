@@ -209,6 +209,106 @@ TEST(Fsdp, AMasterWeightSpecIsReadInFp32) {
   EXPECT_EQ(one.weight(0).dtype(), DType::kBF16);
 }
 
+// Forwards every collective to `inner`, counting the all-gathers.
+class CountingComm final : public Communicator {
+ public:
+  explicit CountingComm(Communicator& inner) : inner_(&inner) {}
+  int rank() const override { return inner_->rank(); }
+  int size() const override { return inner_->size(); }
+  void all_gather(const Tensor& send, Tensor& recv) override {
+    ++gathers;
+    inner_->all_gather(send, recv);
+  }
+  void reduce_scatter(const Tensor& send, Tensor& recv) override {
+    inner_->reduce_scatter(send, recv);
+  }
+  void all_reduce(Tensor& t) override { inner_->all_reduce(t); }
+  void all_to_all(const Tensor& send, const std::vector<int64_t>& send_rows, Tensor& recv,
+                  const std::vector<int64_t>& recv_rows) override {
+    inner_->all_to_all(send, send_rows, recv, recv_rows);
+  }
+  void barrier() override { inner_->barrier(); }
+  std::unique_ptr<Communicator> split(int color, int key) override {
+    return inner_->split(color, key);
+  }
+  int gathers = 0;
+
+ private:
+  Communicator* inner_;
+};
+
+// A unit schedule over three sharded units on 2 ranks: an embedding-like unit 0 (its backward
+// reads no parameters), a dense unit 1 and an MX-only unit 2 (an expert matrix under an MX
+// recipe). Reshard::kAfterBackward holds units 1 and 2 from their forward to their backward (one
+// all-gather each instead of two; unit 2's backward MX copy made from the forward's gather, equal
+// to the one a backward gather makes); unit 0 is released after its forward under either policy;
+// nothing is held once the pass is done.
+TEST(Fsdp, ReshardAfterBackwardGathersEachUnitOncePerPass) {
+  std::mutex mu;
+  std::map<fsdp::Reshard, Tensor> backward_copy;  // unit 2's, as its backward read it (rank 0)
+  for (const fsdp::Reshard reshard : {fsdp::Reshard::kAfterForward, fsdp::Reshard::kAfterBackward})
+    run_in_process(2, [&](Communicator& c) {
+      const bool hold = reshard == fsdp::Reshard::kAfterBackward;
+      CountingComm counted(c);
+      std::vector<ParamUnit> units(3);
+      for (size_t u = 0; u < units.size(); ++u) {
+        std::vector<ParamSpec> specs = {{"w" + std::to_string(u), {32, 64}}};
+        specs[0].mx_copies = u == 2;
+        ParamGroup g = make_param_group(ParamKind::kDense, specs, DType::kF32);
+        allocate_group(g);
+        init_params(g, 5 + u, 0.3);
+        place_group(g, Device::kCPU, DType::kBF16);
+        fsdp::shard_group(g, counted);
+        units[u].name = "unit" + std::to_string(u);
+        units[u].groups.push_back(std::move(g));
+      }
+      auto weights_held = [&](size_t u) {
+        const ParamGroup& g = units[u].groups[0];
+        return g.compute.defined() || g.params.defined() || !g.mx.empty();
+      };
+      fsdp::UnitSchedule s(units, 1.0, {false, true, true}, ops::MxCopyUse::kBackward, reshard);
+      for (size_t u = 0; u < units.size(); ++u) {
+        s.forward_begin(u);
+        s.forward_end(u);
+      }
+      const int forward_gathers = counted.gathers;
+      const ParamGroup& mx = units[2].groups[0];
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        EXPECT_EQ(forward_gathers, 3);
+        EXPECT_FALSE(weights_held(0));
+        EXPECT_EQ(weights_held(1), hold);
+        EXPECT_EQ(units[1].groups[0].compute.defined(), hold);
+        EXPECT_EQ(weights_held(2), hold);
+        if (hold) {  // the MX copies of both passes, the gathered weights dropped
+          EXPECT_TRUE(mx.mx[0].along_k.defined() && mx.mx[0].along_n.defined());
+          EXPECT_FALSE(mx.compute.defined() || mx.params.defined());
+        }
+      }
+      for (size_t u = units.size(); u-- > 0;) {
+        s.backward_begin(u);
+        {
+          std::lock_guard<std::mutex> lock(mu);
+          EXPECT_EQ(weights_held(u), u > 0) << "unit " << u;
+          if (u == 2 && c.rank() == 0) backward_copy[reshard] = mx.mx[0].along_n.clone();
+        }
+        s.backward_end(u);
+      }
+      s.backward_done();
+      std::lock_guard<std::mutex> lock(mu);
+      EXPECT_EQ(counted.gathers - forward_gathers, hold ? 0 : 2);
+      for (size_t u = 0; u < units.size(); ++u) EXPECT_FALSE(weights_held(u)) << "unit " << u;
+    });
+  ASSERT_EQ(backward_copy.size(), 2u);
+  const Tensor& a = backward_copy[fsdp::Reshard::kAfterForward];
+  const Tensor& b = backward_copy[fsdp::Reshard::kAfterBackward];
+  ASSERT_EQ(a.numel(), b.numel());
+  double sum = 0;
+  for (int64_t i = 0; i < a.numel(); ++i) sum += std::abs(a.item(i));
+  EXPECT_GT(sum, 0.0);
+  for (int64_t i = 0; i < a.numel(); ++i) ASSERT_EQ(a.item(i), b.item(i)) << i;
+}
+
 // Routings of 6 tokens, top-2 over 4 experts on 2 ranks (experts 0, 1 on rank 0; 2, 3 on rank
 // 1), by name: each rank's tokens differ (rank r's token t chooses by (t + r)).
 Tensor exchange_routing(const std::string& kind, int rank) {
@@ -883,6 +983,39 @@ INSTANTIATE_TEST_SUITE_P(
              info.param.routing + "_" + info.param.exchange +
              (info.param.chunks > 1 ? "_chunks" + std::to_string(info.param.chunks) : "");
     });
+
+// Holding the units from forward to backward (parallel.reshard_after_forward = false) changes
+// when they are gathered, not what is computed: every step's loss, the last step's gradients
+// and the parameters after three steps bit for bit with the default, with expert parallelism, an
+// MX recipe with MXFP8 dispatch, and full activation checkpointing (whose backward reruns the
+// forward's products).
+TEST(Fsdp, ReshardAfterBackwardChangesNoBit) {
+  struct Case {
+    int world, ep;
+    std::vector<std::string> sets;
+  };
+  const std::vector<std::string> mx = {"model.dim=32", "model.moe_dim=32",
+                                       "model.expert_recipe=mxfp8_wgrad_with_hp",
+                                       "parallel.ep_dispatch_dtype=mxfp8"};
+  std::vector<std::string> full = mx;
+  full.push_back("model.checkpoint=full");
+  for (const Case& k : {Case{2, 1, {}}, Case{4, 2, {}}, Case{4, 2, mx}, Case{2, 1, full}}) {
+    std::vector<std::string> held = k.sets;
+    held.push_back("parallel.reshard_after_forward=false");
+    const Snapshot a = train(k.world, k.ep, 3, k.sets), b = train(k.world, k.ep, 3, held);
+    const std::string what = "W" + std::to_string(k.world) + " ep" + std::to_string(k.ep) +
+                             (k.sets.empty() ? "" : " " + k.sets.back());
+    ASSERT_EQ(a.metrics.size(), 3u) << what;
+    ASSERT_EQ(b.metrics.size(), 3u) << what;
+    for (int s = 0; s < 3; ++s) EXPECT_EQ(b.metrics[s].loss, a.metrics[s].loss) << what;
+    expect_same(b.grads, a.grads, 0.0, what + " gradient");
+    expect_same(b.params, a.params, 0.0, what + " parameter");
+    const Tensor& w_down = a.grads.at("layers.0.moe.w_down");
+    double sum = 0;
+    for (int64_t i = 0; i < w_down.numel(); ++i) sum += std::abs(w_down.item(i));
+    EXPECT_GT(sum, 0.0) << what;
+  }
+}
 
 }  // namespace
 }  // namespace mt

@@ -146,6 +146,14 @@ void check_memory(const mt::Config& c) {
         mx ? params - experts * static_cast<double>(mc.n_layers) + 2 * experts * expert_in_use
            : params;
     workspaces = (world > 1 ? 2 * std::max(layer, table) : all) * 2 + double{1 << 30};
+    // Held from forward to backward (parallel.reshard_after_forward = false): the other blocks'
+    // gathered weights at the end of the forward (a sharded MX expert group: both passes' copies).
+    if (world > 1 && mc.reshard == mt::fsdp::Reshard::kAfterBackward && mc.n_layers > 2) {
+      const bool experts_sharded = c.parallel.world > c.parallel.ep;
+      const double held =
+          static_cast<double>(block.dense) + (experts_sharded ? experts * (mx ? 2.0 : 1.0) : 0.0);
+      workspaces += static_cast<double>(mc.n_layers - 2) * held * 2;
+    }
     if (c.parallel.ep > 1 && mc.ep_exchange == mt::moe::ExchangeMode::kDeviceCounts)
       workspaces +=
           static_cast<double>(c.parallel.ep * c.train.batch_rows * c.train.seq_len * mc.dim * 2);

@@ -132,7 +132,8 @@ struct DeviceAllocator {
         "tensors hold {:.2f} GiB (peak so far {:.2f}) and the CUDA graphs' pool keeps {:.2f} GiB "
         "more. Settings that need less: model.checkpoint = \"selective\" or \"full\", fewer "
         "model.n_layers, a smaller train.batch_rows or train.seq_len, model.loss_chunk_tokens "
-        "> 0, hardware.cuda_graphs = false, or more ranks (parallel.world, parallel.ep)",
+        "> 0, hardware.cuda_graphs = false, parallel.reshard_after_forward = true, or more ranks "
+        "(parallel.world, parallel.ep)",
         size / kGiB, gpu, free_bytes / kGiB, total_bytes / kGiB, current.load() / kGiB,
         peak.load() / kGiB, graph_cached / kGiB);
   }

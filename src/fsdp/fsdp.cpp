@@ -171,26 +171,44 @@ void finish_reduction(ParamUnit& u) {
 }
 
 UnitSchedule::UnitSchedule(std::vector<ParamUnit>& units, double grad_divide_factor,
-                           std::vector<bool> backward_reads_params, ops::MxCopyUse backward_copies)
+                           std::vector<bool> backward_reads_params, ops::MxCopyUse backward_copies,
+                           Reshard reshard)
     : units_(&units),
       divide_(grad_divide_factor),
       backward_copies_(backward_copies),
+      reshard_(reshard),
       reads_(std::move(backward_reads_params)),
-      gathered_(units.size(), false),
-      gradients_(units.size(), false) {
+      gradients_(units.size(), false),
+      held_(units.size(), Held::kNothing) {
   MT_CHECK(reads_.size() == units.size(), "{} backward flags for {} units", reads_.size(),
            units.size());
 }
 
+bool UnitSchedule::holds_for_backward(size_t i) const {
+  return reshard_ == Reshard::kAfterBackward && reads_[i];
+}
+
+void UnitSchedule::release_unit(size_t i) {
+  release((*units_)[i]);
+  held_[i] = Held::kNothing;
+}
+
 void UnitSchedule::forward_begin(size_t i) {
-  gather((*units_)[i], ops::MxCopyUse::kForward);
-  gathered_[i] = true;
+  ParamUnit& u = (*units_)[i];
+  // Held for the backward, a sharded group makes the backward's MX copies now, from the same
+  // gather; an unsharded one has nothing to gather again and makes them at its backward.
+  const bool hold = holds_for_backward(i);
+  await_update(u);
+  for (ParamGroup& g : u.groups)
+    gather(g, hold && g.sharded() ? ops::MxCopyUse::kBoth : ops::MxCopyUse::kForward);
+  held_[i] = hold ? Held::kForBackward : Held::kForForward;
   if (i + 1 < units_->size()) prefetch((*units_)[i + 1]);
 }
 
 void UnitSchedule::forward_end(size_t i) {
-  release((*units_)[i]);
-  gathered_[i] = false;
+  if (!holds_for_backward(i)) return release_unit(i);
+  for (ParamGroup& g : (*units_)[i].groups)
+    if (!g.sharded()) release(g);  // its forward's MX copies
 }
 
 void UnitSchedule::begin_gradients(size_t i) {
@@ -200,24 +218,28 @@ void UnitSchedule::begin_gradients(size_t i) {
 }
 
 void UnitSchedule::backward_begin(size_t i) {
-  if (reads_[i] && !gathered_[i]) {
-    gather((*units_)[i], backward_copies_);
-    gathered_[i] = true;
+  ParamUnit& u = (*units_)[i];
+  if (reads_[i] && held_[i] == Held::kNothing) {
+    gather(u, backward_copies_);
+  } else if (reads_[i] && held_[i] == Held::kForBackward) {
+    for (ParamGroup& g : u.groups)
+      if (!g.sharded()) gather(g, backward_copies_);  // the sharded ones are held
   } else if (reads_[i]) {
-    // Held from its forward (the head, the tied embedding): its forward's gather serves, which
-    // made no backward MX copies.
-    for (const ParamGroup& g : (*units_)[i].groups)
+    // Held from its forward by the model (the head, the tied embedding): its forward's gather
+    // serves, which made no backward MX copies.
+    for (const ParamGroup& g : u.groups)
       MT_CHECK(!g.wants_mx_copies(), "unit {} holds MX copies from its forward into its backward",
-               (*units_)[i].name);
+               u.name);
   }
+  if (reads_[i]) held_[i] = Held::kForBackward;
   begin_gradients(i);
-  if (i > 0 && reads_[i - 1] && !gathered_[i - 1]) prefetch((*units_)[i - 1]);
+  if (i > 0 && reads_[i - 1] && held_[i - 1] == Held::kNothing) prefetch((*units_)[i - 1]);
 }
 
 void UnitSchedule::backward_end(size_t i) {
   reduce_gradients((*units_)[i], divide_);
   if (i + 1 < units_->size()) finish_reduction((*units_)[i + 1]);
-  forward_end(i);
+  release_unit(i);
 }
 
 void UnitSchedule::backward_done() {

@@ -45,23 +45,35 @@ void finish_reduction(ParamGroup& g);
 // them: after a CUDA graph capture failed mid-pass, whose collectives were recorded, never run.
 void abandon_in_flight(ParamGroup& g);
 
+// When a unit's gathered weights (its compute copy, or its MX copies) are dropped within a
+// pass: after its forward, so that its backward gathers them again (FSDP's default: at most two
+// units gathered at once), or after its backward, held in between (one all-gather per unit and
+// pass instead of two, for the memory of every unit's gathered weights at the end of the
+// forward; PyTorch FSDP2's reshard_after_forward=False). A pass without a backward reshards after
+// the forward either way.
+enum class Reshard : uint8_t { kAfterForward, kAfterBackward };
+
 // The order a model runs its units in, with FSDP's communication around each: units 0..n-1
 // forward, then n-1..0 backward; made for one pass (every unit released at its start).
 // Forward: a unit is gathered just before it runs, the next unit's gather started behind it
-// (NCCL: overlapping this unit's compute), and released after. Backward: a unit is gathered
-// (unless still held from its forward), its gradients allocated and the gather of the unit below
-// started (when that unit's backward reads its parameters); once its backward is queued, its
-// reduce-scatter starts in the background and the reduction of the unit above is finished, so
-// (NCCL) each reduction overlaps the next unit's backward and at most two units' full gradients
-// live. Unsharded units only get their compute and MX copies, as with the functions above.
+// (NCCL: overlapping this unit's compute), and released after (Reshard::kAfterForward) or held
+// for its backward (kAfterBackward: gathered with the MX copies of both passes). Backward: a
+// unit is gathered (unless still held from its forward), its gradients allocated and the gather
+// of the unit below started (when that unit's backward reads its parameters and it is not held);
+// once its backward is queued, its reduce-scatter starts in the background, the reduction of the
+// unit above is finished and the unit released, so (NCCL) each reduction overlaps the next
+// unit's backward and at most two units' full gradients live. Unsharded units only get their
+// compute and MX copies, as with the functions above.
 class UnitSchedule {
  public:
   // backward_reads_params[i]: unit i's backward needs its parameters (an embedding's does not).
   // backward_copies: the MX copies a backward needs (kBoth when it reruns the forward's products:
-  // a full activation-checkpointing policy).
+  // a full activation-checkpointing policy). reshard: see Reshard; a unit whose backward reads
+  // no parameters is released after its forward either way.
   UnitSchedule(std::vector<ParamUnit>& units, double grad_divide_factor,
                std::vector<bool> backward_reads_params,
-               ops::MxCopyUse backward_copies = ops::MxCopyUse::kBackward);
+               ops::MxCopyUse backward_copies = ops::MxCopyUse::kBackward,
+               Reshard reshard = Reshard::kAfterForward);
   void forward_begin(size_t i);
   void forward_end(size_t i);
   // Allocates unit i's full gradients (once per pass): before its backward_begin when another
@@ -72,10 +84,17 @@ class UnitSchedule {
   void backward_done();  // every reduction finished: the optimizer may read the gradients
 
  private:
+  // What a unit holds gathered: nothing, what its forward reads, or what its backward reads.
+  enum class Held : uint8_t { kNothing, kForForward, kForBackward };
+  bool holds_for_backward(size_t i) const;
+  void release_unit(size_t i);
+
   std::vector<ParamUnit>* units_;
   double divide_;
   ops::MxCopyUse backward_copies_;
-  std::vector<bool> reads_, gathered_, gradients_;
+  Reshard reshard_;
+  std::vector<bool> reads_, gradients_;
+  std::vector<Held> held_;
 };
 
 // Orders what the thread queues next after the optimizer's last update of u, when that update

@@ -9,6 +9,7 @@
 #include "core/dtype.h"
 #include "core/enum_names.h"
 #include "core/tensor.h"
+#include "fsdp/fsdp.h"
 #include "moe/expert_exchange.h"
 #include "moe/moe_layer.h"
 #include "ops/expert_gemm.h"
@@ -62,6 +63,9 @@ struct ModelConfig {
   // With ep > 1 on the GPU: the exchanges on a stream beside the experts' (moe/exchange_lane.h);
   // false runs them in turn on the pass's stream.
   bool ep_overlap = true;
+  // With world > 1: when a block's gathered weights are dropped within a training pass, after
+  // its forward (gathered again for its backward) or after its backward (fsdp::Reshard).
+  fsdp::Reshard reshard = fsdp::Reshard::kAfterForward;
   // --- numerics and memory ---
   // The experts' GEMMs (ops/expert_gemm.h): bf16, mxfp8 or mxfp8_wgrad_with_hp, with the MX
   // scale rule; MX recipes need dim and moe_dim to be multiples of 32.

@@ -323,10 +323,12 @@ void Qwen3Moe::pass(const Batch& b, const LossScale* scale, Tensor* token_losses
   // reads no parameters (a scatter-add of the gradient).
   std::vector<bool> reads(units_.size(), true);
   reads[0] = false;
-  // A full checkpointing policy reruns the forward's expert products in the backward.
+  // A full checkpointing policy reruns the forward's expert products in the backward; a pass
+  // without a backward holds nothing for one.
   fsdp::UnitSchedule schedule(
       units_, kGradDivideFactor, std::move(reads),
-      c.checkpoint == CheckpointPolicy::kFull ? ops::MxCopyUse::kBoth : ops::MxCopyUse::kBackward);
+      c.checkpoint == CheckpointPolicy::kFull ? ops::MxCopyUse::kBoth : ops::MxCopyUse::kBackward,
+      scale ? c.reshard : fsdp::Reshard::kAfterForward);
   const size_t head_unit = units_.size() - 1;
 
   schedule.forward_begin(0);

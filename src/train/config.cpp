@@ -158,6 +158,10 @@ const std::vector<Field>& fields() {
        [](Config& c, const Value& v) { c.model.ep_chunks = v.i; }},
       {"parallel", "ep_overlap", FieldType::kBool,
        [](Config& c, const Value& v) { c.model.ep_overlap = v.b; }},
+      {"parallel", "reshard_after_forward", FieldType::kBool,
+       [](Config& c, const Value& v) {
+         c.model.reshard = v.b ? fsdp::Reshard::kAfterForward : fsdp::Reshard::kAfterBackward;
+       }},
       {"parallel", "ep_dispatch_dtype", FieldType::kString,
        [](Config& c, const Value& v) {
          if (!ops::parse_dispatch_dtype(v.s, &c.model.expert_precision.dispatch))
