@@ -4,6 +4,7 @@
 // same run (ratio_to_copy) and beside the copy ceiling, a 1 GiB copy (ratio_to_ceiling). Inputs
 // rotate over four buffers so that no run reads from L2 what the last one left there; each
 // sample times kLaunches back-to-back launches (a single 25 us kernel would time its launch).
+// Last, a weight's two MX copies from its fp32 master: in two passes and from one read.
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
@@ -13,6 +14,7 @@
 #include "bench/bench_util.h"
 #include "core/cuda/check.h"
 #include "core/mx.h"
+#include "ops/elementwise.h"
 #include "ops/mx.h"
 
 namespace {
@@ -100,6 +102,36 @@ int main() {
              mt::ops::mx_round_trip(x[i], MxAxis::kDim0, MxScaleRule::kRceil, copy[i]);
            }),
            copy_gbps);
+  }
+  // A weight's two MX copies in bf16 (the forward's along K, stored transposed; the input
+  // gradient's along N) from its fp32 master, as a gather on one rank makes them: in two passes
+  // (4 + 2 bytes per element each) and both from one read (4 + 2 + 2).
+  {
+    const mt::Shape shape{128, 2048, 768}, transposed{128, 768, 2048};
+    std::vector<Tensor> w, along_n, along_k;
+    for (int i = 0; i < kRotate; ++i) {
+      w.push_back(Tensor::empty(shape, DType::kF32, Device::kCUDA));
+      mt::ops::convert(mt::bench::random_bf16(shape, 20 + i, 1.0), w.back());
+      along_n.push_back(Tensor::empty(shape, DType::kBF16, Device::kCUDA));
+      along_k.push_back(Tensor::empty(transposed, DType::kBF16, Device::kCUDA));
+    }
+    const double n = static_cast<double>(w[0].numel());
+    const double two_ms = per_launch_ms([&](int i) {
+      mt::ops::mx_round_trip(w[i], MxAxis::kDim0, MxScaleRule::kRceil, along_n[i]);
+      mt::ops::mx_round_trip_transposed(w[i], MxScaleRule::kRceil, along_k[i]);
+    });
+    const double one_ms = per_launch_ms([&](int i) {
+      mt::ops::mx_round_trip_both_axes(w[i], MxScaleRule::kRceil, along_n[i], along_k[i]);
+    });
+    const double one_gbps = 8 * n / (one_ms * 1e-3) / 1e9;
+    std::printf(
+        "{\"bench\": \"mx_weight_copies\", \"shape\": \"%s f32 -> 2 x bf16\", \"two_passes_ms\": "
+        "%.4f, \"one_read_ms\": %.4f, \"speedup\": %.2f, \"one_read_gb_per_s\": %.0f, "
+        "\"ratio_to_ceiling\": %.3f, \"floor_ms\": %.4f}\n",
+        mt::shape_str(shape).c_str(), two_ms, one_ms, two_ms / one_ms, one_gbps,
+        ceiling_gbps > 0 ? one_gbps / ceiling_gbps : 1.0,
+        ceiling_gbps > 0 ? 8 * n / (ceiling_gbps * 1e9) * 1e3 : 0.0);
+    std::fflush(stdout);
   }
   return 0;
 }

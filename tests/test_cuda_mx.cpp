@@ -168,15 +168,16 @@ TEST(GpuMx, RoundTripExpertRowsMatchesTheCpuBitForBit) {
     }
 }
 
-// The one-pass round trips (along dim0; along dim1 stored transposed) against the CPU's steps,
-// bit for bit, over every edge case of tests/mx_cases.h, bf16 and f32 inputs into either dtype
-// (an f32 input rounded to bf16 first); into a poisoned output, and in place along dim0.
+// The one-pass round trips (along dim0; along dim1 stored transposed; both from one read)
+// against the CPU's steps, bit for bit, over every edge case of tests/mx_cases.h, bf16 and f32
+// inputs into either dtype (an f32 input rounded to bf16 first); into a poisoned output, and in
+// place along dim0.
 TEST(GpuMx, RoundTripsMatchTheCpuBitForBit) {
   for (DType dt : {DType::kBF16, DType::kF32})
     for (DType out : {DType::kBF16, DType::kF32})
       for (MxScaleRule rule : {MxScaleRule::kFloor, MxScaleRule::kRceil})
         for (const Shape& shape :
-             {Shape{32, 32}, Shape{96, 64}, Shape{3, 64, 160}, Shape{256, 2048}}) {
+             {Shape{32, 32}, Shape{96, 64}, Shape{3, 64, 160}, Shape{160, 96}, Shape{256, 2048}}) {
           const uint64_t seed = fresh_seed();
           SCOPED_TRACE(std::string(dtype_name(dt)) + " -> " + std::string(dtype_name(out)) + " " +
                        shape_str(shape) + " seed " + std::to_string(seed));
@@ -198,6 +199,12 @@ TEST(GpuMx, RoundTripsMatchTheCpuBitForBit) {
           Tensor got_t = Tensor::poisoned(t, out, Device::kCUDA);
           ops::mx_round_trip_transposed(x.to(Device::kCUDA), rule, got_t);
           EXPECT_TRUE(same_values(got_t, want_t));
+          // Both from one read (a weight's two MX copies).
+          Tensor both0 = Tensor::poisoned(shape, out, Device::kCUDA);
+          Tensor both_t = Tensor::poisoned(t, out, Device::kCUDA);
+          ops::mx_round_trip_both_axes(x.to(Device::kCUDA), rule, both0, both_t);
+          EXPECT_TRUE(same_values(both0, want));
+          EXPECT_TRUE(same_values(both_t, want_t));
         }
 }
 

@@ -237,42 +237,45 @@ class CountingComm final : public Communicator {
   Communicator* inner_;
 };
 
-// A unit schedule over three sharded units on 2 ranks: an embedding-like unit 0 (its backward
-// reads no parameters), a dense unit 1 and an MX-only unit 2 (an expert matrix under an MX
-// recipe). Reshard::kAfterBackward holds units 1 and 2 from their forward to their backward (one
-// all-gather each instead of two; unit 2's backward MX copy made from the forward's gather, equal
-// to the one a backward gather makes); unit 0 is released after its forward under either policy;
-// nothing is held once the pass is done.
+// A unit schedule over four units on 2 ranks: an embedding-like unit 0 (its backward reads no
+// parameters), a dense unit 1 and an MX-only unit 2 (an expert matrix under an MX recipe), all
+// sharded, and an MX-only unit 3 that is not (experts with ep = world). Reshard::kAfterBackward
+// holds units 1 and 2 from their forward to their backward: one all-gather each instead of two,
+// and unit 2's backward MX copy made at the forward, equal to the one a backward gather makes;
+// units 0 and 3 (nothing to gather again) are released after their forward under either policy,
+// and nothing is held once the pass is done.
 TEST(Fsdp, ReshardAfterBackwardGathersEachUnitOncePerPass) {
   std::mutex mu;
-  std::map<fsdp::Reshard, Tensor> backward_copy;  // unit 2's, as its backward read it (rank 0)
+  // Units 2's and 3's backward copies as their backward read them (rank 0), by policy.
+  std::map<std::pair<fsdp::Reshard, size_t>, Tensor> backward_copy;
   for (const fsdp::Reshard reshard : {fsdp::Reshard::kAfterForward, fsdp::Reshard::kAfterBackward})
     run_in_process(2, [&](Communicator& c) {
       const bool hold = reshard == fsdp::Reshard::kAfterBackward;
       CountingComm counted(c);
-      std::vector<ParamUnit> units(3);
+      std::vector<ParamUnit> units(4);
       for (size_t u = 0; u < units.size(); ++u) {
         std::vector<ParamSpec> specs = {{"w" + std::to_string(u), {32, 64}}};
-        specs[0].mx_copies = u == 2;
+        specs[0].mx_copies = u >= 2;
         ParamGroup g = make_param_group(ParamKind::kDense, specs, DType::kF32);
         allocate_group(g);
         init_params(g, 5 + u, 0.3);
         place_group(g, Device::kCPU, DType::kBF16);
-        fsdp::shard_group(g, counted);
+        if (u < 3) fsdp::shard_group(g, counted);
         units[u].name = "unit" + std::to_string(u);
         units[u].groups.push_back(std::move(g));
       }
       auto weights_held = [&](size_t u) {
         const ParamGroup& g = units[u].groups[0];
-        return g.compute.defined() || g.params.defined() || !g.mx.empty();
+        return g.sharded() ? g.compute.defined() || g.params.defined() || !g.mx.empty()
+                           : !g.mx.empty();
       };
-      fsdp::UnitSchedule s(units, 1.0, {false, true, true}, ops::MxCopyUse::kBackward, reshard);
+      fsdp::UnitSchedule s(units, 1.0, {false, true, true, true}, ops::MxCopyUse::kBackward,
+                           reshard);
       for (size_t u = 0; u < units.size(); ++u) {
         s.forward_begin(u);
         s.forward_end(u);
       }
       const int forward_gathers = counted.gathers;
-      const ParamGroup& mx = units[2].groups[0];
       {
         std::lock_guard<std::mutex> lock(mu);
         EXPECT_EQ(forward_gathers, 3);
@@ -280,6 +283,8 @@ TEST(Fsdp, ReshardAfterBackwardGathersEachUnitOncePerPass) {
         EXPECT_EQ(weights_held(1), hold);
         EXPECT_EQ(units[1].groups[0].compute.defined(), hold);
         EXPECT_EQ(weights_held(2), hold);
+        EXPECT_FALSE(weights_held(3));
+        const ParamGroup& mx = units[2].groups[0];
         if (hold) {  // the MX copies of both passes, the gathered weights dropped
           EXPECT_TRUE(mx.mx[0].along_k.defined() && mx.mx[0].along_n.defined());
           EXPECT_FALSE(mx.compute.defined() || mx.params.defined());
@@ -290,7 +295,8 @@ TEST(Fsdp, ReshardAfterBackwardGathersEachUnitOncePerPass) {
         {
           std::lock_guard<std::mutex> lock(mu);
           EXPECT_EQ(weights_held(u), u > 0) << "unit " << u;
-          if (u == 2 && c.rank() == 0) backward_copy[reshard] = mx.mx[0].along_n.clone();
+          if (u >= 2 && c.rank() == 0)
+            backward_copy[{reshard, u}] = units[u].groups[0].mx[0].along_n.clone();
         }
         s.backward_end(u);
       }
@@ -299,14 +305,17 @@ TEST(Fsdp, ReshardAfterBackwardGathersEachUnitOncePerPass) {
       EXPECT_EQ(counted.gathers - forward_gathers, hold ? 0 : 2);
       for (size_t u = 0; u < units.size(); ++u) EXPECT_FALSE(weights_held(u)) << "unit " << u;
     });
-  ASSERT_EQ(backward_copy.size(), 2u);
-  const Tensor& a = backward_copy[fsdp::Reshard::kAfterForward];
-  const Tensor& b = backward_copy[fsdp::Reshard::kAfterBackward];
-  ASSERT_EQ(a.numel(), b.numel());
-  double sum = 0;
-  for (int64_t i = 0; i < a.numel(); ++i) sum += std::abs(a.item(i));
-  EXPECT_GT(sum, 0.0);
-  for (int64_t i = 0; i < a.numel(); ++i) ASSERT_EQ(a.item(i), b.item(i)) << i;
+  ASSERT_EQ(backward_copy.size(), 4u);
+  for (size_t u : {2, 3}) {
+    const Tensor& a = backward_copy[{fsdp::Reshard::kAfterForward, u}];
+    const Tensor& b = backward_copy[{fsdp::Reshard::kAfterBackward, u}];
+    ASSERT_EQ(a.numel(), b.numel());
+    double sum = 0;
+    for (int64_t i = 0; i < a.numel(); ++i) sum += std::abs(a.item(i));
+    EXPECT_GT(sum, 0.0);
+    for (int64_t i = 0; i < a.numel(); ++i)
+      ASSERT_EQ(a.item(i), b.item(i)) << "unit " << u << " " << i;
+  }
 }
 
 // Routings of 6 tokens, top-2 over 4 experts on 2 ranks (experts 0, 1 on rank 0; 2, 3 on rank
@@ -985,10 +994,11 @@ INSTANTIATE_TEST_SUITE_P(
     });
 
 // Holding the units from forward to backward (parallel.reshard_after_forward = false) changes
-// when they are gathered, not what is computed: every step's loss, the last step's gradients
-// and the parameters after three steps bit for bit with the default, with expert parallelism, an
-// MX recipe with MXFP8 dispatch, and full activation checkpointing (whose backward reruns the
-// forward's products).
+// when they are gathered and their MX copies made, not what is computed: every step's loss, the
+// last step's gradients and the parameters after three steps bit for bit with the default, with
+// expert parallelism, an MX recipe with MXFP8 dispatch (also on one rank, where nothing is
+// sharded and the setting changes nothing), and full activation checkpointing (whose backward
+// reruns the forward's products).
 TEST(Fsdp, ReshardAfterBackwardChangesNoBit) {
   struct Case {
     int world, ep;
@@ -999,7 +1009,8 @@ TEST(Fsdp, ReshardAfterBackwardChangesNoBit) {
                                        "parallel.ep_dispatch_dtype=mxfp8"};
   std::vector<std::string> full = mx;
   full.push_back("model.checkpoint=full");
-  for (const Case& k : {Case{2, 1, {}}, Case{4, 2, {}}, Case{4, 2, mx}, Case{2, 1, full}}) {
+  for (const Case& k :
+       {Case{2, 1, {}}, Case{4, 2, {}}, Case{4, 2, mx}, Case{2, 1, full}, Case{1, 1, mx}}) {
     std::vector<std::string> held = k.sets;
     held.push_back("parallel.reshard_after_forward=false");
     const Snapshot a = train(k.world, k.ep, 3, k.sets), b = train(k.world, k.ep, 3, held);

@@ -289,6 +289,24 @@ TEST(MxRoundTrip, ErrorsNameTheOperand) {
       testing::error_of([&] { ops::mx_round_trip(x, MxAxis::kDim0, MxScaleRule::kRceil, ints); });
   EXPECT_NE(dtype.find("f32, bf16 or f64"), std::string::npos) << dtype;
 
+  // Both axes from one read: R and C multiples of 32, one dtype, each output's own shape.
+  Tensor d0 = Tensor::zeros({64, 96}, DType::kBF16), dt = Tensor::zeros({96, 64}, DType::kBF16);
+  const Tensor odd = Tensor::zeros({64, 80}, DType::kF32);
+  Tensor odd0 = Tensor::zeros({64, 80}, DType::kBF16),
+         odd_t = Tensor::zeros({80, 64}, DType::kBF16);
+  const std::string both_shape = testing::error_of(
+      [&] { ops::mx_round_trip_both_axes(odd, MxScaleRule::kRceil, odd0, odd_t); });
+  EXPECT_NE(both_shape.find("R and C multiples of 32; got (64, 80)"), std::string::npos)
+      << both_shape;
+  Tensor d0_f32 = Tensor::zeros({64, 96}, DType::kF32);
+  const std::string both_dtype =
+      testing::error_of([&] { ops::mx_round_trip_both_axes(x, MxScaleRule::kRceil, d0_f32, dt); });
+  EXPECT_NE(both_dtype.find("share one dtype; got f32 and bf16"), std::string::npos) << both_dtype;
+  const std::string both_t =
+      testing::error_of([&] { ops::mx_round_trip_both_axes(x, MxScaleRule::kRceil, d0, d0); });
+  EXPECT_NE(both_t.find("transposed output"), std::string::npos) << both_t;
+  ops::mx_round_trip_both_axes(x, MxScaleRule::kRceil, d0, dt);  // the right operands pass
+
   Tensor out = Tensor::zeros({4, 96}, DType::kF32), values = Tensor::zeros({4, 64}, DType::kF32);
   const ops::MxValuesOut mx{&values, MxScaleRule::kRceil};
   const std::string mismatch =

@@ -221,6 +221,7 @@ void UnitSchedule::backward_begin(size_t i) {
   ParamUnit& u = (*units_)[i];
   if (reads_[i] && held_[i] == Held::kNothing) {
     gather(u, backward_copies_);
+    held_[i] = Held::kForBackward;
   } else if (reads_[i] && held_[i] == Held::kForBackward) {
     for (ParamGroup& g : u.groups)
       if (!g.sharded()) gather(g, backward_copies_);  // the sharded ones are held
@@ -231,7 +232,6 @@ void UnitSchedule::backward_begin(size_t i) {
       MT_CHECK(!g.wants_mx_copies(), "unit {} holds MX copies from its forward into its backward",
                u.name);
   }
-  if (reads_[i]) held_[i] = Held::kForBackward;
   begin_gradients(i);
   if (i > 0 && reads_[i - 1] && held_[i - 1] == Held::kNothing) prefetch((*units_)[i - 1]);
 }

@@ -45,25 +45,26 @@ void finish_reduction(ParamGroup& g);
 // them: after a CUDA graph capture failed mid-pass, whose collectives were recorded, never run.
 void abandon_in_flight(ParamGroup& g);
 
-// When a unit's gathered weights (its compute copy, or its MX copies) are dropped within a
-// pass: after its forward, so that its backward gathers them again (FSDP's default: at most two
-// units gathered at once), or after its backward, held in between (one all-gather per unit and
-// pass instead of two, for the memory of every unit's gathered weights at the end of the
-// forward; PyTorch FSDP2's reshard_after_forward=False). A pass without a backward reshards after
-// the forward either way.
+// When a sharded group's gathered weights (its compute copy, or its MX copies) are dropped
+// within a pass: after its unit's forward, so that its backward gathers them again (FSDP's
+// default: at most two units gathered at once), or after its backward, held in between (PyTorch
+// FSDP2's reshard_after_forward=False): one all-gather per unit and pass instead of two, and the
+// MX copies of both passes made from one read of the gathered weights, for the memory of every
+// unit's gathered weights at the end of the forward. Unsharded groups have nothing to gather
+// and keep the default; a pass without a backward reshards after the forward either way.
 enum class Reshard : uint8_t { kAfterForward, kAfterBackward };
 
 // The order a model runs its units in, with FSDP's communication around each: units 0..n-1
 // forward, then n-1..0 backward; made for one pass (every unit released at its start).
 // Forward: a unit is gathered just before it runs, the next unit's gather started behind it
 // (NCCL: overlapping this unit's compute), and released after (Reshard::kAfterForward) or held
-// for its backward (kAfterBackward: gathered with the MX copies of both passes). Backward: a
-// unit is gathered (unless still held from its forward), its gradients allocated and the gather
-// of the unit below started (when that unit's backward reads its parameters and it is not held);
-// once its backward is queued, its reduce-scatter starts in the background, the reduction of the
-// unit above is finished and the unit released, so (NCCL) each reduction overlaps the next
-// unit's backward and at most two units' full gradients live. Unsharded units only get their
-// compute and MX copies, as with the functions above.
+// for its backward (kAfterBackward: its sharded groups, with the MX copies of both passes).
+// Backward: a unit is gathered (unless still held from its forward), its gradients allocated and
+// the gather of the unit below started (when that unit's backward reads its parameters and it
+// is not held); once its backward is queued, its reduce-scatter starts in the background, the
+// reduction of the unit above is finished and the unit released, so (NCCL) each reduction
+// overlaps the next unit's backward and at most two units' full gradients live. Unsharded units
+// only get their compute and MX copies, as with the functions above.
 class UnitSchedule {
  public:
   // backward_reads_params[i]: unit i's backward needs its parameters (an embedding's does not).

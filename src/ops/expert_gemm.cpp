@@ -91,6 +91,13 @@ std::string ExpertPrecision::invalid_combination() const {
 void make_mx_weight_copies(const Tensor& w, MxScaleRule rule, DType dtype, MxCopyUse use,
                            MxWeightCopies& out) {
   const profile::Phase phase("mx.weight_copies");
+  if (use == MxCopyUse::kBoth) {  // one read of w for both
+    Shape t = w.shape();
+    std::swap(t[t.size() - 1], t[t.size() - 2]);
+    if (!out.along_k.defined()) out.along_k = Tensor::empty(t, dtype, w.device());
+    if (!out.along_n.defined()) out.along_n = Tensor::empty(w.shape(), dtype, w.device());
+    return mx_round_trip_both_axes(w, rule, out.along_n, out.along_k);
+  }
   if (use != MxCopyUse::kBackward) mx_weight(w, MxAxis::kDim1, rule, dtype, out.along_k);
   if (use != MxCopyUse::kForward) mx_weight(w, MxAxis::kDim0, rule, dtype, out.along_n);
 }

@@ -33,6 +33,10 @@ void mx_round_trip(const Tensor& x, MxAxis axis, MxScaleRule rule, Tensor& out);
 // values in its stored layout (the MX copy of a weight quantized along its rows' axis, laid out
 // as the product's b operand). One pass on the GPU.
 void mx_round_trip_transposed(const Tensor& x, MxScaleRule rule, Tensor& out);
+// Both of the above from one read of x (..., R, C): dim0 = mx_round_trip(x, kDim0) in x's shape
+// and transposed = mx_round_trip_transposed(x) (..., C, R), of one dtype, bit for bit with the
+// two (a weight's MX copies for the forward and the input gradient). R and C multiples of 32.
+void mx_round_trip_both_axes(const Tensor& x, MxScaleRule rule, Tensor& dim0, Tensor& transposed);
 
 // A second output of the ops that write expert rows (permute_rows, swiglu_forward,
 // swiglu_backward): the rows they write, as their MX values along dim0 (mx_round_trip of the

@@ -200,6 +200,29 @@ void mx_round_trip_transposed(const Tensor& x, MxScaleRule rule, Tensor& out) {
   mx_dequantize(q.stored_as_dim0(), out);
 }
 
+void mx_round_trip_both_axes(const Tensor& x, MxScaleRule rule, Tensor& dim0, Tensor& transposed) {
+  MT_CHECK(
+      x.ndim() >= 2 && x.dim(x.ndim() - 1) % kMxBlock == 0 && x.dim(x.ndim() - 2) % kMxBlock == 0,
+      "mx_round_trip_both_axes needs x (..., R, C) with R and C multiples of {}; got {}", kMxBlock,
+      shape_str(x.shape()));
+  MT_CHECK(dim0.dtype() == transposed.dtype(),
+           "mx_round_trip_both_axes: the outputs must share one dtype; got {} and {}",
+           dtype_name(dim0.dtype()), dtype_name(transposed.dtype()));
+  Shape t = x.shape();
+  std::swap(t[t.size() - 1], t[t.size() - 2]);
+  expect_shape(dim0, x.shape(), "mx_round_trip_both_axes dim0 output");
+  expect_shape(transposed, t, "mx_round_trip_both_axes transposed output");
+  MT_CHECK(dim0.device() == x.device() && transposed.device() == x.device(),
+           "mx_round_trip_both_axes: the outputs must be on the input's device");
+  check_unquantized_dtype("mx_round_trip_both_axes", "x", x);
+  check_unquantized_dtype("mx_round_trip_both_axes", "output", dim0);
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(x)) return cuda::mx_round_trip_both_axes(x, rule, dim0, transposed);
+#endif
+  mx_round_trip(x, MxAxis::kDim0, rule, dim0);
+  mx_round_trip_transposed(x, rule, transposed);
+}
+
 void check_mx_values(const char* op, const Tensor& out, const MxValuesOut* mx) {
   if (!mx) return;
   MT_CHECK(mx->values && mx->values->shape() == out.shape() && mx->values->dtype() == out.dtype() &&

@@ -235,6 +235,12 @@ cudaError_t mx_dequantize(DType out, const uint8_t* data, const uint8_t* scales,
 // (ops::mx_round_trip_transposed), rows of a multiple of 16 bytes.
 cudaError_t mx_round_trip(DType in, const void* x, MxAxis axis, MxScaleRule rule, int64_t batch,
                           int64_t rows, int64_t cols, DType out, void* dst, cudaStream_t stream);
+// Both of mx_round_trip's outputs from one read of x: dim0 in x's layout and the dim1 values
+// transposed (ops::mx_round_trip_both_axes); rows and cols multiples of 32, rows of a multiple of
+// 16 bytes, 16-byte aligned.
+cudaError_t mx_round_trip_both_axes(DType in, const void* x, MxScaleRule rule, int64_t batch,
+                                    int64_t rows, int64_t cols, DType out, void* dim0,
+                                    void* transposed, cudaStream_t stream);
 // x (m, k) -> out: each expert's rows quantized and dequantized in 32-row blocks from its first
 // row (ops::mx_round_trip_expert_rows); block_prefix: device scratch of experts + 1 i64.
 cudaError_t mx_round_trip_expert_rows(DType t, const void* x, int64_t m, int64_t k,

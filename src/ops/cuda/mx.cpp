@@ -67,6 +67,18 @@ void mx_round_trip(const Tensor& x, MxAxis axis, MxScaleRule rule, Tensor& out) 
                                        out.raw(), stream()));
 }
 
+void mx_round_trip_both_axes(const Tensor& x, MxScaleRule rule, Tensor& dim0, Tensor& transposed) {
+  const profile::Phase phase("gpu.mx_round_trip_both_axes");
+  const DType in = storage_of(x, "mx_round_trip_both_axes input");
+  const DType dt = storage_of(dim0, "mx_round_trip_both_axes output");
+  const Matrices m = matrices_of(x.shape());
+  check_readable("mx_round_trip_both_axes", x, MxAxis::kDim1);
+  check_readable("mx_round_trip_both_axes", dim0, MxAxis::kDim0);
+  check_readable("mx_round_trip_both_axes", transposed, MxAxis::kDim0);
+  MT_CUDA_CHECK(kernels::mx_round_trip_both_axes(in, x.raw(), rule, m.batch, m.rows, m.cols, dt,
+                                                 dim0.raw(), transposed.raw(), stream()));
+}
+
 void mx_round_trip_expert_rows(const Tensor& x, const ops::ExpertRows& rows, MxScaleRule rule,
                                Tensor& out) {
   const profile::Phase phase("gpu.mx_round_trip_expert_rows");

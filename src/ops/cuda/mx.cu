@@ -224,14 +224,18 @@ __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
 }
 
+// A dim1 pass that writes nothing along dim0.
+struct NoDim0 {};
+
 // The dim1 pass over x (T), each value first rounded to TValue (the dtype the values are read
 // in: a copy of f32 weights made in bf16 quantizes their bf16 values). Each column step's
 // columns are their own cp.async group: the next step's loads stay in flight while this one is
-// converted.
-template <class T, class TValue, class Out>
+// converted. With a dim0 writer, the tile's blocks along its rows are then written from the same
+// shared memory (both MX copies of a weight from one read).
+template <class T, class TValue, class Out, class Out0 = NoDim0>
 __global__ void __launch_bounds__(kDim1QuantizeThreads, 4)
-    mx_dim1_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, MxScaleRule rule,
-                   Out write) {
+    mx_dim1_kernel(const T* __restrict__ x, int64_t rows, int64_t cols, MxScaleRule rule, Out write,
+                   Out0 write_dim0 = {}) {
   using Tile = QuantizeTile<T>;
   constexpr int kColumnStep = kDim1QuantizeThreads / 8, kHalf = kMxBlock / 2;
   constexpr int kSteps = Tile::kCols / kColumnStep;
@@ -281,6 +285,43 @@ __global__ void __launch_bounds__(kDim1QuantizeThreads, 4)
     if (!active) continue;
     // Column c0 + col of matrix b: a row of the transposed (stored) layout.
     write(o.b * cols + o.c0 + col, block_row, half, rows, v, block_scale(rule, m));
+  }
+  if constexpr (!std::is_same_v<Out0, NoDim0>) {
+    // The last column step waited for every load and synchronised: the whole tile is visible.
+    // Lane pair (row, block) holds the block's two halves, read as 16-byte chunks (a quarter
+    // warp meets in two (f32) or four (bf16) of the eight 16-byte bank groups; starting each
+    // lane at its own chunk spilled the registers and ran slower, docs/benchmarks.md).
+    constexpr int kBlocksPerRow = Tile::kCols / kMxBlock;
+    constexpr int kPerChunk = 16 / sizeof(T);
+    constexpr int kLanes = Tile::kRows * kBlocksPerRow * 2;
+    static_assert(kLanes % kDim1QuantizeThreads == 0, "every thread runs every round");
+#pragma unroll
+    for (int lane = threadIdx.x; lane < kLanes; lane += kDim1QuantizeThreads) {
+      const int h = lane % 2, blk0 = lane / 2 % kBlocksPerRow, r = lane / 2 / kBlocksPerRow;
+      const bool active = r < o.rows && blk0 * kMxBlock < o.cols;
+      float v[kHalf];
+      uint32_t m = 0;
+#pragma unroll
+      for (int j = 0; j < kHalf / kPerChunk; ++j) {
+        const int c = blk0 * kMxBlock + h * kHalf + j * kPerChunk;
+        const uint4 raw = active ? tile.chunk(r, c / Tile::kColsPerWord) : make_uint4(0, 0, 0, 0);
+        const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int k = 0; k < kPerChunk; ++k) {
+          float& x = v[j * kPerChunk + k];
+          if constexpr (std::is_same_v<T, TValue>)
+            x = to_float(e[k]);
+          else
+            x = to_float(from_float<TValue>(to_float(e[k])));
+          m = max(m, magnitude_bits(x));
+        }
+      }
+      m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
+      // Row r0 + r of matrix b, its block (c0 / 32 + blk0), in x's layout.
+      if (active)
+        write_dim0((o.b * rows + o.r0 + r), o.c0 / kMxBlock + blk0, h, cols, v,
+                   block_scale(rule, m));
+    }
   }
 }
 
@@ -469,6 +510,24 @@ cudaError_t mx_round_trip(DType in, const void* x, MxAxis axis, MxScaleRule rule
             <<<dim1_grid<QuantizeTile<T>>(batch, rows, cols), kDim1QuantizeThreads, 0, stream>>>(
                 static_cast<const T*>(x), rows, cols, rule, Dim1Values<TOut>{o});
       }
+    });
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t mx_round_trip_both_axes(DType in, const void* x, MxScaleRule rule, int64_t batch,
+                                    int64_t rows, int64_t cols, DType out, void* dim0,
+                                    void* transposed, cudaStream_t stream) {
+  if (batch * rows * cols == 0) return cudaSuccess;
+  dispatch_storage(in, [&](auto tag) {
+    using T = decltype(tag);
+    dispatch_storage(out, [&](auto out_tag) {
+      using TOut = decltype(out_tag);
+      mx_dim1_kernel<T, TOut, Dim1Values<TOut>, Dim1Values<TOut>>
+          <<<dim1_grid<QuantizeTile<T>>(batch, rows, cols), kDim1QuantizeThreads, 0, stream>>>(
+              static_cast<const T*>(x), rows, cols, rule,
+              Dim1Values<TOut>{static_cast<TOut*>(transposed)},
+              Dim1Values<TOut>{static_cast<TOut*>(dim0)});
     });
   });
   return cudaGetLastError();

@@ -92,6 +92,7 @@ void mx_quantize(const Tensor& x, MxScaleRule rule, MxTensor& out);
 void mx_dequantize(const MxTensor& q, Tensor& out);
 // dim0: out in x's layout; dim1: transposed (ops::mx_round_trip_transposed).
 void mx_round_trip(const Tensor& x, MxAxis axis, MxScaleRule rule, Tensor& out);
+void mx_round_trip_both_axes(const Tensor& x, MxScaleRule rule, Tensor& dim0, Tensor& transposed);
 void mx_round_trip_expert_rows(const Tensor& x, const ops::ExpertRows& rows, MxScaleRule rule,
                                Tensor& out);
 // The MX expert product (mx_gemm.cpp; shapes checked by ops/mx_gemm.h).
