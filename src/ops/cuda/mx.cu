@@ -308,12 +308,12 @@ __global__ void __launch_bounds__(kDim1QuantizeThreads, 4)
         const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
         for (int k = 0; k < kPerChunk; ++k) {
-          float& x = v[j * kPerChunk + k];
+          float& value = v[j * kPerChunk + k];
           if constexpr (std::is_same_v<T, TValue>)
-            x = to_float(e[k]);
+            value = to_float(e[k]);
           else
-            x = to_float(from_float<TValue>(to_float(e[k])));
-          m = max(m, magnitude_bits(x));
+            value = to_float(from_float<TValue>(to_float(e[k])));
+          m = max(m, magnitude_bits(value));
         }
       }
       m = max(m, __shfl_xor_sync(0xffffffffu, m, 1));
