@@ -123,6 +123,13 @@ TEST(Tensor, ViewsShareStorageAndCheckBounds) {
   EXPECT_THROW(t.data<double>(), Error);
 }
 
+TEST(Tensor, TransposedShapeSwapsTheLastTwoDimensions) {
+  EXPECT_EQ(transposed_shape({3, 5}), (Shape{5, 3}));
+  EXPECT_EQ(transposed_shape({2, 3, 5}), (Shape{2, 5, 3}));
+  EXPECT_NE(testing::error_of([] { transposed_shape({7}); }).find("transposing (7)"),
+            std::string::npos);
+}
+
 TEST(Tensor, PoisonIsNotFinite) {
   EXPECT_FALSE(all_finite(Tensor::poisoned({5}, DType::kF32)));
   EXPECT_EQ(relative_error(Tensor::poisoned({3}, DType::kF64), Tensor::zeros({3}, DType::kF64)),

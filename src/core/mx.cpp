@@ -29,8 +29,7 @@ Shape MxTensor::data_shape(const Shape& shape, MxAxis axis) {
   MT_CHECK(shape.size() >= 2, "an MX tensor needs at least 2 dimensions, got {}", shape_str(shape));
   for (int64_t d : shape)
     MT_CHECK(d >= 0, "MX tensor shape {} has a negative size", shape_str(shape));
-  Shape s = shape;
-  if (axis == MxAxis::kDim1) std::swap(s[s.size() - 1], s[s.size() - 2]);
+  const Shape s = axis == MxAxis::kDim1 ? transposed_shape(shape) : shape;
   MT_CHECK(s.back() % kMxBlock == 0,
            "MX tensor {} quantized along {}: the blocked dimension ({}) must be a multiple of {}",
            shape_str(shape), mx_axis_name(axis), s.back(), kMxBlock);

@@ -9,6 +9,7 @@
 #include <map>
 #include <mutex>
 #include <unordered_map>
+#include <utility>
 #include <vector>
 
 #include "core/cuda/check.h"
@@ -282,6 +283,12 @@ int64_t shape_numel(const Shape& s) {
   int64_t n = 1;
   for (int64_t d : s) n *= d;
   return n;
+}
+
+Shape transposed_shape(Shape s) {
+  MT_CHECK(s.size() >= 2, "transposing {} needs two dimensions or more", shape_str(s));
+  std::swap(s[s.size() - 1], s[s.size() - 2]);
+  return s;
 }
 
 Tensor Tensor::empty(const Shape& shape, DType dtype, Device device) {

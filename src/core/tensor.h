@@ -18,6 +18,8 @@ enum class Device : uint8_t { kCPU, kCUDA };
 using Shape = std::vector<int64_t>;
 std::string shape_str(const Shape& s);
 int64_t shape_numel(const Shape& s);
+// s with its last two dimensions swapped (a matrix's, or a batch of matrices', transpose).
+Shape transposed_shape(Shape s);
 
 // Bytes held by live tensors on one device, and the high-water mark since the last reset.
 struct MemoryStats {

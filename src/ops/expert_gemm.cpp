@@ -17,14 +17,17 @@ Tensor round_trip_rows(const Tensor& t, const ExpertRows& rows, MxScaleRule rule
   return out;
 }
 
-// w's MX values along `along` as `dtype` holds them, read as stored, into out (allocated when
-// undefined): along K (dim1) gives w^T (E, N, K), along N (dim0) w (E, K, N).
+// Allocates out, when undefined, as w's MX copy along `along` is stored: along K (dim1) w^T
+// (E, N, K), along N (dim0) w (E, K, N).
+void allocate_copy(const Tensor& w, MxAxis along, DType dtype, Tensor& out) {
+  if (!out.defined())
+    out = Tensor::empty(along == MxAxis::kDim1 ? transposed_shape(w.shape()) : w.shape(), dtype,
+                        w.device());
+}
+
+// w's MX values along `along` as `dtype` holds them, read as stored, into out (allocate_copy).
 void mx_weight(const Tensor& w, MxAxis along, MxScaleRule rule, DType dtype, Tensor& out) {
-  if (!out.defined()) {
-    Shape s = w.shape();
-    if (along == MxAxis::kDim1) std::swap(s[s.size() - 1], s[s.size() - 2]);
-    out = Tensor::empty(s, dtype, w.device());
-  }
+  allocate_copy(w, along, dtype, out);
   if (along == MxAxis::kDim0) return mx_round_trip(w, MxAxis::kDim0, rule, out);
   mx_round_trip_transposed(w, rule, out);
 }
@@ -92,10 +95,8 @@ void make_mx_weight_copies(const Tensor& w, MxScaleRule rule, DType dtype, MxCop
                            MxWeightCopies& out) {
   const profile::Phase phase("mx.weight_copies");
   if (use == MxCopyUse::kBoth) {  // one read of w for both
-    Shape t = w.shape();
-    std::swap(t[t.size() - 1], t[t.size() - 2]);
-    if (!out.along_k.defined()) out.along_k = Tensor::empty(t, dtype, w.device());
-    if (!out.along_n.defined()) out.along_n = Tensor::empty(w.shape(), dtype, w.device());
+    allocate_copy(w, MxAxis::kDim1, dtype, out.along_k);
+    allocate_copy(w, MxAxis::kDim0, dtype, out.along_n);
     return mx_round_trip_both_axes(w, rule, out.along_n, out.along_k);
   }
   if (use != MxCopyUse::kBackward) mx_weight(w, MxAxis::kDim1, rule, dtype, out.along_k);

@@ -182,9 +182,7 @@ void mx_round_trip_transposed(const Tensor& x, MxScaleRule rule, Tensor& out) {
            "mx_round_trip_transposed: x must have two dimensions or more, out on its device; got "
            "{}",
            shape_str(x.shape()));
-  Shape t = x.shape();
-  std::swap(t[t.size() - 1], t[t.size() - 2]);
-  expect_shape(out, t, "mx_round_trip_transposed output");
+  expect_shape(out, transposed_shape(x.shape()), "mx_round_trip_transposed output");
   check_unquantized_dtype("mx_round_trip_transposed", "x", x);
   check_unquantized_dtype("mx_round_trip_transposed", "output", out);
 #if MOETRAIN_HAS_CUDA
@@ -208,10 +206,9 @@ void mx_round_trip_both_axes(const Tensor& x, MxScaleRule rule, Tensor& dim0, Te
   MT_CHECK(dim0.dtype() == transposed.dtype(),
            "mx_round_trip_both_axes: the outputs must share one dtype; got {} and {}",
            dtype_name(dim0.dtype()), dtype_name(transposed.dtype()));
-  Shape t = x.shape();
-  std::swap(t[t.size() - 1], t[t.size() - 2]);
   expect_shape(dim0, x.shape(), "mx_round_trip_both_axes dim0 output");
-  expect_shape(transposed, t, "mx_round_trip_both_axes transposed output");
+  expect_shape(transposed, transposed_shape(x.shape()),
+               "mx_round_trip_both_axes transposed output");
   MT_CHECK(dim0.device() == x.device() && transposed.device() == x.device(),
            "mx_round_trip_both_axes: the outputs must be on the input's device");
   check_unquantized_dtype("mx_round_trip_both_axes", "x", x);
