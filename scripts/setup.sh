@@ -47,9 +47,13 @@ install_headers() {  # name version target
 install_headers nvidia-cutlass "$CUTLASS_VERSION" .deps/cutlass
 install_headers nvidia-cudnn-frontend "$CUDNN_FRONTEND_VERSION" .deps/cudnn-frontend
 
-# Python packages of scripts/tokenize_data.py (Hugging Face tokenizers, chat templates), pinned,
-# into the git-ignored .deps/python, which the script puts on its path.
-PY_PACKAGES="tokenizers==0.23.3 jinja2==3.1.6 markupsafe==3.0.3"
+# Python packages of scripts/tokenize_data.py (Hugging Face tokenizers, chat templates) and
+# scripts/plot_metrics.py (matplotlib and what it needs), pinned, into the git-ignored
+# .deps/python, which the scripts put on their path.
+PY_PACKAGES="tokenizers==0.23.3 jinja2==3.1.6 markupsafe==3.0.3 matplotlib==3.9.2 numpy==2.1.3
+  pillow==11.0.0 kiwisolver==1.4.7 contourpy==1.3.1 cycler==0.12.1 fonttools==4.55.0
+  pyparsing==3.2.0 packaging==24.2 python-dateutil==2.9.0.post0 six==1.16.0"
+PY_PACKAGES=$(echo $PY_PACKAGES)  # one line: the .version file compares it
 if [ ! -f .deps/python/.version ] || [ "$(cat .deps/python/.version)" != "$PY_PACKAGES" ]; then
   echo "setup: pip install $PY_PACKAGES -> .deps/python"
   rm -rf .deps/python

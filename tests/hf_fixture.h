@@ -2,6 +2,7 @@
 // use them on the CPU and the GPU.
 #pragma once
 #include <cstdint>
+#include <cstdlib>
 #include <string>
 
 #include "core/tensor.h"
@@ -9,8 +10,11 @@
 
 namespace mt::testing {
 
+// Under the source tree MOETRAIN_SOURCE_DIR names when set (a GPU bundle runs away from the
+// build's tree), else the build's.
 inline std::string hf_fixture(const std::string& name) {
-  return std::string(MOETRAIN_SOURCE_DIR) + "/tests/fixtures/hf_qwen3moe/" + name;
+  const char* env = std::getenv("MOETRAIN_SOURCE_DIR");
+  return std::string(env ? env : MOETRAIN_SOURCE_DIR) + "/tests/fixtures/hf_qwen3moe/" + name;
 }
 
 // The reference batch as one document: inputs are the tokens (i64) but the last, targets the

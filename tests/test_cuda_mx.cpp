@@ -4,8 +4,10 @@
 #include <cuda_runtime_api.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstring>
+#include <limits>
 #include <random>
 #include <string>
 #include <tuple>
@@ -99,6 +101,16 @@ TEST(GpuMx, EveryScaleExponentMatchesTheCpu) {
       rows.data<float>()[b * kMxBlock + i] = v;
       cols.data<float>()[i * blocks + b] = v;
     }
+  }
+  // The NaN block also holds an infinity and a negative NaN: the signs of NaN bytes (inf x 0 under
+  // FLOOR is negative, a NaN keeps its own) follow the reference's rule, not the GPU's arithmetic.
+  const int64_t nan_block =
+      static_cast<int64_t>(std::find(amax.begin(), amax.end(), 0x7FC00000u) - amax.begin());
+  for (const auto& [at, v] : {std::pair{1, std::numeric_limits<float>::infinity()},
+                              std::pair{2, -std::numeric_limits<float>::quiet_NaN()}}) {
+    const int64_t i = (nan_block + at) % kMxBlock;
+    rows.data<float>()[nan_block * kMxBlock + i] = v;
+    cols.data<float>()[i * blocks + nan_block] = v;
   }
   for (const MxScaleRule rule : {MxScaleRule::kRceil, MxScaleRule::kFloor})
     for (const DType dt : {DType::kF32, DType::kBF16})

@@ -222,31 +222,32 @@ TEST(GpuRouterAux, PooledStatisticsMatchTheCpu) {
   const int64_t e = 128;
   std::vector<ops::AuxStats> layers;
   for (int l = 0; l < 3; ++l) {
-    ops::AuxStats s{Tensor::empty({e}, DType::kI64), Tensor::empty({e}, DType::kF32),
-                    Tensor::empty({1}, DType::kI64)};
+    ops::AuxStats s{Tensor::empty({e}, DType::kI64), Tensor::empty({e}, DType::kF32), 8};
     const CounterRng rng{static_cast<uint64_t>(l), 11};
     for (int64_t c = 0; c < e; ++c) {
       s.tokens_per_expert.data<int64_t>()[c] = rng.below(2 * c, 5000);
       s.score_sum.set_item(c, 100 * rng.uniform(2 * c + 1));
     }
-    s.tokens.data<int64_t>()[0] = 4096;
     layers.push_back(s);
   }
   ops::AuxStats cpu = ops::zero_aux_stats(layers[0]);
   ops::AuxStats gpu_layer0{layers[0].tokens_per_expert.to(Device::kCUDA),
-                           layers[0].score_sum.to(Device::kCUDA), layers[0].tokens.clone()};
+                           layers[0].score_sum.to(Device::kCUDA), 8};
   ops::AuxStats gpu = ops::zero_aux_stats(gpu_layer0);
   for (const ops::AuxStats& s : layers) {
     ops::add_aux_stats(s, cpu);
-    ops::add_aux_stats(
-        {s.tokens_per_expert.to(Device::kCUDA), s.score_sum.to(Device::kCUDA), s.tokens.clone()},
-        gpu);
+    ops::add_aux_stats({s.tokens_per_expert.to(Device::kCUDA), s.score_sum.to(Device::kCUDA), 8},
+                       gpu);
   }
   const Tensor counts = gpu.tokens_per_expert.to(Device::kCPU),
                sums = gpu.score_sum.to(Device::kCPU);
   EXPECT_EQ(std::memcmp(counts.raw(), cpu.tokens_per_expert.raw(), counts.nbytes()), 0);
   EXPECT_EQ(std::memcmp(sums.raw(), cpu.score_sum.raw(), sums.nbytes()), 0);
-  EXPECT_EQ(gpu.tokens.item(0), 3 * 4096);
+  // The loss reads its token count (sum of counts / top_k) on the device.
+  const double closs = ops::router_aux_loss(cpu).item(0),
+               gloss = ops::router_aux_loss(gpu).to(Device::kCPU).item(0);
+  EXPECT_GT(closs, 0.0);
+  EXPECT_NEAR(gloss, closs, 1e-6 * closs);
   EXPECT_GT(sums.item(0), 0.0);
 }
 
@@ -446,14 +447,26 @@ void check_routing(const RoutingCase& rc, uint64_t seed, ops::Routing& cr, ops::
   ASSERT_EQ(std::memcmp(gcount.raw(), cr.tokens_per_expert.raw(), gcount.nbytes()), 0) << what;
   EXPECT_LT(relative_error(gr.expert_weight, cr.expert_weight), 1e-5) << what;
   EXPECT_LT(relative_error(gr.scores, cr.scores), 1e-5) << what;
-  const ops::AuxStats cs = ops::router_aux_stats(cr), gs = ops::router_aux_stats(gr);
-  EXPECT_LT(relative_error(gs.score_sum, cs.score_sum), 1e-5) << what;
-  const Tensor dweight = testing::randn({rc.n, rc.k}, seed + 12, 1.0, DType::kF32);
-  Tensor cdl = Tensor::empty({rc.n, rc.e}, DType::kF32),
-         gdl = Tensor::poisoned({rc.n, rc.e}, DType::kF32, Device::kCUDA);
-  ops::router_backward(cr, opt, cs, dweight, 0.01, cdl);
-  ops::router_backward(gr, opt, gs, dweight.to(Device::kCUDA), 0.01, gdl);
-  EXPECT_LT(relative_error(gdl, cdl), 1e-5) << what << ": router backward";
+  // Without padding, and with every third token padding (outside the aux statistics).
+  Tensor padding = Tensor::zeros({rc.n}, DType::kU8);
+  for (int64_t t = 0; t < rc.n; t += 3) padding.data<uint8_t>()[t] = 1;
+  for (const Tensor& pad : {Tensor(), padding}) {
+    const std::string with = what + (pad.defined() ? " (padding)" : "");
+    const Tensor gpad = pad.defined() ? pad.to(Device::kCUDA) : pad;
+    const ops::AuxStats cs = ops::router_aux_stats(cr, pad), gs = ops::router_aux_stats(gr, gpad);
+    const Tensor gstat_count = gs.tokens_per_expert.to(Device::kCPU);
+    ASSERT_EQ(std::memcmp(gstat_count.raw(), cs.tokens_per_expert.raw(), gstat_count.nbytes()), 0)
+        << with;
+    EXPECT_LT(relative_error(gs.score_sum, cs.score_sum), 1e-5) << with;
+    const double closs = ops::router_aux_loss(cs).item(0);
+    EXPECT_NEAR(ops::router_aux_loss(gs).to(Device::kCPU).item(0), closs, 1e-5 * closs) << with;
+    const Tensor dweight = testing::randn({rc.n, rc.k}, seed + 12, 1.0, DType::kF32);
+    Tensor cdl = Tensor::empty({rc.n, rc.e}, DType::kF32),
+           gdl = Tensor::poisoned({rc.n, rc.e}, DType::kF32, Device::kCUDA);
+    ops::router_backward(cr, opt, cs, pad, dweight, 0.01, cdl);
+    ops::router_backward(gr, opt, gs, gpad, dweight.to(Device::kCUDA), 0.01, gdl);
+    EXPECT_LT(relative_error(gdl, cdl), 1e-5) << with << ": router backward";
+  }
 }
 
 TEST_P(GpuCase, RouterPermutationAndCombine) {

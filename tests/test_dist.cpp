@@ -21,6 +21,7 @@
 #include <sstream>
 #include <thread>
 
+#include "core/rng.h"
 #include "dist/communicator.h"
 #include "dist/mesh.h"
 #include "fsdp/fsdp.h"
@@ -32,6 +33,7 @@
 #include "testing.h"
 #include "train/checkpoint.h"
 #include "train/data_loader.h"
+#include "train/token_file.h"
 #include "train/trainer.h"
 
 namespace mt {
@@ -359,83 +361,81 @@ void for_each_exchange_case(
 TEST(ExpertExchange, SendsEachTokenOncePerRankAndCombineIsItsAdjoint) {
   const int world = 2;
   const int64_t n = 6, k = 2, experts = 4, width = 3;
-  for_each_exchange_case(
-      [&](Communicator& c, moe::ExchangeMode mode, const Tensor& index, const std::string& kind,
-          const std::string& what) {
-        const int r = c.rank();
-        moe::ExpertExchange ex(c, index, experts, mode);
-        const bool packed = mode == moe::ExchangeMode::kHostCounts;
-        // The expected arrivals: (source, token) at a receive row, and their local choices.
-        std::vector<std::pair<int, int64_t>> want;
-        std::vector<int64_t> at;
-        std::vector<int32_t> want_local;
-        int64_t want_rows = 0;
-        for (int p = 0; p < world; ++p) {
-          const Tensor theirs = exchange_routing(kind, p);
-          int64_t slot = 0;
-          for (int64_t t = 0; t < n; ++t) {
-            bool here = false;
-            for (int64_t j = 0; j < k; ++j) here |= theirs.data<int32_t>()[t * k + j] / 2 == r;
-            if (!here) continue;
-            want.emplace_back(p, t);
-            at.push_back(packed ? static_cast<int64_t>(at.size()) : p * n + slot++);
-            for (int64_t j = 0; j < k; ++j) {
-              const int32_t e = theirs.data<int32_t>()[t * k + j];
-              want_local.push_back(e / 2 == r ? e % 2 : -1);
-              want_rows += e / 2 == r;
-            }
-          }
+  for_each_exchange_case([&](Communicator& c, moe::ExchangeMode mode, const Tensor& index,
+                             const std::string& kind, const std::string& what) {
+    const int r = c.rank();
+    moe::ExpertExchange ex(c, index, experts, mode);
+    const bool packed = mode == moe::ExchangeMode::kHostCounts;
+    // The expected arrivals: (source, token) at a receive row, and their local choices.
+    std::vector<std::pair<int, int64_t>> want;
+    std::vector<int64_t> at;
+    std::vector<int32_t> want_local;
+    int64_t want_rows = 0;
+    for (int p = 0; p < world; ++p) {
+      const Tensor theirs = exchange_routing(kind, p);
+      int64_t slot = 0;
+      for (int64_t t = 0; t < n; ++t) {
+        bool here = false;
+        for (int64_t j = 0; j < k; ++j) here |= theirs.data<int32_t>()[t * k + j] / 2 == r;
+        if (!here) continue;
+        want.emplace_back(p, t);
+        at.push_back(packed ? static_cast<int64_t>(at.size()) : p * n + slot++);
+        for (int64_t j = 0; j < k; ++j) {
+          const int32_t e = theirs.data<int32_t>()[t * k + j];
+          want_local.push_back(e / 2 == r ? e % 2 : -1);
+          want_rows += e / 2 == r;
         }
-        ASSERT_EQ(ex.received_tokens(), packed ? static_cast<int64_t>(want.size()) : world * n)
-            << what;
-        if (packed)
-          EXPECT_EQ(ex.local_rows(), want_rows) << what;
-        else
-          EXPECT_GE(ex.local_rows(), want_rows) << what;
-        std::vector<bool> arrived(ex.received_tokens(), false);
-        for (size_t i = 0; i < want.size(); ++i) {
-          arrived[at[i]] = true;
-          for (int64_t j = 0; j < k; ++j)
-            EXPECT_EQ(ex.local_index().data<int32_t>()[at[i] * k + j], want_local[i * k + j])
-                << what << " " << i;
-        }
-        for (int64_t i = 0; i < ex.received_tokens(); ++i) {
-          if (arrived[i]) continue;
-          for (int64_t j = 0; j < k; ++j)
-            EXPECT_EQ(ex.local_index().data<int32_t>()[i * k + j], -1) << what << " place " << i;
-        }
-        // Rows named by their source: 100 * rank + token.
-        Tensor x = Tensor::empty({n, width}, DType::kF64);
-        for (int64_t t = 0; t < n; ++t)
-          for (int64_t d = 0; d < width; ++d) x.set_item(t * width + d, 100 * r + t + 0.25 * d);
-        const Tensor got = ex.dispatch(x);
-        for (size_t i = 0; i < want.size(); ++i)
-          EXPECT_EQ(got.item(at[i] * width),
-                    100.0 * want[i].first + static_cast<double>(want[i].second))
-              << what << " row " << i;
-        // Adjoint: <dispatch(x), y> summed over ranks equals <x, combine(y)> summed over ranks
-        // (over the places that hold a token: the others are undefined).
-        const Tensor xr = testing::randn({n, width}, 10 + r);
-        Tensor yr = testing::randn({ex.received_tokens(), width}, 20 + r);
-        Tensor dx = ex.dispatch(xr);
-        for (int64_t i = 0; i < ex.received_tokens(); ++i) {
-          if (arrived[i]) continue;
-          for (int64_t d = 0; d < width; ++d) dx.set_item(i * width + d, 0.0);
-        }
-        Tensor cy = Tensor::poisoned({n, width}, DType::kF64);
-        ex.combine(yr, cy);
-        Tensor dots = Tensor::empty({2}, DType::kF64);
-        dots.set_item(0, testing::dot(dx, yr));
-        dots.set_item(1, testing::dot(xr, cy));
-        c.all_reduce(dots);
-        EXPECT_NEAR(dots.item(0), dots.item(1), 1e-12 * (1 + std::abs(dots.item(0)))) << what;
-        // Combine with a residual adds it.
-        const Tensor res = testing::randn({n, width}, 30 + r);
-        Tensor with = Tensor::poisoned({n, width}, DType::kF64);
-        ex.combine(yr, with, &res);
-        for (int64_t i = 0; i < n * width; ++i)
-          EXPECT_NEAR(with.item(i), cy.item(i) + res.item(i), 1e-14) << what;
-      });
+      }
+    }
+    ASSERT_EQ(ex.received_tokens(), packed ? static_cast<int64_t>(want.size()) : world * n) << what;
+    if (packed)
+      EXPECT_EQ(ex.local_rows(), want_rows) << what;
+    else
+      EXPECT_GE(ex.local_rows(), want_rows) << what;
+    std::vector<bool> arrived(ex.received_tokens(), false);
+    for (size_t i = 0; i < want.size(); ++i) {
+      arrived[at[i]] = true;
+      for (int64_t j = 0; j < k; ++j)
+        EXPECT_EQ(ex.local_index().data<int32_t>()[at[i] * k + j], want_local[i * k + j])
+            << what << " " << i;
+    }
+    for (int64_t i = 0; i < ex.received_tokens(); ++i) {
+      if (arrived[i]) continue;
+      for (int64_t j = 0; j < k; ++j)
+        EXPECT_EQ(ex.local_index().data<int32_t>()[i * k + j], -1) << what << " place " << i;
+    }
+    // Rows named by their source: 100 * rank + token.
+    Tensor x = Tensor::empty({n, width}, DType::kF64);
+    for (int64_t t = 0; t < n; ++t)
+      for (int64_t d = 0; d < width; ++d) x.set_item(t * width + d, 100 * r + t + 0.25 * d);
+    const Tensor got = ex.dispatch(x);
+    for (size_t i = 0; i < want.size(); ++i)
+      EXPECT_EQ(got.item(at[i] * width),
+                100.0 * want[i].first + static_cast<double>(want[i].second))
+          << what << " row " << i;
+    // Adjoint: <dispatch(x), y> summed over ranks equals <x, combine(y)> summed over ranks
+    // (over the places that hold a token: the others are undefined).
+    const Tensor xr = testing::randn({n, width}, 10 + r);
+    Tensor yr = testing::randn({ex.received_tokens(), width}, 20 + r);
+    Tensor dx = ex.dispatch(xr);
+    for (int64_t i = 0; i < ex.received_tokens(); ++i) {
+      if (arrived[i]) continue;
+      for (int64_t d = 0; d < width; ++d) dx.set_item(i * width + d, 0.0);
+    }
+    Tensor cy = Tensor::poisoned({n, width}, DType::kF64);
+    ex.combine(yr, cy);
+    Tensor dots = Tensor::empty({2}, DType::kF64);
+    dots.set_item(0, testing::dot(dx, yr));
+    dots.set_item(1, testing::dot(xr, cy));
+    c.all_reduce(dots);
+    EXPECT_NEAR(dots.item(0), dots.item(1), 1e-12 * (1 + std::abs(dots.item(0)))) << what;
+    // Combine with a residual adds it.
+    const Tensor res = testing::randn({n, width}, 30 + r);
+    Tensor with = Tensor::poisoned({n, width}, DType::kF64);
+    ex.combine(yr, with, &res);
+    for (int64_t i = 0; i < n * width; ++i)
+      EXPECT_NEAR(with.item(i), cy.item(i) + res.item(i), 1e-14) << what;
+  });
 }
 
 // scatter_rows' default path (each region whole through all_to_all): every row at rank *
@@ -927,6 +927,48 @@ TEST_P(Equivalence, OneStepLossAndGradientsThenThreeStepsParameters) {
   for (int s = 0; s < 3; ++s)
     EXPECT_NEAR(got3.metrics[s].loss, ref3.metrics[s].loss, 1e-10 * ref3.metrics[s].loss);
   expect_same(got3.params, ref3.params, 1e-10, "parameter");
+}
+
+// Whole packing of an SFT file (documents of 2 to 20 tokens in rows of 17: some fill a row, some
+// are truncated, the rest padded) with a blend of two files: any (W, ep) gives the single rank's
+// loss, gradients, routing statistics and, after three steps, parameters; the padding is reported.
+TEST(EquivalenceWhole, SftBlendMatchesOneRank) {
+  std::vector<std::string> paths;
+  for (int f = 0; f < 2; ++f) {
+    TokenDocuments docs;
+    docs.doc_offsets = {0};
+    const CounterRng rng{static_cast<uint64_t>(f), 12};
+    for (int d = 0; d < 30; ++d) {
+      const int64_t len = 2 + rng.below(d, 19);
+      for (int64_t i = 0; i < len; ++i) {
+        docs.tokens.push_back(rng.below(100 * d + i + 50, 32));
+        docs.loss_mask.push_back(i % 3 != 0);
+      }
+      docs.doc_offsets.push_back(docs.tokens.size());
+    }
+    paths.push_back(testing::unique_temp_path("whole_equiv_" + std::to_string(f) + ".tok"));
+    write_token_file(paths.back(), docs);
+  }
+  const std::vector<std::string> sets = {
+      "data.source=sft",
+      "data.mix=[{path=\"" + paths[0] + "\", weight=2}, {path=\"" + paths[1] + "\", weight=1}]",
+      "data.pack_window=6"};
+  for (const auto& [world, ep] : {std::pair{2, 1}, std::pair{2, 2}, std::pair{4, 2}}) {
+    const Snapshot ref1 = train(0, 1, 1, sets), got1 = train(world, ep, 1, sets);
+    const StepMetrics &r = ref1.metrics[0], &g = got1.metrics[0];
+    EXPECT_NEAR(g.loss, r.loss, 1e-10 * r.loss);
+    EXPECT_NEAR(g.aux_loss, r.aux_loss, 1e-10 * r.aux_loss);
+    EXPECT_GT(r.pad_fraction, 0.0);
+    EXPECT_EQ(g.pad_fraction, r.pad_fraction);
+    EXPECT_EQ(g.expert_load_max_over_mean, r.expert_load_max_over_mean);
+    EXPECT_EQ(g.idle_expert_fraction, r.idle_expert_fraction);
+    ASSERT_EQ(r.expert_load_max_over_mean.size(), 2u);
+    EXPECT_GE(r.expert_load_max_over_mean[0], 1.0);
+    expect_same(got1.grads, ref1.grads, 1e-10, "gradient");
+    const Snapshot ref3 = train(0, 1, 3, sets), got3 = train(world, ep, 3, sets);
+    expect_same(got3.params, ref3.params, 1e-10, "parameter");
+  }
+  for (const std::string& p : paths) std::filesystem::remove(p);
 }
 
 // MX expert recipes: every quantization that runs along a row (the forward's and input

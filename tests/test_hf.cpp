@@ -11,9 +11,11 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <map>
 #include <nlohmann/json.hpp>
 #include <set>
 
+#include "core/rng.h"
 #include "dist/communicator.h"
 #include "dist/mesh.h"
 #include "hf_fixture.h"
@@ -573,15 +575,21 @@ TEST(Eval, TokenFileLossIsTransformersAndRankIndependent) {
     EXPECT_EQ(e.tokens, 19) << seq_len;
     EXPECT_NEAR(e.mean(), want, 1e-5 * want) << seq_len;
   }
-  const EvalResult one = evaluate_tokens(model, docs.view(), 1, 8, nullptr);
+  // Rows of 8 never cut the document: a micro-batch of 3 x 8 inputs is one packed sequence.
+  const EvalResult one = evaluate_tokens(model, docs.view(), 3, 8, nullptr);
   EXPECT_EQ(one.tokens, 19);
-  EXPECT_GT(std::abs(one.mean() - want), 1e-3);  // rows of 8 cut the context
+  EXPECT_NEAR(one.mean(), want, 1e-5 * want);
+  // One row of 8 cannot hold its 20 tokens: refused, naming it.
+  const std::string too_long =
+      testing::error_of([&] { evaluate_tokens(model, docs.view(), 1, 8, nullptr); });
+  EXPECT_NE(too_long.find("document 0 of 'the evaluation data' has 20 tokens"), std::string::npos)
+      << too_long;
   run_in_process(2, [&](dist::Communicator& comm) {
     ModelConfig c2 = c;
     dist::DeviceMesh mesh(comm, {2, 2}, c2.n_experts);
     Qwen3Moe m2(c2, 1, &mesh);
     load_hf_weights(dir, m2);
-    const EvalResult two = evaluate_tokens(m2, docs.view(), 1, 8, &comm);
+    const EvalResult two = evaluate_tokens(m2, docs.view(), 3, 8, &comm);
     EXPECT_EQ(two.tokens, 19);
     EXPECT_NEAR(two.mean(), one.mean(), 1e-12 * one.mean());
   });
@@ -633,14 +641,14 @@ TEST(Eval, TokenFileLossIsTransformersAndRankIndependent) {
   // Over two in-process ranks, the per-token losses arrive on rank 0 in the same order.
   std::vector<std::pair<int64_t, double>> one_rank, two_ranks;
   const TokenLossSink into_one = [&](int64_t t, double l) { one_rank.push_back({t, l}); };
-  (void)evaluate_tokens(model, docs.view(), 1, 8, nullptr, &into_one);
+  (void)evaluate_tokens(model, docs.view(), 3, 8, nullptr, &into_one);
   run_in_process(2, [&](dist::Communicator& comm) {
     ModelConfig c2 = c;
     dist::DeviceMesh mesh(comm, {2, 2}, c2.n_experts);
     Qwen3Moe m2(c2, 1, &mesh);
     load_hf_weights(dir, m2);
     const TokenLossSink into_two = [&](int64_t t, double l) { two_ranks.push_back({t, l}); };
-    (void)evaluate_tokens(m2, docs.view(), 1, 8, &comm, &into_two);
+    (void)evaluate_tokens(m2, docs.view(), 3, 8, &comm, &into_two);
   });
   ASSERT_EQ(one_rank.size(), 19u);
   ASSERT_EQ(two_ranks.size(), 19u);
@@ -653,6 +661,65 @@ TEST(Eval, TokenFileLossIsTransformersAndRankIndependent) {
   EXPECT_EQ(both.code, 2) << both.output;
   std::filesystem::remove(data);
   std::filesystem::remove(cfg);
+}
+
+// Evaluation never cuts a document: each document's per-token losses inside a file of others
+// (packed with them, over one rank or two) equal its losses in a file by itself (CPU, fp32, 1e-6),
+// documents as long as the micro-batch included.
+TEST(Eval, EachDocumentsLossesAreItsOwnAlone) {
+  const std::string dir = fixture("base");
+  ModelConfig c = hf_model(dir);
+  c.compute_dtype = DType::kF32;
+  Qwen3Moe model(c, 1);
+  load_hf_weights(dir, model);
+  const CounterRng rng{3, 31};
+  TokenDocuments docs;
+  docs.doc_offsets = {0};
+  const int64_t rows = 2, seq_len = 16, capacity = rows * seq_len + 1;
+  for (int d = 0; d < 14; ++d) {
+    const int64_t len = d == 5 ? capacity : 2 + rng.below(d, 30);
+    for (int64_t i = 0; i < len; ++i) {
+      docs.tokens.push_back(rng.below(1000 * d + i + 1, static_cast<uint32_t>(c.vocab_size)));
+      docs.loss_mask.push_back(i % 4 != 1);
+    }
+    docs.doc_offsets.push_back(docs.tokens.size());
+  }
+  std::map<int64_t, double> together;
+  const TokenLossSink into = [&](int64_t t, double l) { together[t] = l; };
+  const EvalResult all = evaluate_tokens(model, docs.view(), rows, seq_len, nullptr, &into);
+  EXPECT_EQ(all.tokens, static_cast<int64_t>(together.size()));
+  int64_t checked = 0;
+  for (int64_t d = 0; d < docs.num_docs(); ++d) {
+    TokenDocuments one;
+    const uint64_t first = docs.doc_offsets[d], last = docs.doc_offsets[d + 1];
+    one.doc_offsets = {0, last - first};
+    one.tokens.assign(docs.tokens.begin() + first, docs.tokens.begin() + last);
+    one.loss_mask.assign(docs.loss_mask.begin() + first, docs.loss_mask.begin() + last);
+    std::vector<std::pair<int64_t, double>> alone;
+    const TokenLossSink sink = [&](int64_t t, double l) { alone.push_back({t, l}); };
+    (void)evaluate_tokens(model, one.view(), rows, seq_len, nullptr, &sink);
+    ASSERT_FALSE(alone.empty()) << d;
+    for (const auto& [t, l] : alone) {
+      ASSERT_TRUE(together.count(first + t)) << "document " << d << " target " << t;
+      EXPECT_NEAR(together.at(first + t), l, 1e-6 * std::max(1.0, std::abs(l)))
+          << "document " << d << " target " << t;
+      ++checked;
+    }
+  }
+  EXPECT_EQ(checked, all.tokens);
+  // Two ranks (ep 2): the same values.
+  run_in_process(2, [&](dist::Communicator& comm) {
+    dist::DeviceMesh mesh(comm, {2, 2}, c.n_experts);
+    Qwen3Moe m2(c, 1, &mesh);
+    load_hf_weights(dir, m2);
+    std::vector<std::pair<int64_t, double>> two;
+    const TokenLossSink sink = [&](int64_t t, double l) { two.push_back({t, l}); };
+    (void)evaluate_tokens(m2, docs.view(), rows, seq_len, &comm, &sink);
+    if (comm.rank() != 0) return;
+    ASSERT_EQ(two.size(), together.size());
+    for (const auto& [t, l] : two)
+      EXPECT_NEAR(together.at(t), l, 1e-6 * std::max(1.0, std::abs(l))) << "target " << t;
+  });
 }
 
 // Validation during training: eval.every steps (and the last) the metrics carry eval_loss, a

@@ -6,6 +6,7 @@
 #include "model/flops.h"
 #include "model/qwen3_moe.h"
 #include "testing.h"
+#include "train/data_loader.h"
 
 namespace mt {
 namespace {
@@ -134,6 +135,68 @@ TEST(Model, CheckpointPoliciesGiveIdenticalGradients) {
   for (const Tensor& t : grads[0])
     for (int64_t j = 0; j < t.numel(); ++j) norm += t.item(j) * t.item(j);
   EXPECT_GT(norm, 0.0);
+}
+
+// Padding never changes the loss or any gradient (fp64): the same three documents in rows of 8
+// with padded tails (whole packing) and end to end with no padding give the same loss, aux loss,
+// routing counts and every parameter's gradient, to rounding. Padding tokens are routed (the
+// experts see them) but are outside the aux statistics and carry no gradient.
+TEST(Model, PaddingChangesNoLossAndNoGradient) {
+  ModelConfig c = small_config();
+  c.bias_update_rate = 0.01;
+  const CounterRng rng{4, 9};
+  std::vector<std::vector<int32_t>> docs = {{}, {}, {}};
+  const size_t lengths[3] = {5, 2, 6};
+  for (size_t d = 0; d < 3; ++d)
+    for (size_t i = 0; i < lengths[d]; ++i)
+      docs[d].push_back(static_cast<int32_t>(rng.below(d * 100 + i, c.vocab_size)));
+  // A row of `docs` then padding to `length` tokens.
+  auto row = [&](std::vector<size_t> which, int64_t length) {
+    PackedRow r;
+    for (const size_t d : which)
+      for (size_t i = 0; i < docs[d].size(); ++i) {
+        r.tokens.push_back(docs[d][i]);
+        r.segment_start.push_back(i == 0);
+        r.counts.push_back(i % 3 != 2);
+      }
+    r.padding_from = static_cast<int64_t>(r.tokens.size());
+    r.tokens.resize(length, 7);  // a real token id: padding must not matter whatever it holds
+    r.segment_start.resize(length, 0);
+    r.counts.resize(length, 1);
+    return r;
+  };
+  const Batch padded = pack_rows({row({0, 1}, 9), row({2}, 9)}, 8);
+  const Batch plain = pack_rows({row({0, 1, 2}, 14)}, 13);  // the 14th token is a target only
+  ASSERT_EQ(padded.padding_tokens, 3);
+  ASSERT_EQ(plain.padding_tokens, 0);
+  ASSERT_EQ(padded.masked_tokens(), plain.masked_tokens());
+  struct Run {
+    MicroBatchLosses losses;
+    std::vector<Tensor> grads;
+    std::vector<Tensor> load;
+  };
+  auto run = [&](const Batch& b) {
+    Qwen3Moe model(c, 3);
+    model.zero_grad();
+    Run r;
+    r.losses = model.forward_backward(b, {1.0 / b.masked_tokens(), c.aux_loss_coef});
+    for (auto& u : model.units())
+      for (auto& g : u.groups) r.grads.push_back(g.grads.clone());
+    for (const Tensor& l : model.step_expert_load()) r.load.push_back(l.clone());
+    return r;
+  };
+  const Run a = run(padded), b = run(plain);
+  EXPECT_NEAR(a.losses.ce_sum, b.losses.ce_sum, 1e-12 * std::abs(b.losses.ce_sum));
+  EXPECT_GT(b.losses.aux_sum, 0.0);
+  EXPECT_NEAR(a.losses.aux_sum, b.losses.aux_sum, 1e-12 * b.losses.aux_sum);
+  ASSERT_EQ(a.grads.size(), b.grads.size());
+  for (size_t i = 0; i < a.grads.size(); ++i) {
+    EXPECT_GT(testing::dot(b.grads[i], b.grads[i]), 0.0) << "group " << i;
+    EXPECT_LT(relative_error(a.grads[i], b.grads[i]), 1e-12) << "group " << i;
+  }
+  for (size_t l = 0; l < a.load.size(); ++l)
+    for (int64_t e = 0; e < c.n_experts; ++e)
+      EXPECT_EQ(a.load[l].item(e), b.load[l].item(e)) << "layer " << l << " expert " << e;
 }
 
 TEST(Model, RouterBiasMovesTowardBalance) {

@@ -59,9 +59,18 @@ TEST(MxQuantize, HandCheckedBlocks) {
   }
   // A NaN anywhere makes the block's scale NaN.
   for (MxScaleRule rule : {MxScaleRule::kFloor, MxScaleRule::kRceil}) {
-    const auto [s, q] = quantize_block({1.0f, std::numeric_limits<float>::quiet_NaN()}, rule);
+    const auto [s, q] = quantize_block(
+        {1.0f, std::numeric_limits<float>::quiet_NaN(), -std::numeric_limits<float>::quiet_NaN(),
+         std::numeric_limits<float>::infinity()},
+        rule);
     EXPECT_EQ(s, 0xFF);
-    EXPECT_EQ(q[1] & 0x7F, 0x7F);
+    // FLOOR: x / inf, so 1 -> +0, a NaN keeps its sign, inf -> NaN (x86's, negative); RCEIL: the
+    // factor's NaN, positive, everywhere (torchao's bytes, the fixture below).
+    const bool floor = rule == MxScaleRule::kFloor;
+    EXPECT_EQ(q[0], floor ? 0x00 : 0x7F);
+    EXPECT_EQ(q[1], 0x7F);
+    EXPECT_EQ(q[2], floor ? 0xFF : 0x7F);
+    EXPECT_EQ(q[3], floor ? 0xFF : 0x7F);
   }
   // An infinity: FLOOR's largest scale (2^120), RCEIL's 2^127; the infinity itself saturates.
   const float inf = std::numeric_limits<float>::infinity();
@@ -140,8 +149,7 @@ TEST_P(MxTorchao, MatchesTorchaoBitForBit) {
     ASSERT_EQ(ours[b], theirs[b]) << "scale of block " << b << ", amax " << amax;
     for (int64_t i = 0; i < kMxBlock; ++i) {
       const uint8_t u = our_data[b * kMxBlock + i], v = their_data[b * kMxBlock + i];
-      const bool both_nan = (u & 0x7F) == 0x7F && (v & 0x7F) == 0x7F;  // NaN's sign: unspecified
-      ASSERT_TRUE(u == v || both_nan)
+      ASSERT_EQ(u, v)  // NaN bytes too, signs included
           << "element " << i << " of block " << b << ": " << int{u} << " vs " << int{v};
     }
   }

@@ -262,7 +262,8 @@ TEST(Router, HandCheckedChoiceAndWeights) {
   EXPECT_EQ(r.expert_index.item(1), 1);
   EXPECT_NEAR(r.expert_weight.item(0), 0.1, 1e-14);
   // Aux loss: E * sum_e count_e / N * mean score = 4 * (0.1 + 0.4) for choices {0, 1}.
-  EXPECT_NEAR(ops::router_aux_loss(ops::router_aux_stats(r)).item(0), 4 * (0.1 + 0.4), 1e-14);
+  EXPECT_NEAR(ops::router_aux_loss(ops::router_aux_stats(r, Tensor())).item(0), 4 * (0.1 + 0.4),
+              1e-14);
 }
 
 TEST(Router, ForcedBalancedRoutingSpreadsEvenly) {
@@ -298,25 +299,59 @@ TEST(Router, SkewedRoutingPutsTwiceTheMeanOnTheHotQuarter) {
   }
 }
 
+// With and without padding tokens (rows 1 and 4: outside the aux statistics, so their logits get
+// only the routing weights' gradient).
 TEST(Router, Gradients) {
-  for (bool norm : {true, false}) {
-    for (const ops::RoutingMode mode : {ops::RoutingMode::kLearned, ops::RoutingMode::kBalanced}) {
-      const ops::RouterOptions opt{3, norm, mode};
-      Tensor logits = randn({6, 5}, 1), g = randn({6, 3}, 2);
-      const double aux_grad = 0.7;
-      ops::Routing r;
-      auto loss = [&] {
-        ops::router_forward(logits, Tensor(), opt, r);
-        return dot(r.expert_weight, g) +
-               aux_grad * ops::router_aux_loss(ops::router_aux_stats(r)).item(0);
-      };
-      loss();
-      Tensor dl = like(logits);
-      ops::router_backward(r, opt, ops::router_aux_stats(r), g, aux_grad, dl);
-      EXPECT_LT(gradcheck(loss, logits, dl), kGradTol)
-          << "norm " << norm << " mode " << ops::routing_mode_name(mode);
+  Tensor padding = Tensor::zeros({6}, DType::kU8);
+  padding.data<uint8_t>()[1] = padding.data<uint8_t>()[4] = 1;
+  for (const Tensor& pad : {Tensor(), padding})
+    for (bool norm : {true, false}) {
+      for (const ops::RoutingMode mode :
+           {ops::RoutingMode::kLearned, ops::RoutingMode::kBalanced}) {
+        const ops::RouterOptions opt{3, norm, mode};
+        Tensor logits = randn({6, 5}, 1), g = randn({6, 3}, 2);
+        const double aux_grad = 0.7;
+        ops::Routing r;
+        auto loss = [&] {
+          ops::router_forward(logits, Tensor(), opt, r);
+          return dot(r.expert_weight, g) +
+                 aux_grad * ops::router_aux_loss(ops::router_aux_stats(r, pad)).item(0);
+        };
+        loss();
+        Tensor dl = like(logits);
+        ops::router_backward(r, opt, ops::router_aux_stats(r, pad), pad, g, aux_grad, dl);
+        EXPECT_LT(gradcheck(loss, logits, dl), kGradTol)
+            << "norm " << norm << " mode " << ops::routing_mode_name(mode) << " padding "
+            << pad.defined();
+      }
     }
+}
+
+// Padding tokens are outside the aux statistics: the statistics (and loss) of a batch with padding
+// rows are those of the batch without them, exactly; a batch all padding has loss 0.
+TEST(Router, PaddingIsOutsideTheAuxStatistics) {
+  const Tensor logits = randn({7, 6}, 3);
+  Tensor padding = Tensor::zeros({7}, DType::kU8);
+  const std::vector<int64_t> real = {0, 2, 3, 6};
+  for (const int64_t t : {1, 4, 5}) padding.data<uint8_t>()[t] = 1;
+  Tensor kept = Tensor::empty({4, 6}, DType::kF64);
+  for (int64_t i = 0; i < 4; ++i)
+    for (int64_t c = 0; c < 6; ++c) kept.set_item(i * 6 + c, logits.item(real[i] * 6 + c));
+  const ops::RouterOptions opt{2, true, ops::RoutingMode::kLearned};
+  ops::Routing all, only;
+  ops::router_forward(logits, Tensor(), opt, all);
+  ops::router_forward(kept, Tensor(), opt, only);
+  const ops::AuxStats a = ops::router_aux_stats(all, padding), b = ops::router_aux_stats(only, {});
+  for (int64_t c = 0; c < 6; ++c) {
+    EXPECT_EQ(a.tokens_per_expert.item(c), b.tokens_per_expert.item(c)) << c;
+    EXPECT_EQ(a.score_sum.item(c), b.score_sum.item(c)) << c;
   }
+  const double loss = ops::router_aux_loss(a).item(0);
+  EXPECT_GT(loss, 0.0);
+  EXPECT_EQ(loss, ops::router_aux_loss(b).item(0));
+  Tensor everything = Tensor::zeros({7}, DType::kU8);
+  for (int64_t t = 0; t < 7; ++t) everything.data<uint8_t>()[t] = 1;
+  EXPECT_EQ(ops::router_aux_loss(ops::router_aux_stats(all, everything)).item(0), 0.0);
 }
 
 struct PermCase {
@@ -696,9 +731,9 @@ TEST(CrossEntropy, HandCheckedMaskAndGradients) {
 // Pooling two layers' statistics adds counts, score sums and token counts; the pooled loss is
 // E sum_e (C_e / N) (S_e / N) of the sums.
 TEST(RouterAux, PooledStatisticsAreTheSums) {
-  ops::AuxStats a{Tensor::empty({3}, DType::kI64), Tensor::empty({3}, DType::kF64),
-                  Tensor::empty({1}, DType::kI64)};
-  ops::AuxStats b = {a.tokens_per_expert.clone(), a.score_sum.clone(), a.tokens.clone()};
+  // top-2: counts summing to 6 are 3 tokens each.
+  ops::AuxStats a{Tensor::empty({3}, DType::kI64), Tensor::empty({3}, DType::kF64), 2};
+  ops::AuxStats b = {a.tokens_per_expert.clone(), a.score_sum.clone(), 2};
   const int64_t ca[3] = {2, 0, 4}, cb[3] = {1, 3, 2};
   const double sa[3] = {1.5, 0.25, 1.25}, sb[3] = {0.5, 2.0, 0.5};
   for (int e = 0; e < 3; ++e) {
@@ -707,12 +742,9 @@ TEST(RouterAux, PooledStatisticsAreTheSums) {
     a.score_sum.set_item(e, sa[e]);
     b.score_sum.set_item(e, sb[e]);
   }
-  a.tokens.data<int64_t>()[0] = 3;
-  b.tokens.data<int64_t>()[0] = 3;
   ops::AuxStats pooled = ops::zero_aux_stats(a);
   ops::add_aux_stats(a, pooled);
   ops::add_aux_stats(b, pooled);
-  EXPECT_EQ(pooled.tokens.data<int64_t>()[0], 6);
   double want = 0;
   for (int e = 0; e < 3; ++e) {
     EXPECT_EQ(pooled.tokens_per_expert.data<int64_t>()[e], ca[e] + cb[e]);

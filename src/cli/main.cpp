@@ -11,6 +11,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <functional>
@@ -228,10 +229,15 @@ int run_train(const ConfigArgs& a, mt::RunOptions opt) {
   on_ranks(r, [&](mt::dist::Communicator* world) {
     mt::Trainer trainer(r.config, world);
     const auto m = trainer.run(opt);
-    if (!m.empty() && (!world || world->rank() == 0))
-      mt::log::info("done: {} steps, final loss {:.4f} (data floor {:.4f}, unigram {:.4f})",
-                    m.back().step, m.back().loss, trainer.data_stats().loss_floor,
-                    trainer.data_stats().unigram_entropy);
+    if (!m.empty() && (!world || world->rank() == 0)) {
+      const mt::DataStats& s = trainer.data_stats();
+      // A known floor is the synthetic languages'; real data has none to print.
+      mt::log::info("done: {} steps, final loss {:.4f} ({}unigram entropy {:.4f})", m.back().step,
+                    m.back().loss,
+                    std::isfinite(s.loss_floor) ? fmt::format("data floor {:.4f}, ", s.loss_floor)
+                                                : std::string(),
+                    s.unigram_entropy);
+    }
   });
   return 0;
 }
@@ -267,9 +273,9 @@ int run_eval(const ConfigArgs& a, const std::string& resume, const std::string& 
                          target - static_cast<int64_t>(docs.doc_offsets[doc]), docs.tokens[target],
                          loss);
     };
-    const mt::EvalResult e =
-        mt::evaluate_tokens(trainer.model(), docs, r.config.train.batch_rows,
-                            r.config.train.seq_len, world, per_token.empty() ? nullptr : &sink);
+    const mt::EvalResult e = mt::evaluate_tokens(trainer.model(), docs, r.config.train.batch_rows,
+                                                 r.config.train.seq_len, world,
+                                                 per_token.empty() ? nullptr : &sink, data);
     if (!per_token.empty() && writes) {
       out.close();
       if (!out || std::rename(tmp.c_str(), per_token.c_str()) != 0)

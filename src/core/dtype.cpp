@@ -63,7 +63,7 @@ float from_f16(f16 x) {
 }
 
 uint8_t to_e4m3(float x) {
-  if (std::isnan(x)) return 0x7F;
+  if (std::isnan(x)) return std::signbit(x) ? 0xFF : 0x7F;  // the sign kept, as PyTorch's c10
   const uint8_t sign = std::signbit(x) ? 0x80 : 0x00;
   float a = std::fabs(x);
   if (a >= kE4M3Max) return sign | 0x7E;  // saturate (also +-inf)

@@ -7,12 +7,16 @@
 namespace mt {
 
 struct Batch {
-  Tensor tokens;           // i32 (N) input ids
-  Tensor targets;          // i32 (N) next-token ids
-  Tensor loss_mask;        // u8  (N) 1 where the target counts
-  Tensor positions;        // i32 (N) position within the document
-  Tensor cu_seqlens;       // i32 (S + 1) document boundaries, 0 ... N
-  int64_t max_seqlen = 0;  // the longest document (known on the host, never read back)
+  Tensor tokens;      // i32 (N) input ids
+  Tensor targets;     // i32 (N) next-token ids
+  Tensor loss_mask;   // u8  (N) 1 where the target counts
+  Tensor positions;   // i32 (N) position within the document
+  Tensor cu_seqlens;  // i32 (S + 1) document boundaries, 0 ... N
+  // u8 (N) 1 where the token is padding (a packed row's tail: no document, its own attention
+  // segment, no counted target, outside the routing statistics), else 0. Undefined: none.
+  Tensor padding;
+  int64_t max_seqlen = 0;      // the longest document (known on the host, never read back)
+  int64_t padding_tokens = 0;  // how many of `padding` are 1 (on the host)
   int64_t size() const { return tokens.numel(); }
   int64_t masked_tokens() const;
   ops::Documents documents() const {

@@ -109,6 +109,7 @@ void block_fill(const BlockParams& p, const ModelConfig& c, const BlockInputs& i
     ops::rmsnorm_forward(a.h, p.mlp_norm, c.rms_norm_eps, a.hn, a.mlp_rstd);
   }
   phase.emplace("moe.fill");
+  a.moe.padding = in.batch->padding;
   moe::moe_fill(p.moe, c.moe(), in.comms, in.router_bias, a.hn, a.moe, fill);
 }
 

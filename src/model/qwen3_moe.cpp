@@ -33,8 +33,11 @@ int64_t Batch::masked_tokens() const {
 }
 
 Batch Batch::to(Device device) const {
-  return {tokens.to(device),    targets.to(device),    loss_mask.to(device),
-          positions.to(device), cu_seqlens.to(device), max_seqlen};
+  Batch out = *this;
+  for (Tensor* t :
+       {&out.tokens, &out.targets, &out.loss_mask, &out.positions, &out.cu_seqlens, &out.padding})
+    if (t->defined()) *t = t->to(device);
+  return out;
 }
 
 namespace {
@@ -68,6 +71,7 @@ namespace captured {
 // What a captured pass depends on besides the values in its buffers.
 struct PassKey {
   int64_t tokens = 0, docs = 0, longest = 0;
+  bool padding_mask = false;                 // whether the pass reads Batch::padding
   std::vector<bool> expert_grads_unwritten;  // per layer: overwrite or accumulate
   std::vector<bool> grad_shards_stale;       // per group: zeroed by the pass or added to
   auto operator<=>(const PassKey&) const = default;
@@ -92,6 +96,7 @@ void stage_inputs(const Batch& padded, Batch& inputs) {
   inputs.loss_mask.copy_from(padded.loss_mask);
   inputs.positions.copy_from(padded.positions);
   inputs.cu_seqlens.copy_from(padded.cu_seqlens);
+  if (padded.padding.defined()) inputs.padding.copy_from(padded.padding);
 }
 
 }  // namespace captured
@@ -247,7 +252,12 @@ void Qwen3Moe::run_graphed(const Batch& b, const LossScale& scale) {
     graphs_->buffers = std::move(now);
   }
   const Batch padded = padded_documents(b);
-  captured::PassKey key{padded.size(), padded.cu_seqlens.numel() - 1, padded.max_seqlen, {}, {}};
+  captured::PassKey key{padded.size(),
+                        padded.cu_seqlens.numel() - 1,
+                        padded.max_seqlen,
+                        padded.padding.defined(),
+                        {},
+                        {}};
   std::vector<ParamGroup*> experts;
   for (size_t u = 1; u + 1 < units_.size(); ++u) experts.push_back(&units_[u].groups[1]);
   for (ParamGroup* g : experts) key.expert_grads_unwritten.push_back(g->grads_unwritten);
@@ -353,7 +363,8 @@ void Qwen3Moe::pass(const Batch& b, const LossScale* scale, Tensor* token_losses
     x = block_forward(bind_block_params(unit.groups), c, inputs[l], x, acts[l]);
     schedule.forward_end(l + 1);
     losses_.view(1 + l, {1}).copy_from(acts[l].aux_loss);
-    routed_.view(l * c.n_experts, {c.n_experts}).copy_from(acts[l].tokens_per_expert);
+    // The routing statistics' counts: the whole batch's (every rank), padding left out.
+    routed_.view(l * c.n_experts, {c.n_experts}).copy_from(acts[l].aux_stats.tokens_per_expert);
   }
   if (c.aux_loss_form == AuxLossForm::kTransformers) {
     // transformers' load_balancing_loss_func: one loss over all layers' routing as one batch,
@@ -363,7 +374,7 @@ void Qwen3Moe::pass(const Batch& b, const LossScale* scale, Tensor* token_losses
     ops::AuxStats pooled = ops::zero_aux_stats(acts[0].aux_stats);
     for (int64_t l = 0; l < L; ++l) ops::add_aux_stats(acts[l].aux_stats, pooled);
     for (int64_t l = 0; l < L; ++l) {
-      acts[l].aux_stats = {pooled.tokens_per_expert, acts[l].aux_stats.score_sum, pooled.tokens};
+      acts[l].aux_stats = {pooled.tokens_per_expert, acts[l].aux_stats.score_sum, pooled.top_k};
       acts[l].aux_loss = ops::router_aux_loss(acts[l].aux_stats);
       losses_.view(1 + l, {1}).copy_from(acts[l].aux_loss);
     }
@@ -466,9 +477,7 @@ void Qwen3Moe::head_and_loss(const Batch& b, const Tensor& xf, HeadGradients* gr
 void Qwen3Moe::update_router_biases() {
   if (cfg_.bias_update_rate <= 0) return;
   for (int64_t l = 0; l < cfg_.n_layers; ++l) {
-    Tensor global = expert_load_[l].clone();
-    if (comms_.batch) comms_.batch->all_reduce(global);
-    const int64_t* load = global.data<int64_t>();
+    const int64_t* load = expert_load_[l].data<int64_t>();  // the whole batch's already
     double mean = 0;
     for (int64_t e = 0; e < cfg_.n_experts; ++e) mean += static_cast<double>(load[e]);
     mean /= static_cast<double>(cfg_.n_experts);

@@ -44,8 +44,8 @@ class Qwen3Moe {
   const std::vector<ParamUnit>& units() const { return units_; }
   // Aux-loss-free balancing state: one (E) bias per layer (zero when the option is off).
   std::vector<Tensor>& router_biases() { return router_bias_; }
-  // Tokens this rank routed to each expert in this step, per layer (i64 (E), on the host); reset
-  // by zero_grad.
+  // Tokens of the whole batch (every rank's part; padding left out) routed to each expert in this
+  // step, per layer (i64 (E), on the host, the same on every rank); reset by zero_grad.
   const std::vector<Tensor>& step_expert_load() const { return expert_load_; }
   // Micro-batches run as replays of captured CUDA graphs (model.cuda_graphs; one GPU, or several
   // without expert parallelism) so far.
@@ -59,7 +59,7 @@ class Qwen3Moe {
   // the loss mask is 0).
   MicroBatchLosses forward(const Batch& b, Tensor* token_losses = nullptr);
   // bias_e += rate * sign(mean load - load_e) from this step's loads over all ranks
-  // (DeepSeek-V3 style). Collective on a mesh.
+  // (DeepSeek-V3 style); the loads are global already (step_expert_load), so no collective.
   void update_router_biases();
   dist::DeviceMesh* mesh() const { return mesh_; }
 
@@ -99,7 +99,7 @@ class Qwen3Moe {
   dist::DeviceMesh* mesh_ = nullptr;
   moe::MoeComms comms_;
   std::unique_ptr<moe::ExchangeLane> lane_;  // with ep > 1: where the exchanges run
-  std::vector<ParamUnit> units_;  // [0] embed, [1..L] layers, [L+1] head
+  std::vector<ParamUnit> units_;             // [0] embed, [1..L] layers, [L+1] head
   std::vector<Tensor> router_bias_;
   std::vector<Tensor> expert_load_;
   // On the model's device, written by pass(): [0] the loss sum, [1 + l] layer l's aux loss (f64);

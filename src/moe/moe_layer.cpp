@@ -238,14 +238,10 @@ void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, co
       }
     }
     ops::router_forward(a.logits, bias, router_options(c), a.routing);
-    a.aux_stats = ops::router_aux_stats(a.routing);
+    a.aux_stats = ops::router_aux_stats(a.routing, a.padding);
     if (comms.batch) {
       comms.batch->all_reduce(a.aux_stats.tokens_per_expert);
       comms.batch->all_reduce(a.aux_stats.score_sum);
-      // Every rank's micro-batch holds the same number of tokens (a packed batch: rows x
-      // seq_len), so the batch's count needs no collective: a host tensor's all-reduce would
-      // wait for the device, which a captured pass cannot.
-      a.aux_stats.tokens.data<int64_t>()[0] *= comms.batch->size();
     }
     a.aux_loss = ops::router_aux_loss(a.aux_stats);
     make_chunks(c, comms, hn, a, ex);
@@ -371,7 +367,8 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
   ex.join_all();
 
   Tensor dlogits = Tensor::empty({n, c.n_experts}, a.routing.scores.dtype(), dev);
-  ops::router_backward(a.routing, router_options(c), a.aux_stats, dweight, aux_grad, dlogits);
+  ops::router_backward(a.routing, router_options(c), a.aux_stats, a.padding, dweight, aux_grad,
+                       dlogits);
   if (w.router.dtype() != hn.dtype()) {
     // fp32 master weights (mixed precision): the router's GEMMs in fp32 on the up-cast input,
     // its input gradient added to the experts' in fp32 and rounded once.

@@ -91,6 +91,9 @@ struct MoeChunk {
 // What the forward leaves for the backward. A field left undefined is recomputed by moe_fill;
 // the chunks are made with the routing (one without EP).
 struct MoeActivations {
+  // u8 (N) or undefined, set by the caller: the tokens left out of the routing statistics (a
+  // packed row's padding, Batch::padding). An input, not an activation.
+  Tensor padding;
   Tensor logits;            // (N, E)       GEMM output
   ops::Routing routing;     // scores, choices, weights, counts
   ops::AuxStats aux_stats;  // of the whole batch (all ranks)

@@ -32,31 +32,37 @@ struct Routing {
 void router_forward(const Tensor& logits, const Tensor& bias, const RouterOptions& opt,
                     Routing& out);
 
-// What the load-balancing loss needs from a batch. When the batch is split over ranks these are
-// summed over ranks (all-reduce) so that every rank sees the loss of the whole batch.
+// What the load-balancing loss needs from a batch: its real tokens only (padding, Batch::padding,
+// is outside it, as transformers' load_balancing_loss_func leaves out what its attention mask
+// does). When the batch is split over ranks these are summed over ranks (all-reduce) so that
+// every rank sees the loss of the whole batch. The token count is not kept: every token makes
+// top_k choices, so it is sum(tokens_per_expert) / top_k, which the device reads where it is
+// (a captured pass cannot take a host count that changes from batch to batch).
 struct AuxStats {
-  Tensor tokens_per_expert;  // i64 (E) rows routed to each expert (on the routing's device)
-  Tensor score_sum;          // (E) sum over tokens of the scores (on the routing's device)
-  Tensor tokens;             // i64 (1) N, on the host: known there without a round trip
+  Tensor tokens_per_expert;  // i64 (E) choices of real tokens per expert (routing's device)
+  Tensor score_sum;          // (E) sum over real tokens of the scores (routing's device)
+  int64_t top_k = 1;
 };
-AuxStats router_aux_stats(const Routing& r);
+// padding: u8 (N), 1 where a token is left out; undefined: none is.
+AuxStats router_aux_stats(const Routing& r, const Tensor& padding);
 
-// pooled += layer, field by field (the counts, the score sums, the token count): the statistics
-// of several layers taken as one batch, as transformers' load_balancing_loss_func takes every
-// layer's router logits at once. `pooled` starts as zeros on the layer's device
-// (zero_aux_stats).
+// pooled += layer, field by field (the counts, the score sums): the statistics of several layers
+// taken as one batch, as transformers' load_balancing_loss_func takes every layer's router logits
+// at once. `pooled` starts as zeros on the layer's device (zero_aux_stats).
 AuxStats zero_aux_stats(const AuxStats& like);
 void add_aux_stats(const AuxStats& layer, AuxStats& pooled);
 
 // Switch-Transformer load-balancing loss as in HF Qwen3-MoE, per layer:
-//   aux = E * sum_e (tokens_per_expert[e] / N) * (score_sum[e] / N),
-// as one f64 element on the statistics' device (on the GPU it never visits the host).
+//   aux = E * sum_e (tokens_per_expert[e] / N) * (score_sum[e] / N),  N = sum(counts) / top_k,
+// as one f64 element on the statistics' device (on the GPU it never visits the host); 0 when N
+// is 0.
 Tensor router_aux_loss(const AuxStats& s);
 
 // dweight (N, k): gradient of the routing weights. aux_grad: d(total loss) / d(aux), with the
-// statistics the forward used. dlogits (N, E) overwritten. The counts are a step function: no
-// gradient flows through them.
+// statistics the forward used; padding tokens (as router_aux_stats) get no aux gradient.
+// dlogits (N, E) overwritten. The counts are a step function: no gradient flows through them.
 void router_backward(const Routing& r, const RouterOptions& opt, const AuxStats& stats,
-                     const Tensor& dweight, double aux_grad, Tensor& dlogits);
+                     const Tensor& padding, const Tensor& dweight, double aux_grad,
+                     Tensor& dlogits);
 
 }  // namespace mt::ops

@@ -112,7 +112,7 @@ std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
   }
   f.metadata["format"] = "moetrain-checkpoint-1";
   f.metadata["step"] = std::to_string(st.step);
-  f.metadata["data_position"] = std::to_string(st.data_position);
+  f.metadata["data_position"] = format_data_state(st.data_position);
   f.metadata["world"] = std::to_string(multi_rank(world) ? world->size() : 1);
   f.metadata["rank"] = std::to_string(multi_rank(world) ? world->rank() : 0);
   f.metadata["ep"] = std::to_string(model.mesh() ? model.mesh()->ep_size() : 1);
@@ -125,6 +125,21 @@ std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
                           (multi_rank(world) ? step_name : step_name + ".safetensors") + "\n");
   return multi_rank(world) ? (fs::path(dir) / step_name).string() : path;
 }
+
+namespace {
+// The loader's state from a file's metadata: integers >= 0 separated by commas.
+DataState data_position(const SafetensorsFile& f, const std::string& path) {
+  const auto it = f.metadata.find("data_position");
+  if (it == f.metadata.end())
+    throw CheckpointError(fmt::format("checkpoint: '{}' lacks data_position metadata", path));
+  const std::optional<DataState> s = parse_data_state(it->second);
+  if (!s)
+    throw CheckpointError(fmt::format(
+        "checkpoint: '{}' has data_position {}; it must be integers >= 0 separated by commas", path,
+        it->second.substr(0, 80)));
+  return *s;
+}
+}  // namespace
 
 namespace {
 // Every rank read its own file; before any rank touches its model or starts a collective of
@@ -204,8 +219,8 @@ std::vector<SafetensorsFile> read_all_ranks(const std::string& path, int64_t* wo
               "checkpoint: '{}': rank {}'s tensor {} fails its checksum: the file is corrupt", path,
               r, name));
     if (meta(f, "step") != meta(files[0], "step") ||
-        meta(f, "run_id") != meta(files[0], "run_id") || meta(f, "data_position") < 0 ||
-        meta(f, "rank") != r)
+        meta(f, "run_id") != meta(files[0], "run_id") ||
+        data_position(f, path) != data_position(files[0], path) || meta(f, "rank") != r)
       throw CheckpointError(fmt::format(
           "checkpoint: '{}': rank {}'s file is not of the same checkpoint as rank 0's (step, run "
           "or rank differ)",
@@ -267,7 +282,7 @@ TrainState load_resharded(const std::string& path, Qwen3Moe& model, AdamW& opt) 
   const std::vector<SafetensorsFile> files = read_all_ranks(path, &old_world, &old_ep);
   TrainState st;  // integers, checked by read_all_ranks
   st.step = std::stoll(files[0].metadata.at("step"));
-  st.data_position = std::stoll(files[0].metadata.at("data_position"));
+  st.data_position = data_position(files[0], path);
   st.run_id = std::stoll(files[0].metadata.at("run_id"));
   if (st.step < 0)
     throw CheckpointError(
@@ -412,16 +427,17 @@ TrainState load_checkpoint(const std::string& path_in, Qwen3Moe& model, AdamW& o
   TrainState st;
   try {
     st.step = std::stoll(f.metadata.at("step"));
-    st.data_position = std::stoll(f.metadata.at("data_position"));
+    st.data_position = data_position(f, path);
     if (const auto id = f.metadata.find("run_id"); id != f.metadata.end())
       st.run_id = std::stoll(id->second);
+  } catch (const CheckpointError&) {
+    throw;
   } catch (const std::exception&) {
     throw CheckpointError(fmt::format("checkpoint: '{}' lacks step/data_position metadata", path));
   }
-  if (st.step < 0 || st.data_position < 0)
+  if (st.step < 0)
     throw CheckpointError(
-        fmt::format("checkpoint: '{}' has step {} and data_position {}; both must be >= 0", path,
-                    st.step, st.data_position));
+        fmt::format("checkpoint: '{}' has step {}; it must be >= 0", path, st.step));
   if (multi_rank(world)) check_ranks_agree(path, f, st, *world);
   for_each_state(model, opt,
                  [&](const std::string& name, Tensor t) { t.copy_from(f.tensors.at(name)); });

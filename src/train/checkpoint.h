@@ -1,6 +1,7 @@
 // Checkpoints in safetensors: every parameter by name, the AdamW moments
 // ("optim.exp_avg.<name>", "optim.exp_avg_sq.<name>"), the router biases
-// ("buffers.layers.<i>.router_bias"), and in the metadata the step and the data position.
+// ("buffers.layers.<i>.router_bias"), and in the metadata the step and the data position (the
+// loader's state, integers >= 0 separated by commas).
 // Written atomically (temporary file, fsync, rename), then `latest` is pointed at it.
 //
 // On several ranks each rank writes what it owns to <dir>/step_<step>/rank_<r>.safetensors: the
@@ -13,14 +14,15 @@
 #include <string>
 
 #include "model/qwen3_moe.h"
+#include "train/data_loader.h"
 #include "train/optimizer.h"
 #include "train/safetensors.h"
 
 namespace mt {
 
 struct TrainState {
-  int64_t step = 0;           // optimizer steps completed
-  int64_t data_position = 0;  // the loader's position after that step
+  int64_t step = 0;               // optimizer steps completed
+  DataState data_position = {0};  // the loader's state after that step
   // The run the state belongs to (drawn by rank 0 when a run starts, kept across resumes; 0 in
   // files from before it was recorded): every rank's file must carry the same.
   int64_t run_id = 0;

@@ -18,7 +18,7 @@ namespace mt {
 
 namespace {
 
-enum class FieldType { kInt, kFloat, kBool, kString };
+enum class FieldType { kInt, kFloat, kBool, kString, kFileList };
 const char* type_name(FieldType t) {
   switch (t) {
     case FieldType::kInt:
@@ -29,6 +29,8 @@ const char* type_name(FieldType t) {
       return "true or false";
     case FieldType::kString:
       return "a string";
+    case FieldType::kFileList:
+      return "a list of {path = \"...\", weight = w}";
   }
   return "?";
 }
@@ -39,6 +41,7 @@ struct Value {
   double f = 0;
   bool b = false;
   std::string s;
+  std::vector<DataFile> files;
 };
 
 struct Field {
@@ -197,7 +200,24 @@ const std::vector<Field>& fields() {
                fmt::format("config: data.source = \"{}\" (valid: synthetic, tokens, sft)", v.s));
        }},
       member("data", "path", &Config::data, &D::path),
+      {"data", "mix", FieldType::kFileList,
+       [](Config& c, const Value& v) { c.data.mix = v.files; }},
       member("data", "shuffle", &Config::data, &D::shuffle),
+      {"data", "packing", FieldType::kString,
+       [](Config& c, const Value& v) {
+         Packing p;
+         if (!parse_packing(v.s, &p))
+           throw ConfigError(
+               fmt::format("config: data.packing = \"{}\" (valid: whole, stream)", v.s));
+         c.data.packing = p;
+       }},
+      member("data", "pack_window", &Config::data, &D::pack_window),
+      {"data", "overlong", FieldType::kString,
+       [](Config& c, const Value& v) {
+         if (!parse_overlong(v.s, &c.data.overlong))
+           throw ConfigError(
+               fmt::format("config: data.overlong = \"{}\" (valid: truncate, drop, error)", v.s));
+       }},
       member("data", "languages", &Config::data, &D::languages),
       member("data", "branching", &Config::data, &D::branching),
       member("data", "min_doc_len", &Config::data, &D::min_doc_len),
@@ -256,6 +276,38 @@ Value read_value(const toml::node& node, const Field& f) {
       if (!node.is_string()) throw wrong();
       v.s = node.as_string()->get();
       break;
+    case FieldType::kFileList: {
+      const toml::array* list = node.as_array();
+      if (!list || list->empty()) throw wrong();
+      for (size_t i = 0; i < list->size(); ++i) {
+        const toml::table* entry = list->get(i)->as_table();
+        const std::string at = fmt::format("{}[{}]", where, i);
+        if (!entry)
+          throw ConfigError(
+              fmt::format("config: {} must be a table {{path = \"...\", weight = w}}", at));
+        for (const auto& [key, _] : *entry)
+          if (key.str() != "path" && key.str() != "weight")
+            throw ConfigError(
+                fmt::format("config: unknown key {}.{} (valid: path, weight)", at, key.str()));
+        const auto path = entry->get_as<std::string>("path");
+        if (!path || path->get().empty())
+          throw ConfigError(fmt::format("config: {}.path must name a token file", at));
+        DataFile f{path->get(), 1.0};
+        if (const toml::node* w = entry->get("weight")) {
+          if (w->is_integer())
+            f.weight = static_cast<double>(w->as_integer()->get());
+          else if (w->is_floating_point())
+            f.weight = w->as_floating_point()->get();
+          else
+            throw ConfigError(fmt::format("config: {}.weight must be a number", at));
+        }
+        if (!std::isfinite(f.weight) || f.weight <= 0)
+          throw ConfigError(fmt::format("config: {}.weight = {} (the file '{}') must be > 0", at,
+                                        f.weight, f.path));
+        v.files.push_back(std::move(f));
+      }
+      break;
+    }
   }
   return v;
 }
@@ -368,9 +420,24 @@ void validate_config(const Config& c) {
           fmt::format("config: model.vocab_size = {} is too small for data.languages = {} with "
                       "data.branching = {} (needs vocab_size >= languages + 2 * branching)",
                       c.model.vocab_size, d.languages, d.branching));
-  } else if (d.path.empty()) {
-    throw ConfigError("config: data.path must name a token file when data.source is not synthetic");
+    if (!d.mix.empty())
+      throw ConfigError("config: data.mix needs data.source = \"tokens\" or \"sft\" (token files)");
+    if (d.resolved_packing() == Packing::kWhole)
+      throw ConfigError(
+          "config: data.packing = \"whole\" needs token files (data.source = \"tokens\" or "
+          "\"sft\"); the synthetic languages are a stream");
+  } else if (d.path.empty() && d.mix.empty()) {
+    throw ConfigError(
+        "config: data.path (or data.mix) must name a token file when data.source is not "
+        "synthetic");
+  } else if (!d.path.empty() && !d.mix.empty()) {
+    throw ConfigError(
+        fmt::format("config: data.path = '{}' and data.mix ({} files) both name the data; give one",
+                    d.path, d.mix.size()));
   }
+  if (d.pack_window < 1)
+    throw ConfigError(
+        fmt::format("config: data.pack_window = {} must be >= 1 (documents)", d.pack_window));
   const ParallelConfig& p = c.parallel;
   if (p.world < 1 || p.world > dist::kMaxWorld)
     throw ConfigError(

@@ -3,10 +3,12 @@
 // ConfigErrors naming the key (exit code 2).
 #pragma once
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "model/config.h"
+#include "train/packing.h"
 
 namespace mt {
 
@@ -30,18 +32,37 @@ struct TrainConfig {
 
 enum class DataSourceKind { kSynthetic, kTokens, kSft };
 
+// One token file of a blend (data.mix): documents are drawn in proportion to `weight`.
+struct DataFile {
+  std::string path;
+  double weight = 1;
+};
+
 struct DataConfig {
   DataSourceKind source = DataSourceKind::kSynthetic;
-  std::string path;  // token file for "tokens" and "sft"
+  std::string path;           // token file for "tokens" and "sft"
+  std::vector<DataFile> mix;  // instead of path: several files with weights
   // Token files: each epoch visits the documents in an order drawn from `seed` and the epoch
   // (false: the file's order).
   bool shuffle = true;
+  // Unset: whole for "sft", stream otherwise (train/packing.h).
+  std::optional<Packing> packing;
+  int64_t pack_window = 1000;  // whole packing: documents packed together
+  Overlong overlong = Overlong::kTruncate;
   // Synthetic mixture of stochastic languages (see train/synthetic_data.h).
   int64_t languages = 4;
   int64_t branching = 4;
   int64_t min_doc_len = 16;
   int64_t max_doc_len = 96;
   uint64_t seed = 7;
+
+  Packing resolved_packing() const {
+    return packing.value_or(source == DataSourceKind::kSft ? Packing::kWhole : Packing::kStream);
+  }
+  // data.path as a one-file mix, or data.mix.
+  std::vector<DataFile> files() const {
+    return mix.empty() ? std::vector<DataFile>{{path, 1.0}} : mix;
+  }
 };
 
 struct CheckpointConfig {
@@ -57,10 +78,10 @@ struct EvalConfig {
 };
 
 struct HardwareConfig {
-  std::string device = "auto";    // auto (the CLI picks the GPU when it can) | cpu | cuda
-  double peak_tflops = 0;         // for MFU; 0: estimate for the device
-  int64_t threads = 0;            // CPU threads; 0: all cores
-  bool cuda_graphs = true;        // replay each training pass as a CUDA graph (not with ep > 1)
+  std::string device = "auto";     // auto (the CLI picks the GPU when it can) | cpu | cuda
+  double peak_tflops = 0;          // for MFU; 0: estimate for the device
+  int64_t threads = 0;             // CPU threads; 0: all cores
+  bool cuda_graphs = true;         // replay each training pass as a CUDA graph (not with ep > 1)
   bool overlap_optimizer = false;  // the GPU's AdamW step beside the next forward (side stream)
 };
 

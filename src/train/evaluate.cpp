@@ -2,35 +2,77 @@
 
 #include <algorithm>
 
+#include "core/error.h"
 #include "train/data_loader.h"
+#include "train/packing.h"
 
 namespace mt {
 
+namespace {
+// Micro-batch b's documents (file indices), in placement order.
+using Bins = std::vector<std::vector<int64_t>>;
+
+int64_t doc_length(const TokenView& v, int64_t d) {
+  return static_cast<int64_t>(v.doc_offsets[d + 1] - v.doc_offsets[d]);
+}
+
+// Every document with a target (two tokens or more), packed into micro-batches of `capacity`
+// tokens.
+Bins pack_documents(const TokenView& v, int64_t capacity, const std::string& name) {
+  std::vector<int64_t> docs, lengths;
+  for (int64_t d = 0; d < v.num_docs; ++d) {
+    const int64_t len = doc_length(v, d);
+    if (len < 2) continue;
+    if (len > capacity)
+      throw DataError(fmt::format(
+          "data: document {} of '{}' has {} tokens; evaluation takes documents whole, up to "
+          "train.batch_rows x train.seq_len + 1 = {} tokens (raise either to evaluate it)",
+          d, name, len, capacity));
+    docs.push_back(d);
+    lengths.push_back(len);
+  }
+  Bins bins = first_fit_decreasing(lengths, capacity);
+  for (auto& bin : bins)
+    for (int64_t& i : bin) i = docs[i];
+  return bins;
+}
+
+PackedRow bin_row(const TokenView& v, const std::vector<int64_t>& bin, int64_t capacity) {
+  PackedRow row;
+  for (const int64_t d : bin)
+    for (uint64_t i = v.doc_offsets[d]; i < v.doc_offsets[d + 1]; ++i) {
+      row.tokens.push_back(static_cast<int32_t>(v.tokens[i]));
+      row.segment_start.push_back(i == v.doc_offsets[d]);
+      row.counts.push_back(!v.loss_mask || v.loss_mask[i]);
+    }
+  const auto used = static_cast<int64_t>(row.tokens.size());
+  if (used < capacity) row.padding_from = used;
+  row.tokens.resize(capacity, 0);
+  row.segment_start.resize(capacity, 0);
+  row.counts.resize(capacity, 0);
+  return row;
+}
+}  // namespace
+
 EvalResult evaluate_tokens(Qwen3Moe& model, const TokenView& docs, int64_t rows, int64_t seq_len,
-                           dist::Communicator* world, const TokenLossSink* per_token) {
-  const int64_t n = docs.num_tokens;
+                           dist::Communicator* world, const TokenLossSink* per_token,
+                           const std::string& name) {
   const int64_t ranks = world ? world->size() : 1, rank = world ? world->rank() : 0;
-  const int64_t total_rows = n > 1 ? (n - 1 + seq_len - 1) / seq_len : 0;
-  const int64_t per_batch = rows * ranks;
-  const int64_t batches = (total_rows + per_batch - 1) / per_batch;
+  const int64_t n = rows * seq_len;  // inputs per micro-batch
+  const Bins bins = pack_documents(docs, n + 1, name);
+  const int64_t batches = (static_cast<int64_t>(bins.size()) + ranks - 1) / ranks;
+  static const std::vector<int64_t> kNone;
+  std::vector<std::pair<int64_t, double>>
+      token_losses;  // rank 0, with per_token: sorted at the end
   double loss_sum = 0;
   int64_t tokens = 0;
   const ModelConfig& c = model.config();
   for (int64_t b = 0; b < batches; ++b) {
-    std::vector<PackedRow> packed;
-    for (int64_t r = 0; r < rows; ++r) {
-      const int64_t row = b * per_batch + rank * rows + r;
-      PackedRow p;
-      for (int64_t i = 0; i <= seq_len; ++i) {
-        const int64_t at = row * seq_len + i;
-        const bool real = row < total_rows && at < n;
-        p.tokens.push_back(real ? static_cast<int32_t>(docs.tokens[at]) : 0);
-        p.segment_start.push_back(real ? docs.is_doc_start(at) : 1);
-        p.counts.push_back(real && (!docs.loss_mask || docs.loss_mask[at]) ? 1 : 0);
-      }
-      packed.push_back(std::move(p));
-    }
-    Batch batch = pack_rows(packed, seq_len);
+    auto bin_of = [&](int64_t r) -> const std::vector<int64_t>& {
+      const int64_t i = b * ranks + r;
+      return i < static_cast<int64_t>(bins.size()) ? bins[i] : kNone;
+    };
+    Batch batch = pack_rows({bin_row(docs, bin_of(rank), n + 1)}, n);
     tokens += batch.masked_tokens();
     if (c.device != Device::kCPU) batch = batch.to(c.device);
     if (!per_token) {
@@ -39,7 +81,7 @@ EvalResult evaluate_tokens(Qwen3Moe& model, const TokenView& docs, int64_t rows,
     }
     Tensor losses = Tensor::empty({batch.size()}, c.stat_dtype(), c.device);
     loss_sum += model.forward(batch, &losses).ce_sum;
-    // Every rank's rows of this batch, in row order (rank-major), on rank 0.
+    // Every rank's micro-batch of this round, rank-major, on rank 0.
     const Tensor mine = losses.to(Device::kCPU).to(DType::kF64);
     Tensor all = mine;
     if (world && ranks > 1) {
@@ -47,16 +89,19 @@ EvalResult evaluate_tokens(Qwen3Moe& model, const TokenView& docs, int64_t rows,
       world->all_gather(mine, all);
     }
     if (rank != 0) continue;
-    for (int64_t r = 0; r < per_batch; ++r) {
-      const int64_t row = b * per_batch + r;
-      for (int64_t i = 0; i < seq_len; ++i) {
-        const int64_t target = row * seq_len + i + 1;
-        if (row >= total_rows || target >= n || docs.is_doc_start(target)) continue;
-        if (docs.loss_mask && !docs.loss_mask[target]) continue;
-        (*per_token)(target, all.data<double>()[r * seq_len + i]);
+    for (int64_t r = 0; r < ranks; ++r) {
+      int64_t at = 0;  // the document's first token in the micro-batch
+      for (const int64_t d : bin_of(r)) {
+        const int64_t first = static_cast<int64_t>(docs.doc_offsets[d]), len = doc_length(docs, d);
+        for (int64_t i = 1; i < len; ++i)  // target i of the document is input at + i - 1's
+          if (!docs.loss_mask || docs.loss_mask[first + i])
+            token_losses.emplace_back(first + i, all.data<double>()[r * n + at + i - 1]);
+        at += len;
       }
     }
   }
+  std::sort(token_losses.begin(), token_losses.end());
+  for (const auto& [target, loss] : token_losses) (*per_token)(target, loss);
   Tensor sums = Tensor::empty({2}, DType::kF64);
   sums.data<double>()[0] = loss_sum;
   sums.data<double>()[1] = static_cast<double>(tokens);

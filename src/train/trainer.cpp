@@ -69,6 +69,20 @@ int64_t cpu_peak_bytes() {
 
 }  // namespace
 
+RoutingBalance routing_balance(const Tensor& load) {
+  const int64_t e = load.numel();
+  int64_t total = 0, most = 0, idle = 0;
+  for (int64_t i = 0; i < e; ++i) {
+    const int64_t n = load.data<int64_t>()[i];
+    total += n;
+    most = std::max(most, n);
+    idle += n == 0;
+  }
+  const double mean = static_cast<double>(total) / static_cast<double>(e);
+  return {mean > 0 ? static_cast<double>(most) / mean : 0.0,
+          static_cast<double>(idle) / static_cast<double>(e)};
+}
+
 double peak_flops(const HardwareConfig& h) {
   if (h.peak_tflops > 0) return h.peak_tflops * 1e12;
   const int threads = h.threads > 0 ? static_cast<int>(h.threads) : omp_get_max_threads();
@@ -110,6 +124,7 @@ Trainer::Trainer(const Config& c, dist::Communicator* world) : cfg_(c), world_(w
   if (c.eval.every > 0)
     eval_docs_ = std::make_unique<MappedTokenFile>(c.eval.data, c.model.vocab_size);
   stats_ = data_->stats(c.train.seq_len);
+  packing_report_ = data_->packing_report(c.train.seq_len);
   flops_per_token_ = train_flops_per_token(c.model, c.train.seq_len);
   // In-process CPU ranks share one host: each rank's share of the host's peak. A GPU without
   // hardware.peak_tflops is measured against the H200's dense bf16 rate (989 TFLOP/s).
@@ -123,13 +138,13 @@ void Trainer::resume(const std::string& path) {
   const TrainState st = load_checkpoint(path, *model_, *opt_, world_);
   step_ = st.step;
   if (st.run_id != 0) run_id_ = st.run_id;
-  data_->set_position(st.data_position);
+  data_->set_state(st.data_position);
   if (is_rank0()) log::info("resumed from '{}' at step {}", path, step_);
 }
 
 std::string Trainer::save(const std::string& dir) {
   opt_->wait_for_update();
-  return save_checkpoint(dir, *model_, *opt_, {step_, data_->position(), run_id_}, world_);
+  return save_checkpoint(dir, *model_, *opt_, {step_, data_->state(), run_id_}, world_);
 }
 
 // A run's id: rank 0 draws 63 random bits (never 0), every rank gets them (a resume takes the
@@ -215,17 +230,20 @@ StepMetrics Trainer::train_step() {
   // Every micro-batch's loss is normalised by the step's total count of counted tokens, so
   // accumulation gives the gradient of one big batch.
   std::vector<Batch> micro;
-  Tensor counted_all = Tensor::zeros({1}, DType::kI64);
+  Tensor counted_all = Tensor::zeros({2}, DType::kI64);  // counted targets, padding tokens
   {
     const profile::Phase phase("data");
     for (int64_t i = 0; i < t.grad_accum; ++i) {
       micro.push_back(next_local_batch());
       counted_all.data<int64_t>()[0] += micro.back().masked_tokens();
+      counted_all.data<int64_t>()[1] += micro.back().padding_tokens;
     }
   }
   if (world_) world_->all_reduce(counted_all);
   maybe_inject_fault(world_ ? world_->rank() : 0, m.step, FaultPoint::kBeforePass);
   const int64_t counted = counted_all.data<int64_t>()[0];
+  m.pad_fraction = static_cast<double>(counted_all.data<int64_t>()[1]) /
+                   static_cast<double>(t.tokens_per_step() * world_size());
   const LossScale scale{1.0 / std::max<int64_t>(counted, 1),
                         cfg_.model.aux_loss_coef / static_cast<double>(t.grad_accum)};
   Tensor ce = Tensor::zeros({1}, DType::kF64);
@@ -256,6 +274,11 @@ StepMetrics Trainer::train_step() {
     const profile::Phase phase("optimizer");
     opt_->step(m.lr, m.step);
     model_->update_router_biases();
+  }
+  for (const Tensor& load : model_->step_expert_load()) {
+    const RoutingBalance b = routing_balance(load);
+    m.expert_load_max_over_mean.push_back(b.max_over_mean);
+    m.idle_expert_fraction.push_back(b.idle_fraction);
   }
   ++step_;
 
@@ -332,21 +355,25 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
     if (!metrics) throw ConfigError(fmt::format("cannot open --metrics '{}'", opt.metrics_path));
   }
   const ParamCounts pc = count_params(cfg_.model);
-  if (is_rank0())
+  if (is_rank0()) {
     log::info(
         "model: {} layers, dim {}, {} experts top-{}; {:.2f}M params ({:.2f}M active); "
-        "{} tokens/step; data floor {:.4f} nats, unigram {:.4f}",
+        "{} tokens/step; data{} unigram entropy {:.4f} nats",
         cfg_.model.n_layers, cfg_.model.dim, cfg_.model.n_experts, cfg_.model.top_k, pc.total / 1e6,
-        pc.active / 1e6, t.tokens_per_step() * world_size(), stats_.loss_floor,
+        pc.active / 1e6, t.tokens_per_step() * world_size(),
+        std::isfinite(stats_.loss_floor) ? fmt::format(" floor {:.4f} nats,", stats_.loss_floor)
+                                         : std::string(":"),
         stats_.unigram_entropy);
+    if (!packing_report_.empty()) log::info("data: {}", packing_report_);
+  }
   std::vector<StepMetrics> all;
   bool first_line = true;
   while (step_ < last) {
     StepMetrics m = train_step();
     if (eval_docs_ && (m.step % cfg_.eval.every == 0 || m.step == last)) {
       opt_->wait_for_update();
-      const EvalResult e =
-          evaluate_tokens(*model_, eval_docs_->view(), t.batch_rows, t.seq_len, world_);
+      const EvalResult e = evaluate_tokens(*model_, eval_docs_->view(), t.batch_rows, t.seq_len,
+                                           world_, nullptr, cfg_.eval.data);
       m.eval_loss = e.mean();
       if (is_rank0())
         log::info("eval at step {}: loss {:.4f} over {} tokens of '{}'", m.step, m.eval_loss,
@@ -363,6 +390,9 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
                                {"tokens_per_s", m.tokens_per_s},
                                {"mfu", m.mfu},
                                {"peak_bytes", m.peak_bytes}};
+      j["pad_fraction"] = m.pad_fraction;
+      j["expert_load_max_over_mean"] = m.expert_load_max_over_mean;
+      j["idle_expert_fraction"] = m.idle_expert_fraction;
       if (cfg_.parallel.ep > 1) {
         j["exchange_ms"] = m.exchange_ms;
         j["exchange_exposed_ms"] = m.exchange_exposed_ms;
@@ -379,11 +409,18 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
     if (is_rank0() && (m.step % t.log_every == 0 || m.step == last)) {
       // Clear the bar's line first so that the log line does not land after it.
       if (opt.progress_bar && m.step != last) std::fprintf(stderr, "\r\033[2K");
+      // The worst layer's routing.
+      const auto worst =
+          std::max_element(m.expert_load_max_over_mean.begin(), m.expert_load_max_over_mean.end()) -
+          m.expert_load_max_over_mean.begin();
       log::info(
           "step {:>5} | loss {:.4f} | aux {:.4f} | grad_norm {:.4f} | lr {:.3e} | "
-          "{:.0f} tok/s | mfu {:.2f}% | peak mem {:.1f} MiB{}",
+          "{:.0f} tok/s | mfu {:.2f}% | peak mem {:.1f} MiB | load max/mean {:.2f} idle {:.0f}% "
+          "(layer {}){}{}",
           m.step, m.loss, m.aux_loss, m.grad_norm, m.lr, m.tokens_per_s, 100 * m.mfu,
-          m.peak_bytes / 1048576.0,
+          m.peak_bytes / 1048576.0, m.expert_load_max_over_mean[worst],
+          100 * m.idle_expert_fraction[worst], worst,
+          m.pad_fraction > 0 ? fmt::format(" | pad {:.1f}%", 100 * m.pad_fraction) : "",
           cfg_.parallel.ep > 1 ? fmt::format(" | ep exchange {:.1f} ms ({:.1f} exposed)",
                                              m.exchange_ms, m.exchange_exposed_ms)
                                : "");

@@ -32,6 +32,13 @@ struct StepMetrics {
   double exchange_exposed_ms = 0;
   // Validation loss over eval.data after this step (eval.every); NaN when not evaluated.
   double eval_loss = std::numeric_limits<double>::quiet_NaN();
+  // Of the step's input tokens (every rank), the fraction that is row padding (whole packing).
+  double pad_fraction = 0;
+  // Routing over the step's whole batch (every rank, padding left out), per layer: the busiest
+  // expert's load over the mean load (1 = perfectly balanced; the "max violation" of aux-loss-free
+  // balancing), and the fraction of experts that received no token.
+  std::vector<double> expert_load_max_over_mean;
+  std::vector<double> idle_expert_fraction;
 };
 
 // What a new run does with a checkpoint.dir that already holds checkpoints (a `latest`):
@@ -82,11 +89,20 @@ class Trainer {
   std::unique_ptr<AdamW> opt_;
   std::unique_ptr<DataLoader> data_;
   DataStats stats_;
+  std::string packing_report_;  // the loader's, for the log at start
   double flops_per_token_ = 0;
   double peak_flops_ = 0;
   int64_t step_ = 0;
   int64_t run_id_ = 0;  // rank 0's draw, the same on every rank (TrainState::run_id)
 };
+
+// A layer's routing over a batch from its per-expert loads (i64 (E), on the host): the busiest
+// expert's load over the mean, and the fraction of experts with no token (0 and 1 for no load).
+struct RoutingBalance {
+  double max_over_mean = 0;
+  double idle_fraction = 0;
+};
+RoutingBalance routing_balance(const Tensor& load);
 
 // FLOP/s the MFU is measured against: hardware.peak_tflops when set, else an estimate for the
 // host CPU (cores x 32 fp32 FLOP/cycle, AVX2 FMA, at the reported clock).

@@ -69,9 +69,17 @@ float element_factor(MxScaleRule rule, uint8_t s) {
   return static_cast<float>(std::ldexp(1.0, 127 - s));
 }
 
+// The NaN a product makes is given its sign here rather than by the host's arithmetic, as
+// torchao's to_mx makes it with PyTorch's CPU kernels on x86 (its bytes in the test fixture; the
+// GPU kernels follow): in RCEIL's NaN block every element is the factor's NaN, positive; in
+// FLOOR's (x / inf) a NaN element keeps its own sign and an infinity is inf x 0, x86's default
+// NaN, negative.
 uint8_t quantize_element(float x, float factor) {
+  if (std::isnan(factor)) return 0x7F;
+  if (std::isnan(x)) return to_e4m3(x);
+  if (std::isinf(x) && factor == 0.0f) return 0xFF;
   const float scaled = x * factor;  // one f32 rounding (exact unless it underflows)
-  return to_e4m3(scaled);           // clamps to +-448, rounds to nearest even, NaN -> 0x7F
+  return to_e4m3(scaled);           // clamps to +-448, rounds to nearest even
 }
 
 // One block: its 32 elements into q, its scale returned.

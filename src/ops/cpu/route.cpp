@@ -79,19 +79,40 @@ void router_forward(const Tensor& logits, const Tensor& bias, const RouterOption
   });
 }
 
-AuxStats router_aux_stats(const Routing& r) {
+namespace {
+// Rows of r that count: none is padding.
+bool counts_row(const Tensor& padding, int64_t t) {
+  return !padding.defined() || padding.data<uint8_t>()[t] == 0;
+}
+// N of the statistics: every real token made top_k choices.
+double aux_tokens(const AuxStats& s) {
+  const Tensor counts = s.tokens_per_expert.to(Device::kCPU);
+  int64_t choices = 0;
+  for (int64_t c = 0; c < counts.numel(); ++c) choices += counts.data<int64_t>()[c];
+  return static_cast<double>(choices) / static_cast<double>(s.top_k);
+}
+}  // namespace
+
+AuxStats router_aux_stats(const Routing& r, const Tensor& padding) {
+  const int64_t n = r.scores.dim(0), e = r.scores.dim(1), k = r.expert_index.dim(1);
+  if (padding.defined()) {
+    expect_shape(padding, {n}, "padding mask");
+    expect_dtype(padding, DType::kU8, "padding mask");
+  }
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(r.scores)) return cuda::router_aux_stats(r);
+  if (on_gpu(r.scores)) return cuda::router_aux_stats(r, padding);
 #endif
-  const int64_t n = r.scores.dim(0), e = r.scores.dim(1);
-  AuxStats s{r.tokens_per_expert.clone(), Tensor::zeros({e}, r.scores.dtype()),
-             Tensor::empty({1}, DType::kI64)};
-  s.tokens.data<int64_t>()[0] = n;
+  AuxStats s{Tensor::zeros({e}, DType::kI64), Tensor::zeros({e}, r.scores.dtype()), k};
+  for (int64_t t = 0; t < n; ++t)
+    if (counts_row(padding, t))
+      for (int64_t j = 0; j < k; ++j)
+        s.tokens_per_expert.data<int64_t>()[r.expert_index.data<int32_t>()[t * k + j]] += 1;
   dispatch_float(r.scores.dtype(), [&](auto tag) {
     using T = decltype(tag);
     for (int64_t c = 0; c < e; ++c) {
       double sum = 0;
-      for (int64_t t = 0; t < n; ++t) sum += r.scores.data<T>()[t * e + c];
+      for (int64_t t = 0; t < n; ++t)
+        if (counts_row(padding, t)) sum += r.scores.data<T>()[t * e + c];
       s.score_sum.data<T>()[c] = static_cast<T>(sum);
     }
   });
@@ -99,11 +120,10 @@ AuxStats router_aux_stats(const Routing& r) {
 }
 
 AuxStats zero_aux_stats(const AuxStats& like) {
-  AuxStats s{
+  return {
       Tensor::zeros(like.tokens_per_expert.shape(), DType::kI64, like.tokens_per_expert.device()),
       Tensor::zeros(like.score_sum.shape(), like.score_sum.dtype(), like.score_sum.device()),
-      Tensor::zeros({1}, DType::kI64)};
-  return s;
+      like.top_k};
 }
 
 void add_aux_stats(const AuxStats& layer, AuxStats& pooled) {
@@ -111,11 +131,10 @@ void add_aux_stats(const AuxStats& layer, AuxStats& pooled) {
   MT_CHECK(pooled.score_sum.numel() == e && pooled.tokens_per_expert.numel() == e &&
                layer.tokens_per_expert.numel() == e &&
                pooled.score_sum.dtype() == layer.score_sum.dtype() &&
-               pooled.score_sum.device() == layer.score_sum.device(),
-           "aux statistics of {} experts ({}) added to {} ({})", e,
-           dtype_name(layer.score_sum.dtype()), pooled.score_sum.numel(),
-           dtype_name(pooled.score_sum.dtype()));
-  pooled.tokens.data<int64_t>()[0] += layer.tokens.data<int64_t>()[0];
+               pooled.score_sum.device() == layer.score_sum.device() && pooled.top_k == layer.top_k,
+           "aux statistics of {} experts ({}, top-{}) added to {} ({}, top-{})", e,
+           dtype_name(layer.score_sum.dtype()), layer.top_k, pooled.score_sum.numel(),
+           dtype_name(pooled.score_sum.dtype()), pooled.top_k);
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(layer.score_sum)) return cuda::add_aux_stats(layer, pooled);
 #endif
@@ -129,7 +148,7 @@ Tensor router_aux_loss(const AuxStats& s) {
   if (on_gpu(s.score_sum)) return cuda::router_aux_loss(s);
 #endif
   const int64_t e = s.score_sum.numel();
-  const double n = static_cast<double>(s.tokens.data<int64_t>()[0]);
+  const double n = aux_tokens(s);
   double aux = 0;
   for (int64_t c = 0; c < e && n > 0; ++c)
     aux +=
@@ -140,14 +159,16 @@ Tensor router_aux_loss(const AuxStats& s) {
 }
 
 void router_backward(const Routing& r, const RouterOptions& opt, const AuxStats& stats,
-                     const Tensor& dweight, double aux_grad, Tensor& dlogits) {
+                     const Tensor& padding, const Tensor& dweight, double aux_grad,
+                     Tensor& dlogits) {
   const int64_t n = r.scores.dim(0), e = r.scores.dim(1), k = opt.top_k;
-  const double total = static_cast<double>(stats.tokens.data<int64_t>()[0]);
+  if (padding.defined()) expect_shape(padding, {n}, "padding mask");
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(r.scores))
-    return cuda::router_backward(r, opt.top_k, opt.norm_topk_prob, stats, dweight, aux_grad,
-                                 dlogits);
+    return cuda::router_backward(r, opt.top_k, opt.norm_topk_prob, stats, padding, dweight,
+                                 aux_grad, dlogits);
 #endif
+  const double total = aux_tokens(stats);
   expect_shape(dweight, {n, k}, "router dweight");
   expect_shape(dlogits, {n, e}, "router dlogits");
   dispatch_float(r.scores.dtype(), [&](auto tag) {
@@ -159,8 +180,9 @@ void router_backward(const Routing& r, const RouterOptions& opt, const AuxStats&
       const int32_t* idx = r.expert_index.data<int32_t>() + t * k;
       const T* dw = dweight.data<T>() + t * k;
       // Aux loss: d/ds[t,c] of E * sum_c count_c/N * score_sum_c/N (N, counts: whole batch).
+      const bool aux = total > 0 && counts_row(padding, t);
       for (int64_t c = 0; c < e; ++c)
-        dscore[c] = aux_grad * e * static_cast<double>(count[c]) / (total * total);
+        dscore[c] = aux ? aux_grad * e * static_cast<double>(count[c]) / (total * total) : 0.0;
       if (opt.norm_topk_prob) {
         // w_j = s_j / S: ds_j = (dw_j - sum_i dw_i w_i) / S.
         double sum = 0, dot = 0;

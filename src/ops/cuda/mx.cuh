@@ -64,11 +64,21 @@ __device__ __forceinline__ BlockScale block_scale(MxScaleRule rule, uint32_t ama
   return from_exponent(s);
 }
 
-// Two products rounded to f32, then to E4M3 with saturation and round-to-nearest-even (NaN ->
-// 0x7F): the reference's to_e4m3(x * factor).
+// The E4M3 NaN byte of x * factor when that is NaN, signed as the reference's quantize_element
+// signs it (the GPU's own NaN results are canonical, positive): positive for a NaN factor
+// (RCEIL's NaN block), else x's own sign for a NaN x, negative for inf x 0 (FLOOR's NaN block).
+__device__ __forceinline__ uint16_t e4m3_nan(float x, float factor) {
+  return isnan(factor) ? 0x7F : isnan(x) ? (signbit(x) ? 0xFF : 0x7F) : 0xFF;
+}
+
+// Two products rounded to f32, then to E4M3 with saturation and round-to-nearest-even: the
+// reference's quantize_element (NaN bytes signed as it signs them).
 __device__ __forceinline__ uint16_t e4m3x2(float a, float b, float factor) {
-  return __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(a, factor), __fmul_rn(b, factor)),
-                                  __NV_SATFINITE, __NV_E4M3);
+  const float pa = __fmul_rn(a, factor), pb = __fmul_rn(b, factor);
+  uint16_t q = __nv_cvt_float2_to_fp8x2(make_float2(pa, pb), __NV_SATFINITE, __NV_E4M3);
+  if (isnan(pa)) q = (q & 0xFF00u) | e4m3_nan(a, factor);
+  if (isnan(pb)) q = (q & 0x00FFu) | (e4m3_nan(b, factor) << 8);
+  return q;
 }
 
 __device__ __forceinline__ float e8m0_value(uint8_t s) {

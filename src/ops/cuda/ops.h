@@ -62,11 +62,13 @@ void embedding_backward(const Tensor& ids, const Tensor& dout, Tensor& dtable);
 // Router and permutation (route.cpp, permute.cpp): logits, scores, weights f32; rows f32 or bf16.
 void router_forward(const Tensor& logits, const Tensor& bias, int top_k, bool norm_topk,
                     ops::RoutingMode mode, ops::Routing& out);
-ops::AuxStats router_aux_stats(const ops::Routing& r);  // counts and sums stay on the GPU
+ops::AuxStats router_aux_stats(const ops::Routing& r,
+                               const Tensor& padding);  // counts and sums stay on the GPU
 Tensor router_aux_loss(const ops::AuxStats& s);         // one f64 on the GPU
 void add_aux_stats(const ops::AuxStats& layer, ops::AuxStats& pooled);  // counts and sums
 void router_backward(const ops::Routing& r, int top_k, bool norm_topk, const ops::AuxStats& stats,
-                     const Tensor& dweight, double aux_grad, Tensor& dlogits);
+                     const Tensor& padding, const Tensor& dweight, double aux_grad,
+                     Tensor& dlogits);
 void make_expert_permutation(const Tensor& expert_index, int64_t experts, int64_t align,
                              int64_t routed, ops::ExpertPermutation& out);
 // Row moves copy 2- and 4-byte elements of any dtype; a negative index gives a zero row.

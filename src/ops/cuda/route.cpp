@@ -25,28 +25,34 @@ void router_forward(const Tensor& logits, const Tensor& bias, int top_k, bool no
       out.expert_weight.data<float>(), out.tokens_per_expert.data<int64_t>(), stream()));
 }
 
-ops::AuxStats router_aux_stats(const ops::Routing& r) {
+ops::AuxStats router_aux_stats(const ops::Routing& r, const Tensor& padding) {
   const profile::Phase phase("gpu.router_aux_stats");
-  const int64_t n = r.scores.dim(0), e = r.scores.dim(1);
-  ops::AuxStats s{r.tokens_per_expert.clone(), gpu_empty({e}, DType::kF32),
-                  Tensor::empty({1}, DType::kI64)};
+  const int64_t n = r.scores.dim(0), e = r.scores.dim(1), k = r.expert_index.dim(1);
+  const Tensor pad_tensor = padding.defined() ? on_device(padding) : Tensor();
+  const uint8_t* pad = pad_tensor.defined() ? pad_tensor.data<uint8_t>() : nullptr;
+  ops::AuxStats s{Tensor(), gpu_empty({e}, DType::kF32), k};
+  if (pad) {
+    s.tokens_per_expert = gpu_empty({e}, DType::kI64);
+    MT_CUDA_CHECK(kernels::expert_counts(r.expert_index.data<int32_t>(), pad, n,
+                                         static_cast<int>(e), static_cast<int>(k),
+                                         s.tokens_per_expert.data<int64_t>(), stream()));
+  } else {
+    s.tokens_per_expert = r.tokens_per_expert.clone();
+  }
   Tensor partial = gpu_empty(
       {static_cast<int64_t>(kernels::column_sum_workspace(static_cast<int>(e)) / sizeof(float))},
       DType::kF32);
-  MT_CUDA_CHECK(kernels::column_sum(r.scores.data<float>(), n, static_cast<int>(e),
+  MT_CUDA_CHECK(kernels::column_sum(r.scores.data<float>(), pad, n, static_cast<int>(e),
                                     partial.data<float>(), s.score_sum.data<float>(), stream()));
-  s.tokens.data<int64_t>()[0] = n;
   return s;
 }
 
 Tensor router_aux_loss(const ops::AuxStats& s) {
   const int64_t e = s.score_sum.numel();
-  const double n = static_cast<double>(s.tokens.item(0));
   Tensor out = gpu_empty({1}, DType::kF64);
   MT_CUDA_CHECK(kernels::router_aux_loss(on_device(s.tokens_per_expert).data<int64_t>(),
                                          s.score_sum.data<float>(), static_cast<int>(e),
-                                         n > 0 ? static_cast<double>(e) / (n * n) : 0.0,
-                                         out.data<double>(), stream()));
+                                         static_cast<int>(s.top_k), out.data<double>(), stream()));
   return out;
 }
 
@@ -58,15 +64,19 @@ void add_aux_stats(const ops::AuxStats& layer, ops::AuxStats& pooled) {
 }
 
 void router_backward(const ops::Routing& r, int top_k, bool norm_topk, const ops::AuxStats& stats,
-                     const Tensor& dweight, double aux_grad, Tensor& dlogits) {
+                     const Tensor& padding, const Tensor& dweight, double aux_grad,
+                     Tensor& dlogits) {
   const profile::Phase phase("gpu.router_backward");
   const int64_t n = r.scores.dim(0), e = r.scores.dim(1);
-  const double total = static_cast<double>(stats.tokens.item(0));
   const Tensor counts = on_device(stats.tokens_per_expert);
-  MT_CUDA_CHECK(kernels::router_backward(
-      r.scores.data<float>(), r.expert_index.data<int32_t>(), dweight.data<float>(),
-      counts.data<int64_t>(), aux_grad * static_cast<double>(e) / (total * total), n,
-      static_cast<int>(e), top_k, norm_topk, dlogits.data<float>(), stream()));
+  const Tensor pad = padding.defined() ? on_device(padding) : Tensor();
+  Tensor scale = gpu_empty(
+      {static_cast<int64_t>(kernels::router_backward_workspace() / sizeof(double))}, DType::kF64);
+  MT_CUDA_CHECK(kernels::router_backward(r.scores.data<float>(), r.expert_index.data<int32_t>(),
+                                         dweight.data<float>(), counts.data<int64_t>(),
+                                         pad.defined() ? pad.data<uint8_t>() : nullptr, aux_grad, n,
+                                         static_cast<int>(e), top_k, norm_topk,
+                                         scale.data<double>(), dlogits.data<float>(), stream()));
 }
 
 }  // namespace mt::cuda

@@ -108,14 +108,40 @@ __global__ void router_kernel(const float* logits, const float* bias, int64_t n,
 // (enough blocks to fill the GPU), then the chunks in order. Deterministic.
 constexpr int kSumChunks = 128;
 
-__global__ void column_sum_partial_kernel(const float* scores, int64_t n, int e, float* partial) {
+__global__ void column_sum_partial_kernel(const float* scores, const uint8_t* padding, int64_t n,
+                                          int e, float* partial) {
   const int c = blockIdx.x * blockDim.x + threadIdx.x;
   if (c >= e) return;
   const int64_t rows = (n + gridDim.y - 1) / gridDim.y;
   const int64_t begin = blockIdx.y * rows, end = min(n, begin + rows);
   float s = 0.f;
-  for (int64_t t = begin; t < end; ++t) s += scores[t * e + c];
+  for (int64_t t = begin; t < end; ++t)
+    if (!padding || !padding[t]) s += scores[t * e + c];
   partial[blockIdx.y * e + c] = s;
+}
+
+// The choices of the tokens that are not padding, per expert: a block histogram, then one atomic
+// per bin.
+__global__ void expert_counts_kernel(const int32_t* index, const uint8_t* padding, int64_t n, int e,
+                                     int k, int64_t* counts) {
+  extern __shared__ int hist[];
+  zero_block_histogram(hist, e);
+  const int64_t m = n * k;
+  for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < m;
+       i += int64_t{gridDim.x} * blockDim.x)
+    if (!padding[i / k]) atomicAdd(&hist[index[i]], 1);
+  flush_block_histogram(hist, e, counts);
+}
+
+// The aux term's scale, aux_grad * E / N^2 with N = sum(counts) / k the batch's real tokens
+// (0 when N is 0), for the backward to read: one block, a fixed-order sum (double: exact for
+// any count a batch has).
+__global__ void aux_scale_kernel(const int64_t* counts, int e, int k, double aux_grad,
+                                 double* scale) {
+  double choices = 0;
+  for (int c = threadIdx.x; c < e; c += kBlock) choices += static_cast<double>(counts[c]);
+  const double n = block_sum_fixed_order(choices) / k;
+  if (threadIdx.x == 0) *scale = n > 0 ? aux_grad * e / (n * n) : 0.0;
 }
 
 __global__ void column_sum_final_kernel(const float* partial, int chunks, int e, float* out) {
@@ -131,18 +157,19 @@ __global__ void column_sum_final_kernel(const float* partial, int chunks, int e,
 template <int kPerLane>
 __global__ void router_backward_kernel(const float* scores, const int32_t* index,
                                        const float* dweight, const int64_t* counts,
-                                       double aux_scale, int64_t n, int e, int k, bool norm_topk,
-                                       float* dlogits) {
+                                       const uint8_t* padding, const double* aux_scale, int64_t n,
+                                       int e, int k, bool norm_topk, float* dlogits) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t{gridDim.x} * (blockDim.x / 32);
   for (int64_t t = blockIdx.x * int64_t{blockDim.x / 32} + threadIdx.x / 32; t < n; t += warps) {
     const float* s_row = scores + t * e;
+    const double scale = padding && padding[t] ? 0.0 : *aux_scale;
     float s[kPerLane], ds[kPerLane];
 #pragma unroll
     for (int i = 0; i < kPerLane; ++i) {
       const int c = lane + 32 * i;
       s[i] = c < e ? s_row[c] : 0.f;
-      ds[i] = c < e ? static_cast<float>(aux_scale * counts[c]) : 0.f;
+      ds[i] = c < e ? static_cast<float>(scale * counts[c]) : 0.f;
     }
     // Lane j < k holds choice j.
     int chosen = 0;
@@ -188,13 +215,17 @@ __global__ void add_aux_stats_kernel(const int64_t* counts, const float* score_s
   pooled_sum[c] += score_sum[c];
 }
 
-__global__ void aux_loss_kernel(const int64_t* counts, const float* score_sum, int e, double scale,
+__global__ void aux_loss_kernel(const int64_t* counts, const float* score_sum, int e, int k,
                                 double* out) {
-  double s = 0;
-  for (int c = threadIdx.x; c < e; c += kBlock)
+  double s = 0, choices = 0;
+  for (int c = threadIdx.x; c < e; c += kBlock) {
     s += static_cast<double>(counts[c]) * static_cast<double>(score_sum[c]);
+    choices += static_cast<double>(counts[c]);
+  }
   s = block_sum_fixed_order(s);
-  if (threadIdx.x == 0) *out = scale * s;
+  __syncthreads();  // the tree's shared memory is used again
+  const double n = block_sum_fixed_order(choices) / k;
+  if (threadIdx.x == 0) *out = n > 0 ? static_cast<double>(e) / (n * n) * s : 0.0;
 }
 
 }  // namespace
@@ -221,9 +252,19 @@ cudaError_t router_forward(const float* logits, const float* bias, int64_t n, in
   return cudaGetLastError();
 }
 
-cudaError_t router_aux_loss(const int64_t* counts, const float* score_sum, int e, double scale,
+cudaError_t router_aux_loss(const int64_t* counts, const float* score_sum, int e, int top_k,
                             double* out, cudaStream_t stream) {
-  aux_loss_kernel<<<1, kBlock, 0, stream>>>(counts, score_sum, e, scale, out);
+  aux_loss_kernel<<<1, kBlock, 0, stream>>>(counts, score_sum, e, top_k, out);
+  return cudaGetLastError();
+}
+
+cudaError_t expert_counts(const int32_t* index, const uint8_t* padding, int64_t n, int e, int k,
+                          int64_t* counts, cudaStream_t stream) {
+  if (cudaError_t err = cudaMemsetAsync(counts, 0, sizeof(int64_t) * e, stream); err != cudaSuccess)
+    return err;
+  if (n == 0) return cudaSuccess;
+  const int grid = static_cast<int>(std::min<int64_t>((n * k + 255) / 256, 2 * sm_count()));
+  expert_counts_kernel<<<grid, 256, sizeof(int) * e, stream>>>(index, padding, n, e, k, counts);
   return cudaGetLastError();
 }
 
@@ -238,26 +279,32 @@ size_t column_sum_workspace(int e) {
   return sizeof(float) * kSumChunks * e;
 }
 
-cudaError_t column_sum(const float* scores, int64_t n, int e, float* partial, float* out,
-                       cudaStream_t stream) {
+cudaError_t column_sum(const float* scores, const uint8_t* padding, int64_t n, int e,
+                       float* partial, float* out, cudaStream_t stream) {
   const dim3 grid((e + 127) / 128, kSumChunks);
-  column_sum_partial_kernel<<<grid, 128, 0, stream>>>(scores, n, e, partial);
+  column_sum_partial_kernel<<<grid, 128, 0, stream>>>(scores, padding, n, e, partial);
   column_sum_final_kernel<<<(e + 127) / 128, 128, 0, stream>>>(partial, kSumChunks, e, out);
   return cudaGetLastError();
 }
 
+size_t router_backward_workspace() {
+  return sizeof(double);
+}
+
 cudaError_t router_backward(const float* scores, const int32_t* index, const float* dweight,
-                            const int64_t* counts, double aux_scale, int64_t n, int e, int k,
-                            bool norm_topk, float* dlogits, cudaStream_t stream) {
+                            const int64_t* counts, const uint8_t* padding, double aux_grad,
+                            int64_t n, int e, int k, bool norm_topk, double* workspace,
+                            float* dlogits, cudaStream_t stream) {
   if (k > kMaxTopK || e > kMaxExperts) return cudaErrorInvalidValue;
   if (n == 0) return cudaSuccess;
+  aux_scale_kernel<<<1, kBlock, 0, stream>>>(counts, e, k, aux_grad, workspace);
   const int grid = grid_for(n, kRouterWarps);  // one warp per token
   if (per_lane_for(e) == 4)
     router_backward_kernel<4><<<grid, 32 * kRouterWarps, 0, stream>>>(
-        scores, index, dweight, counts, aux_scale, n, e, k, norm_topk, dlogits);
+        scores, index, dweight, counts, padding, workspace, n, e, k, norm_topk, dlogits);
   else
     router_backward_kernel<kMaxExperts / 32><<<grid, 32 * kRouterWarps, 0, stream>>>(
-        scores, index, dweight, counts, aux_scale, n, e, k, norm_topk, dlogits);
+        scores, index, dweight, counts, padding, workspace, n, e, k, norm_topk, dlogits);
   return cudaGetLastError();
 }
 
