@@ -7,6 +7,7 @@
 #include <unistd.h>
 
 #include <atomic>
+#include <cerrno>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -53,6 +54,40 @@ inline Proc run_cmd(const std::string& cmd) {
   Proc p{WIFEXITED(status) ? WEXITSTATUS(status) : -1, read_file(out)};
   std::filesystem::remove(out);
   return p;
+}
+
+// The children of a process, and whether one has ended (or is a zombie).
+inline std::vector<pid_t> children_of(pid_t parent) {
+  std::vector<pid_t> out;
+  std::ifstream in("/proc/" + std::to_string(parent) + "/task/" + std::to_string(parent) +
+                   "/children");
+  for (pid_t p; in >> p;) out.push_back(p);
+  return out;
+}
+inline bool gone(pid_t pid) {
+  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
+  std::string pid_field, comm, state;
+  if (!(stat >> pid_field >> comm >> state)) return true;
+  return state == "Z" || state == "X";
+}
+
+// `cmd` started through the shell (exec'd, so the pid is the command's), output to `log`.
+inline pid_t spawn(const std::string& cmd, const std::string& log) {
+  const pid_t pid = ::fork();
+  if (pid == 0) {
+    const std::string line = "exec " + cmd + " >" + log + " 2>&1";
+    ::execl("/bin/sh", "sh", "-c", line.c_str(), static_cast<char*>(nullptr));
+    std::_Exit(127);
+  }
+  return pid;
+}
+
+// The exit code of a process this one started (128 + the signal that killed it).
+inline int wait_code(pid_t pid) {
+  int status = 0;
+  while (::waitpid(pid, &status, 0) < 0 && errno == EINTR) {
+  }
+  return WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status);
 }
 
 // A TCP port free on this machine now (for ranks started by hand, as torchrun would).

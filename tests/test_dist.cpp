@@ -1335,23 +1335,9 @@ TEST(Launch, ADeadRankStopsTheJobWithItsName) {
 
 // The launched ranks of a launcher, from /proc (its children), and whether a process is gone
 // (no such pid, or a zombie nobody reaps in a container).
-std::vector<pid_t> children_of(pid_t parent) {
-  std::vector<pid_t> out;
-  std::ifstream in("/proc/" + std::to_string(parent) + "/task/" + std::to_string(parent) +
-                   "/children");
-  for (pid_t p; in >> p;) out.push_back(p);
-  return out;
-}
-bool gone(pid_t pid) {
-  std::ifstream stat("/proc/" + std::to_string(pid) + "/stat");
-  std::string pid_field, comm, state;
-  if (!(stat >> pid_field >> comm >> state)) return true;
-  return state == "Z" || state == "X";
-}
-
-// Issue 17: killing `moetrain launch` left its ranks training. SIGTERM is forwarded (the
-// launcher exits 143 once its ranks stopped); after SIGKILL, which it cannot forward, the ranks
-// die with it (parent-death signal).
+// Issue 17: killing `moetrain launch` left its ranks training. SIGTERM is forwarded (the ranks
+// stop at their next step boundary and the launcher exits with their code, 7); after SIGKILL,
+// which it cannot forward, the ranks stop with it (parent-death signal: SIGTERM).
 TEST(Launch, RanksDieWithTheirLauncher) {
   const std::string long_run = std::string(" train --config ") + MOETRAIN_SOURCE_DIR +
                                "/configs/tiny.toml --set parallel.ep=2 --set train.steps=100000";
@@ -1367,7 +1353,7 @@ TEST(Launch, RanksDieWithTheirLauncher) {
     std::vector<pid_t> ranks;
     for (int i = 0; i < 100 && ranks.size() < 2; ++i) {  // up to 10 s for both ranks to start
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
-      ranks = children_of(launcher);
+      ranks = testing::children_of(launcher);
     }
     ASSERT_EQ(ranks.size(), 2u) << "signal " << sig;
     std::this_thread::sleep_for(std::chrono::seconds(1));  // training, past the rendezvous
@@ -1375,11 +1361,11 @@ TEST(Launch, RanksDieWithTheirLauncher) {
     int status = 0;
     ::waitpid(launcher, &status, 0);
     if (sig == SIGTERM) {
-      EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 128 + SIGTERM) << status;
+      EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 7) << status;
     }
     bool all_gone = false;
     for (int i = 0; i < 100 && !all_gone; ++i) {  // up to 10 s
-      all_gone = std::all_of(ranks.begin(), ranks.end(), gone);
+      all_gone = std::all_of(ranks.begin(), ranks.end(), testing::gone);
       if (!all_gone) std::this_thread::sleep_for(std::chrono::milliseconds(100));
     }
     EXPECT_TRUE(all_gone) << "signal " << sig << ": ranks outlived their launcher";

@@ -6,7 +6,8 @@
 //   export-hf --config F --resume C --out DIR [--dtype bf16|f32] : a Hugging Face directory
 //   launch -n N -- train ...     : N processes on this host, one rank each (torchrun's env)
 //   flops  --config F [--set ...] : parameter counts and training FLOPs per token
-// Exit codes: 0 ok, 1 internal error, 2 config/usage, 3 data, 4 checkpoint, 5 NaN/Inf.
+// Exit codes: 0 ok, 1 internal error, 2 config/usage, 3 data, 4 checkpoint, 5 NaN/Inf, 6 out of
+// GPU memory, 7 stopped by a signal (SIGTERM, SIGINT, SIGUSR1) with its checkpoint written.
 #include <unistd.h>
 
 #include <CLI/CLI.hpp>
@@ -27,6 +28,7 @@
 #include "train/evaluate.h"
 #include "train/hf_export.h"
 #include "train/hf_import.h"
+#include "train/stop_request.h"
 #include "train/token_file.h"
 #include "train/trainer.h"
 #if MOETRAIN_HAS_CUDA
@@ -225,6 +227,7 @@ void on_ranks(const Ranks& r, const std::function<void(mt::dist::Communicator*)>
 int run_train(const ConfigArgs& a, mt::RunOptions opt) {
   const Ranks r = prepare_ranks(a, opt.init_from);
   check_memory(r.config);
+  mt::install_stop_handlers(r.config.checkpoint.signal_deadline_s);
   opt.progress_bar = isatty(fileno(stderr));
   on_ranks(r, [&](mt::dist::Communicator* world) {
     mt::Trainer trainer(r.config, world);

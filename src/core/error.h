@@ -17,6 +17,8 @@ enum class ExitCode : int {
   kCheckpoint = 4,   // missing, corrupt or mismatched checkpoint
   kNumerical = 5,    // NaN/Inf in the loss or gradients
   kOutOfMemory = 6,  // the GPU cannot hold what the config asks for
+  kStopped = 7,      // stopped by a signal at a step boundary (train/stop_request.h)
+  kIo = 8,           // a write failed (a full disk, a path gone): the last good checkpoint stays
 };
 
 class Error : public std::runtime_error {
@@ -39,6 +41,13 @@ struct CheckpointError : Error {
 };
 struct NumericalError : Error {
   explicit NumericalError(const std::string& m) : Error(ExitCode::kNumerical, m) {}
+};
+struct IoError : Error {
+  explicit IoError(const std::string& m) : Error(ExitCode::kIo, m) {}
+};
+// Not a failure: the run stopped where it was asked to, its state saved (the message says where).
+struct StoppedBySignal : Error {
+  explicit StoppedBySignal(const std::string& m) : Error(ExitCode::kStopped, m) {}
 };
 
 // The host waited for the GPU inside a CUDA graph capture (a bug: a graphed pass must never

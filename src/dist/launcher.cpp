@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <initializer_list>
 #include <random>
 #include <thread>
 
@@ -56,10 +57,13 @@ int exit_code_of(int status) {
   return 128 + (WIFSIGNALED(status) ? WTERMSIG(status) : 0);
 }
 
-// SIGINT or SIGTERM received by the launcher (0: none): it is forwarded to every rank.
+// SIGINT, SIGTERM or SIGUSR1 received by the launcher (0: none), and how many: each is forwarded
+// to every rank.
 volatile sig_atomic_t g_forward_signal = 0;
+volatile sig_atomic_t g_signals = 0;
 void remember_signal(int sig) {
   g_forward_signal = sig;
+  g_signals = g_signals + 1;
 }
 
 }  // namespace
@@ -73,8 +77,7 @@ int launch_local(const LaunchOptions& opt) {
   struct sigaction forward {};
   forward.sa_handler = remember_signal;
   sigemptyset(&forward.sa_mask);
-  ::sigaction(SIGINT, &forward, nullptr);
-  ::sigaction(SIGTERM, &forward, nullptr);
+  for (const int sig : {SIGINT, SIGTERM, SIGUSR1}) ::sigaction(sig, &forward, nullptr);
   const pid_t launcher = ::getpid();
   std::vector<pid_t> pids(opt.nproc, -1);
   for (int r = 0; r < opt.nproc; ++r) {
@@ -86,8 +89,7 @@ int launch_local(const LaunchOptions& opt) {
       // launcher is already gone, the rank does not start.
       ::prctl(PR_SET_PDEATHSIG, SIGTERM);
       if (::getppid() != launcher) std::_Exit(128 + SIGTERM);
-      ::signal(SIGINT, SIG_DFL);
-      ::signal(SIGTERM, SIG_DFL);
+      for (const int sig : {SIGINT, SIGTERM, SIGUSR1}) ::signal(sig, SIG_DFL);
       ::setenv("RANK", std::to_string(r).c_str(), 1);
       ::setenv("LOCAL_RANK", std::to_string(r).c_str(), 1);
       ::setenv("WORLD_SIZE", std::to_string(opt.nproc).c_str(), 1);
@@ -106,8 +108,10 @@ int launch_local(const LaunchOptions& opt) {
     pids[r] = pid;
   }
   int result = 0, running = opt.nproc;
-  bool stopping = false;
-  auto deadline = std::chrono::steady_clock::now();
+  bool stopping = false;   // the ranks were told to stop (a failure, or a second signal)
+  bool forwarded = false;  // a signal was passed on: the ranks stop at a step boundary
+  int signals_seen = 0;
+  auto deadline = std::chrono::steady_clock::time_point::max();
   // Sends `sig` to every rank still running; after the grace period they get SIGKILL.
   const auto stop_all = [&](int sig, int exit_code) {
     result = exit_code;
@@ -119,13 +123,27 @@ int launch_local(const LaunchOptions& opt) {
       if (p > 0) ::kill(p, sig);
   };
   while (running > 0) {
-    if (const int sig = g_forward_signal; sig != 0 && !stopping) {
-      std::fprintf(stderr, "moetrain launch: %s received; stopping %d rank(s)\n", strsignal(sig),
-                   running);
-      stop_all(sig, 128 + sig);
+    if (const int seen = g_signals; seen != signals_seen && !stopping) {
+      signals_seen = seen;
+      const int sig = g_forward_signal;
+      if (!forwarded) {
+        // The ranks finish their step, write a checkpoint and exit (ExitCode::kStopped), in their
+        // own time (checkpoint.signal_deadline_s bounds it): no deadline here.
+        std::fprintf(stderr,
+                     "moetrain launch: %s received; %d rank(s) stop at their next step "
+                     "boundary (again to stop them at once)\n",
+                     strsignal(sig), running);
+        forwarded = true;
+        for (pid_t p : pids)
+          if (p > 0) ::kill(p, sig);
+      } else {
+        std::fprintf(stderr, "moetrain launch: %s received again; stopping %d rank(s) now\n",
+                     strsignal(sig), running);
+        stop_all(sig, 128 + sig);
+      }
     }
     int status = 0;
-    const pid_t pid = ::waitpid(-1, &status, stopping ? WNOHANG : 0);
+    const pid_t pid = ::waitpid(-1, &status, stopping || forwarded ? WNOHANG : 0);
     if (pid == 0) {  // stopping, nobody exited yet
       if (std::chrono::steady_clock::now() > deadline) {
         for (pid_t p : pids)
@@ -142,6 +160,13 @@ int launch_local(const LaunchOptions& opt) {
     if (rank >= opt.nproc) continue;
     pids[rank] = -1;
     --running;
+    // Stopped as asked (a signal to the launcher or to any rank: the ranks agree at a step
+    // boundary and each writes its part of the checkpoint): their own code, not a failure.
+    if (!stopping && WIFEXITED(status) &&
+        WEXITSTATUS(status) == static_cast<int>(ExitCode::kStopped)) {
+      result = WEXITSTATUS(status);
+      continue;
+    }
     const bool failed = !WIFEXITED(status) || WEXITSTATUS(status) != 0;
     const bool our_kill =
         stopping && WIFSIGNALED(status) &&

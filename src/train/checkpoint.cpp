@@ -1,6 +1,12 @@
 #include "train/checkpoint.h"
 
+#include <fcntl.h>
+#include <sys/file.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <array>
+#include <charconv>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
@@ -67,6 +73,27 @@ std::string checksum(const Tensor& host) {
   return fmt::format("{:016x}", XXH3_64bits(host.raw(), host.nbytes()));
 }
 
+// A metadata integer, strictly: decimal digits (a leading '-' allowed) and nothing else ("1e3"
+// and "20abc" are not integers); nullopt otherwise.
+std::optional<int64_t> strict_integer(const std::string& text) {
+  int64_t v = 0;
+  const char* end = text.data() + text.size();
+  const auto [ptr, ec] = std::from_chars(text.data(), end, v);
+  if (text.empty() || ec != std::errc() || ptr != end) return std::nullopt;
+  return v;
+}
+// The integer under `key` of a checkpoint file's metadata; CheckpointError naming both.
+int64_t metadata_integer(const SafetensorsFile& f, const std::string& path, const char* key) {
+  const auto it = f.metadata.find(key);
+  const std::optional<int64_t> v =
+      it == f.metadata.end() ? std::nullopt : strict_integer(it->second);
+  if (!v)
+    throw CheckpointError(fmt::format(
+        "checkpoint: '{}' has {} metadata {}; it must be an integer", path, key,
+        it == f.metadata.end() ? std::string("missing") : "'" + it->second.substr(0, 80) + "'"));
+  return *v;
+}
+
 bool multi_rank(const dist::Communicator* world) {
   return world && world->size() > 1;
 }
@@ -76,7 +103,7 @@ std::string rank_file(int rank) {
 }  // namespace
 
 std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
-                            const TrainState& st, dist::Communicator* world) {
+                            const TrainState& st, dist::Communicator* world, int64_t keep) {
   namespace fs = std::filesystem;
   const std::string step_name = fmt::format("step_{:08d}", st.step);
   std::string path;
@@ -120,10 +147,73 @@ std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
   write_safetensors(path, f);
   // `latest` moves only once every rank's file is complete.
   if (multi_rank(world)) world->barrier();
-  if (!multi_rank(world) || world->rank() == 0)
+  if (!multi_rank(world) || world->rank() == 0) {
     write_file_atomically((fs::path(dir) / "latest").string(),
                           (multi_rank(world) ? step_name : step_name + ".safetensors") + "\n");
+    if (keep > 0) prune_checkpoints(dir, keep, st.step);
+  }
   return multi_rank(world) ? (fs::path(dir) / step_name).string() : path;
+}
+
+std::unique_ptr<DirectoryLock> DirectoryLock::try_acquire(const std::string& dir,
+                                                          std::string* holder) {
+  const std::string path = (std::filesystem::path(dir) / ".moetrain.lock").string();
+  const int fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+  if (fd < 0)
+    throw ConfigError(fmt::format("config: checkpoint.dir = '{}': cannot create its lock '{}': {}",
+                                  dir, path, std::strerror(errno)));
+  if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+    char text[256] = {};
+    const ssize_t n = ::pread(fd, text, sizeof(text) - 1, 0);
+    *holder = n > 0 ? std::string(text, static_cast<size_t>(n)) : std::string("an unknown run");
+    while (!holder->empty() && holder->back() == '\n') holder->pop_back();
+    ::close(fd);
+    return nullptr;
+  }
+  char host[256] = {};
+  ::gethostname(host, sizeof(host) - 1);
+  const std::string me = fmt::format("pid {} on host {}\n", ::getpid(), host);
+  if (::ftruncate(fd, 0) != 0 || ::pwrite(fd, me.data(), me.size(), 0) < 0) {
+    const int err = errno;
+    ::close(fd);
+    throw IoError(
+        fmt::format("checkpoint: cannot write the lock '{}': {}", path, std::strerror(err)));
+  }
+  return std::unique_ptr<DirectoryLock>(new DirectoryLock(fd));
+}
+
+DirectoryLock::~DirectoryLock() {
+  ::close(fd_);  // releases the flock; the file stays (removing it would race a new holder)
+}
+
+std::vector<std::pair<int64_t, std::string>> checkpoints_in(const std::string& dir) {
+  namespace fs = std::filesystem;
+  std::vector<std::pair<int64_t, std::string>> out;
+  std::error_code ec;
+  for (const auto& entry : fs::directory_iterator(dir, ec)) {
+    const std::string name = entry.path().filename().string();
+    if (name.size() < 13 || name.rfind("step_", 0) != 0) continue;
+    const std::string digits = name.substr(5, 8);
+    const std::string rest = name.substr(13);
+    if (rest != "" && rest != ".safetensors") continue;
+    if (const std::optional<int64_t> step = strict_integer(digits); step && *step >= 0)
+      out.emplace_back(*step, entry.path().string());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+void prune_checkpoints(const std::string& dir, int64_t keep, int64_t published) {
+  std::vector<std::pair<int64_t, std::string>> older;
+  for (auto& c : checkpoints_in(dir))
+    if (c.first <= published) older.push_back(std::move(c));
+  for (size_t i = 0; i + static_cast<size_t>(keep) < older.size(); ++i) {
+    std::error_code ec;
+    std::filesystem::remove_all(older[i].second, ec);
+    if (ec)
+      throw IoError(fmt::format("checkpoint: cannot remove '{}' (checkpoint.keep = {}): {}",
+                                older[i].second, keep, ec.message()));
+  }
 }
 
 namespace {
@@ -152,7 +242,7 @@ void check_ranks_agree(const std::string& path, const SafetensorsFile& f, const 
   const auto recorded = f.metadata.find("rank");
   Tensor mine = Tensor::empty({3}, DType::kI64);
   mine.data<int64_t>()[0] = st.step;
-  mine.data<int64_t>()[1] = recorded == f.metadata.end() ? -1 : std::stoll(recorded->second);
+  mine.data<int64_t>()[1] = recorded == f.metadata.end() ? -1 : metadata_integer(f, path, "rank");
   mine.data<int64_t>()[2] = st.run_id;
   Tensor all = Tensor::empty({3 * world.size()}, DType::kI64);  // host: NCCL copies it over
   world.all_gather(mine, all);
@@ -195,13 +285,7 @@ std::vector<SafetensorsFile> read_all_ranks(const std::string& path, int64_t* wo
     files.push_back(read_safetensors((fs::path(path) / rank_file(0)).string()));
   }
   const auto meta = [&](const SafetensorsFile& f, const char* key) -> int64_t {
-    const auto it = f.metadata.find(key);
-    try {
-      if (it != f.metadata.end()) return std::stoll(it->second);
-    } catch (const std::exception&) {
-    }
-    throw CheckpointError(
-        fmt::format("checkpoint: '{}' lacks {} metadata (an integer)", path, key));
+    return metadata_integer(f, path, key);
   };
   *world = meta(files[0], "world");
   *ep = meta(files[0], "ep");
@@ -281,9 +365,9 @@ TrainState load_resharded(const std::string& path, Qwen3Moe& model, AdamW& opt) 
   int64_t old_world = 1, old_ep = 1;
   const std::vector<SafetensorsFile> files = read_all_ranks(path, &old_world, &old_ep);
   TrainState st;  // integers, checked by read_all_ranks
-  st.step = std::stoll(files[0].metadata.at("step"));
+  st.step = metadata_integer(files[0], path, "step");
   st.data_position = data_position(files[0], path);
-  st.run_id = std::stoll(files[0].metadata.at("run_id"));
+  st.run_id = metadata_integer(files[0], path, "run_id");
   if (st.step < 0)
     throw CheckpointError(
         fmt::format("checkpoint: '{}' has step {}; it must be >= 0", path, st.step));
@@ -425,16 +509,9 @@ TrainState load_checkpoint(const std::string& path_in, Qwen3Moe& model, AdamW& o
   });
   // The metadata first: a checkpoint refused here leaves the model as it was.
   TrainState st;
-  try {
-    st.step = std::stoll(f.metadata.at("step"));
-    st.data_position = data_position(f, path);
-    if (const auto id = f.metadata.find("run_id"); id != f.metadata.end())
-      st.run_id = std::stoll(id->second);
-  } catch (const CheckpointError&) {
-    throw;
-  } catch (const std::exception&) {
-    throw CheckpointError(fmt::format("checkpoint: '{}' lacks step/data_position metadata", path));
-  }
+  st.step = metadata_integer(f, path, "step");
+  st.data_position = data_position(f, path);
+  if (f.metadata.count("run_id")) st.run_id = metadata_integer(f, path, "run_id");
   if (st.step < 0)
     throw CheckpointError(
         fmt::format("checkpoint: '{}' has step {}; it must be >= 0", path, st.step));

@@ -10,8 +10,11 @@
 #pragma once
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "model/qwen3_moe.h"
 #include "train/data_loader.h"
@@ -28,13 +31,38 @@ struct TrainState {
   int64_t run_id = 0;
 };
 
-// Writes <dir>/step_<step>.safetensors and <dir>/latest; returns the checkpoint's path.
+// Writes <dir>/step_<step>.safetensors and <dir>/latest; returns the checkpoint's path. keep > 0:
+// then only the newest `keep` checkpoints up to this one stay (checkpoint.keep; older ones are
+// removed after `latest` names the new one).
 std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
-                            const TrainState& st, dist::Communicator* world = nullptr);
+                            const TrainState& st, dist::Communicator* world = nullptr,
+                            int64_t keep = 0);
+// The checkpoints in a directory (step_NNNNNNNN.safetensors files and step_NNNNNNNN folders), by
+// step, with their paths.
+std::vector<std::pair<int64_t, std::string>> checkpoints_in(const std::string& dir);
+// Removes all but the newest `keep` checkpoints at or below step `published` (IoError naming
+// what could not be removed).
+void prune_checkpoints(const std::string& dir, int64_t keep, int64_t published);
 // `path` is a checkpoint file or a directory (then its `latest`). Every tensor must be present
 // with the model's shape and dtype; errors are CheckpointErrors naming the tensor.
 TrainState load_checkpoint(const std::string& path, Qwen3Moe& model, AdamW& opt,
                            dist::Communicator* world = nullptr);
+
+// One writer per checkpoint directory: an exclusive flock on <dir>/.moetrain.lock, which holds the
+// pid and host of its holder. The kernel drops it when the holder exits however it exits (even
+// SIGKILL), so a dead run's lock is taken over by the next without a word.
+class DirectoryLock {
+ public:
+  // The lock, or (someone holds it) nullptr with `holder` set to what its file says.
+  static std::unique_ptr<DirectoryLock> try_acquire(const std::string& dir, std::string* holder);
+  ~DirectoryLock();
+  DirectoryLock(const DirectoryLock&) = delete;
+  DirectoryLock& operator=(const DirectoryLock&) = delete;
+
+ private:
+  explicit DirectoryLock(int fd) : fd_(fd) {}
+  int fd_;
+};
 
 // The checkpoint <dir>/latest names (a file or a step folder in dir): nullopt when there is no
 // `latest`, empty when it names nothing.

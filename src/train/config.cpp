@@ -225,6 +225,9 @@ const std::vector<Field>& fields() {
       member("data", "seed", &Config::data, &D::seed),
       member("checkpoint", "dir", &Config::checkpoint, &CheckpointConfig::dir),
       member("checkpoint", "every", &Config::checkpoint, &CheckpointConfig::every),
+      member("checkpoint", "keep", &Config::checkpoint, &CheckpointConfig::keep),
+      member("checkpoint", "signal_deadline_s", &Config::checkpoint,
+             &CheckpointConfig::signal_deadline_s),
       member("eval", "data", &Config::eval, &EvalConfig::data),
       member("eval", "every", &Config::eval, &EvalConfig::every),
       member("parallel", "world", &Config::parallel, &ParallelConfig::world),
@@ -456,6 +459,13 @@ void validate_config(const Config& c) {
     throw ConfigError(fmt::format("config: parallel.ep_exchange_ctas = {} must be in [1, 1024]",
                                   p.ep_exchange_ctas));
   if (c.checkpoint.every < 0) throw ConfigError("config: checkpoint.every must be >= 0");
+  if (c.checkpoint.keep < 0)
+    throw ConfigError(
+        fmt::format("config: checkpoint.keep = {} must be >= 0 (0: keep all)", c.checkpoint.keep));
+  if (c.checkpoint.signal_deadline_s < 0)
+    throw ConfigError(
+        fmt::format("config: checkpoint.signal_deadline_s = {} must be >= 0 (0: no deadline)",
+                    c.checkpoint.signal_deadline_s));
   if (c.eval.every < 0)
     throw ConfigError(fmt::format("config: eval.every = {} must be >= 0", c.eval.every));
   if (c.eval.every > 0 && c.eval.data.empty())

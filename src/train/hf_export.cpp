@@ -126,11 +126,15 @@ void export_hf(Qwen3Moe& model, const std::string& out_dir, DType dtype, dist::C
   const bool writes = !world || world->rank() == 0;
   const ShardPlan plan = plan_shards(model, dtype, max_shard_bytes);
   std::vector<std::unique_ptr<SafetensorsWriter>> files;
+  // Written into a sibling folder and renamed into place when complete: a failed export leaves
+  // out_dir as it was.
+  const std::string partial = out_dir + ".partial";
   if (writes) {
-    fs::create_directories(out_dir);
+    fs::remove_all(partial);
+    fs::create_directories(partial);
     for (size_t i = 0; i < plan.shards.size(); ++i)
       files.push_back(std::make_unique<SafetensorsWriter>(
-          (fs::path(out_dir) / plan.file(i)).string(), plan.shards[i],
+          (fs::path(partial) / plan.file(i)).string(), plan.shards[i],
           std::map<std::string, std::string>{{"format", "pt"}}));
   }
   // One parameter at a time: rank 0 holds one whole parameter and its HF tensors, never the model.
@@ -169,11 +173,18 @@ void export_hf(Qwen3Moe& model, const std::string& out_dir, DType dtype, dist::C
     nlohmann::json index;
     index["metadata"] = {{"total_size", plan.total_bytes}};
     for (const auto& [name, shard] : plan.shard_of) index["weight_map"][name] = plan.file(shard);
-    write_file_atomically((fs::path(out_dir) / "model.safetensors.index.json").string(),
+    write_file_atomically((fs::path(partial) / "model.safetensors.index.json").string(),
                           index.dump(2) + "\n");
   }
-  write_file_atomically((fs::path(out_dir) / "config.json").string(),
+  write_file_atomically((fs::path(partial) / "config.json").string(),
                         hf_config(c, dtype).dump(2) + "\n");
+  // An earlier export in out_dir steps aside first (a folder cannot be renamed onto a full one).
+  const std::string old = out_dir + ".old";
+  std::error_code ec;
+  fs::remove_all(old, ec);
+  if (fs::exists(out_dir)) fs::rename(out_dir, old);
+  fs::rename(partial, out_dir);
+  fs::remove_all(old, ec);
 }
 
 }  // namespace mt

@@ -230,7 +230,7 @@ void load_hf_weights(const std::string& dir, Qwen3Moe& model) {
       }
       g.shard.copy_from(host);
       fsdp::drop_compute_copies(g);  // cast (and MX-copied) again at the next gather
-      hf.release_pages();    // a rank holds one group's source pages at a time
+      hf.release_pages();            // a rank holds one group's source pages at a time
     }
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();

@@ -3,16 +3,19 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
 #include <string_view>
 
+#include "core/atomic_file.h"
 #include "core/log.h"
 #include "core/profile.h"
 #include "model/flops.h"
@@ -21,6 +24,7 @@
 #include "train/evaluate.h"
 #include "train/hf_export.h"
 #include "train/hf_import.h"
+#include "train/stop_request.h"
 #if MOETRAIN_HAS_CUDA
 #include "core/cuda/device.h"
 #endif
@@ -144,7 +148,8 @@ void Trainer::resume(const std::string& path) {
 
 std::string Trainer::save(const std::string& dir) {
   opt_->wait_for_update();
-  return save_checkpoint(dir, *model_, *opt_, {step_, data_->state(), run_id_}, world_);
+  return save_checkpoint(dir, *model_, *opt_, {step_, data_->state(), run_id_}, world_,
+                         cfg_.checkpoint.keep);
 }
 
 // A run's id: rank 0 draws 63 random bits (never 0), every rank gets them (a resume takes the
@@ -218,8 +223,9 @@ void maybe_inject_fault(int rank, int64_t step, FaultPoint at) {
 }
 }  // namespace
 
-StepMetrics Trainer::train_step() {
+std::optional<StepMetrics> Trainer::train_step() {
   const TrainConfig& t = cfg_.train;
+  const DataState data_before = data_->state();
   const auto start = std::chrono::steady_clock::now();
   reset_peak_memory(cfg_.model.device);
   StepMetrics m;
@@ -230,7 +236,10 @@ StepMetrics Trainer::train_step() {
   // Every micro-batch's loss is normalised by the step's total count of counted tokens, so
   // accumulation gives the gradient of one big batch.
   std::vector<Batch> micro;
-  Tensor counted_all = Tensor::zeros({2}, DType::kI64);  // counted targets, padding tokens
+  // Counted targets, padding tokens, and the ranks asked to stop: the step's first collective
+  // is where they agree (stop_request.h).
+  Tensor counted_all = Tensor::zeros({3}, DType::kI64);
+  counted_all.data<int64_t>()[2] = stop_requested() != 0;
   {
     const profile::Phase phase("data");
     for (int64_t i = 0; i < t.grad_accum; ++i) {
@@ -240,6 +249,10 @@ StepMetrics Trainer::train_step() {
     }
   }
   if (world_) world_->all_reduce(counted_all);
+  if (counted_all.data<int64_t>()[2] > 0) {
+    data_->set_state(data_before);
+    return std::nullopt;
+  }
   maybe_inject_fault(world_ ? world_->rank() : 0, m.step, FaultPoint::kBeforePass);
   const int64_t counted = counted_all.data<int64_t>()[0];
   m.pad_fraction = static_cast<double>(counted_all.data<int64_t>()[1]) /
@@ -310,10 +323,91 @@ StepMetrics Trainer::train_step() {
   return m;
 }
 
+// The export, collective; when it fails anyway (the disk filled since the start), the weights
+// are not lost: they are in checkpoint.dir's checkpoint of this step, or one is written to a
+// rescue directory, and the IoError says where.
+void Trainer::export_or_rescue(const std::string& out) {
+  std::string problem;
+  try {
+    if (std::getenv("MOETRAIN_FAULT_EXPORT"))  // test hook: an export that fails at the end
+      throw IoError(fmt::format("hf export: cannot write '{}': injected failure", out));
+    export_hf(*model_, out, DType::kBF16, world_);
+  } catch (const std::exception& e) {  // ours, and std::filesystem's (a rename that failed)
+    problem = e.what();
+  }
+  Tensor failed = Tensor::zeros({1}, DType::kI64);
+  failed.data<int64_t>()[0] = !problem.empty();
+  if (world_) world_->all_reduce(failed);
+  if (failed.data<int64_t>()[0] == 0) return;
+  std::string where;
+  if (!cfg_.checkpoint.dir.empty() && saved_step_ == step_) {
+    where = saved_path_;
+  } else {
+    const std::string dir =
+        (std::filesystem::temp_directory_path() / fmt::format("moetrain-rescue-{:016x}", run_id_))
+            .string();
+    where = save(dir);
+  }
+  throw IoError(
+      fmt::format("{}; the trained weights (step {}) are in the checkpoint '{}' "
+                  "(export-hf --resume it once the disk has room)",
+                  problem.empty() ? "--export-hf failed on another rank" : problem, step_, where));
+}
+
+void Trainer::stop_for_signal() {
+  const int sig = stop_requested();
+  const std::string by = sig != 0 ? fmt::format("{} ({})", strsignal(sig), sig)
+                                  : std::string("a signal to another rank");
+  std::string state = "no checkpoint written (checkpoint.dir is not set)";
+  if (!cfg_.checkpoint.dir.empty()) {
+    if (saved_step_ != step_) {
+      saved_path_ = save(cfg_.checkpoint.dir);
+      saved_step_ = step_;
+    }
+    state = fmt::format("checkpoint at step {}: {} (continue with --resume {})", step_, saved_path_,
+                        cfg_.checkpoint.dir);
+  }
+  throw StoppedBySignal(fmt::format("stopped by {} after step {}; {}", by, step_, state));
+}
+
 namespace {
-// checkpoint.dir is created and a file written and removed in it before the first step, so that
-// an unusable directory (a regular file, /proc, no permission) stops the run at once rather than
-// after its last step. Each rank tries its own file: ranks share the directory.
+// The metrics lines of steps up to `step` (a resumed run writes the later ones again),
+// rewritten atomically; lines that are not a step's JSON are kept.
+void keep_metrics_until(const std::string& path, int64_t step) {
+  std::ifstream in(path);
+  if (!in) return;
+  std::string kept, line;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, false);
+    if (!j.is_discarded() && j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
+        j["step"].get<int64_t>() > step)
+      continue;
+    kept += line + "\n";
+  }
+  in.close();
+  try {
+    write_file_atomically(path, kept);
+  } catch (const std::exception& e) {
+    throw IoError(fmt::format("cannot rewrite --metrics '{}': {}", path, e.what()));
+  }
+}
+
+// --overwrite: the old run's checkpoints and `latest` go before the new run writes any.
+void remove_checkpoints(const std::string& dir) {
+  std::error_code ec;
+  for (const auto& [step, path] : checkpoints_in(dir)) {
+    std::filesystem::remove_all(path, ec);
+    if (ec) throw IoError(fmt::format("--overwrite: cannot remove '{}': {}", path, ec.message()));
+  }
+  std::filesystem::remove(std::filesystem::path(dir) / "latest", ec);
+}
+
+// Output paths are checked before the first step, so that an unusable one (a regular file where
+// a directory goes, /proc, a full or read-only filesystem) stops the run at once rather than after
+// its last step: ConfigError naming the path and the system's reason.
+//
+// checkpoint.dir is created and a file written and removed in it. Each rank tries its own file:
+// ranks share the directory.
 void check_checkpoint_dir(const std::string& dir, int rank) {
   namespace fs = std::filesystem;
   std::error_code ec;
@@ -326,16 +420,81 @@ void check_checkpoint_dir(const std::string& dir, int rank) {
     std::ofstream out(probe);
     out << "moetrain";
     out.flush();
-    if (!out) throw ConfigError(fmt::format("config: checkpoint.dir = '{}' is not writable", dir));
+    if (!out)
+      throw ConfigError(fmt::format("config: checkpoint.dir = '{}' is not writable: {}", dir,
+                                    std::strerror(errno)));
   }
+  fs::remove(probe, ec);
+}
+
+// A file the run appends to (--metrics): it is opened (and so created) for appending.
+void check_output_file(const char* role, const std::string& path) {
+  if (std::filesystem::is_directory(path))
+    throw ConfigError(fmt::format("{} '{}' is a directory; it names a file", role, path));
+  std::FILE* f = std::fopen(path.c_str(), "a");
+  if (!f)
+    throw ConfigError(fmt::format("cannot write {} '{}': {}", role, path, std::strerror(errno)));
+  std::fclose(f);
+}
+
+// --export-hf: a directory (replaced whole at the end: the export goes to a sibling first), so not
+// an existing file, in a parent where a file can be written.
+void check_export_dir(const std::string& out) {
+  namespace fs = std::filesystem;
+  std::error_code ec;
+  if (fs::exists(out, ec) && !fs::is_directory(out, ec))
+    throw ConfigError(
+        fmt::format("--export-hf '{}' is a file; it names a directory to write", out));
+  const fs::path parent = fs::absolute(out, ec).parent_path();
+  fs::create_directories(parent, ec);
+  if (ec || !fs::is_directory(parent))
+    throw ConfigError(fmt::format("--export-hf '{}': cannot create '{}': {}", out, parent.string(),
+                                  ec ? ec.message() : "not a directory"));
+  const fs::path probe = parent / fmt::format(".moetrain_write_test_{}", ::getpid());
+  std::ofstream test(probe);
+  test << "moetrain";
+  test.flush();
+  if (!test)
+    throw ConfigError(fmt::format("--export-hf '{}': cannot write in '{}': {}", out,
+                                  parent.string(), std::strerror(errno)));
+  test.close();
   fs::remove(probe, ec);
 }
 }  // namespace
 
 std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
   const TrainConfig& t = cfg_.train;
+  // The output paths, and one run per checkpoint directory (rank 0 locks it for the run); every
+  // rank learns whether any could not, so all stop alike.
+  std::unique_ptr<DirectoryLock> dir_lock;
+  {
+    std::string problem;
+    try {
+      if (!cfg_.checkpoint.dir.empty())
+        check_checkpoint_dir(cfg_.checkpoint.dir, world_ ? world_->rank() : 0);
+      if (is_rank0()) {
+        if (!opt.metrics_path.empty()) check_output_file("--metrics", opt.metrics_path);
+        if (!opt.export_hf.empty()) check_export_dir(opt.export_hf);
+        std::string holder;
+        if (!cfg_.checkpoint.dir.empty() &&
+            !(dir_lock = DirectoryLock::try_acquire(cfg_.checkpoint.dir, &holder)))
+          problem = fmt::format(
+              "config: checkpoint.dir = '{}' is in use by another run ({}); stop it, or give "
+              "this run another checkpoint.dir",
+              cfg_.checkpoint.dir, holder);
+      }
+    } catch (const Error& e) {
+      problem = e.what();
+    }
+    Tensor failed = Tensor::zeros({1}, DType::kI64);
+    failed.data<int64_t>()[0] = !problem.empty();
+    if (world_) world_->all_reduce(failed);
+    if (failed.data<int64_t>()[0] != 0)
+      throw ConfigError(problem.empty() ? std::string("config: another rank cannot use an output "
+                                                      "path (its message names it)")
+                                        : problem);
+  }
   if (!cfg_.checkpoint.dir.empty()) {
-    check_checkpoint_dir(cfg_.checkpoint.dir, world_ ? world_->rank() : 0);
     if (step_ == 0 && opt.resume.empty() && opt.existing == ExistingCheckpoints::kRefuse)
       if (const std::optional<std::string> latest = latest_checkpoint(cfg_.checkpoint.dir))
         throw ConfigError(fmt::format(
@@ -349,10 +508,22 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
   }
   if (!opt.resume.empty()) resume(opt.resume);
   const int64_t last = opt.steps ? std::min(*opt.steps, t.steps) : t.steps;
+  if (opt.steps && *opt.steps <= step_)
+    throw ConfigError(fmt::format(
+        "--steps {} is at or below the checkpoint's step {}: nothing to train (valid: above {})",
+        *opt.steps, step_, step_));
+  if (step_ == 0 && opt.resume.empty() && opt.existing == ExistingCheckpoints::kOverwrite &&
+      !cfg_.checkpoint.dir.empty() && is_rank0())
+    remove_checkpoints(cfg_.checkpoint.dir);
   std::ofstream metrics;
   if (!opt.metrics_path.empty() && is_rank0()) {
+    // A resumed run's file holds the lines of the steps it runs again: cut back to its step, so
+    // that every step appears once.
+    if (step_ > 0) keep_metrics_until(opt.metrics_path, step_);
     metrics.open(opt.metrics_path, std::ios::app);
-    if (!metrics) throw ConfigError(fmt::format("cannot open --metrics '{}'", opt.metrics_path));
+    if (!metrics)
+      throw ConfigError(
+          fmt::format("cannot open --metrics '{}': {}", opt.metrics_path, std::strerror(errno)));
   }
   const ParamCounts pc = count_params(cfg_.model);
   if (is_rank0()) {
@@ -369,7 +540,9 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
   std::vector<StepMetrics> all;
   bool first_line = true;
   while (step_ < last) {
-    StepMetrics m = train_step();
+    std::optional<StepMetrics> stepped = train_step();
+    if (!stepped) stop_for_signal();
+    StepMetrics& m = *stepped;
     if (eval_docs_ && (m.step % cfg_.eval.every == 0 || m.step == last)) {
       opt_->wait_for_update();
       const EvalResult e = evaluate_tokens(*model_, eval_docs_->view(), t.batch_rows, t.seq_len,
@@ -404,6 +577,13 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
         first_line = false;
       }
       metrics << j.dump() << "\n" << std::flush;
+      if (!metrics)
+        throw IoError(fmt::format(
+            "step {}: cannot write --metrics '{}': {}; stopping{}", m.step, opt.metrics_path,
+            std::strerror(errno),
+            cfg_.checkpoint.dir.empty()
+                ? std::string()
+                : fmt::format(" (the last checkpoint in '{}' stays)", cfg_.checkpoint.dir)));
     }
     if (opt.progress_bar && is_rank0()) write_progress(m.step, last, m);
     if (is_rank0() && (m.step % t.log_every == 0 || m.step == last)) {
@@ -427,13 +607,14 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
     }
     const bool at_interval = cfg_.checkpoint.every > 0 && m.step % cfg_.checkpoint.every == 0;
     if (!cfg_.checkpoint.dir.empty() && (at_interval || m.step == last)) {
-      const std::string path = save(cfg_.checkpoint.dir);
-      if (is_rank0()) log::info("checkpoint: {}", path);
+      saved_path_ = save(cfg_.checkpoint.dir);
+      saved_step_ = step_;
+      if (is_rank0()) log::info("checkpoint: {}", saved_path_);
     }
   }
   // Whoever reads the model next (an export, a caller) sees the last update.
   opt_->wait_for_update();
-  if (!opt.export_hf.empty()) export_hf(*model_, opt.export_hf, DType::kBF16, world_);
+  if (!opt.export_hf.empty()) export_or_rescue(opt.export_hf);
   return all;
 }
 

@@ -74,7 +74,12 @@ class Trainer {
   dist::DeviceMesh* mesh() { return mesh_.get(); }
 
  private:
-  StepMetrics train_step();
+  // One optimizer step; nullopt when a rank was asked to stop (stop_request.h): then every rank
+  // agreed, before the step's passes, and the data position is the step's start again.
+  std::optional<StepMetrics> train_step();
+  // Writes the stop's checkpoint (unless this step's is written) and throws StoppedBySignal.
+  [[noreturn]] void stop_for_signal();
+  void export_or_rescue(const std::string& out);
   bool is_rank0() const { return !world_ || world_->rank() == 0; }
   int world_size() const { return world_ ? world_->size() : 1; }
   Batch next_local_batch();
@@ -93,7 +98,9 @@ class Trainer {
   double flops_per_token_ = 0;
   double peak_flops_ = 0;
   int64_t step_ = 0;
-  int64_t run_id_ = 0;  // rank 0's draw, the same on every rank (TrainState::run_id)
+  int64_t run_id_ = 0;       // rank 0's draw, the same on every rank (TrainState::run_id)
+  int64_t saved_step_ = -1;  // the step of the last checkpoint this run wrote, and its path
+  std::string saved_path_;
 };
 
 // A layer's routing over a batch from its per-expert loads (i64 (E), on the host): the busiest
