@@ -192,6 +192,12 @@ TEST(Cli, HostileConfigsExitWithCode2NamingTheValue) {
       {"train --config " + std::string(MOETRAIN_SOURCE_DIR) + "/configs", "is a directory"},
       {"train --config " + tiny + " --steps 0", "--steps"},  // ignored before
       {"train --config " + tiny + " --steps -5", "--steps"},
+      // Issue 32: messages that name what is wrong, briefly.
+      {"train --config " + tiny + " --steps abc", "--steps must be a positive integer"},
+      {"trian --config " + tiny, "unknown command 'trian' (valid: train, launch, export-hf"},
+      {"train --config " + tiny + " --set 'data.path=a\nb'", "--set data.path holds a control"},
+      {"train --config " + tiny + " --set data.source=" + std::string(5000, 'x'),
+       "... (5000 bytes)\" (valid: synthetic, tokens, sft)"},
   };
   for (const auto& [args, names] : cases) {
     const CliRun r = run_cli(args);

@@ -101,6 +101,13 @@ TEST(TokenFile, MasksMustBeBinaryAndCountATarget) {
   } catch (const DataError& err) {
     EXPECT_EQ(err.code(), ExitCode::kData);
   }
+  // Documents of one token each (no mask): no target either (it trained at loss 0, exit 0).
+  TokenDocuments singles;
+  singles.doc_offsets = {0, 1, 2, 3};
+  singles.tokens = {4, 5, 6};
+  write_token_file(path, singles);
+  EXPECT_NE(data_error(path).find("none of its 3 documents has two tokens"), std::string::npos)
+      << data_error(path);
 }
 
 TEST(TokenFile, WrittenByTheScriptReadsBack) {

@@ -18,6 +18,7 @@
 #include "processes.h"
 #include "train/checkpoint.h"
 #include "train/safetensors.h"
+#include "train/token_file.h"
 
 namespace mt {
 namespace {
@@ -316,6 +317,97 @@ TEST(Outputs, CheckedBeforeTheFirstStepAndExportsNeverLost) {
   fs::remove_all(dir);
 }
 
+// A token file truncated while a run reads it is exit 3 naming it (it was SIGBUS, exit 135).
+TEST(Outputs, ADataFileTruncatedWhileReadIsExit3) {
+  const std::string dir = fresh("shrink");
+  TokenDocuments docs;
+  docs.doc_offsets = {0};
+  for (int d = 0; d < 4000; ++d) {
+    for (int i = 0; i < 100; ++i) docs.tokens.push_back(static_cast<uint32_t>((d * 7 + i) % 256));
+    docs.doc_offsets.push_back(docs.tokens.size());
+  }
+  const std::string data = dir + "/big.tok";
+  write_token_file(data, docs);
+  const pid_t pid = testing::spawn(
+      testing::moetrain_binary() +
+          fmt::format(" train --config {}/configs/tiny.toml --set data.source=tokens --set "
+                      "data.path={} --set data.shuffle=false --set train.steps=100000 --set "
+                      "hardware.device=cpu --metrics {}/m.jsonl",
+                      testing::source_dir(), data, dir),
+      dir + "/log");
+  ASSERT_TRUE(wait_for_lines(dir + "/m.jsonl", 2));
+  fs::resize_file(data, 64);
+  const int code = testing::wait_code(pid);
+  const std::string log = testing::read_file(dir + "/log");
+  EXPECT_EQ(code, 3) << log;
+  EXPECT_NE(log.find("data: '" + data + "' shrank or changed while it was read"), std::string::npos)
+      << log;
+  fs::remove_all(dir);
+}
+
+// checkpoint.async: the checkpoints written by the thread are those of the blocking save, bit
+// for bit (one process and two launched ranks, with keep), the stall is reported per step, and a
+// SIGTERM's checkpoint is complete on disk before the exit.
+TEST(AsyncCheckpoints, WriteWhatTheBlockingSaveWritesAndStopCleanly) {
+  for (const int ranks : {1, 2}) {
+    SCOPED_TRACE(fmt::format("{} rank(s)", ranks));
+    const std::string sync = fresh("sync"), async = fresh("async");
+    ASSERT_EQ(testing::run_cmd(small_run(sync, 12, ranks)).code, 0);
+    const testing::Proc a = testing::run_cmd(
+        small_run(async, 12, ranks) + " --set checkpoint.async=true --set checkpoint.keep=2");
+    ASSERT_EQ(a.code, 0) << a.output;
+    for (const int64_t step : {8, 12})
+      expect_same_checkpoint(sync + "/ckpt", async + "/ckpt", step, ranks);
+    std::vector<int64_t> steps;
+    for (const auto& [step, path] : checkpoints_in(async + "/ckpt")) steps.push_back(step);
+    EXPECT_EQ(steps, (std::vector<int64_t>{8, 12}));
+    std::ifstream in(async + "/m.jsonl");
+    int stalls = 0;
+    for (std::string line; std::getline(in, line);)
+      stalls += nlohmann::json::parse(line).contains("checkpoint_stall_s");
+    EXPECT_EQ(stalls, 3);  // steps 4, 8, 12
+    // Stopped by SIGTERM: the step's checkpoint is whole on disk, and it resumes bit for bit.
+    fs::remove_all(async);
+    fs::create_directories(async);
+    const pid_t pid = testing::spawn(small_run(async, 40, ranks) + " --set checkpoint.async=true",
+                                     async + "/log");
+    ASSERT_TRUE(wait_for_lines(async + "/m.jsonl", 6));
+    ::kill(pid, SIGTERM);
+    ASSERT_EQ(testing::wait_code(pid), 7) << testing::read_file(async + "/log");
+    const int64_t stopped = latest_step(async + "/ckpt");
+    EXPECT_EQ(stopped, lines_of(async + "/m.jsonl"));
+    const testing::Proc resumed = testing::run_cmd(
+        small_run(async, 40, ranks) + " --set checkpoint.async=true --resume " + async + "/ckpt");
+    ASSERT_EQ(resumed.code, 0) << resumed.output;
+    const std::string straight = fresh("async_straight");
+    ASSERT_EQ(testing::run_cmd(small_run(straight, 40, ranks)).code, 0);
+    expect_same_checkpoint(straight + "/ckpt", async + "/ckpt", 40, ranks);
+    for (const std::string& d : {sync, async, straight}) fs::remove_all(d);
+  }
+}
+
+// Strict loading: resuming into a model of fewer layers, or a tied model from an untied run, is
+// exit 4 naming the tensors the model lacks and the config fields that differ (it trained on).
+TEST(Checkpoints, ATensorTheModelLacksIsRefused) {
+  const std::string dir = fresh("strict_set");
+  ASSERT_EQ(testing::run_cmd(small_run(dir, 4, 1)).code, 0);
+  const std::string file = dir + "/ckpt/step_00000004.safetensors";
+  const std::pair<std::string, std::string> cases[] = {
+      {" --set model.n_layers=1", "it holds 2 layers, model.n_layers = 1"},
+      {" --set model.tie_word_embeddings=true",
+       "it has an LM head of its own, and model.tie_word_embeddings = true"},
+  };
+  for (const auto& [extra, words] : cases) {
+    const std::string other = fresh("strict_other");
+    const testing::Proc p = testing::run_cmd(small_run(other, 8, 1) + extra + " --resume " + file);
+    EXPECT_EQ(p.code, 4) << extra << ": " << p.output;
+    EXPECT_NE(p.output.find("tensor(s) this model lacks"), std::string::npos) << p.output;
+    EXPECT_NE(p.output.find(words), std::string::npos) << p.output;
+    fs::remove_all(other);
+  }
+  fs::remove_all(dir);
+}
+
 // The chaos run: two launched ranks checkpointing every 4 steps, hit again and again at seeded
 // random moments by SIGKILL or SIGTERM on a random rank or the launcher, then resumed, until it
 // reaches its last step. Its final weights equal the uninterrupted run's bit for bit; a SIGTERM
@@ -337,6 +429,7 @@ TEST(Chaos, KilledAndResumedRunEndsBitIdentical) {
     ++rounds;
     const int64_t before = latest_step(dir + "/ckpt");
     std::string cmd = small_run(dir, steps, 2);
+    if (rounds % 2 == 0) cmd += " --set checkpoint.async=true";  // both ways of saving
     if (before >= 0) cmd += " --resume " + dir + "/ckpt";
     const int lines_before = lines_of(dir + "/m.jsonl");
     const pid_t launcher = testing::spawn(cmd, dir + "/log");

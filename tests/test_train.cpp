@@ -191,9 +191,22 @@ TEST(Checkpoint, NegativePositionIsRefused) {
 // A state that turned non-finite in the update (the step's loss and gradients still finite) is
 // never written as a checkpoint: exit 5 naming the tensor and the last good checkpoint, which
 // stays `latest` (issue 17: it was written, and the NaN exit's advice then pointed at it).
+void non_finite_state_is_never_written(const Config& c, const std::string& dir);
+
+// Also when written by the asynchronous writer: the writer refuses it and the run stops with the
+// same error (at the next step's agreement, or at the end).
 TEST(Checkpoint, NonFiniteStateIsNeverWritten) {
-  const std::string dir = fresh_dir("mt_nonfinite_ckpt");
-  Trainer t(checkpointing_run(dir, 1));
+  for (const bool async : {false, true}) {
+    SCOPED_TRACE(async ? "async" : "blocking");
+    const std::string dir = fresh_dir(async ? "mt_nonfinite_async" : "mt_nonfinite_ckpt");
+    Config c = checkpointing_run(dir, 1);
+    c.checkpoint.async = async;
+    non_finite_state_is_never_written(c, dir);
+  }
+}
+
+void non_finite_state_is_never_written(const Config& c, const std::string& dir) {
+  Trainer t(c);
   RunOptions two;
   two.steps = 2;
   t.run(two);

@@ -12,6 +12,7 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
+#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
@@ -20,6 +21,7 @@
 #include <optional>
 
 #include "core/log.h"
+#include "core/mapped_file.h"
 #include "dist/communicator.h"
 #include "dist/launcher.h"
 #include "dist/socket_backend.h"
@@ -228,6 +230,7 @@ int run_train(const ConfigArgs& a, mt::RunOptions opt) {
   const Ranks r = prepare_ranks(a, opt.init_from);
   check_memory(r.config);
   mt::install_stop_handlers(r.config.checkpoint.signal_deadline_s);
+  mt::install_mapped_file_fault_handler();
   opt.progress_bar = isatty(fileno(stderr));
   on_ranks(r, [&](mt::dist::Communicator* world) {
     mt::Trainer trainer(r.config, world);
@@ -255,6 +258,7 @@ int run_eval(const ConfigArgs& a, const std::string& resume, const std::string& 
     throw mt::ConfigError("eval: give one of --resume CKPT or --init-from HF_DIR");
   const Ranks r = prepare_ranks(a, init_from);
   check_memory(r.config);
+  mt::install_mapped_file_fault_handler();
   const mt::MappedTokenFile file(data, r.config.model.vocab_size);
   const mt::TokenView& docs = file.view();
   on_ranks(r, [&](mt::dist::Communicator* world) {
@@ -340,7 +344,15 @@ int main(int argc, char** argv) {
   CLI::App* train = app.add_subcommand("train", "train a model");
   add_config_options(train, train_cfg);
   train->add_option("--steps", steps, "stop after this step (the LR schedule keeps train.steps)")
-      ->check(CLI::PositiveNumber);
+      ->check(CLI::Validator(
+          [](const std::string& v) -> std::string {
+            int64_t n = 0;
+            const auto [ptr, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
+            return ec == std::errc() && ptr == v.data() + v.size() && n > 0
+                       ? std::string()
+                       : "--steps must be a positive integer";
+          },
+          "POSITIVE"));
   train->add_option("--metrics", run_opt.metrics_path,
                     "append one JSON object per step to this file");
   train->add_option("--resume", run_opt.resume,
@@ -381,7 +393,18 @@ int main(int argc, char** argv) {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
     if (e.get_exit_code() == 0) return app.exit(e);  // --help
-    std::fprintf(stderr, "moetrain: %s (see --help)\n", e.what());
+    std::string commands;
+    bool known = false;
+    const std::string first = argc > 1 ? argv[1] : "";
+    for (const CLI::App* sub : app.get_subcommands({})) {
+      commands += (commands.empty() ? "" : ", ") + sub->get_name();
+      known |= sub->get_name() == first;
+    }
+    if (argc > 1 && !first.starts_with("-") && !known)
+      std::fprintf(stderr, "moetrain: unknown command '%s' (valid: %s)\n",
+                   first.substr(0, 80).c_str(), commands.c_str());
+    else
+      std::fprintf(stderr, "moetrain: %s (see --help)\n", e.what());
     return static_cast<int>(mt::ExitCode::kConfig);
   }
   try {

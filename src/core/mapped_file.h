@@ -8,6 +8,11 @@
 
 namespace mt {
 
+// A read of a mapped file that the file no longer covers (truncated while mapped) raises SIGBUS;
+// with this handler installed such a fault prints one line naming the file and exits 3
+// (ExitCode::kData) instead of dying by the signal. Other SIGBUS faults keep their default.
+void install_mapped_file_fault_handler();
+
 class MappedFile {
  public:
   MappedFile() = default;

@@ -238,7 +238,15 @@ class Hub {
         if (!(pfds[r].revents & (POLLIN | POLLHUP | POLLERR))) continue;
         Header h;
         std::string payload;
-        if (!recv_msg(fds_[r], h, payload, timeout_s_, "a message")) {
+        // A reset (a peer killed with bytes in flight) is the same news as a clean close: name
+        // the rank, not the socket's errno.
+        bool got = false;
+        try {
+          got = recv_msg(fds_[r], h, payload, timeout_s_, "a message");
+        } catch (const Error&) {
+          got = false;
+        }
+        if (!got) {
           fail_all(fmt::format("rank {} disconnected (the process exited or was killed)", r));
           return;
         }
@@ -457,14 +465,25 @@ class SocketComm : public Communicator {
   }
 
   std::string call(Op op, const std::string& payload) {
-    send_msg(conn_->fd, Header{kMagic, static_cast<uint32_t>(op), group_, 0, seq_++, 0}, payload);
+    const auto lost = [&](const std::string& how) {
+      return Error(ExitCode::kInternal,
+                   fmt::format("rank {}: lost the connection to rank 0 (the hub) in {}{}: rank 0 "
+                               "exited or was killed",
+                               conn_->rank, op_name(op), how));
+    };
     Header h;
     std::string reply;
     const std::string what = fmt::format("{} (rank {})", op_name(op), conn_->rank);
-    if (!recv_msg(conn_->fd, h, reply, conn_->timeout_s, what.c_str()))
-      throw Error(ExitCode::kInternal,
-                  fmt::format("rank {}: lost the connection to rank 0 (the hub) in {}", conn_->rank,
-                              op_name(op)));
+    bool got = false;
+    try {
+      send_msg(conn_->fd, Header{kMagic, static_cast<uint32_t>(op), group_, 0, seq_++, 0}, payload);
+      got = recv_msg(conn_->fd, h, reply, conn_->timeout_s, what.c_str());
+    } catch (const Error& e) {
+      // A timeout keeps its own message; a reset or a broken pipe is the hub gone.
+      if (std::string(e.what()).find("timed out") != std::string::npos) throw;
+      throw lost(fmt::format(" ({})", e.what()));
+    }
+    if (!got) throw lost("");
     if (h.status != 0)
       throw Error(ExitCode::kInternal,
                   fmt::format("rank {} in {}: {}", conn_->rank, op_name(op), reply));

@@ -7,10 +7,13 @@
 #include <algorithm>
 #include <array>
 #include <charconv>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
+#include <set>
 #include <sstream>
 
 // Header-only: the checksums need no library at run time (the GPU machine has none).
@@ -94,6 +97,36 @@ int64_t metadata_integer(const SafetensorsFile& f, const std::string& path, cons
   return *v;
 }
 
+// The file's tensors are the model's, no more: a checkpoint of more layers, or one with an untied
+// head resumed into a tied model, once loaded what it could and trained on. Names the
+// unexpected tensors and the config fields their names say differ (the missing ones are named
+// where they are looked for).
+void check_no_unexpected_tensors(const std::string& path, const SafetensorsFile& f,
+                                 const std::set<std::string>& expected, const ModelConfig& c) {
+  std::vector<std::string> unexpected;
+  int64_t layers = 0;
+  bool head_out = false;
+  for (const auto& [name, t] : f.tensors) {
+    int64_t layer = -1;
+    if (std::sscanf(name.c_str(), "layers.%ld.", &layer) == 1) layers = std::max(layers, layer + 1);
+    head_out |= name.find("head.out") != std::string::npos;
+    if (!expected.count(name)) unexpected.push_back(name);
+  }
+  if (unexpected.empty()) return;
+  std::string fields;
+  if (layers != c.n_layers)
+    fields += fmt::format("; it holds {} layers, model.n_layers = {}", layers, c.n_layers);
+  if (head_out && c.tie_word_embeddings)
+    fields += "; it has an LM head of its own, and model.tie_word_embeddings = true";
+  std::string names;
+  for (size_t i = 0; i < std::min<size_t>(unexpected.size(), 4); ++i)
+    names += (i ? ", " : "") + unexpected[i];
+  throw CheckpointError(fmt::format(
+      "checkpoint: '{}' holds {} tensor(s) this model lacks ({}{}){} (was it written for another "
+      "model config?)",
+      path, unexpected.size(), names, unexpected.size() > 4 ? ", ..." : "", fields));
+}
+
 bool multi_rank(const dist::Communicator* world) {
   return world && world->size() > 1;
 }
@@ -102,57 +135,96 @@ std::string rank_file(int rank) {
 }
 }  // namespace
 
-std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
-                            const TrainState& st, dist::Communicator* world, int64_t keep) {
+CheckpointTarget checkpoint_target(const std::string& dir, int64_t step,
+                                   const dist::Communicator* world) {
   namespace fs = std::filesystem;
-  const std::string step_name = fmt::format("step_{:08d}", st.step);
-  std::string path;
-  if (multi_rank(world)) {
+  CheckpointTarget t;
+  t.dir = dir;
+  t.step = step;
+  t.ranks = multi_rank(world) ? world->size() : 1;
+  t.rank = multi_rank(world) ? world->rank() : 0;
+  const std::string step_name = fmt::format("step_{:08d}", step);
+  if (t.ranks > 1) {
     fs::create_directories(fs::path(dir) / step_name);
-    path = (fs::path(dir) / step_name / rank_file(world->rank())).string();
+    t.published = (fs::path(dir) / step_name).string();
+    t.file = (fs::path(t.published) / rank_file(t.rank)).string();
+    t.latest = step_name;
   } else {
     fs::create_directories(dir);
-    path = (fs::path(dir) / (step_name + ".safetensors")).string();
+    t.file = t.published = (fs::path(dir) / (step_name + ".safetensors")).string();
+    t.latest = step_name + ".safetensors";
   }
+  return t;
+}
+
+std::string CheckpointTarget::rank_path(int r) const {
+  return ranks > 1 ? (std::filesystem::path(published) / rank_file(r)).string() : file;
+}
+
+std::string first_non_finite(const std::map<std::string, Tensor>& host) {
+  for (const auto& [name, t] : host)
+    if (!all_finite(t)) return name;
+  return "";
+}
+
+NumericalError non_finite_state(const CheckpointTarget& t, const std::string& tensor) {
+  const std::string last = latest_checkpoint(t.dir).value_or("");
+  return NumericalError(fmt::format(
+      "step {}: the model's state is not finite ({}{}); no checkpoint is written for this "
+      "step, and '{}' (in {}) stays the last good one",
+      t.step, tensor.empty() ? "on another rank" : "tensor " + tensor,
+      t.ranks > 1 ? fmt::format(", rank {}", t.rank) : "", last.empty() ? "none" : last, t.dir));
+}
+
+void write_checkpoint_file(const CheckpointTarget& t, const std::map<std::string, Tensor>& host,
+                           const TrainState& st, int64_t ep,
+                           const std::map<std::string, std::string>& extra) {
   SafetensorsFile f;
-  std::string non_finite;  // the first tensor holding a NaN or infinity
-  for_each_state(model, opt, [&](const std::string& name, const Tensor& t) {
-    const Tensor host = t.device() == Device::kCPU ? t : t.to(Device::kCPU);
-    if (non_finite.empty() && !all_finite(host)) non_finite = name;
-    f.metadata[checksum_key(name)] = checksum(host);
-    f.tensors.emplace(name, host);
-  });
-  // Never a poisoned checkpoint: every rank learns whether any rank's state is non-finite (a
-  // sum over the ranks), and all of them stop with the same error, keeping the last good one.
-  // (Host tensors: every backend takes them, NCCL through a device copy.)
-  Tensor flag = Tensor::empty({1}, DType::kF64);
-  flag.data<double>()[0] = non_finite.empty() ? 0.0 : 1.0;
-  if (multi_rank(world)) world->all_reduce(flag);
-  if (flag.data<double>()[0] > 0) {
-    const std::string last = latest_checkpoint(dir).value_or("");
-    throw NumericalError(fmt::format(
-        "step {}: the model's state is not finite ({}{}); no checkpoint is written for this "
-        "step, and '{}' (in {}) stays the last good one",
-        st.step, non_finite.empty() ? "on another rank" : "tensor " + non_finite,
-        multi_rank(world) ? fmt::format(", rank {}", world->rank()) : "",
-        last.empty() ? "none" : last, dir));
+  for (const auto& [name, tensor] : host) {
+    f.metadata[checksum_key(name)] = checksum(tensor);
+    f.tensors.emplace(name, tensor);
   }
   f.metadata["format"] = "moetrain-checkpoint-1";
   f.metadata["step"] = std::to_string(st.step);
   f.metadata["data_position"] = format_data_state(st.data_position);
-  f.metadata["world"] = std::to_string(multi_rank(world) ? world->size() : 1);
-  f.metadata["rank"] = std::to_string(multi_rank(world) ? world->rank() : 0);
-  f.metadata["ep"] = std::to_string(model.mesh() ? model.mesh()->ep_size() : 1);
+  f.metadata["world"] = std::to_string(t.ranks);
+  f.metadata["rank"] = std::to_string(t.rank);
+  f.metadata["ep"] = std::to_string(ep);
   f.metadata["run_id"] = std::to_string(st.run_id);
-  write_safetensors(path, f);
+  for (const auto& [k, v] : extra) f.metadata[k] = v;
+  write_safetensors(t.file, f);
+}
+
+void publish_checkpoint(const CheckpointTarget& t, int64_t keep) {
+  write_file_atomically((std::filesystem::path(t.dir) / "latest").string(), t.latest + "\n");
+  if (keep > 0) prune_checkpoints(t.dir, keep, t.step);
+}
+
+void for_each_checkpoint_tensor(Qwen3Moe& model, AdamW& opt,
+                                const std::function<void(const std::string&, const Tensor&)>& f) {
+  for_each_state(model, opt, f);
+}
+
+std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
+                            const TrainState& st, dist::Communicator* world, int64_t keep) {
+  const CheckpointTarget target = checkpoint_target(dir, st.step, world);
+  std::map<std::string, Tensor> host;
+  for_each_state(model, opt, [&](const std::string& name, const Tensor& t) {
+    host.emplace(name, t.device() == Device::kCPU ? t : t.to(Device::kCPU));
+  });
+  // Never a poisoned checkpoint: every rank learns whether any rank's state is non-finite (a
+  // sum over the ranks), and all of them stop with the same error, keeping the last good one.
+  // (Host tensors: every backend takes them, NCCL through a device copy.)
+  const std::string non_finite = first_non_finite(host);
+  Tensor flag = Tensor::empty({1}, DType::kF64);
+  flag.data<double>()[0] = non_finite.empty() ? 0.0 : 1.0;
+  if (multi_rank(world)) world->all_reduce(flag);
+  if (flag.data<double>()[0] > 0) throw non_finite_state(target, non_finite);
+  write_checkpoint_file(target, host, st, model.mesh() ? model.mesh()->ep_size() : 1);
   // `latest` moves only once every rank's file is complete.
   if (multi_rank(world)) world->barrier();
-  if (!multi_rank(world) || world->rank() == 0) {
-    write_file_atomically((fs::path(dir) / "latest").string(),
-                          (multi_rank(world) ? step_name : step_name + ".safetensors") + "\n");
-    if (keep > 0) prune_checkpoints(dir, keep, st.step);
-  }
-  return multi_rank(world) ? (fs::path(dir) / step_name).string() : path;
+  if (target.rank == 0) publish_checkpoint(target, keep);
+  return target.published;
 }
 
 std::unique_ptr<DirectoryLock> DirectoryLock::try_acquire(const std::string& dir,
@@ -486,6 +558,10 @@ TrainState load_checkpoint(const std::string& path_in, Qwen3Moe& model, AdamW& o
   if (f.metadata["format"] != "moetrain-checkpoint-1")
     throw CheckpointError(fmt::format("checkpoint: '{}' is not a moetrain checkpoint", path));
   // Check everything before touching the model: a mismatch leaves the model as it was.
+  std::set<std::string> expected;
+  for_each_state(model, opt,
+                 [&](const std::string& name, const Tensor&) { expected.insert(name); });
+  check_no_unexpected_tensors(path, f, expected, model.config());
   for_each_state(model, opt, [&](const std::string& name, const Tensor& t) {
     auto it = f.tensors.find(name);
     if (it == f.tensors.end())

@@ -9,6 +9,7 @@
 // groups by name. Resume needs the same world size and ep (checked, named in the error).
 #pragma once
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <optional>
@@ -37,6 +38,31 @@ struct TrainState {
 std::string save_checkpoint(const std::string& dir, Qwen3Moe& model, AdamW& opt,
                             const TrainState& st, dist::Communicator* world = nullptr,
                             int64_t keep = 0);
+// The pieces of a save, for the synchronous save above and the asynchronous writer
+// (train/async_checkpoint.h).
+// Where a step's checkpoint goes (the directories created): this rank's file, what `latest` will
+// name, and the path a save returns.
+struct CheckpointTarget {
+  std::string dir, file, latest, published;
+  int64_t step = 0;
+  int rank = 0, ranks = 1;
+  std::string rank_path(int r) const;  // rank r's file
+};
+CheckpointTarget checkpoint_target(const std::string& dir, int64_t step,
+                                   const dist::Communicator* world);
+// Every tensor a checkpoint holds, by name (the device's tensors: copy before the next update).
+void for_each_checkpoint_tensor(Qwen3Moe& model, AdamW& opt,
+                                const std::function<void(const std::string&, const Tensor&)>& f);
+// The first tensor holding a NaN or infinity ("" when none does), and the error that says so.
+std::string first_non_finite(const std::map<std::string, Tensor>& host);
+NumericalError non_finite_state(const CheckpointTarget& t, const std::string& tensor);
+// This rank's file: the host tensors with their checksums and the metadata (plus `extra`).
+void write_checkpoint_file(const CheckpointTarget& t, const std::map<std::string, Tensor>& host,
+                           const TrainState& st, int64_t ep,
+                           const std::map<std::string, std::string>& extra = {});
+// `latest` names it (every rank's file complete), then checkpoint.keep's pruning.
+void publish_checkpoint(const CheckpointTarget& t, int64_t keep);
+
 // The checkpoints in a directory (step_NNNNNNNN.safetensors files and step_NNNNNNNN folders), by
 // step, with their paths.
 std::vector<std::pair<int64_t, std::string>> checkpoints_in(const std::string& dir);

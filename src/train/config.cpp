@@ -76,6 +76,25 @@ Field member(const char* sec, const char* key, S Config::*s, T S::*m) {
           }};
 }
 
+// A value as messages show it: its first 80 bytes (a 10 MB value is not echoed whole).
+std::string shown(const std::string& v) {
+  constexpr size_t kShown = 80;
+  return v.size() <= kShown ? v : fmt::format("{}... ({} bytes)", v.substr(0, kShown), v.size());
+}
+
+// Strings (paths, names) hold no control characters: a newline once dropped what followed it and
+// a NUL cut a path short without a word.
+void check_no_control(const std::string& where, const std::string& v) {
+  for (size_t i = 0; i < v.size(); ++i) {
+    const auto c = static_cast<unsigned char>(v[i]);
+    if (c < 0x20 || c == 0x7F)
+      throw ConfigError(fmt::format(
+          "config: {} holds a control character (byte {:#04x} at {}): '{}'; paths and names "
+          "cannot",
+          where, c, i, shown(v.substr(0, i))));
+  }
+}
+
 std::string quoted_list(std::initializer_list<const char*> names) {
   std::string out;
   for (const char* n : names) out += (out.empty() ? "" : ", ") + std::string(n);
@@ -106,7 +125,7 @@ const std::vector<Field>& fields() {
        [](Config& c, const Value& v) {
          if (!ops::parse_routing_mode(v.s, &c.model.routing))
            throw ConfigError(fmt::format(
-               "config: model.routing = \"{}\" (valid: learned, balanced, skewed)", v.s));
+               "config: model.routing = \"{}\" (valid: learned, balanced, skewed)", shown(v.s)));
        }},
       member("model", "pad_expert_rows", &Config::model, &M::pad_expert_rows),
       member("model", "loss_chunk_tokens", &Config::model, &M::loss_chunk_tokens),
@@ -115,26 +134,28 @@ const std::vector<Field>& fields() {
        [](Config& c, const Value& v) {
          if (!parse_dtype(v.s, &c.model.compute_dtype))
            throw ConfigError(fmt::format(
-               "config: model.compute_dtype = \"{}\" is not a dtype (valid: f32, f64, bf16)", v.s));
+               "config: model.compute_dtype = \"{}\" is not a dtype (valid: f32, f64, bf16)",
+               shown(v.s)));
        }},
       {"model", "router_dtype", FieldType::kString,
        [](Config& c, const Value& v) {
          if (!parse_dtype(v.s, &c.model.router_dtype) ||
              (c.model.router_dtype != DType::kF32 && c.model.router_dtype != DType::kBF16))
            throw ConfigError(
-               fmt::format("config: model.router_dtype = \"{}\" (valid: f32, bf16)", v.s));
+               fmt::format("config: model.router_dtype = \"{}\" (valid: f32, bf16)", shown(v.s)));
        }},
       {"model", "checkpoint", FieldType::kString,
        [](Config& c, const Value& v) {
          if (!parse_policy(v.s, &c.model.checkpoint))
            throw ConfigError(fmt::format(
-               "config: model.checkpoint = \"{}\" (valid: none, selective, full)", v.s));
+               "config: model.checkpoint = \"{}\" (valid: none, selective, full)", shown(v.s)));
        }},
       {"model", "aux_loss_form", FieldType::kString,
        [](Config& c, const Value& v) {
          if (!parse_enum(kAuxLossForms, v.s, &c.model.aux_loss_form))
-           throw ConfigError(fmt::format(
-               "config: model.aux_loss_form = \"{}\" (valid: per_layer, transformers)", v.s));
+           throw ConfigError(
+               fmt::format("config: model.aux_loss_form = \"{}\" (valid: per_layer, transformers)",
+                           shown(v.s)));
        }},
       {"model", "expert_recipe", FieldType::kString,
        [](Config& c, const Value& v) {
@@ -146,16 +167,16 @@ const std::vector<Field>& fields() {
       {"model", "mx_scale_rule", FieldType::kString,
        [](Config& c, const Value& v) {
          if (!parse_mx_scale_rule(v.s, &c.model.expert_precision.rule))
-           throw ConfigError(
-               fmt::format("config: model.mx_scale_rule = \"{}\" (valid: rceil, floor)", v.s));
+           throw ConfigError(fmt::format(
+               "config: model.mx_scale_rule = \"{}\" (valid: rceil, floor)", shown(v.s)));
        }},
       {"model", "requant_dim1", FieldType::kBool,
        [](Config& c, const Value& v) { c.model.expert_precision.requant_dim1 = v.b; }},
       {"parallel", "ep_exchange", FieldType::kString,
        [](Config& c, const Value& v) {
          if (!moe::parse_exchange_mode(v.s, &c.model.ep_exchange))
-           throw ConfigError(
-               fmt::format("config: parallel.ep_exchange = \"{}\" (valid: device, host)", v.s));
+           throw ConfigError(fmt::format(
+               "config: parallel.ep_exchange = \"{}\" (valid: device, host)", shown(v.s)));
        }},
       {"parallel", "ep_chunks", FieldType::kInt,
        [](Config& c, const Value& v) { c.model.ep_chunks = v.i; }},
@@ -169,7 +190,7 @@ const std::vector<Field>& fields() {
        [](Config& c, const Value& v) {
          if (!ops::parse_dispatch_dtype(v.s, &c.model.expert_precision.dispatch))
            throw ConfigError(fmt::format(
-               "config: parallel.ep_dispatch_dtype = \"{}\" (valid: bf16, mxfp8)", v.s));
+               "config: parallel.ep_dispatch_dtype = \"{}\" (valid: bf16, mxfp8)", shown(v.s)));
        }},
       {"model", "hf_config", FieldType::kString,
        [](Config& c, const Value& v) { c.model = model_config_from_hf_json(v.s, c.model); }},
@@ -196,8 +217,8 @@ const std::vector<Field>& fields() {
          else if (v.s == "sft")
            c.data.source = DataSourceKind::kSft;
          else
-           throw ConfigError(
-               fmt::format("config: data.source = \"{}\" (valid: synthetic, tokens, sft)", v.s));
+           throw ConfigError(fmt::format(
+               "config: data.source = \"{}\" (valid: synthetic, tokens, sft)", shown(v.s)));
        }},
       member("data", "path", &Config::data, &D::path),
       {"data", "mix", FieldType::kFileList,
@@ -208,15 +229,15 @@ const std::vector<Field>& fields() {
          Packing p;
          if (!parse_packing(v.s, &p))
            throw ConfigError(
-               fmt::format("config: data.packing = \"{}\" (valid: whole, stream)", v.s));
+               fmt::format("config: data.packing = \"{}\" (valid: whole, stream)", shown(v.s)));
          c.data.packing = p;
        }},
       member("data", "pack_window", &Config::data, &D::pack_window),
       {"data", "overlong", FieldType::kString,
        [](Config& c, const Value& v) {
          if (!parse_overlong(v.s, &c.data.overlong))
-           throw ConfigError(
-               fmt::format("config: data.overlong = \"{}\" (valid: truncate, drop, error)", v.s));
+           throw ConfigError(fmt::format(
+               "config: data.overlong = \"{}\" (valid: truncate, drop, error)", shown(v.s)));
        }},
       member("data", "languages", &Config::data, &D::languages),
       member("data", "branching", &Config::data, &D::branching),
@@ -226,6 +247,7 @@ const std::vector<Field>& fields() {
       member("checkpoint", "dir", &Config::checkpoint, &CheckpointConfig::dir),
       member("checkpoint", "every", &Config::checkpoint, &CheckpointConfig::every),
       member("checkpoint", "keep", &Config::checkpoint, &CheckpointConfig::keep),
+      member("checkpoint", "async", &Config::checkpoint, &CheckpointConfig::async),
       member("checkpoint", "signal_deadline_s", &Config::checkpoint,
              &CheckpointConfig::signal_deadline_s),
       member("eval", "data", &Config::eval, &EvalConfig::data),
@@ -278,6 +300,7 @@ Value read_value(const toml::node& node, const Field& f) {
     case FieldType::kString:
       if (!node.is_string()) throw wrong();
       v.s = node.as_string()->get();
+      check_no_control(where, v.s);
       break;
     case FieldType::kFileList: {
       const toml::array* list = node.as_array();
@@ -295,6 +318,7 @@ Value read_value(const toml::node& node, const Field& f) {
         const auto path = entry->get_as<std::string>("path");
         if (!path || path->get().empty())
           throw ConfigError(fmt::format("config: {}.path must name a token file", at));
+        check_no_control(at + ".path", path->get());
         DataFile f{path->get(), 1.0};
         if (const toml::node* w = entry->get("weight")) {
           if (w->is_integer())
@@ -358,9 +382,10 @@ toml::table parse_override(const std::string& o) {
   const size_t eq = o.find('=');
   const size_t dot = o.find('.');
   if (eq == std::string::npos || dot == std::string::npos || dot > eq)
-    throw ConfigError(fmt::format("config: --set '{}' must look like section.key=value", o));
+    throw ConfigError(fmt::format("config: --set '{}' must look like section.key=value", shown(o)));
   const std::string section = o.substr(0, dot), key = o.substr(dot + 1, eq - dot - 1);
   const std::string value = o.substr(eq + 1);
+  check_no_control("--set " + shown(o.substr(0, eq)), value);
   toml::table parsed;
   try {
     parsed = toml::parse("v = " + value);

@@ -69,6 +69,8 @@ struct CheckpointConfig {
   std::string dir;    // empty: no checkpoints
   int64_t every = 0;  // steps between checkpoints; 0: only at the end
   int64_t keep = 0;   // the newest checkpoints kept; 0: all
+  // Write checkpoints from a thread while training goes on (train/async_checkpoint.h).
+  bool async = false;
   // After a stop signal (train/stop_request.h), the seconds the run may take to reach a step
   // boundary and write its checkpoint before it ends at once; 0: no limit of its own.
   double signal_deadline_s = 0;

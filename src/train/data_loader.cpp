@@ -195,7 +195,7 @@ class StreamLoader : public TokenFilesLoader {
       PackedRow row;
       for (int64_t i = 0; i <= seq_len; ++i) {
         if (off_ == doc_.length) advance();
-        row.tokens.push_back(static_cast<int32_t>(doc_.tokens[off_]));
+        row.tokens.push_back(static_cast<int32_t>(docs_.token(doc_, off_)));
         row.segment_start.push_back(off_ == 0);
         row.counts.push_back(doc_.loss_mask ? doc_.loss_mask[off_] : 1);
         if (i < seq_len) ++off_;
@@ -419,7 +419,7 @@ class WholeLoader : public TokenFilesLoader {
     PackedRow row;
     for (const Piece& p : pieces)
       for (int64_t i = 0; i < p.length; ++i) {
-        row.tokens.push_back(static_cast<int32_t>(p.doc.tokens[i]));
+        row.tokens.push_back(static_cast<int32_t>(docs_.token(p.doc, i)));
         row.segment_start.push_back(i == 0);
         row.counts.push_back(p.doc.loss_mask ? p.doc.loss_mask[i] : 1);
       }

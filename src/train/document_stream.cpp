@@ -18,7 +18,7 @@ struct DocumentStream::File {
 
 DocumentStream::DocumentStream(const std::vector<DataFile>& files, int64_t vocab_size,
                                DocumentOrder order, uint64_t seed)
-    : order_(order), seed_(seed) {
+    : order_(order), seed_(seed), vocab_size_(vocab_size) {
   MT_CHECK(!files.empty(), "a document stream needs at least one file");
   double sum = 0;
   for (const DataFile& f : files) {
@@ -109,12 +109,25 @@ Document DocumentStream::document(int f, int64_t k) {
     doc = static_cast<int64_t>(file.order[at]);
   }
   const uint64_t begin = v.doc_offsets[doc], end = v.doc_offsets[doc + 1];
+  if (begin > end || end > static_cast<uint64_t>(v.num_tokens))
+    throw DataError(fmt::format(
+        "data: '{}' changed while it was read: document {} now runs from token {} to {} of {}",
+        file.path, doc, begin, end, v.num_tokens));
   return {v.tokens + begin,
           v.loss_mask ? v.loss_mask + begin : nullptr,
           static_cast<int64_t>(end - begin),
           f,
           doc,
           at == 0};
+}
+
+uint32_t DocumentStream::token(const Document& d, int64_t i) const {
+  const uint32_t t = d.tokens[i];
+  if (t >= static_cast<uint64_t>(vocab_size_))
+    throw DataError(fmt::format(
+        "data: '{}' changed while it was read: document {} holds token {}, >= model.vocab_size {}",
+        files_[d.file]->path, d.index, t, vocab_size_));
+  return t;
 }
 
 Document DocumentStream::next() {

@@ -47,6 +47,9 @@ class DocumentStream {
   const TokenView& view(int f) const;
   double weight(int f) const;  // normalised
   int64_t total_documents() const;
+  // The token read from document d at i, checked again (the file was checked when opened; one
+  // changed in place since is a DataError naming it, not an out-of-range embedding row).
+  uint32_t token(const Document& d, int64_t i) const;
 
  private:
   struct File;
@@ -56,6 +59,7 @@ class DocumentStream {
   std::vector<int64_t> taken_;
   DocumentOrder order_;
   uint64_t seed_;
+  int64_t vocab_size_;
 };
 
 }  // namespace mt

@@ -92,6 +92,15 @@ MappedTokenFile::MappedTokenFile(const std::string& path, int64_t vocab_size) {
                                   path, d.tokens[i], i, vocab_size));
   if (ntok < 2)
     throw DataError(fmt::format("data: '{}' holds {} tokens; needs at least 2", path, ntok));
+  // A target is a document's token after its first: a file of one-token documents has none
+  // (it once trained at loss 0).
+  bool any_target = false;
+  for (uint64_t doc = 0; doc < docs && !any_target; ++doc)
+    any_target = d.doc_offsets[doc + 1] - d.doc_offsets[doc] >= 2;
+  if (!any_target)
+    throw DataError(fmt::format(
+        "data: '{}': none of its {} documents has two tokens, so none has a target to predict",
+        path, docs));
   if (has_mask) {
     uint64_t counted = 0;
     for (uint64_t doc = 0; doc < docs; ++doc)

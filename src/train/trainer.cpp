@@ -125,6 +125,8 @@ Trainer::Trainer(const Config& c, dist::Communicator* world) : cfg_(c), world_(w
         "CUDA graphs: the optimizer step only; the training passes run eagerly with "
         "parallel.ep_exchange = \"host\" (the expert exchange reads its row counts on the host)");
   data_ = make_data_loader(c);
+  if (c.checkpoint.async && !c.checkpoint.dir.empty())
+    writer_ = std::make_unique<AsyncCheckpointWriter>(world_, c.checkpoint.keep, attempt_id_);
   if (c.eval.every > 0)
     eval_docs_ = std::make_unique<MappedTokenFile>(c.eval.data, c.model.vocab_size);
   stats_ = data_->stats(c.train.seq_len);
@@ -148,21 +150,46 @@ void Trainer::resume(const std::string& path) {
 
 std::string Trainer::save(const std::string& dir) {
   opt_->wait_for_update();
+  if (writer_ && dir == cfg_.checkpoint.dir)
+    return writer_->save(dir, *model_, *opt_, {step_, data_->state(), run_id_});
   return save_checkpoint(dir, *model_, *opt_, {step_, data_->state(), run_id_}, world_,
                          cfg_.checkpoint.keep);
+}
+
+void Trainer::finish_saves() {
+  if (!writer_) return;
+  std::string problem;
+  ExitCode code = ExitCode::kIo;
+  try {
+    writer_->wait();
+  } catch (const Error& e) {
+    problem = e.what();
+    code = e.code();
+  }
+  Tensor failed = Tensor::zeros({1}, DType::kI64);
+  failed.data<int64_t>()[0] = !problem.empty();
+  if (world_) world_->all_reduce(failed);
+  if (failed.data<int64_t>()[0] == 0) return;
+  if (problem.empty())
+    throw IoError("a checkpoint write failed on another rank (its message names it)");
+  if (code == ExitCode::kNumerical) throw NumericalError(problem);
+  throw IoError(problem);
 }
 
 // A run's id: rank 0 draws 63 random bits (never 0), every rank gets them (a resume takes the
 // checkpoint's instead).
 void Trainer::draw_run_id() {
-  Tensor id = Tensor::zeros({1}, DType::kI64);
+  Tensor id = Tensor::zeros({2}, DType::kI64);  // the run, and this start of it
   if (!world_ || world_->rank() == 0) {
     std::random_device rd;
-    const uint64_t bits = (uint64_t{rd()} << 32 | rd()) >> 1;
-    id.data<int64_t>()[0] = static_cast<int64_t>(bits == 0 ? 1 : bits);
+    for (int i = 0; i < 2; ++i) {
+      const uint64_t bits = (uint64_t{rd()} << 32 | rd()) >> 1;
+      id.data<int64_t>()[i] = static_cast<int64_t>(bits == 0 ? 1 : bits);
+    }
   }
   if (world_ && world_->size() > 1) world_->all_reduce(id);
   run_id_ = id.data<int64_t>()[0];
+  attempt_id_ = id.data<int64_t>()[1];
 }
 
 // The device exchange's receive buffer, for its largest exchange (a micro-batch's tokens from
@@ -236,10 +263,11 @@ std::optional<StepMetrics> Trainer::train_step() {
   // Every micro-batch's loss is normalised by the step's total count of counted tokens, so
   // accumulation gives the gradient of one big batch.
   std::vector<Batch> micro;
-  // Counted targets, padding tokens, and the ranks asked to stop: the step's first collective
-  // is where they agree (stop_request.h).
-  Tensor counted_all = Tensor::zeros({3}, DType::kI64);
+  // Counted targets, padding tokens, the ranks asked to stop, and those whose asynchronous
+  // checkpoint failed: the step's first collective is where they agree (stop_request.h).
+  Tensor counted_all = Tensor::zeros({4}, DType::kI64);
   counted_all.data<int64_t>()[2] = stop_requested() != 0;
+  counted_all.data<int64_t>()[3] = writer_ && writer_->failed();
   {
     const profile::Phase phase("data");
     for (int64_t i = 0; i < t.grad_accum; ++i) {
@@ -249,6 +277,13 @@ std::optional<StepMetrics> Trainer::train_step() {
     }
   }
   if (world_) world_->all_reduce(counted_all);
+  if (counted_all.data<int64_t>()[3] > 0) {
+    writer_->wait();  // throws this rank's error
+    throw IoError(
+        fmt::format("step {}: a checkpoint write failed on another rank (its message "
+                    "names it)",
+                    m.step));
+  }
   if (counted_all.data<int64_t>()[2] > 0) {
     data_->set_state(data_before);
     return std::nullopt;
@@ -272,8 +307,13 @@ std::optional<StepMetrics> Trainer::train_step() {
   if (!std::isfinite(m.loss))
     throw NumericalError(fmt::format(
         "step {}: loss is {}; stopping before the optimizer step (checkpoints on disk are "
-        "untouched; lower train.lr or resume from the last checkpoint)",
-        m.step, m.loss));
+        "untouched; {})",
+        m.step, m.loss,
+        m.step == 1 ? fmt::format("no update has run yet, so the learning rate is not the cause: "
+                                  "the initial weights (model.init_std = {}, or those loaded) or "
+                                  "the data make it so",
+                                  cfg_.model.init_std)
+                    : std::string("lower train.lr or resume from the last checkpoint")));
   {
     const profile::Phase phase("grad_norm");
     m.grad_norm = opt_->clip_grad_norm(t.grad_clip);
@@ -364,6 +404,7 @@ void Trainer::stop_for_signal() {
       saved_path_ = save(cfg_.checkpoint.dir);
       saved_step_ = step_;
     }
+    finish_saves();
     state = fmt::format("checkpoint at step {}: {} (continue with --resume {})", step_, saved_path_,
                         cfg_.checkpoint.dir);
   }
@@ -554,6 +595,17 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
     }
     all.push_back(m);
     maybe_inject_fault(world_ ? world_->rank() : 0, m.step, FaultPoint::kAfterStep);
+    const bool at_interval = cfg_.checkpoint.every > 0 && m.step % cfg_.checkpoint.every == 0;
+    if (!cfg_.checkpoint.dir.empty() && (at_interval || m.step == last)) {
+      const auto start = std::chrono::steady_clock::now();
+      saved_path_ = save(cfg_.checkpoint.dir);
+      saved_step_ = step_;
+      all.back().checkpoint_stall_s =
+          std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+      if (is_rank0())
+        log::info("checkpoint: {} ({:.2f} s{})", saved_path_, all.back().checkpoint_stall_s,
+                  writer_ ? ", the copy to host memory; written in the background" : "");
+    }
     if (metrics.is_open()) {
       nlohmann::ordered_json j{{"step", m.step},
                                {"loss", m.loss},
@@ -571,6 +623,8 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
         j["exchange_exposed_ms"] = m.exchange_exposed_ms;
       }
       if (!std::isnan(m.eval_loss)) j["eval_loss"] = m.eval_loss;
+      if (all.back().checkpoint_stall_s > 0)
+        j["checkpoint_stall_s"] = all.back().checkpoint_stall_s;
       if (first_line) {
         j["loss_floor"] = finite_or_null(stats_.loss_floor);
         j["unigram_entropy"] = finite_or_null(stats_.unigram_entropy);
@@ -605,15 +659,11 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
                                              m.exchange_ms, m.exchange_exposed_ms)
                                : "");
     }
-    const bool at_interval = cfg_.checkpoint.every > 0 && m.step % cfg_.checkpoint.every == 0;
-    if (!cfg_.checkpoint.dir.empty() && (at_interval || m.step == last)) {
-      saved_path_ = save(cfg_.checkpoint.dir);
-      saved_step_ = step_;
-      if (is_rank0()) log::info("checkpoint: {}", saved_path_);
-    }
   }
-  // Whoever reads the model next (an export, a caller) sees the last update.
+  // Whoever reads the model next (an export, a caller) sees the last update, and the last
+  // checkpoint is on disk.
   opt_->wait_for_update();
+  finish_saves();
   if (!opt.export_hf.empty()) export_or_rescue(opt.export_hf);
   return all;
 }

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "model/qwen3_moe.h"
+#include "train/async_checkpoint.h"
 #include "train/config.h"
 #include "train/data_loader.h"
 #include "train/optimizer.h"
@@ -34,6 +35,9 @@ struct StepMetrics {
   double eval_loss = std::numeric_limits<double>::quiet_NaN();
   // Of the step's input tokens (every rank), the fraction that is row padding (whole packing).
   double pad_fraction = 0;
+  // The time training stood still for this step's checkpoint (0 without one): the whole save, or
+  // with checkpoint.async the copy into host memory.
+  double checkpoint_stall_s = 0;
   // Routing over the step's whole batch (every rank, padding left out), per layer: the busiest
   // expert's load over the mean load (1 = perfectly balanced; the "max violation" of aux-loss-free
   // balancing), and the fraction of experts that received no token.
@@ -101,6 +105,11 @@ class Trainer {
   int64_t run_id_ = 0;       // rank 0's draw, the same on every rank (TrainState::run_id)
   int64_t saved_step_ = -1;  // the step of the last checkpoint this run wrote, and its path
   std::string saved_path_;
+  int64_t attempt_id_ = 0;  // like run_id_, but new at every start (resumes included)
+  std::unique_ptr<AsyncCheckpointWriter> writer_;  // checkpoint.async
+  // Waits for the asynchronous save in flight; every rank learns whether any failed, and all
+  // stop with its error if one did (collective).
+  void finish_saves();
 };
 
 // A layer's routing over a batch from its per-expert loads (i64 (E), on the host): the busiest

@@ -34,6 +34,16 @@ void clear_last_error() {
   (void)cudaGetLastError();
 }
 
+bool pin_host_memory(void* p, size_t bytes) {
+  if (cudaHostRegister(p, bytes, cudaHostRegisterDefault) == cudaSuccess) return true;
+  (void)cudaGetLastError();
+  return false;
+}
+
+void unpin_host_memory(void* p) {
+  if (cudaHostUnregister(p) != cudaSuccess) (void)cudaGetLastError();
+}
+
 namespace {
 
 // Events are reused: a step marks a few per layer, and creating one costs more than recording it.
