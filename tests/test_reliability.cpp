@@ -408,6 +408,30 @@ TEST(Checkpoints, ATensorTheModelLacksIsRefused) {
   fs::remove_all(dir);
 }
 
+// Two rank-0 processes on one port: the second is exit 2 naming the port and the reason.
+TEST(Messages, ASecondRankZeroOnOnePortIsExit2) {
+  const std::string dir = fresh("two_masters");
+  const int port = testing::free_port();
+  const std::string env = fmt::format(
+      "env WORLD_SIZE=2 RANK=0 MASTER_ADDR=127.0.0.1 MASTER_PORT={} MOETRAIN_TIMEOUT_S=5 ", port);
+  const pid_t first = testing::spawn(
+      env + testing::moetrain_binary() +
+          fmt::format(" train --config {}/configs/tiny.toml --steps 1", testing::source_dir()),
+      dir + "/first.log");
+  std::this_thread::sleep_for(std::chrono::milliseconds(500));
+  const testing::Proc second = testing::run_cmd(
+      env + testing::moetrain_binary() +
+      fmt::format(" train --config {}/configs/tiny.toml --steps 1", testing::source_dir()));
+  EXPECT_EQ(second.code, 2) << second.output;
+  EXPECT_NE(second.output.find(
+                fmt::format("cannot listen on MASTER_PORT={}: Address already in use", port)),
+            std::string::npos)
+      << second.output;
+  ::kill(first, SIGKILL);
+  testing::wait_code(first);
+  fs::remove_all(dir);
+}
+
 // The chaos run: two launched ranks checkpointing every 4 steps, hit again and again at seeded
 // random moments by SIGKILL or SIGTERM on a random rank or the launcher, then resumed, until it
 // reaches its last step. Its final weights equal the uninterrupted run's bit for bit; a SIGTERM
