@@ -15,6 +15,8 @@
 #include <charconv>
 #include <cmath>
 #include <cstdio>
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <functional>
 #include <nlohmann/json.hpp>
@@ -259,6 +261,13 @@ int run_eval(const ConfigArgs& a, const std::string& resume, const std::string& 
   const Ranks r = prepare_ranks(a, init_from);
   check_memory(r.config);
   mt::install_mapped_file_fault_handler();
+  if (!per_token.empty()) {  // checked before the model loads: exit 2 with the system's reason
+    std::FILE* f = std::fopen((per_token + ".tmp").c_str(), "w");
+    if (!f)
+      throw mt::ConfigError(
+          fmt::format("eval: cannot write --per-token '{}': {}", per_token, std::strerror(errno)));
+    std::fclose(f);
+  }
   const mt::MappedTokenFile file(data, r.config.model.vocab_size);
   const mt::TokenView& docs = file.view();
   on_ranks(r, [&](mt::dist::Communicator* world) {
@@ -308,6 +317,9 @@ int run_export_hf(const ConfigArgs& a, const std::string& resume, const std::str
   if (!mt::parse_dtype(dtype_name, &dtype) ||
       (dtype != mt::DType::kBF16 && dtype != mt::DType::kF32))
     throw mt::ConfigError(fmt::format("export-hf: --dtype {} (valid: bf16, f32)", dtype_name));
+  if (std::error_code ec; std::filesystem::exists(out, ec) && !std::filesystem::is_directory(out))
+    throw mt::ConfigError(
+        fmt::format("export-hf: --out '{}' is a file; it names a directory to write", out));
   const Ranks r = prepare_ranks(a, "");
   check_memory(r.config);
   on_ranks(r, [&](mt::dist::Communicator* world) {

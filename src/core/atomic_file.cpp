@@ -13,8 +13,7 @@ namespace mt {
 
 AtomicFile::AtomicFile(std::string path) : path_(std::move(path)), tmp_(path_ + ".tmp") {
   fd_ = ::open(tmp_.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
-  if (fd_ < 0)
-    throw CheckpointError(fmt::format("cannot write '{}': {}", tmp_, std::strerror(errno)));
+  if (fd_ < 0) throw IoError(fmt::format("cannot write '{}': {}", tmp_, std::strerror(errno)));
 }
 
 AtomicFile::~AtomicFile() {
@@ -30,7 +29,7 @@ void AtomicFile::write_at(uint64_t offset, const void* data, size_t n) {
     const ssize_t w = ::pwrite(fd_, p, n, static_cast<off_t>(offset));
     if (w < 0) {
       if (errno == EINTR) continue;
-      throw CheckpointError(fmt::format("cannot write '{}': {}", tmp_, std::strerror(errno)));
+      throw IoError(fmt::format("cannot write '{}': {}", tmp_, std::strerror(errno)));
     }
     p += w;
     offset += static_cast<uint64_t>(w);
@@ -45,11 +44,10 @@ void AtomicFile::commit() {
   if (::fsync(fd) != 0 || ::close(fd) != 0) {
     const int err = errno;
     ::unlink(tmp_.c_str());
-    throw CheckpointError(fmt::format("cannot flush '{}': {}", tmp_, std::strerror(err)));
+    throw IoError(fmt::format("cannot flush '{}': {}", tmp_, std::strerror(err)));
   }
   if (std::rename(tmp_.c_str(), path_.c_str()) != 0)
-    throw CheckpointError(
-        fmt::format("cannot rename '{}' to '{}': {}", tmp_, path_, std::strerror(errno)));
+    throw IoError(fmt::format("cannot rename '{}' to '{}': {}", tmp_, path_, std::strerror(errno)));
 }
 
 void write_file_atomically(const std::string& path, const std::string& bytes) {

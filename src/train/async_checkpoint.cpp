@@ -75,6 +75,10 @@ std::string AsyncCheckpointWriter::save(const std::string& dir, Qwen3Moe& model,
     auto it = staging_.find(name);
     if (it == staging_.end() || it->second.shape() != t.shape() ||
         it->second.dtype() != t.dtype()) {
+#if MOETRAIN_HAS_CUDA
+      if (it != staging_.end() && it->second.nbytes() > 0)
+        cuda::unpin_host_memory(it->second.raw());  // before its memory is freed
+#endif
       Tensor host = Tensor::empty(t.shape(), t.dtype());
 #if MOETRAIN_HAS_CUDA
       if (t.device() != Device::kCPU && host.nbytes() > 0)

@@ -451,11 +451,13 @@ void remove_checkpoints(const std::string& dir) {
 // ranks share the directory.
 void check_checkpoint_dir(const std::string& dir, int rank) {
   namespace fs = std::filesystem;
-  std::error_code ec;
+  std::error_code ec, status;
   fs::create_directories(dir, ec);
-  if (!fs::is_directory(dir))
+  if (!fs::is_directory(dir, status))
     throw ConfigError(fmt::format("config: checkpoint.dir = '{}' is not a directory{}", dir,
-                                  ec ? ": " + ec.message() : ""));
+                                  ec       ? ": " + ec.message()
+                                  : status ? ": " + status.message()
+                                           : ""));
   const fs::path probe = fs::path(dir) / fmt::format(".moetrain_write_test_{}", rank);
   {
     std::ofstream out(probe);
@@ -526,6 +528,8 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
       }
     } catch (const Error& e) {
       problem = e.what();
+    } catch (const std::filesystem::filesystem_error& e) {
+      problem = fmt::format("config: cannot use '{}': {}", e.path1().string(), e.code().message());
     }
     Tensor failed = Tensor::zeros({1}, DType::kI64);
     failed.data<int64_t>()[0] = !problem.empty();
