@@ -154,11 +154,13 @@ __global__ void column_sum_final_kernel(const float* partial, int chunks, int e,
 
 // One warp per token, lanes over experts as the forward: d(score) = the aux term plus the
 // combine weights' gradient through the renormalisation, then the softmax backward.
+// Launch bounds: 128 registers a thread at the most, so that a block of kRouterWarps warps always
+// launches (the 1000-expert instantiation otherwise asks for more than an SM holds).
 template <int kPerLane>
-__global__ void router_backward_kernel(const float* scores, const int32_t* index,
-                                       const float* dweight, const int64_t* counts,
-                                       const uint8_t* padding, const double* aux_scale, int64_t n,
-                                       int e, int k, bool norm_topk, float* dlogits) {
+__global__ void __launch_bounds__(32 * kRouterWarps)
+    router_backward_kernel(const float* scores, const int32_t* index, const float* dweight,
+                           const int64_t* counts, const uint8_t* padding, const double* aux_scale,
+                           int64_t n, int e, int k, bool norm_topk, float* dlogits) {
   const int lane = threadIdx.x % 32;
   const int64_t warps = int64_t{gridDim.x} * (blockDim.x / 32);
   for (int64_t t = blockIdx.x * int64_t{blockDim.x / 32} + threadIdx.x / 32; t < n; t += warps) {
