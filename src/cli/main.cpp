@@ -12,7 +12,6 @@
 
 #include <CLI/CLI.hpp>
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -24,6 +23,7 @@
 
 #include "core/log.h"
 #include "core/mapped_file.h"
+#include "core/parse.h"
 #include "dist/communicator.h"
 #include "dist/launcher.h"
 #include "dist/socket_backend.h"
@@ -358,11 +358,8 @@ int main(int argc, char** argv) {
   train->add_option("--steps", steps, "stop after this step (the LR schedule keeps train.steps)")
       ->check(CLI::Validator(
           [](const std::string& v) -> std::string {
-            int64_t n = 0;
-            const auto [ptr, ec] = std::from_chars(v.data(), v.data() + v.size(), n);
-            return ec == std::errc() && ptr == v.data() + v.size() && n > 0
-                       ? std::string()
-                       : "--steps must be a positive integer";
+            const std::optional<int64_t> n = mt::parse_int64(v);
+            return n && *n > 0 ? std::string() : "--steps must be a positive integer";
           },
           "POSITIVE"));
   train->add_option("--metrics", run_opt.metrics_path,

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <array>
-#include <charconv>
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
@@ -22,6 +21,7 @@
 
 #include "core/atomic_file.h"
 #include "core/error.h"
+#include "core/parse.h"
 #include "fsdp/fsdp.h"
 
 namespace mt {
@@ -76,20 +76,10 @@ std::string checksum(const Tensor& host) {
   return fmt::format("{:016x}", XXH3_64bits(host.raw(), host.nbytes()));
 }
 
-// A metadata integer, strictly: decimal digits (a leading '-' allowed) and nothing else ("1e3"
-// and "20abc" are not integers); nullopt otherwise.
-std::optional<int64_t> strict_integer(const std::string& text) {
-  int64_t v = 0;
-  const char* end = text.data() + text.size();
-  const auto [ptr, ec] = std::from_chars(text.data(), end, v);
-  if (text.empty() || ec != std::errc() || ptr != end) return std::nullopt;
-  return v;
-}
 // The integer under `key` of a checkpoint file's metadata; CheckpointError naming both.
 int64_t metadata_integer(const SafetensorsFile& f, const std::string& path, const char* key) {
   const auto it = f.metadata.find(key);
-  const std::optional<int64_t> v =
-      it == f.metadata.end() ? std::nullopt : strict_integer(it->second);
+  const std::optional<int64_t> v = it == f.metadata.end() ? std::nullopt : parse_int64(it->second);
   if (!v)
     throw CheckpointError(fmt::format(
         "checkpoint: '{}' has {} metadata {}; it must be an integer", path, key,
@@ -268,7 +258,7 @@ std::vector<std::pair<int64_t, std::string>> checkpoints_in(const std::string& d
     const std::string digits = name.substr(5, 8);
     const std::string rest = name.substr(13);
     if (rest != "" && rest != ".safetensors") continue;
-    if (const std::optional<int64_t> step = strict_integer(digits); step && *step >= 0)
+    if (const std::optional<int64_t> step = parse_int64(digits); step && *step >= 0)
       out.emplace_back(*step, entry.path().string());
   }
   std::sort(out.begin(), out.end());

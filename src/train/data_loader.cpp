@@ -1,11 +1,11 @@
 #include "train/data_loader.h"
 
 #include <algorithm>
-#include <charconv>
 #include <cmath>
 #include <limits>
 
 #include "core/error.h"
+#include "core/parse.h"
 #include "train/document_stream.h"
 #include "train/synthetic_data.h"
 #include "train/token_file.h"
@@ -53,6 +53,15 @@ Batch pack_rows(const std::vector<PackedRow>& rows, int64_t seq_len) {
   return b;
 }
 
+void pad_row(PackedRow& row, int64_t row_tokens) {
+  const auto used = static_cast<int64_t>(row.tokens.size());
+  MT_CHECK(used <= row_tokens, "a row of {} tokens holds documents of {}", row_tokens, used);
+  if (used < row_tokens) row.padding_from = used;
+  row.tokens.resize(row_tokens, 0);
+  row.segment_start.resize(row_tokens, 0);
+  row.counts.resize(row_tokens, 0);
+}
+
 std::string format_data_state(const DataState& s) {
   std::string out;
   for (size_t i = 0; i < s.size(); ++i) {
@@ -67,12 +76,9 @@ std::optional<DataState> parse_data_state(const std::string& text) {
   size_t at = 0;
   while (true) {
     const size_t end = std::min(text.find(',', at), text.size());
-    int64_t v = 0;
-    const char* first = text.data() + at;
-    const char* last = text.data() + end;
-    const auto [ptr, ec] = std::from_chars(first, last, v);
-    if (first == last || ec != std::errc() || ptr != last || v < 0) return std::nullopt;
-    s.push_back(v);
+    const std::optional<int64_t> v = parse_int64(std::string_view(text).substr(at, end - at));
+    if (!v || *v < 0) return std::nullopt;
+    s.push_back(*v);
     if (end == text.size()) return s;
     at = end + 1;
   }
@@ -423,11 +429,7 @@ class WholeLoader : public TokenFilesLoader {
         row.segment_start.push_back(i == 0);
         row.counts.push_back(p.doc.loss_mask ? p.doc.loss_mask[i] : 1);
       }
-    const auto used = static_cast<int64_t>(row.tokens.size());
-    if (used <= seq_len) row.padding_from = used;
-    row.tokens.resize(seq_len + 1, 0);
-    row.segment_start.resize(seq_len + 1, 0);
-    row.counts.resize(seq_len + 1, 0);
+    pad_row(row, seq_len + 1);
     return row;
   }
 
@@ -448,14 +450,9 @@ std::unique_ptr<DataLoader> make_data_loader(const Config& c) {
                                                              c.data.branching, c.data.min_doc_len,
                                                              c.data.max_doc_len, c.data.seed});
     case DataSourceKind::kTokens:
-    case DataSourceKind::kSft: {
-      std::unique_ptr<DataLoader> loader;
-      if (c.data.resolved_packing() == Packing::kWhole)
-        loader = std::make_unique<WholeLoader>(c);
-      else
-        loader = std::make_unique<StreamLoader>(c);
-      return loader;
-    }
+    case DataSourceKind::kSft:
+      if (c.data.resolved_packing() == Packing::kWhole) return std::make_unique<WholeLoader>(c);
+      return std::make_unique<StreamLoader>(c);
   }
   MT_CHECK(false, "unknown data source");
 }

@@ -26,6 +26,10 @@ struct PackedRow {
   std::optional<int64_t> padding_from;
 };
 
+// A row's tail after its documents' tokens: padding up to `row_tokens` tokens (padding_from set
+// where the documents end, when they leave an input to pad).
+void pad_row(PackedRow& row, int64_t row_tokens);
+
 // Rows -> batch: targets that start a new document are masked (no prediction across documents);
 // every row starts a new attention segment, and so does its padding.
 Batch pack_rows(const std::vector<PackedRow>& rows, int64_t seq_len);

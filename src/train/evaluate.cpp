@@ -45,11 +45,7 @@ PackedRow bin_row(const TokenView& v, const std::vector<int64_t>& bin, int64_t c
       row.segment_start.push_back(i == v.doc_offsets[d]);
       row.counts.push_back(!v.loss_mask || v.loss_mask[i]);
     }
-  const auto used = static_cast<int64_t>(row.tokens.size());
-  if (used < capacity) row.padding_from = used;
-  row.tokens.resize(capacity, 0);
-  row.segment_start.resize(capacity, 0);
-  row.counts.resize(capacity, 0);
+  pad_row(row, capacity);
   return row;
 }
 }  // namespace

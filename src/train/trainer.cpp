@@ -156,6 +156,13 @@ std::string Trainer::save(const std::string& dir) {
                          cfg_.checkpoint.keep);
 }
 
+bool Trainer::any_rank(bool mine) const {
+  Tensor flag = Tensor::zeros({1}, DType::kI64);
+  flag.data<int64_t>()[0] = mine;
+  if (world_) world_->all_reduce(flag);
+  return flag.data<int64_t>()[0] != 0;
+}
+
 void Trainer::finish_saves() {
   if (!writer_) return;
   std::string problem;
@@ -166,10 +173,7 @@ void Trainer::finish_saves() {
     problem = e.what();
     code = e.code();
   }
-  Tensor failed = Tensor::zeros({1}, DType::kI64);
-  failed.data<int64_t>()[0] = !problem.empty();
-  if (world_) world_->all_reduce(failed);
-  if (failed.data<int64_t>()[0] == 0) return;
+  if (!any_rank(!problem.empty())) return;
   if (problem.empty())
     throw IoError("a checkpoint write failed on another rank (its message names it)");
   if (code == ExitCode::kNumerical) throw NumericalError(problem);
@@ -375,10 +379,7 @@ void Trainer::export_or_rescue(const std::string& out) {
   } catch (const std::exception& e) {  // ours, and std::filesystem's (a rename that failed)
     problem = e.what();
   }
-  Tensor failed = Tensor::zeros({1}, DType::kI64);
-  failed.data<int64_t>()[0] = !problem.empty();
-  if (world_) world_->all_reduce(failed);
-  if (failed.data<int64_t>()[0] == 0) return;
+  if (!any_rank(!problem.empty())) return;
   std::string where;
   if (!cfg_.checkpoint.dir.empty() && saved_step_ == step_) {
     where = saved_path_;
@@ -443,6 +444,21 @@ void remove_checkpoints(const std::string& dir) {
   std::filesystem::remove(std::filesystem::path(dir) / "latest", ec);
 }
 
+// Whether a file can be written in `dir` (the probe `name`, removed again): the system's reason
+// when it cannot.
+std::optional<std::string> cannot_write_in(const std::filesystem::path& dir,
+                                           const std::string& name) {
+  const std::filesystem::path probe = dir / name;
+  std::ofstream out(probe);
+  out << "moetrain";
+  out.flush();
+  if (!out) return std::strerror(errno);
+  out.close();
+  std::error_code ec;
+  std::filesystem::remove(probe, ec);
+  return std::nullopt;
+}
+
 // Output paths are checked before the first step, so that an unusable one (a regular file where
 // a directory goes, /proc, a full or read-only filesystem) stops the run at once rather than after
 // its last step: ConfigError naming the path and the system's reason.
@@ -458,16 +474,8 @@ void check_checkpoint_dir(const std::string& dir, int rank) {
                                   ec       ? ": " + ec.message()
                                   : status ? ": " + status.message()
                                            : ""));
-  const fs::path probe = fs::path(dir) / fmt::format(".moetrain_write_test_{}", rank);
-  {
-    std::ofstream out(probe);
-    out << "moetrain";
-    out.flush();
-    if (!out)
-      throw ConfigError(fmt::format("config: checkpoint.dir = '{}' is not writable: {}", dir,
-                                    std::strerror(errno)));
-  }
-  fs::remove(probe, ec);
+  if (const auto why = cannot_write_in(dir, fmt::format(".moetrain_write_test_{}", rank)))
+    throw ConfigError(fmt::format("config: checkpoint.dir = '{}' is not writable: {}", dir, *why));
 }
 
 // A file the run appends to (--metrics): it is opened (and so created) for appending.
@@ -493,15 +501,9 @@ void check_export_dir(const std::string& out) {
   if (ec || !fs::is_directory(parent))
     throw ConfigError(fmt::format("--export-hf '{}': cannot create '{}': {}", out, parent.string(),
                                   ec ? ec.message() : "not a directory"));
-  const fs::path probe = parent / fmt::format(".moetrain_write_test_{}", ::getpid());
-  std::ofstream test(probe);
-  test << "moetrain";
-  test.flush();
-  if (!test)
-    throw ConfigError(fmt::format("--export-hf '{}': cannot write in '{}': {}", out,
-                                  parent.string(), std::strerror(errno)));
-  test.close();
-  fs::remove(probe, ec);
+  if (const auto why = cannot_write_in(parent, fmt::format(".moetrain_write_test_{}", ::getpid())))
+    throw ConfigError(
+        fmt::format("--export-hf '{}': cannot write in '{}': {}", out, parent.string(), *why));
 }
 }  // namespace
 
@@ -531,10 +533,7 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
     } catch (const std::filesystem::filesystem_error& e) {
       problem = fmt::format("config: cannot use '{}': {}", e.path1().string(), e.code().message());
     }
-    Tensor failed = Tensor::zeros({1}, DType::kI64);
-    failed.data<int64_t>()[0] = !problem.empty();
-    if (world_) world_->all_reduce(failed);
-    if (failed.data<int64_t>()[0] != 0)
+    if (any_rank(!problem.empty()))
       throw ConfigError(problem.empty() ? std::string("config: another rank cannot use an output "
                                                       "path (its message names it)")
                                         : problem);

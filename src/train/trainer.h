@@ -110,6 +110,9 @@ class Trainer {
   // Waits for the asynchronous save in flight; every rank learns whether any failed, and all
   // stop with its error if one did (collective).
   void finish_saves();
+  // Whether any rank's `mine` is true (collective: one all-reduce), so that all ranks stop alike
+  // on a problem only one of them met.
+  bool any_rank(bool mine) const;
 };
 
 // A layer's routing over a batch from its per-expert loads (i64 (E), on the host): the busiest
