@@ -179,6 +179,22 @@ TEST(Cli, HostileConfigsExitWithCode2NamingTheValue) {
       {t + "model.aux_loss_form=global",
        "model.aux_loss_form = \"global\" (valid: per_layer, transformers)"},
       {t + "data.shuffle=maybe", "data.shuffle"},
+      // Issues 31 and 32's keys.
+      {t + "data.packing=greedy", "data.packing = \"greedy\" (valid: whole, stream)"},
+      {t + "data.packing=whole", "data.packing = \"whole\" needs token files"},
+      {t + "data.pack_window=0", "data.pack_window = 0 must be >= 1"},
+      {t + "data.overlong=split", "data.overlong = \"split\" (valid: truncate, drop, error)"},
+      {t + "data.source=tokens --set 'data.mix=[{path=\"a.tok\", weight=0}]'",
+       "data.mix[0].weight = 0 (the file 'a.tok') must be > 0"},
+      {t + "data.source=tokens --set 'data.mix=[{path=\"a.tok\", share=1}]'",
+       "unknown key data.mix[0].share (valid: path, weight)"},
+      {t + "data.source=tokens --set data.mix=3", "data.mix must be a list"},
+      {t + "data.source=tokens --set data.path=a.tok --set 'data.mix=[{path=\"b.tok\"}]'",
+       "data.path = 'a.tok' and data.mix (1 files) both name the data"},
+      {t + "'data.mix=[{path=\"a.tok\"}]'", "data.mix needs data.source"},
+      {t + "checkpoint.keep=-1", "checkpoint.keep = -1 must be >= 0"},
+      {t + "checkpoint.signal_deadline_s=-2", "checkpoint.signal_deadline_s = -2 must be >= 0"},
+      {t + "checkpoint.async=sometimes", "checkpoint.async"},
       {t + "hardware.threads=100000", "hardware.threads = 100000"},          // aborted
       {t + "hardware.threads=4294967297", "hardware.threads = 4294967297"},  // became 1
       {t + "parallel.world=100000", "parallel.world = 100000"},              // aborted
