@@ -1,6 +1,7 @@
 // Attention forward and forward + backward on packed causal documents at Qwen3-30B-A3B's heads
-// (32 query / 4 kv heads, head dim 128), 16384 tokens, bf16: 8 documents of 2048 tokens, and a
-// ragged packing (random lengths, up to 4096). TFLOP/s on the causal FLOPs (sum over documents of
+// (32 query / 4 kv heads, head dim 128), 16384 tokens, bf16: 8 documents of 2048 tokens, a ragged
+// packing (random lengths, up to 4096), and one 4096-token document beside 12, 63 or 127 short
+// ones (a whole-packed fine-tuning step). TFLOP/s on the causal FLOPs (sum over documents of
 // 2 L^2 D H forward; backward counted as 2.5x forward, as PyTorch's benchmarks do). JSON lines.
 // The PyTorch comparator (SDPA, cuDNN and flash backends) is bench/attention_torch.py.
 #include <algorithm>
@@ -45,6 +46,15 @@ double causal_forward_flops(const std::vector<int32_t>& cu, int64_t heads, int64
   return flops;
 }
 
+// A packed fine-tuning step: one document of 4096 tokens beside `small` of equal length sharing
+// the rest (whole packing puts a long sample's row and rows of many short ones in one step).
+Packing one_long(int64_t n, int64_t small, const char* name) {
+  Packing p{name, {0, 4096}};
+  for (int64_t i = 1; i <= small; ++i)
+    p.cu.push_back(static_cast<int32_t>(4096 + (n - 4096) * i / small));
+  return p;
+}
+
 }  // namespace
 
 int main() {
@@ -62,7 +72,8 @@ int main() {
   Tensor dq = Tensor::empty(q.shape(), DType::kBF16, Device::kCUDA),
          dk = Tensor::empty(k.shape(), DType::kBF16, Device::kCUDA),
          dv = Tensor::empty(v.shape(), DType::kBF16, Device::kCUDA);
-  for (const Packing& p : {uniform(n, 2048), ragged(n)}) {
+  for (const Packing& p : {uniform(n, 2048), ragged(n), one_long(n, 12, "4096+12"),
+                           one_long(n, 63, "4096+63"), one_long(n, 127, "4096+127")}) {
     Tensor cu = Tensor::empty({static_cast<int64_t>(p.cu.size())}, DType::kI32);
     for (size_t i = 0; i < p.cu.size(); ++i) cu.set_item(static_cast<int64_t>(i), p.cu[i]);
     const mt::ops::Documents docs{cu.to(Device::kCUDA), mt::ops::max_document_length(cu)};

@@ -42,6 +42,11 @@ line = {"bench": "model_step", "preset": os.path.basename(sys.argv[5]).removesuf
         # Of them, the documents' (whole packing pads its rows' tails; the stream does not).
         "real_tokens_per_s_per_gpu": round(statistics.median(
             r["tokens_per_s"] * (1 - r.get("pad_fraction", 0)) for r in steady) / ranks),
+        # Over the timed steps together: their real tokens over their time (steps of uneven
+        # cost, as whole packing's rows of a few long or many short documents, weigh by time).
+        "real_tokens_per_s_per_gpu_overall": round(
+            sum(1 - r.get("pad_fraction", 0) for r in steady)
+            / sum(1 / r["tokens_per_s"] for r in steady) / ranks),
         "pad_fraction": round(statistics.median(r.get("pad_fraction", 0) for r in steady), 4),
         "mfu": round(statistics.median(r["mfu"] for r in steady), 4),
         "peak_gib": round(max(r["peak_bytes"] for r in rows) / 2**30, 2),

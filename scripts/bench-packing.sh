@@ -4,7 +4,10 @@
 # line each (bench-model.sh's, with real_tokens_per_s_per_gpu: tokens/s less the padding) and a
 # last line with whole's real-token rate over stream's. The token file (bench/sft_chats.py's
 # chats, tokenized by scripts/tokenize_data.py with the tests' tokenizer) is made when missing.
-# Usage: scripts/bench-packing.sh [moetrain binary] [token file]; BENCH_STEPS (default 14).
+# Both runs train one epoch of the file (its tokens over the step's, and the two untimed steps),
+# so they see the same documents; the ratio is of their real tokens over the time of the timed
+# steps (bench-model.sh's real_tokens_per_s_per_gpu_overall), the median step's beside it.
+# Usage: scripts/bench-packing.sh [moetrain binary] [token file]; BENCH_STEPS overrides the count.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 bin=${1:-build/moetrain}
@@ -16,7 +19,12 @@ if [ ! -f "$data" ]; then
     scripts/tokenize_data.py --tokenizer tests/fixtures/tokenizer/chatml \
       --input "$out/sft_chats.jsonl" --output "$data" >/dev/null || exit 1
 fi
-steps=${BENCH_STEPS:-14}
+tokens_per_step=$(python3 -c 'import re,sys; t=open(sys.argv[1]).read(); print(
+  int(re.search(r"^batch_rows *= *(\d+)", t, re.M)[1]) * int(re.search(r"^seq_len *= *(\d+)", t, re.M)[1]))' \
+  configs/qwen3-30b-a3b-bench.toml) || exit 1
+epoch_steps=$(python3 -c 'import struct,sys; print(-(-struct.unpack_from("<Q", open(sys.argv[1], "rb").read(32), 24)[0] // int(sys.argv[2])))' \
+  "$data" "$tokens_per_step") || exit 1
+steps=${BENCH_STEPS:-$((epoch_steps + 2))}
 for packing in whole stream; do
   BENCH_SET="data.source=sft data.path=$data data.packing=$packing train.steps=$steps ${BENCH_SET:-}" \
     scripts/bench-model.sh "$bin" | tee "$out/packing_$packing.json"
@@ -29,8 +37,11 @@ if "error" in whole or "error" in stream:
     sys.exit(1)
 print(json.dumps({"bench": "packing", "preset": whole["preset"], "layers": whole["layers"],
                   "whole_pad_fraction": whole["pad_fraction"],
-                  "whole_real_tokens_per_s": whole["real_tokens_per_s_per_gpu"],
-                  "stream_real_tokens_per_s": stream["real_tokens_per_s_per_gpu"],
-                  "whole_over_stream": round(whole["real_tokens_per_s_per_gpu"]
-                                             / stream["real_tokens_per_s_per_gpu"], 4)}))
+                  "steps_timed": whole["steps_timed"],
+                  "whole_real_tokens_per_s": whole["real_tokens_per_s_per_gpu_overall"],
+                  "stream_real_tokens_per_s": stream["real_tokens_per_s_per_gpu_overall"],
+                  "whole_over_stream": round(whole["real_tokens_per_s_per_gpu_overall"]
+                                             / stream["real_tokens_per_s_per_gpu_overall"], 4),
+                  "median_step_whole_over_stream": round(whole["real_tokens_per_s_per_gpu"]
+                                                         / stream["real_tokens_per_s_per_gpu"], 4)}))
 PY

@@ -628,6 +628,61 @@ TEST(Loader, WholePackingResumesAndSplitsExactly) {
   std::filesystem::remove(path);
 }
 
+// The rows of a window: first-fit decreasing's rows either way; without data.shuffle in the
+// order it opened them (the longest document's row first, rows' longest documents never
+// increasing), with it in a seeded order of their own (the same for the same seed, another for
+// another), so a window's first steps are not its longest documents.
+TEST(Loader, WholePackingShufflesAWindowsRows) {
+  const std::string path = testing::unique_temp_path("whole_rows.tok");
+  std::vector<int64_t> lengths;
+  for (int i = 0; i < 60; ++i) lengths.push_back(3 + (i * 29) % 41);  // distinct enough
+  const TokenDocuments d = numbered_docs(lengths);
+  write_token_file(path, d);
+  const int64_t seq_len = 47;
+  // The first 1000 rows' documents, a row at a time, over 60-document windows (one per epoch).
+  auto rows_of = [&](bool shuffle, uint64_t seed) {
+    Config c = token_config(path, 100000);
+    c.data.pack_window = 60;
+    c.data.shuffle = shuffle;
+    c.data.seed = seed;
+    auto loader = make_data_loader(c);
+    std::vector<std::vector<int64_t>> rows;
+    int64_t docs = 0;
+    while (docs < 60) {
+      rows.emplace_back();
+      for (const Segment& s : segments_of(loader->next(1, seq_len), 1, seq_len, d))
+        rows.back().push_back(s.doc);
+      docs += static_cast<int64_t>(rows.back().size());
+    }
+    return rows;
+  };
+  auto longest = [&](const std::vector<int64_t>& row) {
+    int64_t m = 0;
+    for (const int64_t doc : row) m = std::max(m, lengths[doc]);
+    return m;
+  };
+  const auto in_order = rows_of(false, 1);
+  ASSERT_GT(in_order.size(), 8u);
+  EXPECT_EQ(longest(in_order[0]), *std::max_element(lengths.begin(), lengths.end()));
+  for (size_t r = 1; r < in_order.size(); ++r)
+    EXPECT_LE(longest(in_order[r]), longest(in_order[r - 1])) << "row " << r;
+  // Shuffled: the same first-epoch documents (each exactly once), rows in another order.
+  const auto a = rows_of(true, 1), again = rows_of(true, 1), b = rows_of(true, 2);
+  EXPECT_EQ(a, again);
+  EXPECT_NE(a, b);
+  for (const auto& rows : {a, b}) {
+    std::vector<int> seen(lengths.size(), 0);
+    bool sorted = true;
+    for (size_t r = 0; r < rows.size(); ++r) {
+      for (const int64_t doc : rows[r]) ++seen[doc];
+      sorted = sorted && (r == 0 || longest(rows[r]) <= longest(rows[r - 1]));
+    }
+    for (const int n : seen) EXPECT_EQ(n, 1);
+    EXPECT_FALSE(sorted) << "the rows went out longest first";
+  }
+  std::filesystem::remove(path);
+}
+
 // Documents longer than a row: "drop" leaves them out of the rows, "error" refuses the data at
 // start naming the first one (exit 3), "truncate" keeps their first seq_len + 1 tokens.
 TEST(Loader, OverlongDocumentsFollowTheSetting) {

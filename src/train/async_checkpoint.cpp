@@ -71,10 +71,12 @@ std::string AsyncCheckpointWriter::save(const std::string& dir, Qwen3Moe& model,
   wait();  // the staging buffers are the previous save's until it is written
   const auto start = Clock::now();
   const CheckpointTarget target = checkpoint_target(dir, st.step, world_);
+  double prepare_s = 0;
   for_each_checkpoint_tensor(model, opt, [&](const std::string& name, const Tensor& t) {
     auto it = staging_.find(name);
     if (it == staging_.end() || it->second.shape() != t.shape() ||
         it->second.dtype() != t.dtype()) {
+      const auto prepare = Clock::now();
 #if MOETRAIN_HAS_CUDA
       if (it != staging_.end() && it->second.nbytes() > 0)
         cuda::unpin_host_memory(it->second.raw());  // before its memory is freed
@@ -85,6 +87,7 @@ std::string AsyncCheckpointWriter::save(const std::string& dir, Qwen3Moe& model,
         (void)cuda::pin_host_memory(host.raw(), host.nbytes());  // else pageable: slower, same
 #endif
       it = staging_.insert_or_assign(name, std::move(host)).first;
+      prepare_s += seconds_since(prepare);
     }
     it->second.copy_from(t);
   });
@@ -92,6 +95,7 @@ std::string AsyncCheckpointWriter::save(const std::string& dir, Qwen3Moe& model,
     std::lock_guard lock(mu_);
     times_ = {};
     times_.copy_s = seconds_since(start);
+    times_.prepare_s = prepare_s;
     job_ = Job{target, st, model.mesh() ? model.mesh()->ep_size() : 1};
   }
   cv_.notify_all();

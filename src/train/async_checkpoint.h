@@ -22,7 +22,8 @@
 namespace mt {
 
 struct AsyncSaveTimes {
-  double copy_s = 0;   // the training thread's stall: the copy into staging
+  double copy_s = 0;     // the training thread's stall: staging prepared, then the copy into it
+  double prepare_s = 0;  // of it, allocating and page-locking staging (a first save, or new shapes)
   double write_s = 0;  // the writer's: check, checksum, write (and publish on rank 0)
   int64_t bytes = 0;   // this rank's file
 };

@@ -6,6 +6,7 @@
 
 #include "core/error.h"
 #include "core/parse.h"
+#include "core/rng.h"
 #include "train/document_stream.h"
 #include "train/synthetic_data.h"
 #include "train/token_file.h"
@@ -271,14 +272,22 @@ class StreamLoader : public TokenFilesLoader {
 
 // Whole documents per row: windows of up to data.pack_window documents (a window also ends
 // before a document that starts an epoch of its file, so an epoch is its documents' rows) are
-// packed by first-fit decreasing into rows of seq_len + 1 tokens, the rows emitted in the order
-// they were opened, each row's documents in placement order and its tail padding. Documents
-// longer than a row follow data.overlong; empty ones are passed over. The state: the stream's
-// position at the window's start and the rows of the window already emitted.
+// packed by first-fit decreasing into rows of seq_len + 1 tokens, each row's documents in
+// placement order and its tail padding. With data.shuffle the window's rows go out in an order
+// drawn from the seed and the window (as TRL's and torchtune's samplers shuffle packed rows):
+// first-fit decreasing opens the rows of the longest documents first, and emitting them so would
+// give each window's first steps its longest documents (the costliest attention, a length-sorted
+// curriculum); without it, in the order they were opened. Documents longer than a row follow
+// data.overlong; empty ones are passed over. The state: the stream's position at the window's
+// start and the rows of the window already emitted.
 class WholeLoader : public TokenFilesLoader {
  public:
   explicit WholeLoader(const Config& c)
-      : TokenFilesLoader(c), window_(c.data.pack_window), overlong_(c.data.overlong) {
+      : TokenFilesLoader(c),
+        window_(c.data.pack_window),
+        overlong_(c.data.overlong),
+        row_order_(c.data.shuffle ? DocumentOrder::kShuffled : DocumentOrder::kFileOrder),
+        seed_(c.data.seed) {
     window_start_ = docs_.taken();
   }
 
@@ -420,6 +429,16 @@ class WholeLoader : public TokenFilesLoader {
       rows_.emplace_back();
       for (const int64_t i : bin) rows_.back().push_back(pieces[i]);
     }
+    if (row_order_ == DocumentOrder::kShuffled) shuffle_rows();
+  }
+  // Fisher-Yates with random numbers of (seed, the documents taken before the window): windows
+  // start at increasing counts, so each has its own order, the same on every rank and at resume.
+  void shuffle_rows() {
+    int64_t before = 0;
+    for (const int64_t t : window_start_) before += t;
+    const CounterRng rng{seed_, (uint64_t{0x524F5753} << 32) + static_cast<uint64_t>(before)};
+    for (auto i = static_cast<int64_t>(rows_.size()) - 1; i > 0; --i)
+      std::swap(rows_[i], rows_[rng.below(static_cast<uint64_t>(i), static_cast<uint32_t>(i + 1))]);
   }
   PackedRow make_row(const std::vector<Piece>& pieces, int64_t seq_len) const {
     PackedRow row;
@@ -435,6 +454,8 @@ class WholeLoader : public TokenFilesLoader {
 
   int64_t window_;
   Overlong overlong_;
+  DocumentOrder row_order_;  // kFileOrder: as first-fit decreasing opened them
+  uint64_t seed_;
   DataState window_start_;
   int64_t row_in_window_ = 0;
   int64_t capacity_ = -1;                 // seq_len + 1 of the packed window; -1: not packed

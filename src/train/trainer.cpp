@@ -607,7 +607,10 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
           std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
       if (is_rank0())
         log::info("checkpoint: {} ({:.2f} s{})", saved_path_, all.back().checkpoint_stall_s,
-                  writer_ ? ", the copy to host memory; written in the background" : "");
+                  writer_ ? fmt::format(", the copy to host memory, {:.2f} s of it preparing "
+                                        "staging; written in the background",
+                                        writer_->last_times().prepare_s)
+                          : std::string());
     }
     if (metrics.is_open()) {
       nlohmann::ordered_json j{{"step", m.step},
