@@ -3,12 +3,19 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
+#include <string>
+#include <vector>
 #include <thread>
 
+#include "core/atomic_file.h"
 #include "core/dtype.h"
 #include "core/profile.h"
 #include "core/rng.h"
 #include "core/tensor.h"
+#include "processes.h"
 #include "testing.h"
 
 namespace mt {
@@ -232,6 +239,42 @@ TEST(Profile, SpansSumPerNameAndReadDeviceMarksOnTake) {
   EXPECT_DOUBLE_EQ(device[1].second, 4.5);  // marks 3..6
   EXPECT_EQ(released, 6);
   profile::set_device_clock({});
+}
+
+// append: pieces of every size (empty, a few bytes, across the 32 MiB buffers and their 4 KiB
+// alignment, a tail of 5 bytes) come back byte for byte; nothing is at the path before commit,
+// and an uncommitted file leaves neither the path nor its temporary behind.
+TEST(AtomicFile, AppendedPiecesReadBackExactly) {
+  const std::string path = testing::unique_temp_path("append.bin");
+  std::vector<char> want;
+  {
+    AtomicFile f(path);
+    const CounterRng rng{3, 1};
+    const std::vector<size_t> sizes = {0,         7,       4089,    (size_t{32} << 20) - 4096,
+                                       1 << 20,   4096,    (size_t{40} << 20) + 3,
+                                       12345,     5};
+    uint64_t k = 0;
+    for (const size_t n : sizes) {
+      std::vector<char> piece(n);
+      for (char& c : piece) c = static_cast<char>(rng.u32(k++));
+      f.append(piece.data(), piece.size());
+      want.insert(want.end(), piece.begin(), piece.end());
+    }
+    EXPECT_FALSE(std::filesystem::exists(path));
+    f.commit();
+  }
+  std::ifstream in(path, std::ios::binary);
+  const std::vector<char> got((std::istreambuf_iterator<char>(in)), {});
+  ASSERT_EQ(got.size(), want.size());
+  EXPECT_TRUE(got == want);
+  std::filesystem::remove(path);
+  {
+    AtomicFile f(path);
+    const std::vector<char> piece(size_t{33} << 20, 'x');
+    f.append(piece.data(), piece.size());
+  }
+  EXPECT_FALSE(std::filesystem::exists(path));
+  EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
 }
 
 }  // namespace mt

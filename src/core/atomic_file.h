@@ -1,5 +1,7 @@
 #pragma once
+#include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <string>
 
 namespace mt {
@@ -13,14 +15,23 @@ class AtomicFile {
   ~AtomicFile();
   AtomicFile(const AtomicFile&) = delete;
   AtomicFile& operator=(const AtomicFile&) = delete;
-  // Writes `n` bytes at byte `offset` (any order; gaps read as zeros).
+  // Writes `n` bytes at byte `offset` (any order; gaps read as zeros), through the page cache.
   void write_at(uint64_t offset, const void* data, size_t n);
+  // Appends `n` bytes after those appended before (the first at offset 0): the way for large
+  // files, written from page-aligned buffers with O_DIRECT where the filesystem allows it, two of
+  // them, so that filling one overlaps the disk's write of the other. (Through the page cache a
+  // process holding tens of GB writes at a third of the disk's rate: the copy and the kernel's
+  // dirty-page throttling; docs/reliability.md.) Not mixed with write_at.
+  void append(const void* data, size_t n);
   void commit();
   const std::string& path() const { return path_; }
 
  private:
+  struct Direct;
+  void wait_pending();
   std::string path_, tmp_;
   int fd_ = -1;
+  std::unique_ptr<Direct> direct_;  // append's buffers, made by its first call
 };
 
 // The whole file in one AtomicFile.

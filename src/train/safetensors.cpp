@@ -30,13 +30,15 @@ void write_safetensors(const std::string& path, const SafetensorsFile& f) {
     offset += t.nbytes();
   }
   const std::string h = header_json(header);
-  std::string bytes(8, '\0');
+  std::string head(8, '\0');
   const uint64_t hlen = h.size();
-  std::memcpy(bytes.data(), &hlen, 8);
-  bytes += h;
-  bytes.reserve(bytes.size() + offset);
-  for (const auto& [_, t] : f.tensors) bytes.append(static_cast<const char*>(t.raw()), t.nbytes());
-  write_file_atomically(path, bytes);
+  std::memcpy(head.data(), &hlen, 8);
+  head += h;
+  // Each tensor straight from its memory into the file: no second copy of the whole state.
+  AtomicFile file(path);
+  file.append(head.data(), head.size());
+  for (const auto& [_, t] : f.tensors) file.append(t.raw(), t.nbytes());
+  file.commit();
 }
 
 MappedSafetensors::MappedSafetensors(const std::string& path) : path_(path) {
