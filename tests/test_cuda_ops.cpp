@@ -690,8 +690,12 @@ TEST(CudnnAttention, MatchesReferenceOnPackedDocuments) {
   std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
   const int64_t h = 16, kv = 2, d = 128;
   const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  // One long document beside 40 short ones: the backward plans the long one apart.
+  std::vector<int32_t> one_long = {0, 700};
+  for (int i = 1; i <= 40; ++i) one_long.push_back(700 + 10 * i - (i % 3));
   for (const std::vector<int32_t>& cu :
-       {std::vector<int32_t>{0, 300, 301, 358, 1058, 1100}, std::vector<int32_t>{0, 1024, 1100}}) {
+       {std::vector<int32_t>{0, 300, 301, 358, 1058, 1100}, std::vector<int32_t>{0, 1024, 1100},
+        one_long}) {
     const int64_t n = cu.back(), docs = static_cast<int64_t>(cu.size()) - 1;
     Tensor cus = Tensor::empty({docs + 1}, DType::kI32);
     for (int64_t i = 0; i <= docs; ++i) cus.set_item(i, cu[i]);
@@ -752,6 +756,27 @@ TEST(CudnnAttention, MatchesReferenceOnPackedDocuments) {
     close(fast[0], dq, 2e-2, "cudnn dq (non-deterministic)");
     close(fast[1], dk, 2e-2, "cudnn dk (non-deterministic)");
     close(fast[2], dv, 2e-2, "cudnn dv (non-deterministic)");
+    // The long documents planned apart from the rest (their count known, as the loader gives
+    // it): the reference's gradients, deterministic, and the same split by head groups.
+    ops::Documents counted = docs_gpu;
+    counted.long_count = ops::count_long_documents(cus, host_docs.max_length);
+    Tensor apart[3][3];
+    for (int r = 0; r < 3; ++r) {
+      for (int i = 0; i < 3; ++i) apart[r][i] = poisoned(i == 0 ? q.shape() : k.shape(),
+                                                         DType::kBF16);
+      cuda::cudnn_attention_backward(gq, gk, gv, gout, glse, gdout, counted, scale, true,
+                                     apart[r][0], apart[r][1], apart[r][2],
+                                     r == 2 ? 0 : cuda::kAttentionWorkspaceBudget);
+    }
+    close(apart[0][0], dq, 2e-2, "cudnn dq (long documents apart)");
+    close(apart[0][1], dk, 2e-2, "cudnn dk (long documents apart)");
+    close(apart[0][2], dv, 2e-2, "cudnn dv (long documents apart)");
+    for (int i = 0; i < 3; ++i) {
+      const Tensor a = apart[0][i].to(Device::kCPU), b = apart[1][i].to(Device::kCPU),
+                   c = apart[2][i].to(Device::kCPU);
+      EXPECT_EQ(std::memcmp(a.raw(), b.raw(), a.nbytes()), 0) << "apart, deterministic " << i;
+      EXPECT_EQ(std::memcmp(a.raw(), c.raw(), a.nbytes()), 0) << "apart, by head groups " << i;
+    }
   }
 }
 

@@ -233,6 +233,23 @@ TEST(Attention, PlannedDocumentsRoundUpToPowersOfTwoWithinTheTokens) {
   EXPECT_EQ(c.longest, 4096);
 }
 
+// The backward's split: a quarter of the planned longest (700 plans at 1024: 256), the documents
+// past it counted from host boundaries (300 and 700; 256 itself is not past it), their planned
+// count a power of two.
+TEST(Attention, LongDocumentsAreThosePastAQuarterOfThePlannedLongest) {
+  EXPECT_EQ(ops::long_document_threshold(700, 4096), 256);
+  EXPECT_EQ(ops::long_document_threshold(4096, 16384), 1024);
+  EXPECT_EQ(ops::long_document_threshold(3, 40), 10);  // the plan's longest is cut at the tokens
+  Tensor cu = Tensor::empty({7}, DType::kI32);
+  const int32_t bounds[] = {0, 300, 301, 358, 1058, 1314, 1400};  // 300, 1, 57, 700, 256, 86
+  for (int i = 0; i < 7; ++i) cu.set_item(i, bounds[i]);
+  EXPECT_EQ(ops::count_long_documents(cu, ops::max_document_length(cu)), 2);
+  EXPECT_EQ(ops::planned_long_documents(-1), -1);
+  EXPECT_EQ(ops::planned_long_documents(0), 0);
+  EXPECT_EQ(ops::planned_long_documents(3), 4);
+  EXPECT_EQ(ops::planned_long_documents(4), 4);
+}
+
 TEST(Attention, LongestDocumentIsCheckedAndComputed) {
   AttnCase c = attn_case();
   EXPECT_EQ(ops::max_document_length(c.docs.cu_seqlens), 4);

@@ -57,7 +57,7 @@ Batch padded_documents(const Batch& b) {
   out.cu_seqlens = Tensor::empty({planned.count + 1}, DType::kI32);
   for (int64_t i = 0; i <= planned.count; ++i)
     out.cu_seqlens.data<int32_t>()[i] = cu.data<int32_t>()[std::min(i, docs)];
-  out.max_seqlen = planned.longest;
+  out.max_seqlen = planned.longest;  // the same long-document threshold: a power of two already
   return out;
 }
 #endif
@@ -71,6 +71,7 @@ namespace captured {
 // What a captured pass depends on besides the values in its buffers.
 struct PassKey {
   int64_t tokens = 0, docs = 0, longest = 0;
+  int64_t long_docs = -1;  // the attention backward's long documents, planned (a power of two)
   bool padding_mask = false;                 // whether the pass reads Batch::padding
   std::vector<bool> expert_grads_unwritten;  // per layer: overwrite or accumulate
   std::vector<bool> grad_shards_stale;       // per group: zeroed by the pass or added to
@@ -255,6 +256,7 @@ void Qwen3Moe::run_graphed(const Batch& b, const LossScale& scale) {
   captured::PassKey key{padded.size(),
                         padded.cu_seqlens.numel() - 1,
                         padded.max_seqlen,
+                        ops::planned_long_documents(padded.long_documents),
                         padded.padding.defined(),
                         {},
                         {}};
@@ -284,8 +286,8 @@ void Qwen3Moe::run_graphed(const Batch& b, const LossScale& scale) {
     cp.interrupted = false;
   };
   const std::string what =
-      fmt::format("the training pass of {} tokens ({} documents, longest {}, padded)",
-                  padded.size(), key.docs, key.longest);
+      fmt::format("the training pass of {} tokens ({} documents, longest {}, {} long; padded)",
+                  padded.size(), key.docs, key.longest, key.long_docs);
   if (cp.work.run(body, what)) {
     ++graphs_->replays;
     for (ParamGroup* g : experts) g->grads_unwritten = false;  // what pass() would have set

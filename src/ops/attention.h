@@ -11,6 +11,9 @@ namespace mt::ops {
 struct Documents {
   Tensor cu_seqlens;       // i32 (S + 1), on the activations' device
   int64_t max_length = 0;  // >= every document's length (the CPU checks; the GPU trusts it)
+  // How many documents are longer than long_document_threshold(max_length, N), known on the host
+  // (count_long_documents), or -1: not known. The GPU backward plans those apart from the rest.
+  int64_t long_count = -1;
 };
 // The longest document of host boundaries.
 int64_t max_document_length(const Tensor& cu_seqlens);
@@ -23,6 +26,18 @@ struct PlannedDocuments {
   int64_t longest = 0;
 };
 PlannedDocuments planned_documents(int64_t count, int64_t longest, int64_t tokens);
+
+// The GPU backward's split. cuDNN's deterministic backward keeps partial sums whose size grows
+// with its plan's document count times the square of its longest length, so one plan for a step
+// of one long document beside a hundred short ones sizes every document as the long one (tens of
+// GiB). Documents longer than a quarter of the planned longest (their count known on the host)
+// are planned at the longest, the rest at that quarter: each class's workspace about its own.
+int64_t long_document_threshold(int64_t longest, int64_t tokens);
+// Documents of host boundaries longer than long_document_threshold(longest, tokens), tokens the
+// last boundary.
+int64_t count_long_documents(const Tensor& cu_seqlens, int64_t longest);
+// The long documents' planned count: a power of two (0 for none; -1 stays unknown).
+int64_t planned_long_documents(int64_t long_count);
 
 // q (N, H, Dqk), k (N, KV, Dqk), v (N, KV, Dv), cu_seqlens i32 (S + 1) with cu_seqlens[S] = N.
 // out (N, H, Dv); lse (N, H) = log sum_j exp(scale * q.k_j), saved so backward never re-runs

@@ -27,6 +27,15 @@ constexpr double kRankFilesTimeoutS = 1800;
 std::string refusal_path(const std::string& file) {
   return file + ".not_finite";
 }
+// Faults a new buffer's pages in on every core (writing a byte of each): page-locking faults them
+// one thread at a time, at the kernel's page-clearing rate.
+void fault_in(void* data, size_t bytes) {
+  constexpr size_t kPage = 4096;
+  auto* p = static_cast<volatile char*>(data);
+  const auto pages = static_cast<int64_t>((bytes + kPage - 1) / kPage);
+#pragma omp parallel for schedule(static)
+  for (int64_t i = 0; i < pages; ++i) p[static_cast<size_t>(i) * kPage] = 0;
+}
 }  // namespace
 
 AsyncCheckpointWriter::AsyncCheckpointWriter(dist::Communicator* world, int64_t keep,
@@ -83,8 +92,10 @@ std::string AsyncCheckpointWriter::save(const std::string& dir, Qwen3Moe& model,
 #endif
       Tensor host = Tensor::empty(t.shape(), t.dtype());
 #if MOETRAIN_HAS_CUDA
-      if (t.device() != Device::kCPU && host.nbytes() > 0)
+      if (t.device() != Device::kCPU && host.nbytes() > 0) {
+        fault_in(host.raw(), host.nbytes());
         (void)cuda::pin_host_memory(host.raw(), host.nbytes());  // else pageable: slower, same
+      }
 #endif
       it = staging_.insert_or_assign(name, std::move(host)).first;
       prepare_s += seconds_since(prepare);

@@ -51,6 +51,7 @@ Batch pack_rows(const std::vector<PackedRow>& rows, int64_t seq_len) {
   b.cu_seqlens = Tensor::empty({static_cast<int64_t>(cu.size())}, DType::kI32);
   std::copy(cu.begin(), cu.end(), b.cu_seqlens.data<int32_t>());
   b.max_seqlen = ops::max_document_length(b.cu_seqlens);
+  b.long_documents = ops::count_long_documents(b.cu_seqlens, b.max_seqlen);
   return b;
 }
 

@@ -60,6 +60,26 @@ PlannedDocuments planned_documents(int64_t count, int64_t longest, int64_t token
   return {pow2(count, 1), std::min(pow2(longest, 64), tokens)};
 }
 
+int64_t long_document_threshold(int64_t longest, int64_t tokens) {
+  return planned_documents(1, longest, tokens).longest / 4;
+}
+
+int64_t count_long_documents(const Tensor& cu_seqlens, int64_t longest) {
+  expect_dtype(cu_seqlens, DType::kI32, "cu_seqlens");
+  MT_CHECK(cu_seqlens.device() == Device::kCPU, "count_long_documents reads host boundaries");
+  const int32_t* cu = cu_seqlens.data<int32_t>();
+  const int64_t docs = cu_seqlens.numel() - 1;
+  const int64_t threshold = long_document_threshold(longest, docs >= 0 ? cu[docs] : 0);
+  int64_t count = 0;
+  for (int64_t s = 0; s < docs; ++s) count += cu[s + 1] - cu[s] > threshold;
+  return count;
+}
+
+int64_t planned_long_documents(int64_t long_count) {
+  return long_count <= 0 ? long_count
+                         : static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(long_count)));
+}
+
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Documents& docs,
                        double scale, Tensor& out, Tensor& lse) {
 #if MOETRAIN_HAS_CUDA

@@ -155,6 +155,67 @@ __global__ void ragged_layout_kernel(const int32_t* cu, int docs, int padded_doc
   if (b < padded_docs) out.seq_len[b] = b < docs ? cu[b + 1] - start : 0;
 }
 
+// Entry `at` of a layout of `count` documents: its offsets, and its length below `count` (the
+// offsets have count + 1 entries, the lengths count).
+__device__ void write_layout_entry(const kernels::RaggedLayout& out, int at, int count,
+                                   int32_t start, int32_t len, const kernels::RaggedStrides& st) {
+  out.q[at] = start * st.q;
+  out.k[at] = start * st.k;
+  out.v[at] = start * st.v;
+  out.o[at] = start * st.o;
+  out.stats[at] = start * st.stats;
+  if (at < count) out.seq_len[at] = len;
+}
+
+// One block: each thread takes a run of documents, a block scan of its long ones gives every
+// document its place in its class, then the classes' tails are padded with empty documents at
+// the end of the tokens (and each offset array's last entry).
+constexpr int kSplitThreads = 1024;
+__global__ void __launch_bounds__(kSplitThreads)
+    ragged_layout_split_kernel(const int32_t* cu, int docs, int threshold, int longer_docs,
+                               int rest_docs, kernels::RaggedStrides st,
+                               kernels::RaggedLayout longer, kernels::RaggedLayout rest) {
+  __shared__ int warp_totals[kSplitThreads / 32];
+  const int t = threadIdx.x, lane = t % 32, warp = t / 32;
+  const int per = (docs + kSplitThreads - 1) / kSplitThreads;
+  const int first = min(docs, t * per), last = min(docs, first + per);
+  int mine = 0;
+  for (int d = first; d < last; ++d) mine += cu[d + 1] - cu[d] > threshold;
+  int scan = mine;  // inclusive within the warp
+  for (int o = 1; o < 32; o *= 2) {
+    const int x = __shfl_up_sync(0xffffffffu, scan, o);
+    if (lane >= o) scan += x;
+  }
+  if (lane == 31) warp_totals[warp] = scan;
+  __syncthreads();
+  if (warp == 0) {
+    int w = warp_totals[lane];
+    for (int o = 1; o < 32; o *= 2) {
+      const int x = __shfl_up_sync(0xffffffffu, w, o);
+      if (lane >= o) w += x;
+    }
+    warp_totals[lane] = w;  // inclusive over the warps
+  }
+  __syncthreads();
+  const int total = warp_totals[kSplitThreads / 32 - 1];
+  int long_at = scan - mine + (warp > 0 ? warp_totals[warp - 1] : 0);
+  int rest_at = first - long_at;
+  for (int d = first; d < last; ++d) {
+    const int32_t start = cu[d], len = cu[d + 1] - start;
+    if (len > threshold) {
+      if (long_at < longer_docs) write_layout_entry(longer, long_at, longer_docs, start, len, st);
+      ++long_at;
+    } else if (rest_at < rest_docs) {
+      write_layout_entry(rest, rest_at++, rest_docs, start, len, st);
+    }
+  }
+  const int32_t end = cu[docs];
+  for (int i = min(total, longer_docs) + t; i <= longer_docs; i += kSplitThreads)
+    write_layout_entry(longer, i, longer_docs, end, 0, st);
+  for (int i = min(docs - total, rest_docs) + t; i <= rest_docs; i += kSplitThreads)
+    write_layout_entry(rest, i, rest_docs, end, 0, st);
+}
+
 int blocks_for(int64_t items) {
   return static_cast<int>((items + kWarpsPerBlock - 1) / kWarpsPerBlock);
 }
@@ -209,6 +270,16 @@ cudaError_t attention_ragged_layout(const int32_t* cu_seqlens, int docs, int pad
   const int threads = 256;
   ragged_layout_kernel<<<(padded_docs + threads) / threads, threads, 0, stream>>>(
       cu_seqlens, docs, padded_docs, strides, out);
+  return cudaGetLastError();
+}
+
+cudaError_t attention_ragged_layout_split(const int32_t* cu_seqlens, int docs, int threshold,
+                                          int longer_docs, int rest_docs, RaggedStrides strides,
+                                          RaggedLayout longer, RaggedLayout rest,
+                                          cudaStream_t stream) {
+  if (docs < 0 || longer_docs < 0 || rest_docs < 0) return cudaErrorInvalidValue;
+  ragged_layout_split_kernel<<<1, kSplitThreads, 0, stream>>>(
+      cu_seqlens, docs, threshold, longer_docs, rest_docs, strides, longer, rest);
   return cudaGetLastError();
 }
 

@@ -148,6 +148,13 @@ struct RaggedLayout {
 };
 cudaError_t attention_ragged_layout(const int32_t* cu_seqlens, int docs, int padded_docs,
                                     RaggedStrides strides, RaggedLayout out, cudaStream_t stream);
+// The documents longer than `threshold` into `longer` (padded to longer_docs with empty ones),
+// the rest into `rest` (padded to rest_docs), each class in document order. At most longer_docs
+// documents may be longer (the host counted them); one block.
+cudaError_t attention_ragged_layout_split(const int32_t* cu_seqlens, int docs, int threshold,
+                                          int longer_docs, int rest_docs, RaggedStrides strides,
+                                          RaggedLayout longer, RaggedLayout rest,
+                                          cudaStream_t stream);
 
 // --- router (route.cu) ---
 // The routing kernels keep one token's experts in a warp's registers and its choices in lanes.

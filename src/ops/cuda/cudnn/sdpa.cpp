@@ -5,6 +5,8 @@
 // A graph is built once per shape and cached: the document count is padded to a power of two
 // (empty documents past the real ones) and the longest document to a power of two (at most the
 // token count), so a run with varying packing builds a handful of graphs, not one per step. The
+// backward plans the documents longer than a quarter of the longest apart from the rest
+// (ops::long_document_threshold), its deterministic workspace sized by each class. The
 // ragged offsets and lengths come from the device boundaries through one small kernel: no host
 // sync.
 #include <cudnn_frontend.h>
@@ -26,6 +28,10 @@ namespace fe = cudnn_frontend;
 using TensorAttr = std::shared_ptr<fe::graph::Tensor_attributes>;
 
 namespace {
+
+// Below a long-document threshold of this many tokens the backward keeps one plan: the short
+// documents' partial sums are small either way.
+constexpr int64_t kMinSplitLength = 128;
 
 // Tensor uids of the variant pack.
 enum Uid : int64_t {
@@ -217,8 +223,8 @@ struct Ragged {
   kernels::RaggedLayout at;
 };
 
-Ragged ragged_layout(const ops::Documents& docs, const SdpaShape& s) {
-  const int64_t b = s.docs;
+// A layout buffer for `b` documents (its arrays pointed at; the kernels fill them).
+Ragged ragged_buffer(int64_t b) {
   Ragged r{Tensor::empty({5 * (b + 1) + b}, DType::kI32, Device::kCUDA), {}};
   int32_t* base = r.buffer.data<int32_t>();
   r.at = {base,
@@ -227,12 +233,21 @@ Ragged ragged_layout(const ops::Documents& docs, const SdpaShape& s) {
           base + 3 * (b + 1),
           base + 4 * (b + 1),
           base + 5 * (b + 1)};
+  return r;
+}
+
+kernels::RaggedStrides ragged_strides(const SdpaShape& s) {
   const auto i32 = [](int64_t x) { return static_cast<int32_t>(x); };
-  const kernels::RaggedStrides strides{i32(s.heads * s.dqk), i32(s.kv_heads * s.dqk),
-                                       i32(s.kv_heads * s.dv), i32(s.heads * s.dv), i32(s.heads)};
+  return {i32(s.heads * s.dqk), i32(s.kv_heads * s.dqk), i32(s.kv_heads * s.dv),
+          i32(s.heads * s.dv), i32(s.heads)};
+}
+
+Ragged ragged_layout(const ops::Documents& docs, const SdpaShape& s) {
+  Ragged r = ragged_buffer(s.docs);
   MT_CUDA_CHECK(kernels::attention_ragged_layout(docs.cu_seqlens.data<int32_t>(),
                                                  static_cast<int>(docs.cu_seqlens.numel() - 1),
-                                                 static_cast<int>(b), strides, r.at, stream()));
+                                                 static_cast<int>(s.docs), ragged_strides(s), r.at,
+                                                 stream()));
   return r;
 }
 
@@ -319,6 +334,37 @@ void cudnn_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
   run(g, pack, r);
 }
 
+namespace {
+
+struct BackwardOperands {
+  const Tensor &q, &k, &v, &out, &lse, &dout;
+  Tensor &dq, &dk, &dv;
+};
+
+// One plan's backward (s before its head groups) over the documents of layout r.
+void backward_over(const BackwardOperands& t, SdpaShape s, const Ragged& r, int64_t budget) {
+  s = backward_groups(s, budget);
+  const fe::graph::Graph& g = cached_graph(s);
+  const int64_t groups = s.head_groups;  // offsets at the whole tensors' strides: every group's
+  for (int64_t i = 0; i < groups; ++i) {
+    const int64_t q_at = group_offset(i, s.heads, groups, s.dqk),
+                  kv_at = group_offset(i, s.kv_heads, groups, s.dqk),
+                  v_at = group_offset(i, s.kv_heads, groups, s.dv),
+                  o_at = group_offset(i, s.heads, groups, s.dv),
+                  lse_at = group_offset(i, s.heads, groups, 1);
+    const auto at = [](const Tensor& x, int64_t elements) {
+      return static_cast<char*>(ptr(x)) + elements * dtype_size(x.dtype());
+    };
+    std::unordered_map<int64_t, void*> pack{
+        {kQ, at(t.q, q_at)},     {kK, at(t.k, kv_at)},        {kV, at(t.v, v_at)},
+        {kO, at(t.out, o_at)},   {kStats, at(t.lse, lse_at)}, {kDO, at(t.dout, o_at)},
+        {kDQ, at(t.dq, q_at)},   {kDK, at(t.dk, kv_at)},      {kDV, at(t.dv, v_at)}};
+    run(g, pack, r);
+  }
+}
+
+}  // namespace
+
 void cudnn_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                               const Tensor& lse, const Tensor& dout, const ops::Documents& docs,
                               double scale, bool deterministic, Tensor& dq, Tensor& dk, Tensor& dv,
@@ -329,26 +375,28 @@ void cudnn_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   expect_shape(dk, k.shape(), "attention dk");
   expect_shape(dv, v.shape(), "attention dv");
   expect_dtype(lse, DType::kF32, "attention lse (GPU)");
-  const SdpaShape s =
-      backward_groups(shape_of(q, k, v, docs, scale, true, deterministic), workspace_budget_bytes);
-  const fe::graph::Graph& g = cached_graph(s);
-  const Ragged r = ragged_layout(docs, s);  // offsets at the whole tensors' strides: every group's
-  const int64_t groups = s.head_groups;
-  for (int64_t i = 0; i < groups; ++i) {
-    const int64_t q_at = group_offset(i, s.heads, groups, s.dqk),
-                  kv_at = group_offset(i, s.kv_heads, groups, s.dqk),
-                  v_at = group_offset(i, s.kv_heads, groups, s.dv),
-                  o_at = group_offset(i, s.heads, groups, s.dv),
-                  lse_at = group_offset(i, s.heads, groups, 1);
-    const auto at = [](const Tensor& t, int64_t elements) {
-      return static_cast<char*>(ptr(t)) + elements * dtype_size(t.dtype());
-    };
-    std::unordered_map<int64_t, void*> pack{
-        {kQ, at(q, q_at)},   {kK, at(k, kv_at)},        {kV, at(v, v_at)},
-        {kO, at(out, o_at)}, {kStats, at(lse, lse_at)}, {kDO, at(dout, o_at)},
-        {kDQ, at(dq, q_at)}, {kDK, at(dk, kv_at)},      {kDV, at(dv, v_at)}};
-    run(g, pack, r);
+  const BackwardOperands t{q, k, v, out, lse, dout, dq, dk, dv};
+  const SdpaShape s = shape_of(q, k, v, docs, scale, true, deterministic);
+  const int64_t count = docs.cu_seqlens.numel() - 1;
+  const int64_t threshold = ops::long_document_threshold(docs.max_length, q.dim(0));
+  // Unknown long documents, or a quarter of the longest too short to matter: one plan.
+  if (docs.long_count < 0 || threshold < kMinSplitLength) {
+    backward_over(t, s, ragged_layout(docs, s), workspace_budget_bytes);
+    return;
   }
+  MT_CHECK(docs.long_count <= count, "{} long documents of {}", docs.long_count, count);
+  // The long documents at the longest, the rest at the threshold (ops::long_document_threshold).
+  SdpaShape longer = s, rest = s;
+  longer.docs = ops::planned_long_documents(docs.long_count);
+  rest.max_len = threshold;
+  const Ragged long_layout = ragged_buffer(std::max<int64_t>(longer.docs, 1)),
+               rest_layout = ragged_buffer(rest.docs);
+  MT_CUDA_CHECK(kernels::attention_ragged_layout_split(
+      docs.cu_seqlens.data<int32_t>(), static_cast<int>(count), static_cast<int>(threshold),
+      static_cast<int>(longer.docs), static_cast<int>(rest.docs), ragged_strides(s),
+      long_layout.at, rest_layout.at, stream()));
+  if (docs.long_count > 0) backward_over(t, longer, long_layout, workspace_budget_bytes);
+  if (docs.long_count < count) backward_over(t, rest, rest_layout, workspace_budget_bytes);
 }
 
 }  // namespace mt::cuda
