@@ -83,7 +83,8 @@ struct ModelConfig {
   // weights and gradients, bf16 compute copies and activations, f32 statistics (RMSNorm rstd,
   // attention and loss LSE, routing). On the CPU everything is compute_dtype.
   Device device = Device::kCPU;
-  // On one GPU: replay each training pass as a CUDA graph (set from hardware.cuda_graphs).
+  // Replay each training pass as a CUDA graph where it can be captured (hardware.cuda_graphs;
+  // Qwen3Moe::use_graphs says where).
   bool cuda_graphs = false;
 
   bool on_gpu() const { return device == Device::kCUDA; }

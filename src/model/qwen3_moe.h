@@ -47,8 +47,8 @@ class Qwen3Moe {
   // Tokens of the whole batch (every rank's part; padding left out) routed to each expert in this
   // step, per layer (i64 (E), on the host, the same on every rank); reset by zero_grad.
   const std::vector<Tensor>& step_expert_load() const { return expert_load_; }
-  // Micro-batches run as replays of captured CUDA graphs (model.cuda_graphs; one GPU, or several
-  // without expert parallelism) so far.
+  // Micro-batches run as replays of captured CUDA graphs so far (hardware.cuda_graphs; where
+  // use_graphs() allows: on the GPU, with the device exchange when ep > 1, not profiling).
   int64_t graph_replays() const;
 
   void zero_grad();

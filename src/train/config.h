@@ -1,5 +1,5 @@
-// The whole job's configuration: TOML sections [model], [train], [data], [checkpoint],
-// [hardware], each key with one type. Unknown keys, wrong types and impossible combinations are
+// The whole job's configuration: TOML sections [model], [train], [data], [parallel],
+// [checkpoint], [eval], [hardware], each key with one type. Unknown keys, wrong types and impossible combinations are
 // ConfigErrors naming the key (exit code 2).
 #pragma once
 #include <cstdint>
