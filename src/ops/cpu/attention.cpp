@@ -53,11 +53,15 @@ int64_t max_document_length(const Tensor& cu_seqlens) {
   return longest;
 }
 
+namespace {
+// The power of two at or above max(x, floor).
+int64_t pow2_at_least(int64_t x, int64_t floor) {
+  return static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(std::max(x, floor))));
+}
+}  // namespace
+
 PlannedDocuments planned_documents(int64_t count, int64_t longest, int64_t tokens) {
-  const auto pow2 = [](int64_t x, int64_t floor) {
-    return static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(std::max(x, floor))));
-  };
-  return {pow2(count, 1), std::min(pow2(longest, 64), tokens)};
+  return {pow2_at_least(count, 1), std::min(pow2_at_least(longest, 64), tokens)};
 }
 
 int64_t long_document_threshold(int64_t longest, int64_t tokens) {
@@ -76,8 +80,7 @@ int64_t count_long_documents(const Tensor& cu_seqlens, int64_t longest) {
 }
 
 int64_t planned_long_documents(int64_t long_count) {
-  return long_count <= 0 ? long_count
-                         : static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(long_count)));
+  return long_count <= 0 ? long_count : pow2_at_least(long_count, 1);
 }
 
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Documents& docs,
