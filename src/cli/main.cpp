@@ -21,6 +21,7 @@
 #include <nlohmann/json.hpp>
 #include <optional>
 
+#include "core/atomic_file.h"
 #include "core/log.h"
 #include "core/mapped_file.h"
 #include "core/parse.h"
@@ -262,11 +263,11 @@ int run_eval(const ConfigArgs& a, const std::string& resume, const std::string& 
   check_memory(r.config);
   mt::install_mapped_file_fault_handler();
   if (!per_token.empty()) {  // checked before the model loads: exit 2 with the system's reason
-    std::FILE* f = std::fopen((per_token + ".tmp").c_str(), "w");
-    if (!f)
+    const std::filesystem::path parent = std::filesystem::path(per_token).parent_path();
+    if (const auto why = mt::cannot_write_in(parent.empty() ? "." : parent.string(),
+                                             fmt::format(".moetrain_write_test_{}", ::getpid())))
       throw mt::ConfigError(
-          fmt::format("eval: cannot write --per-token '{}': {}", per_token, std::strerror(errno)));
-    std::fclose(f);
+          fmt::format("eval: cannot write --per-token '{}': {}", per_token, *why));
   }
   const mt::MappedTokenFile file(data, r.config.model.vocab_size);
   const mt::TokenView& docs = file.view();

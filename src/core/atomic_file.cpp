@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <future>
 
 #include "core/error.h"
@@ -121,6 +123,18 @@ void AtomicFile::commit() {
   }
   if (std::rename(tmp_.c_str(), path_.c_str()) != 0)
     throw IoError(fmt::format("cannot rename '{}' to '{}': {}", tmp_, path_, std::strerror(errno)));
+}
+
+std::optional<std::string> cannot_write_in(const std::string& dir, const std::string& name) {
+  const std::filesystem::path probe = std::filesystem::path(dir) / name;
+  std::ofstream out(probe);
+  out << "moetrain";
+  out.flush();
+  if (!out) return std::strerror(errno);
+  out.close();
+  std::error_code ec;
+  std::filesystem::remove(probe, ec);
+  return std::nullopt;
 }
 
 void write_file_atomically(const std::string& path, const std::string& bytes) {

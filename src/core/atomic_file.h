@@ -2,6 +2,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 
 namespace mt {
@@ -33,6 +34,10 @@ class AtomicFile {
   int fd_ = -1;
   std::unique_ptr<Direct> direct_;  // append's buffers, made by its first call
 };
+
+// Whether a file can be written in `dir` (the probe `name`, removed again): the system's reason
+// when it cannot, nullopt when it can. For output paths checked before the work that fills them.
+std::optional<std::string> cannot_write_in(const std::string& dir, const std::string& name);
 
 // The whole file in one AtomicFile.
 void write_file_atomically(const std::string& path, const std::string& bytes);

@@ -444,21 +444,6 @@ void remove_checkpoints(const std::string& dir) {
   std::filesystem::remove(std::filesystem::path(dir) / "latest", ec);
 }
 
-// Whether a file can be written in `dir` (the probe `name`, removed again): the system's reason
-// when it cannot.
-std::optional<std::string> cannot_write_in(const std::filesystem::path& dir,
-                                           const std::string& name) {
-  const std::filesystem::path probe = dir / name;
-  std::ofstream out(probe);
-  out << "moetrain";
-  out.flush();
-  if (!out) return std::strerror(errno);
-  out.close();
-  std::error_code ec;
-  std::filesystem::remove(probe, ec);
-  return std::nullopt;
-}
-
 // Output paths are checked before the first step, so that an unusable one (a regular file where
 // a directory goes, /proc, a full or read-only filesystem) stops the run at once rather than after
 // its last step: ConfigError naming the path and the system's reason.
@@ -501,7 +486,8 @@ void check_export_dir(const std::string& out) {
   if (ec || !fs::is_directory(parent))
     throw ConfigError(fmt::format("--export-hf '{}': cannot create '{}': {}", out, parent.string(),
                                   ec ? ec.message() : "not a directory"));
-  if (const auto why = cannot_write_in(parent, fmt::format(".moetrain_write_test_{}", ::getpid())))
+  if (const auto why =
+          cannot_write_in(parent.string(), fmt::format(".moetrain_write_test_{}", ::getpid())))
     throw ConfigError(
         fmt::format("--export-hf '{}': cannot write in '{}': {}", out, parent.string(), *why));
 }
