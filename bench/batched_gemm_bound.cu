@@ -11,7 +11,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "ops/cuda/cutlass/fixed_gemm_sm90.cuh"
+#include "ops/cuda/cutlass/grouped_gemm_fixed_sm90.cuh"
 #include "ops/cuda/cutlass/grouped_gemm_sm90.cuh"
 #include "workbench.cuh"
 

@@ -11,7 +11,7 @@
 
 #include "bench/bench_util.h"
 #include "core/rng.h"
-#include "ops/cuda/ops.h"
+#include "ops/attention.h"
 
 namespace {
 
@@ -87,18 +87,25 @@ int main() {
           static_cast<long long>(n), static_cast<long long>(h), static_cast<long long>(kv),
           static_cast<long long>(d), ms, flops / (ms * 1e-3) / 1e12);
     };
-    const auto forward = [&] { mt::cuda::cudnn_attention_forward(q, k, v, docs, scale, out, lse); };
+    const mt::ops::AttentionGpu cudnn{mt::ops::AttentionKernel::kCudnn};
+    const auto forward = [&] { mt::ops::attention_forward(q, k, v, docs, scale, out, lse, cudnn); };
     report("cudnn", "fwd", mt::bench::median_ms(forward), fwd_flops);
     for (bool deterministic : {true, false}) {
       const double ms = mt::bench::median_ms([&] {
         forward();
-        mt::cuda::cudnn_attention_backward(q, k, v, out, lse, dout, docs, scale, deterministic, dq,
-                                           dk, dv);
+        mt::ops::attention_backward(
+            q, k, v, out, lse, dout, docs, scale, dq, dk, dv,
+            {mt::ops::AttentionKernel::kCudnn,
+             deterministic ? mt::ops::Determinism::kDeterministic : mt::ops::Determinism::kFast});
       });
       report(deterministic ? "cudnn_deterministic" : "cudnn", "fwd+bwd", ms, 3.5 * fwd_flops);
     }
     const double ref_ms = mt::bench::median_ms(
-        [&] { mt::cuda::reference_attention_forward(q, k, v, docs, scale, out, lse); }, 1, 3);
+        [&] {
+          mt::ops::attention_forward(q, k, v, docs, scale, out, lse,
+                                     {mt::ops::AttentionKernel::kReference});
+        },
+        1, 3);
     report("reference_kernel", "fwd", ref_ms, fwd_flops);
     std::fflush(stdout);
   }

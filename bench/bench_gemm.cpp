@@ -15,7 +15,7 @@
 
 #include "bench/bench_util.h"
 #include "core/cuda/check.h"
-#include "ops/cuda/kernels.h"
+#include "ops/cuda/grouped_gemm.h"
 #include "ops/gemm.h"
 #include "ops/grouped_gemm.h"
 #include "ops/mx.h"

@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "ops/cuda/kernels.h"
+#include "ops/cuda/mx.h"
 #include "ops/cuda/mx.cuh"
 #include "workbench.cuh"
 

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The Hugging Face flow with Qwen3-30B-A3B's layer shapes (docs/benchmarks.md): a random HF
+# The Hugging Face flow with Qwen3-30B-A3B's layer shapes (docs/benchmarks-history.md): a random HF
 # checkpoint of the bench preset's 8 layers (scripts/make_random_hf_checkpoint.py, 11.2 GB bf16),
 # imported, fine-tuned 20 SFT steps on random masked documents and exported on one GPU
 # (`train --init-from ... --export-hf`); transformers loads the export and runs it; the same

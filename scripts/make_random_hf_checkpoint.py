@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """Writes a random Hugging Face Qwen3-MoE checkpoint with Qwen3-30B-A3B's layer shapes: what the
-import benchmark (docs/benchmarks.md) loads. config.json as the published checkpoint has it
+import benchmark (docs/benchmarks-history.md) loads. config.json as the published checkpoint has it
 (transformers 4 keys), bf16 weights N(0, 0.02) (norms 1) in the published per-expert layout,
 sharded at 5 GB with model.safetensors.index.json. Needs torch and safetensors (the GPU machine
 has both; a GPU makes the random numbers faster).

@@ -20,8 +20,8 @@
 #include "moe/moe_layer.h"
 #include "ops/activation.h"
 #include "ops/attention.h"
-#include "ops/cuda/kernels.h"
-#include "ops/cuda/ops.h"
+#include "ops/cuda/grouped_gemm.h"
+#include "ops/elementwise.h"
 #include "ops/embedding.h"
 #include "ops/gemm.h"
 #include "ops/grouped_gemm.h"
@@ -685,7 +685,12 @@ TEST_P(GpuCase, AttentionPackedCausalGqa) {
 // gives the same bits run over groups of heads.
 TEST(CudnnAttention, MatchesReferenceOnPackedDocuments) {
   if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU: run this test on the GPU machine";
-  if (!cuda::cudnn_attention_available()) GTEST_FAIL() << "built without the cuDNN frontend";
+  const ops::AttentionGpu kCudnn{ops::AttentionKernel::kCudnn};
+  // A zero workspace budget: as many head groups as there are KV heads.
+  const ops::AttentionGpu kCudnnSplit{ops::AttentionKernel::kCudnn,
+                                      ops::Determinism::kDeterministic, 0};
+  const ops::AttentionGpu kCudnnFast{ops::AttentionKernel::kCudnn, ops::Determinism::kFast};
+  if (!ops::cudnn_attention_available()) GTEST_FAIL() << "built without the cuDNN frontend";
   const uint64_t seed = fresh_seed();
   std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
   const int64_t h = 16, kv = 2, d = 128;
@@ -693,9 +698,8 @@ TEST(CudnnAttention, MatchesReferenceOnPackedDocuments) {
   // One long document beside 40 short ones: the backward plans the long one apart.
   std::vector<int32_t> one_long = {0, 700};
   for (int i = 1; i <= 40; ++i) one_long.push_back(700 + 10 * i - (i % 3));
-  for (const std::vector<int32_t>& cu :
-       {std::vector<int32_t>{0, 300, 301, 358, 1058, 1100}, std::vector<int32_t>{0, 1024, 1100},
-        one_long}) {
+  for (const std::vector<int32_t>& cu : {std::vector<int32_t>{0, 300, 301, 358, 1058, 1100},
+                                         std::vector<int32_t>{0, 1024, 1100}, one_long}) {
     const int64_t n = cu.back(), docs = static_cast<int64_t>(cu.size()) - 1;
     Tensor cus = Tensor::empty({docs + 1}, DType::kI32);
     for (int64_t i = 0; i <= docs; ++i) cus.set_item(i, cu[i]);
@@ -718,7 +722,7 @@ TEST(CudnnAttention, MatchesReferenceOnPackedDocuments) {
     const ops::Documents docs_gpu{cus.to(Device::kCUDA), host_docs.max_length};
     const Tensor gq = dev(q), gk = dev(k), gv = dev(v), gdout = dev(dout);
     Tensor gout = poisoned(out.shape(), DType::kBF16), glse = poisoned(lse.shape(), DType::kF32);
-    cuda::cudnn_attention_forward(gq, gk, gv, docs_gpu, scale, gout, glse);
+    ops::attention_forward(gq, gk, gv, docs_gpu, scale, gout, glse, kCudnn);
     const auto close = [&](const Tensor& got, const Tensor& ref, double tol, const char* what) {
       const Tensor host = got.to(Device::kCPU).to(DType::kF32);
       ASSERT_TRUE(all_finite(host)) << what << ": unwritten (NaN) or non-finite";
@@ -731,8 +735,8 @@ TEST(CudnnAttention, MatchesReferenceOnPackedDocuments) {
       g[0] = poisoned(q.shape(), DType::kBF16);
       g[1] = poisoned(k.shape(), DType::kBF16);
       g[2] = poisoned(v.shape(), DType::kBF16);
-      cuda::cudnn_attention_backward(gq, gk, gv, gout, glse, gdout, docs_gpu, scale, true, g[0],
-                                     g[1], g[2]);
+      ops::attention_backward(gq, gk, gv, gout, glse, gdout, docs_gpu, scale, g[0], g[1], g[2],
+                              kCudnn);
     }
     close(grad[0][0], dq, 2e-2, "cudnn dq");
     close(grad[0][1], dk, 2e-2, "cudnn dk");
@@ -741,8 +745,8 @@ TEST(CudnnAttention, MatchesReferenceOnPackedDocuments) {
     // every head's sums keep their order, so the gradients are the same bit for bit.
     Tensor split[3] = {poisoned(q.shape(), DType::kBF16), poisoned(k.shape(), DType::kBF16),
                        poisoned(v.shape(), DType::kBF16)};
-    cuda::cudnn_attention_backward(gq, gk, gv, gout, glse, gdout, docs_gpu, scale, true, split[0],
-                                   split[1], split[2], 0);
+    ops::attention_backward(gq, gk, gv, gout, glse, gdout, docs_gpu, scale, split[0], split[1],
+                            split[2], kCudnnSplit);
     for (int i = 0; i < 3; ++i) {
       const Tensor a = grad[0][i].to(Device::kCPU), b = grad[1][i].to(Device::kCPU),
                    c = split[i].to(Device::kCPU);
@@ -751,8 +755,8 @@ TEST(CudnnAttention, MatchesReferenceOnPackedDocuments) {
     }
     Tensor fast[3] = {poisoned(q.shape(), DType::kBF16), poisoned(k.shape(), DType::kBF16),
                       poisoned(v.shape(), DType::kBF16)};
-    cuda::cudnn_attention_backward(gq, gk, gv, gout, glse, gdout, docs_gpu, scale, false, fast[0],
-                                   fast[1], fast[2]);
+    ops::attention_backward(gq, gk, gv, gout, glse, gdout, docs_gpu, scale, fast[0], fast[1],
+                            fast[2], kCudnnFast);
     close(fast[0], dq, 2e-2, "cudnn dq (non-deterministic)");
     close(fast[1], dk, 2e-2, "cudnn dk (non-deterministic)");
     close(fast[2], dv, 2e-2, "cudnn dv (non-deterministic)");
@@ -762,11 +766,10 @@ TEST(CudnnAttention, MatchesReferenceOnPackedDocuments) {
     counted.long_count = ops::count_long_documents(cus, host_docs.max_length);
     Tensor apart[3][3];
     for (int r = 0; r < 3; ++r) {
-      for (int i = 0; i < 3; ++i) apart[r][i] = poisoned(i == 0 ? q.shape() : k.shape(),
-                                                         DType::kBF16);
-      cuda::cudnn_attention_backward(gq, gk, gv, gout, glse, gdout, counted, scale, true,
-                                     apart[r][0], apart[r][1], apart[r][2],
-                                     r == 2 ? 0 : cuda::kAttentionWorkspaceBudget);
+      for (int i = 0; i < 3; ++i)
+        apart[r][i] = poisoned(i == 0 ? q.shape() : k.shape(), DType::kBF16);
+      ops::attention_backward(gq, gk, gv, gout, glse, gdout, counted, scale, apart[r][0],
+                              apart[r][1], apart[r][2], r == 2 ? kCudnnSplit : kCudnn);
     }
     close(apart[0][0], dq, 2e-2, "cudnn dq (long documents apart)");
     close(apart[0][1], dk, 2e-2, "cudnn dk (long documents apart)");
@@ -852,7 +855,7 @@ TEST(GpuTensor, OutOfMemoryReleasesTheGraphPoolAndWorkIsCapturedAgain) {
   auto body = [&] {  // device work only (capturable), through a graph-pool block
     Tensor t = Tensor::empty({1024}, DType::kF32, Device::kCUDA);
     t.copy_from(ones);
-    cuda::scale_(t, 3.0);
+    ops::scale_(t, 3.0);
     out.copy_from(t);
   };
   cuda::CapturedWork work;

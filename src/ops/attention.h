@@ -2,6 +2,8 @@
 // Document s owns tokens [cu_seqlens[s], cu_seqlens[s+1]); a token attends to itself and the
 // earlier tokens of its own document only. Query head h reads kv head h / (H / KV).
 #pragma once
+#include <cstdint>
+
 #include "core/tensor.h"
 
 namespace mt::ops {
@@ -39,14 +41,35 @@ int64_t count_long_documents(const Tensor& cu_seqlens, int64_t longest);
 // The long documents' planned count: a power of two (0 for none; -1 stays unknown).
 int64_t planned_long_documents(int64_t long_count);
 
+// How the GPU computes attention; the CPU ignores it. Tests and benchmarks name a kernel and the
+// backward's algorithm; the model takes the defaults.
+enum class AttentionKernel : uint8_t {
+  kAuto,       // cuDNN's fused SDPA where it applies (bf16, head dims multiples of 8 up to 256)
+  kCudnn,      // cuDNN's, or an error where it does not apply
+  kReference,  // the reference kernel (ops/cuda/attention.cu): any head dims, f32 or bf16
+};
+enum class Determinism : uint8_t {
+  kDeterministic,  // a resumed run repeats the uninterrupted one bit for bit
+  kFast,           // cuDNN's non-deterministic backward (atomics)
+};
+struct AttentionGpu {
+  AttentionKernel kernel = AttentionKernel::kAuto;
+  Determinism backward = Determinism::kDeterministic;
+  // cuDNN's backward runs over groups of KV heads (with their query heads) when its workspace for
+  // all heads at once would exceed this; the results are the same bit for bit.
+  int64_t workspace_budget_bytes = int64_t{1} << 30;
+};
+// Whether this build has cuDNN's attention (the cuDNN frontend was found at configure time).
+bool cudnn_attention_available();
+
 // q (N, H, Dqk), k (N, KV, Dqk), v (N, KV, Dv), cu_seqlens i32 (S + 1) with cu_seqlens[S] = N.
 // out (N, H, Dv); lse (N, H) = log sum_j exp(scale * q.k_j), saved so backward never re-runs
 // the forward softmax normalisation.
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Documents& docs,
-                       double scale, Tensor& out, Tensor& lse);
+                       double scale, Tensor& out, Tensor& lse, const AttentionGpu& gpu = {});
 // dq, dk, dv overwritten.
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                         const Tensor& lse, const Tensor& dout, const Documents& docs, double scale,
-                        Tensor& dq, Tensor& dk, Tensor& dv);
+                        Tensor& dq, Tensor& dk, Tensor& dv, const AttentionGpu& gpu = {});
 
 }  // namespace mt::ops

@@ -1,5 +1,6 @@
-// Dtype dispatch for the CPU reference: the ops are templates over the compute type, instantiated
-// for exactly two types (fp32 for training, fp64 for gradient checks).
+// Dtype dispatch for the CPU reference (ops/cpu/): the loops are templates over the compute type,
+// instantiated for exactly two types (fp32 for training, fp64 for gradient checks); and the device
+// choice of the front doors.
 #pragma once
 #include "core/tensor.h"
 
@@ -19,8 +20,8 @@ void dispatch_float(DType t, F&& f) {
   }
 }
 
-// True when the op's tensors are on the GPU: the op then calls its CUDA launcher
-// (ops/cuda/ops.h). A build without CUDA refuses GPU tensors at allocation already.
+// True when the op's tensors are on the GPU: the front door (ops/<family>.cpp) then launches its
+// kernels (ops/cuda/<family>.h). A build without CUDA refuses GPU tensors at allocation already.
 inline bool on_gpu(const Tensor& t) {
 #if MOETRAIN_HAS_CUDA
   return t.device() == Device::kCUDA;

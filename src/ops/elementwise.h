@@ -9,6 +9,5 @@ void add(const Tensor& a, const Tensor& b, Tensor& out);  // out = a + b
 void scale_(Tensor& a, double s);                         // a *= s
 void convert(const Tensor& src, Tensor& dst);  // dtype conversion, same numel, same device
 double sum_of_squares(const Tensor& a);        // in double
-bool has_non_finite(const Tensor& a);
 
 }  // namespace mt::ops

@@ -15,7 +15,7 @@
 // least: by the kernel that writes each operand (the weights' copies once per use, the rows by
 // the permutation and SwiGLU kernels through ops::MxValuesOut), so the product runs at the bf16
 // GEMM's rate. ops::mx_grouped_gemm, which expands E4M3 rows inside the GEMM, computes the same
-// values (tested bit for bit) and is slower (docs/benchmarks.md).
+// values (tested bit for bit) and is slower (docs/benchmarks-history.md).
 #pragma once
 #include <cstdint>
 #include <string>

@@ -22,6 +22,11 @@ struct ExpertRows {
   int64_t align = 1;
 };
 
+// The product of the forward and the input gradient: out rows of expert e = a_e op(w[e]), w
+// (E, K, N): a (M, K) -> out (M, N) as is, a (M, N) -> out (M, K) transposed. Padding rows of out
+// may be written.
+void grouped_gemm(const Tensor& a, const Tensor& w, Transpose tw, const ExpertRows& rows,
+                  Tensor& out);
 // x (M, K), w (E, K, N), out (M, N).
 void grouped_gemm_forward(const Tensor& x, const Tensor& w, const ExpertRows& rows, Tensor& out);
 // dx (M, K) = dy_e w[e]^T, overwritten.

@@ -8,7 +8,7 @@
 // on an H200, over 128-row segments, one kernel converts a's E4M3 blocks to bf16 in registers on
 // their way to the tensor cores (ops/cuda/cutlass/mx_gemm_sm90.cu says why that way). The MoE
 // layer does not call it: its operands' MX values are written in bf16 by the kernels that make
-// them, which costs less on sm_90 (ops/expert_gemm.h, docs/benchmarks.md).
+// them, which costs less on sm_90 (ops/expert_gemm.h, docs/benchmarks-history.md).
 #pragma once
 #include "core/mx.h"
 #include "core/tensor.h"

@@ -30,4 +30,11 @@ AdamWStepTerms adamw_step_terms(const AdamWHyper& h);
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWHyper& h,
                 Tensor* compute = nullptr);
 
+// The GPU step with its hyper-parameters read on the device: adamw_device_scalars(h) makes the
+// bytes the kernel reads (u8 on the GPU), and a captured optimizer step replays with each step's
+// values once they are copied over the captured ones. f32 master state, compute bf16 or null.
+Tensor adamw_device_scalars(const AdamWHyper& h);
+void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
+                const Tensor& device_scalars, Tensor* compute = nullptr);
+
 }  // namespace mt::ops

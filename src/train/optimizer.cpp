@@ -13,7 +13,6 @@
 #if MOETRAIN_HAS_CUDA
 #include "core/cuda/graph.h"
 #include "core/cuda/stream.h"
-#include "ops/cuda/ops.h"
 #endif
 
 namespace mt {
@@ -95,15 +94,15 @@ void AdamW::step_gpu(const ops::AdamWHyper& h) {
   // step reads them).
   Captured& c = *captured_;
   if (c.scalars.defined())
-    c.scalars.copy_from(cuda::adamw_scalars(h));
+    c.scalars.copy_from(ops::adamw_device_scalars(h));
   else
-    c.scalars = cuda::adamw_scalars(h);
+    c.scalars = ops::adamw_device_scalars(h);
   auto body = [&] {
     size_t i = 0;
     for (size_t u = 0; u < units_->size(); ++u) {
       for (size_t k = 0; k < (*units_)[u].groups.size(); ++k, ++i) {
         ParamGroup& g = *groups_[i];
-        cuda::adamw_step(g.shard, g.grad_shard, state_[2 * i], state_[2 * i + 1], c.scalars,
+        ops::adamw_step(g.shard, g.grad_shard, state_[2 * i], state_[2 * i + 1], c.scalars,
                          persistent_compute(g));
       }
       if (c.side) c.updated[u]->record();

@@ -1,96 +1,28 @@
 // Reference attention: one (document, head) at a time, double accumulation, probabilities
 // recomputed in backward from the saved log-sum-exp.
-#include "ops/attention.h"
+#include "ops/cpu/attention.h"
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <limits>
 #include <vector>
 
 #include "ops/dispatch.h"
-#if MOETRAIN_HAS_CUDA
-#include "ops/cuda/ops.h"
-#endif
 
-namespace mt::ops {
+namespace mt::ops::cpu {
 
 namespace {
-
 struct AttnDims {
   int64_t n, h, kv, dqk, dv, docs;
 };
-
-AttnDims check_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Documents& docs) {
-  const Tensor& cu_seqlens = docs.cu_seqlens;
-  MT_CHECK(q.ndim() == 3 && k.ndim() == 3 && v.ndim() == 3, "attention needs (N, heads, dim)");
-  AttnDims d{q.dim(0), q.dim(1), k.dim(1), q.dim(2), v.dim(2), cu_seqlens.numel() - 1};
-  expect_shape(k, {d.n, d.kv, d.dqk}, "attention k");
-  expect_shape(v, {d.n, d.kv, d.dv}, "attention v");
-  MT_CHECK(d.kv > 0 && d.h % d.kv == 0, "query heads {} not a multiple of kv heads {}", d.h, d.kv);
-  expect_dtype(cu_seqlens, DType::kI32, "cu_seqlens");
-  const int32_t* cu = cu_seqlens.data<int32_t>();
-  MT_CHECK(d.docs >= 1 && cu[0] == 0 && cu[d.docs] == d.n, "cu_seqlens must run from 0 to {}", d.n);
-  for (int64_t s = 0; s < d.docs; ++s) {
-    MT_CHECK(cu[s] <= cu[s + 1], "cu_seqlens decreases at {}", s);
-    MT_CHECK(cu[s + 1] - cu[s] <= docs.max_length,
-             "document {} has {} tokens, more than the "
-             "stated longest {}",
-             s, cu[s + 1] - cu[s], docs.max_length);
-  }
-  return d;
-}
-
-}  // namespace
-
-int64_t max_document_length(const Tensor& cu_seqlens) {
-  expect_dtype(cu_seqlens, DType::kI32, "cu_seqlens");
-  MT_CHECK(cu_seqlens.device() == Device::kCPU, "max_document_length reads host boundaries");
-  const int32_t* cu = cu_seqlens.data<int32_t>();
-  int64_t longest = 0;
-  for (int64_t s = 0; s + 1 < cu_seqlens.numel(); ++s)
-    longest = std::max<int64_t>(longest, cu[s + 1] - cu[s]);
-  return longest;
-}
-
-namespace {
-// The power of two at or above max(x, floor).
-int64_t pow2_at_least(int64_t x, int64_t floor) {
-  return static_cast<int64_t>(std::bit_ceil(static_cast<uint64_t>(std::max(x, floor))));
+AttnDims dims_of(const Tensor& q, const Tensor& k, const Tensor& v, const Documents& docs) {
+  return {q.dim(0), q.dim(1), k.dim(1), q.dim(2), v.dim(2), docs.cu_seqlens.numel() - 1};
 }
 }  // namespace
-
-PlannedDocuments planned_documents(int64_t count, int64_t longest, int64_t tokens) {
-  return {pow2_at_least(count, 1), std::min(pow2_at_least(longest, 64), tokens)};
-}
-
-int64_t long_document_threshold(int64_t longest, int64_t tokens) {
-  return planned_documents(1, longest, tokens).longest / 4;
-}
-
-int64_t count_long_documents(const Tensor& cu_seqlens, int64_t longest) {
-  expect_dtype(cu_seqlens, DType::kI32, "cu_seqlens");
-  MT_CHECK(cu_seqlens.device() == Device::kCPU, "count_long_documents reads host boundaries");
-  const int32_t* cu = cu_seqlens.data<int32_t>();
-  const int64_t docs = cu_seqlens.numel() - 1;
-  const int64_t threshold = long_document_threshold(longest, docs >= 0 ? cu[docs] : 0);
-  int64_t count = 0;
-  for (int64_t s = 0; s < docs; ++s) count += cu[s + 1] - cu[s] > threshold;
-  return count;
-}
-
-int64_t planned_long_documents(int64_t long_count) {
-  return long_count <= 0 ? long_count : pow2_at_least(long_count, 1);
-}
 
 void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const Documents& docs,
                        double scale, Tensor& out, Tensor& lse) {
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(q)) return cuda::attention_forward(q, k, v, docs, scale, out, lse);
-#endif
-  const AttnDims d = check_attention(q, k, v, docs);
-  expect_shape(out, {d.n, d.h, d.dv}, "attention out");
-  expect_shape(lse, {d.n, d.h}, "attention lse");
+  const AttnDims d = dims_of(q, k, v, docs);
   const int32_t* cu = docs.cu_seqlens.data<int32_t>();
   const int64_t group = d.h / d.kv;
   dispatch_float(q.dtype(), [&](auto tag) {
@@ -132,14 +64,7 @@ void attention_forward(const Tensor& q, const Tensor& k, const Tensor& v, const 
 void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                         const Tensor& lse, const Tensor& dout, const Documents& docs, double scale,
                         Tensor& dq, Tensor& dk, Tensor& dv) {
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(q)) return cuda::attention_backward(q, k, v, out, lse, dout, docs, scale, dq, dk, dv);
-#endif
-  const AttnDims d = check_attention(q, k, v, docs);
-  expect_shape(dout, {d.n, d.h, d.dv}, "attention dout");
-  expect_shape(dq, q.shape(), "attention dq");
-  expect_shape(dk, k.shape(), "attention dk");
-  expect_shape(dv, v.shape(), "attention dv");
+  const AttnDims d = dims_of(q, k, v, docs);
   const int32_t* cu = docs.cu_seqlens.data<int32_t>();
   const int64_t group = d.h / d.kv;
   dispatch_float(q.dtype(), [&](auto tag) {
@@ -190,4 +115,4 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
   });
 }
 
-}  // namespace mt::ops
+}  // namespace mt::ops::cpu

@@ -1,6 +1,6 @@
 // The MX conversions' plain reference: one loop over blocks, the scale rules written as torchao
 // states them (frexp instead of bit tricks), double where a value must not round.
-#include "ops/mx.h"
+#include "ops/cpu/mx.h"
 
 #include <algorithm>
 #include <bit>
@@ -8,12 +8,8 @@
 #include <limits>
 
 #include "ops/dispatch.h"
-#include "ops/elementwise.h"
-#if MOETRAIN_HAS_CUDA
-#include "ops/cuda/ops.h"
-#endif
 
-namespace mt::ops {
+namespace mt::ops::cpu {
 
 namespace {
 
@@ -101,28 +97,9 @@ double dequantize_element(uint8_t q, uint8_t s) {
   return static_cast<double>(from_e4m3(q)) * from_e8m0(s);  // exact
 }
 
-// The unquantized side of a conversion is f32, bf16 or f64.
-void check_unquantized_dtype(const char* op, const char* role, const Tensor& t) {
-  MT_CHECK(t.dtype() == DType::kF32 || t.dtype() == DType::kBF16 || t.dtype() == DType::kF64,
-           "{}: {} must be f32, bf16 or f64, got {}", op, role, dtype_name(t.dtype()));
-}
-
-// ... of the MX tensor's logical shape, on its device.
-void check_operands(const char* op, const char* role, const Tensor& t, const MxTensor& q) {
-  MT_CHECK(q.defined(), "{}: the MX tensor is not allocated", op);
-  MT_CHECK(t.shape() == q.shape(), "{}: {} {} does not match the MX tensor's {}", op, role,
-           shape_str(t.shape()), shape_str(q.shape()));
-  check_unquantized_dtype(op, role, t);
-  MT_CHECK(t.device() == q.device(), "{}: {} and MX tensor on different devices", op, role);
-}
-
 }  // namespace
 
 void mx_quantize(const Tensor& x, MxScaleRule rule, MxTensor& out) {
-  check_operands("mx_quantize", "input", x, out);
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(x)) return cuda::mx_quantize(x, rule, out);
-#endif
   const BlockLayout l(out);
   uint8_t* q = static_cast<uint8_t*>(out.data().raw());
   uint8_t* scales = static_cast<uint8_t*>(out.scales().raw());
@@ -139,10 +116,6 @@ void mx_quantize(const Tensor& x, MxScaleRule rule, MxTensor& out) {
 }
 
 void mx_dequantize(const MxTensor& q, Tensor& out) {
-  check_operands("mx_dequantize", "output", out, q);
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(out)) return cuda::mx_dequantize(q, out);
-#endif
   const BlockLayout l(q);
   const uint8_t* data = static_cast<const uint8_t*>(q.data().raw());
   const uint8_t* scales = static_cast<const uint8_t*>(q.scales().raw());
@@ -156,106 +129,8 @@ void mx_dequantize(const MxTensor& q, Tensor& out) {
       }
 }
 
-namespace {
-// x's values as `dtype` holds them: x itself, or a rounded copy.
-Tensor rounded_to(const Tensor& x, DType dtype) {
-  if (x.dtype() == dtype) return x;
-  Tensor out = Tensor::empty(x.shape(), dtype, x.device());
-  ops::convert(x, out);
-  return out;
-}
-}  // namespace
-
-void mx_round_trip(const Tensor& x, MxAxis axis, MxScaleRule rule, Tensor& out) {
-  MT_CHECK(out.shape() == x.shape() && out.device() == x.device(),
-           "mx_round_trip: output {} {} must have the input's shape {} and device",
-           dtype_name(out.dtype()), shape_str(out.shape()), shape_str(x.shape()));
-  check_unquantized_dtype("mx_round_trip", "x", x);
-  check_unquantized_dtype("mx_round_trip", "output", out);
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(x) && axis == MxAxis::kDim0) {
-    MT_CHECK(x.ndim() >= 1 && x.dim(x.ndim() - 1) % kMxBlock == 0,
-             "mx_round_trip along dim0 needs rows of a multiple of {} elements; got {}", kMxBlock,
-             shape_str(x.shape()));
-    return cuda::mx_round_trip(x, MxAxis::kDim0, rule, out);
-  }
-#endif
-  MxTensor q = MxTensor::empty(x.shape(), axis, x.device());
-  mx_quantize(rounded_to(x, out.dtype()), rule, q);
-  mx_dequantize(q, out);
-}
-
-void mx_round_trip_transposed(const Tensor& x, MxScaleRule rule, Tensor& out) {
-  MT_CHECK(x.ndim() >= 2 && out.device() == x.device(),
-           "mx_round_trip_transposed: x must have two dimensions or more, out on its device; got "
-           "{}",
-           shape_str(x.shape()));
-  expect_shape(out, transposed_shape(x.shape()), "mx_round_trip_transposed output");
-  check_unquantized_dtype("mx_round_trip_transposed", "x", x);
-  check_unquantized_dtype("mx_round_trip_transposed", "output", out);
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(x)) {
-    MT_CHECK(x.dim(x.ndim() - 2) % kMxBlock == 0,
-             "mx_round_trip_transposed needs a multiple of {} rows; got {}", kMxBlock,
-             shape_str(x.shape()));
-    return cuda::mx_round_trip(x, MxAxis::kDim1, rule, out);
-  }
-#endif
-  MxTensor q = MxTensor::empty(x.shape(), MxAxis::kDim1, x.device());
-  mx_quantize(rounded_to(x, out.dtype()), rule, q);
-  mx_dequantize(q.stored_as_dim0(), out);
-}
-
-void mx_round_trip_both_axes(const Tensor& x, MxScaleRule rule, Tensor& dim0, Tensor& transposed) {
-  MT_CHECK(
-      x.ndim() >= 2 && x.dim(x.ndim() - 1) % kMxBlock == 0 && x.dim(x.ndim() - 2) % kMxBlock == 0,
-      "mx_round_trip_both_axes needs x (..., R, C) with R and C multiples of {}; got {}", kMxBlock,
-      shape_str(x.shape()));
-  MT_CHECK(dim0.dtype() == transposed.dtype(),
-           "mx_round_trip_both_axes: the outputs must share one dtype; got {} and {}",
-           dtype_name(dim0.dtype()), dtype_name(transposed.dtype()));
-  expect_shape(dim0, x.shape(), "mx_round_trip_both_axes dim0 output");
-  expect_shape(transposed, transposed_shape(x.shape()),
-               "mx_round_trip_both_axes transposed output");
-  MT_CHECK(dim0.device() == x.device() && transposed.device() == x.device(),
-           "mx_round_trip_both_axes: the outputs must be on the input's device");
-  check_unquantized_dtype("mx_round_trip_both_axes", "x", x);
-  check_unquantized_dtype("mx_round_trip_both_axes", "output", dim0);
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(x)) return cuda::mx_round_trip_both_axes(x, rule, dim0, transposed);
-#endif
-  mx_round_trip(x, MxAxis::kDim0, rule, dim0);
-  mx_round_trip_transposed(x, rule, transposed);
-}
-
-void check_mx_values(const char* op, const Tensor& out, const MxValuesOut* mx) {
-  if (!mx) return;
-  MT_CHECK(mx->values && mx->values->shape() == out.shape() && mx->values->dtype() == out.dtype() &&
-               mx->values->device() == out.device(),
-           "{}: the MX values' tensor must match the output {} {}", op, dtype_name(out.dtype()),
-           shape_str(out.shape()));
-  MT_CHECK(out.ndim() == 2 && out.dim(1) % kMxBlock == 0,
-           "{}: MX values along rows need a multiple of {} columns; the output is {}", op, kMxBlock,
-           shape_str(out.shape()));
-}
-
-void write_mx_values(const Tensor& out, const MxValuesOut& mx) {
-  mx_round_trip(out, MxAxis::kDim0, mx.rule, *mx.values);
-}
-
 void mx_round_trip_expert_rows(const Tensor& x, const ExpertRows& rows, MxScaleRule rule,
                                Tensor& out) {
-  MT_CHECK(x.ndim() == 2 && out.shape() == x.shape() && out.dtype() == x.dtype() &&
-               out.device() == x.device(),
-           "mx_round_trip_expert_rows: x must be a matrix and out alike; got {} {} and {} {}",
-           dtype_name(x.dtype()), shape_str(x.shape()), dtype_name(out.dtype()),
-           shape_str(out.shape()));
-  check_unquantized_dtype("mx_round_trip_expert_rows", "x", x);
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(x)) return cuda::mx_round_trip_expert_rows(x, rows, rule, out);
-#endif
-  expect_cpu(rows.offsets, "expert offsets");
-  expect_cpu(rows.segments, "expert segments");
   const int64_t experts = rows.offsets.numel() - 1, k = x.dim(1);
   const int64_t* offsets = rows.offsets.data<int64_t>();
   const int64_t* segments = rows.segments.data<int64_t>();
@@ -278,4 +153,4 @@ void mx_round_trip_expert_rows(const Tensor& x, const ExpertRows& rows, MxScaleR
   }
 }
 
-}  // namespace mt::ops
+}  // namespace mt::ops::cpu

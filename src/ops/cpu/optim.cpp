@@ -1,28 +1,14 @@
-#include "ops/optim.h"
+#include "ops/cpu/optim.h"
 
 #include <cmath>
 
 #include "ops/dispatch.h"
-#if MOETRAIN_HAS_CUDA
-#include "ops/cuda/ops.h"
-#endif
 
-namespace mt::ops {
-
-AdamWStepTerms adamw_step_terms(const AdamWHyper& h) {
-  const double bc1 = 1.0 - std::pow(h.beta1, static_cast<double>(h.step));
-  const double bc2 = 1.0 - std::pow(h.beta2, static_cast<double>(h.step));
-  return {1.0 - h.lr * h.weight_decay, h.lr / bc1, std::sqrt(bc2)};
-}
+namespace mt::ops::cpu {
 
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWHyper& h,
                 Tensor* compute) {
   const int64_t n = param.numel();
-  MT_CHECK(grad.numel() == n && m.numel() == n && v.numel() == n, "adamw buffers differ in size");
-  MT_CHECK(h.step >= 1, "adamw step {} must be >= 1", h.step);
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(param)) return cuda::adamw_step(param, grad, m, v, h, compute);
-#endif
   const AdamWStepTerms terms = adamw_step_terms(h);
   dispatch_float(param.dtype(), [&](auto tag) {
     using T = decltype(tag);
@@ -46,4 +32,4 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const A
   if (compute) compute->copy_from(param.to(compute->dtype()));
 }
 
-}  // namespace mt::ops
+}  // namespace mt::ops::cpu

@@ -1,32 +1,19 @@
-#include "ops/permute.h"
+// The expert permutation's and the exchange layouts' plain reference: one host loop each, in
+// token order (stable within an expert).
+#include "ops/cpu/permute.h"
 
+#include <algorithm>
 #include <cstring>
 #include <vector>
 
 #include "ops/dispatch.h"
-#if MOETRAIN_HAS_CUDA
-#include "ops/cuda/ops.h"
-#endif
 
-namespace mt::ops {
-
-namespace {
-int64_t choices_per_token(const ExpertPermutation& p, int64_t n) {
-  return n == 0 ? 0 : p.row_of_choice.numel() / n;
-}
-}  // namespace
+namespace mt::ops::cpu {
 
 void make_expert_permutation(const Tensor& expert_index, int64_t num_experts,
                              ExpertPermutation& out, int64_t align, int64_t routed) {
-  expect_dtype(expert_index, DType::kI32, "expert_index");
-  MT_CHECK(align >= 1, "expert segments aligned to {} rows", align);
   const int64_t n = expert_index.dim(0), k = expert_index.dim(1), m = n * k;
-  MT_CHECK(routed >= -1, "{} routed choices", routed);
   out.align = align;
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(expert_index))
-    return cuda::make_expert_permutation(expert_index, num_experts, align, routed, out);
-#endif
   const int32_t* idx = expert_index.data<int32_t>();
   out.expert_offsets = Tensor::zeros({num_experts + 1}, DType::kI64);
   int64_t* off = out.expert_offsets.data<int64_t>();
@@ -67,14 +54,7 @@ void make_expert_permutation(const Tensor& expert_index, int64_t num_experts,
 
 void peer_choices(const Tensor& expert_index, int64_t peers, int64_t experts_per_peer,
                   Tensor& out) {
-  expect_dtype(expert_index, DType::kI32, "expert_index");
   const int64_t n = expert_index.dim(0), k = expert_index.dim(1);
-  MT_CHECK(peers >= 1 && experts_per_peer >= 1, "{} peers of {} experts", peers, experts_per_peer);
-  expect_shape(out, {n, peers}, "peer choices");
-  expect_dtype(out, DType::kI32, "peer choices");
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(expert_index)) return cuda::peer_choices(expert_index, peers, experts_per_peer, out);
-#endif
   const int32_t* idx = expert_index.data<int32_t>();
   int32_t* o = out.data<int32_t>();
   std::fill(o, o + n * peers, -1);
@@ -88,15 +68,9 @@ void peer_choices(const Tensor& expert_index, int64_t peers, int64_t experts_per
 }
 
 void peer_counts(const Tensor& expert_index, int64_t peers, int64_t experts_per_peer, Tensor& out) {
-  expect_dtype(expert_index, DType::kI32, "expert_index");
-  expect_shape(out, {peers, experts_per_peer + 1}, "peer counts");
-  expect_dtype(out, DType::kI64, "peer counts");
   const int64_t n = expert_index.dim(0), k = expert_index.dim(1);
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(expert_index)) return cuda::peer_counts(expert_index, peers, experts_per_peer, out);
-#endif
   Tensor to_peer = Tensor::empty({n, peers}, DType::kI32);
-  peer_choices(expert_index, peers, experts_per_peer, to_peer);
+  cpu::peer_choices(expert_index, peers, experts_per_peer, to_peer);
   int64_t* c = out.data<int64_t>();
   std::fill(c, c + out.numel(), int64_t{0});
   const int32_t* idx = expert_index.data<int32_t>();
@@ -110,24 +84,8 @@ void peer_counts(const Tensor& expert_index, int64_t peers, int64_t experts_per_
 
 void local_choices(const Tensor& expert_index, int64_t rank, int64_t experts_per_peer, Tensor& out,
                    const Tensor* received_counts) {
-  expect_dtype(expert_index, DType::kI32, "expert_index");
-  expect_shape(out, expert_index.shape(), "local choices");
-  expect_dtype(out, DType::kI32, "local choices");
   const int64_t rows = expert_index.dim(0), k = expert_index.dim(1);
-  int64_t region = rows;
-  if (received_counts) {
-    expect_dtype(*received_counts, DType::kI64, "received counts");
-    const int64_t peers = received_counts->dim(0);
-    MT_CHECK(received_counts->ndim() == 2 && received_counts->dim(1) == experts_per_peer + 1 &&
-                 rows % peers == 0,
-             "received counts {} for {} rows of {} experts per rank",
-             shape_str(received_counts->shape()), rows, experts_per_peer);
-    region = rows / peers;
-  }
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(expert_index))
-    return cuda::local_choices(expert_index, rank, experts_per_peer, out, received_counts);
-#endif
+  const int64_t region = received_counts ? rows / received_counts->dim(0) : rows;
   const int64_t first = rank * experts_per_peer;
   const int32_t* idx = expert_index.data<int32_t>();
   int32_t* o = out.data<int32_t>();
@@ -146,18 +104,7 @@ void local_choices(const Tensor& expert_index, int64_t rank, int64_t experts_per
 }
 
 void peer_slots(const Tensor& to_peer, int64_t region_rows, Tensor& out) {
-  expect_dtype(to_peer, DType::kI32, "peer choices");
-  MT_CHECK(to_peer.ndim() == 2, "peer choices of shape {}, expected (tokens, peers)",
-           shape_str(to_peer.shape()));
-  expect_shape(out, to_peer.shape(), "peer slots");
-  expect_dtype(out, DType::kI32, "peer slots");
   const int64_t n = to_peer.dim(0), peers = to_peer.dim(1);
-  MT_CHECK(peers * std::max<int64_t>(region_rows, n) <= INT32_MAX,
-           "peer slots of {} tokens over {} peers ({} rows a region) pass i32", n, peers,
-           region_rows);
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(to_peer)) return cuda::peer_slots(to_peer, region_rows, out);
-#endif
   const int32_t* to = to_peer.data<int32_t>();
   int32_t* o = out.data<int32_t>();
   for (int64_t p = 0; p < peers; ++p) {
@@ -169,13 +116,7 @@ void peer_slots(const Tensor& to_peer, int64_t region_rows, Tensor& out) {
 }
 
 void region_slots(const Tensor& received_counts, int64_t capacity, Tensor& out) {
-  expect_dtype(received_counts, DType::kI64, "received counts");
   const int64_t peers = received_counts.dim(0), width = received_counts.dim(1);
-  expect_shape(out, {peers * capacity, peers}, "region slots");
-  expect_dtype(out, DType::kI32, "region slots");
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(received_counts)) return cuda::region_slots(received_counts, capacity, out);
-#endif
   int32_t* o = out.data<int32_t>();
   std::fill(o, o + out.numel(), -1);
   for (int64_t p = 0; p < peers; ++p) {
@@ -190,14 +131,6 @@ void region_slots(const Tensor& received_counts, int64_t capacity, Tensor& out) 
 void place_rows(const Tensor& x, const Tensor& slot, int64_t capacity, Tensor& out) {
   const int64_t n = x.dim(0), width = x.dim(1);
   const int64_t peers = slot.ndim() == 2 ? slot.dim(1) : -1;
-  expect_shape(slot, {n, peers}, "place_rows slots");
-  expect_dtype(slot, DType::kI32, "place_rows slots");
-  expect_shape(out, {peers * capacity, width}, "placed rows");
-  MT_CHECK(x.dtype() == out.dtype(), "place_rows of {} rows into {}", dtype_name(x.dtype()),
-           dtype_name(out.dtype()));
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(x)) return cuda::place_rows(x, slot, capacity, out);
-#endif
   const size_t row_bytes = static_cast<size_t>(width) * dtype_size(x.dtype());
   const char* src = static_cast<const char*>(x.raw());
   char* dst = static_cast<char*>(out.raw());
@@ -212,20 +145,8 @@ void place_rows(const Tensor& x, const Tensor& slot, int64_t capacity, Tensor& o
     }
 }
 
-void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp, const MxValuesOut* mx) {
+void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp) {
   const int64_t d = x.dim(1), m = p.rows();
-  expect_shape(xp, {m, d}, "permuted rows");
-  MT_CHECK(x.dtype() == xp.dtype(), "permute of {} rows into {}", dtype_name(x.dtype()),
-           dtype_name(xp.dtype()));
-  check_mx_values("permute_rows", xp, mx);
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(x)) {
-    if (x.dim(0) == 0) return;
-    if (!cuda::scatter_token_rows(x, p.row_of_choice, choices_per_token(p, x.dim(0)), xp, mx) && mx)
-      write_mx_values(xp, *mx);
-    return;
-  }
-#endif
   const size_t row_bytes = static_cast<size_t>(d) * dtype_size(x.dtype());
   const char* src = static_cast<const char*>(x.raw());
   char* dst = static_cast<char*>(xp.raw());
@@ -234,20 +155,11 @@ void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp, const
     if (token < 0) continue;  // padding
     std::memcpy(dst + r * row_bytes, src + token * row_bytes, row_bytes);
   }
-  if (mx) write_mx_values(xp, *mx);
 }
 
-namespace {
-// out[t] = residual[t] (or 0) + sum_j rows[row_of_choice[t*k + j]], in token order over the k
-// copies: deterministic, no scatter races.
 void sum_token_rows(const Tensor& rows, const ExpertPermutation& p, const Tensor* residual,
                     Tensor& out) {
-  const int64_t n = out.dim(0), d = out.dim(1), k = choices_per_token(p, n);
-  MT_CHECK(p.row_of_choice.numel() == n * k, "{} tokens for a permutation of {} choices", n,
-           p.row_of_choice.numel());
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(out)) return cuda::sum_token_rows(rows, p.row_of_choice, residual, k, out);
-#endif
+  const int64_t n = out.dim(0), d = out.dim(1), k = n == 0 ? 0 : p.row_of_choice.numel() / n;
   dispatch_float(out.dtype(), [&](auto tag) {
     using T = decltype(tag);
     for (int64_t t = 0; t < n; ++t) {
@@ -265,22 +177,9 @@ void sum_token_rows(const Tensor& rows, const ExpertPermutation& p, const Tensor
     }
   });
 }
-}  // namespace
-
-void permute_rows_backward(const Tensor& dxp, const ExpertPermutation& p, Tensor& dx) {
-  sum_token_rows(dxp, p, nullptr, dx);
-}
 
 void unpermute_rows(const Tensor& yp, const ExpertPermutation& p, Tensor& y) {
   const int64_t d = yp.dim(1), m = p.row_of_choice.numel();
-  MT_CHECK(y.numel() == m * d && y.dtype() == yp.dtype(), "unpermuted {} rows {} for {} rows of {}",
-           dtype_name(y.dtype()), shape_str(y.shape()), m, d);
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(yp)) {
-    Tensor rows = y.reshape({m, d});
-    return cuda::gather_rows(yp, p.row_of_choice, rows);
-  }
-#endif
   const size_t row_bytes = static_cast<size_t>(d) * dtype_size(yp.dtype());
   const char* src = static_cast<const char*>(yp.raw());
   char* dst = static_cast<char*>(y.raw());
@@ -295,15 +194,6 @@ void unpermute_rows(const Tensor& yp, const ExpertPermutation& p, Tensor& y) {
 
 void unpermute_rows_backward(const Tensor& dy, const ExpertPermutation& p, Tensor& dyp) {
   const int64_t d = dyp.dim(1), m = p.row_of_choice.numel();
-  MT_CHECK(dy.numel() == m * d && dy.dtype() == dyp.dtype(),
-           "unpermuted {} gradient {} for {} rows of {}", dtype_name(dy.dtype()),
-           shape_str(dy.shape()), m, d);
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(dyp)) {
-    cuda::scatter_token_rows(dy.reshape({m, d}), p.row_of_choice, 1, dyp);
-    return;
-  }
-#endif
   const size_t row_bytes = static_cast<size_t>(d) * dtype_size(dyp.dtype());
   const char* src = static_cast<const char*>(dy.raw());
   char* dst = static_cast<char*>(dyp.raw());
@@ -313,18 +203,4 @@ void unpermute_rows_backward(const Tensor& dy, const ExpertPermutation& p, Tenso
   }
 }
 
-void combine_forward(const Tensor& yp, const ExpertPermutation& p, Tensor& out,
-                     const Tensor* residual) {
-  MT_CHECK(
-      yp.ndim() == 2 && out.ndim() == 2 && yp.dim(1) == out.dim(1) && yp.dtype() == out.dtype(),
-      "combine of {} {} rows into {} {}", dtype_name(yp.dtype()), shape_str(yp.shape()),
-      dtype_name(out.dtype()), shape_str(out.shape()));
-  if (residual) {
-    expect_shape(*residual, out.shape(), "combine residual");
-    MT_CHECK(residual->dtype() == out.dtype(), "combine residual {} for output {}",
-             dtype_name(residual->dtype()), dtype_name(out.dtype()));
-  }
-  sum_token_rows(yp, p, residual, out);
-}
-
-}  // namespace mt::ops
+}  // namespace mt::ops::cpu

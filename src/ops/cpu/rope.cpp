@@ -1,26 +1,13 @@
-#include "ops/rope.h"
+#include "ops/cpu/rope.h"
 
 #include <cmath>
 
 #include "ops/dispatch.h"
-#if MOETRAIN_HAS_CUDA
-#include "ops/cuda/ops.h"
-#endif
 
-namespace mt::ops {
+namespace mt::ops::cpu {
 
-namespace {
-// direction +1 rotates forward, -1 applies the transpose (the backward).
 void rope_apply(const Tensor& x, const Tensor& positions, double theta, int direction, Tensor& y) {
-  MT_CHECK(x.ndim() == 3 && x.dim(2) % 2 == 0, "rope input {} must be (N, H, even head_dim)",
-           shape_str(x.shape()));
   const int64_t n = x.dim(0), h = x.dim(1), hd = x.dim(2), half = hd / 2;
-  expect_shape(positions, {n}, "rope positions");
-  expect_dtype(positions, DType::kI32, "rope positions");
-  expect_shape(y, x.shape(), "rope output");
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(x)) return cuda::rope_apply(x, positions, theta, direction, y);
-#endif
   dispatch_float(x.dtype(), [&](auto tag) {
     using T = decltype(tag);
 #pragma omp parallel for schedule(static)
@@ -40,14 +27,5 @@ void rope_apply(const Tensor& x, const Tensor& positions, double theta, int dire
     }
   });
 }
-}  // namespace
 
-void rope_forward(const Tensor& x, const Tensor& positions, double theta, Tensor& y) {
-  rope_apply(x, positions, theta, +1, y);
-}
-
-void rope_backward(const Tensor& dy, const Tensor& positions, double theta, Tensor& dx) {
-  rope_apply(dy, positions, theta, -1, dx);
-}
-
-}  // namespace mt::ops
+}  // namespace mt::ops::cpu

@@ -1,45 +1,19 @@
-#include "ops/route.h"
+// The router's plain reference: softmax, top-k and renormalisation per token, in double.
+#include "ops/cpu/route.h"
 
 #include <algorithm>
 #include <cmath>
 #include <numeric>
 #include <vector>
 
-#include "core/enum_names.h"
 #include "ops/dispatch.h"
 #include "ops/elementwise.h"
-#if MOETRAIN_HAS_CUDA
-#include "ops/cuda/ops.h"
-#endif
 
-namespace mt::ops {
-
-namespace {
-constexpr std::array<EnumName<RoutingMode>, 3> kRoutingModes = {{
-    {RoutingMode::kLearned, "learned"},
-    {RoutingMode::kBalanced, "balanced"},
-    {RoutingMode::kSkewed, "skewed"},
-}};
-}  // namespace
-
-std::string_view routing_mode_name(RoutingMode m) {
-  return enum_name(kRoutingModes, m);
-}
-
-bool parse_routing_mode(std::string_view name, RoutingMode* out) {
-  return parse_enum(kRoutingModes, name, out);
-}
+namespace mt::ops::cpu {
 
 void router_forward(const Tensor& logits, const Tensor& bias, const RouterOptions& opt,
                     Routing& out) {
-  MT_CHECK(logits.ndim() == 2, "router logits must be (N, E), got {}", shape_str(logits.shape()));
   const int64_t n = logits.dim(0), e = logits.dim(1), k = opt.top_k;
-  MT_CHECK(k >= 1 && k <= e, "top_k {} outside [1, {}]", k, e);
-  if (bias.defined()) expect_shape(bias, {e}, "router bias");
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(logits))
-    return cuda::router_forward(logits, bias, opt.top_k, opt.norm_topk_prob, opt.mode, out);
-#endif
   out.scores = Tensor::empty({n, e}, logits.dtype());
   out.expert_index = Tensor::empty({n, k}, DType::kI32);
   out.expert_weight = Tensor::empty({n, k}, logits.dtype());
@@ -78,7 +52,6 @@ void router_forward(const Tensor& logits, const Tensor& bias, const RouterOption
     }
   });
 }
-
 namespace {
 // Rows of r that count: none is padding.
 bool counts_row(const Tensor& padding, int64_t t) {
@@ -95,13 +68,6 @@ double aux_tokens(const AuxStats& s) {
 
 AuxStats router_aux_stats(const Routing& r, const Tensor& padding) {
   const int64_t n = r.scores.dim(0), e = r.scores.dim(1), k = r.expert_index.dim(1);
-  if (padding.defined()) {
-    expect_shape(padding, {n}, "padding mask");
-    expect_dtype(padding, DType::kU8, "padding mask");
-  }
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(r.scores)) return cuda::router_aux_stats(r, padding);
-#endif
   AuxStats s{Tensor::zeros({e}, DType::kI64), Tensor::zeros({e}, r.scores.dtype()), k};
   for (int64_t t = 0; t < n; ++t)
     if (counts_row(padding, t))
@@ -119,34 +85,13 @@ AuxStats router_aux_stats(const Routing& r, const Tensor& padding) {
   return s;
 }
 
-AuxStats zero_aux_stats(const AuxStats& like) {
-  return {
-      Tensor::zeros(like.tokens_per_expert.shape(), DType::kI64, like.tokens_per_expert.device()),
-      Tensor::zeros(like.score_sum.shape(), like.score_sum.dtype(), like.score_sum.device()),
-      like.top_k};
-}
-
 void add_aux_stats(const AuxStats& layer, AuxStats& pooled) {
-  const int64_t e = layer.score_sum.numel();
-  MT_CHECK(pooled.score_sum.numel() == e && pooled.tokens_per_expert.numel() == e &&
-               layer.tokens_per_expert.numel() == e &&
-               pooled.score_sum.dtype() == layer.score_sum.dtype() &&
-               pooled.score_sum.device() == layer.score_sum.device() && pooled.top_k == layer.top_k,
-           "aux statistics of {} experts ({}, top-{}) added to {} ({}, top-{})", e,
-           dtype_name(layer.score_sum.dtype()), layer.top_k, pooled.score_sum.numel(),
-           dtype_name(pooled.score_sum.dtype()), pooled.top_k);
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(layer.score_sum)) return cuda::add_aux_stats(layer, pooled);
-#endif
-  for (int64_t c = 0; c < e; ++c)
+  for (int64_t c = 0; c < layer.score_sum.numel(); ++c)
     pooled.tokens_per_expert.data<int64_t>()[c] += layer.tokens_per_expert.data<int64_t>()[c];
   add_(pooled.score_sum, layer.score_sum);
 }
 
 Tensor router_aux_loss(const AuxStats& s) {
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(s.score_sum)) return cuda::router_aux_loss(s);
-#endif
   const int64_t e = s.score_sum.numel();
   const double n = aux_tokens(s);
   double aux = 0;
@@ -162,15 +107,7 @@ void router_backward(const Routing& r, const RouterOptions& opt, const AuxStats&
                      const Tensor& padding, const Tensor& dweight, double aux_grad,
                      Tensor& dlogits) {
   const int64_t n = r.scores.dim(0), e = r.scores.dim(1), k = opt.top_k;
-  if (padding.defined()) expect_shape(padding, {n}, "padding mask");
-#if MOETRAIN_HAS_CUDA
-  if (on_gpu(r.scores))
-    return cuda::router_backward(r, opt.top_k, opt.norm_topk_prob, stats, padding, dweight,
-                                 aux_grad, dlogits);
-#endif
   const double total = aux_tokens(stats);
-  expect_shape(dweight, {n, k}, "router dweight");
-  expect_shape(dlogits, {n, e}, "router dlogits");
   dispatch_float(r.scores.dtype(), [&](auto tag) {
     using T = decltype(tag);
     std::vector<double> dscore(e);
@@ -201,4 +138,4 @@ void router_backward(const Routing& r, const RouterOptions& opt, const AuxStats&
   });
 }
 
-}  // namespace mt::ops
+}  // namespace mt::ops::cpu

@@ -1,5 +1,7 @@
 // SwiGLU forward and backward over rows (a warp per row, fp32 math, 16-byte packs where
 // aligned), with the expert rows' routing weights and optionally the output's MX values.
+#include "ops/cuda/activation.h"
+
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/mx.cuh"
 

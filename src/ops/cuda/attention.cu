@@ -3,6 +3,8 @@
 // and the GPU-side reference for the cuDNN SDPA path; O(S^2) per document, not a fast kernel.
 // Backward: dq per (query, head) warp; dk and dv per (key, kv head) warp looping over the
 // queries and heads that read it, so every output has one writer (deterministic, no atomics).
+#include "ops/cuda/attention.h"
+
 #include "ops/cuda/common.cuh"
 
 namespace mt::cuda {

@@ -7,7 +7,8 @@
 #include <cstdint>
 #include <initializer_list>
 
-#include "ops/cuda/kernels.h"
+#include "core/dtype.h"
+
 
 namespace mt::cuda {
 

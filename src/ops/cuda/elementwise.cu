@@ -1,5 +1,7 @@
 // Element-wise kernels over whole tensors: f32 <-> bf16 conversion, the deterministic sum of
 // squares, scaling and addition (grid-stride loops, fp32 math, 16-byte packs where aligned).
+#include "ops/cuda/elementwise.h"
+
 #include "ops/cuda/common.cuh"
 
 namespace mt::cuda {

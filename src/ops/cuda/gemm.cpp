@@ -1,13 +1,13 @@
 // Dense GEMMs on the GPU through cuBLASLt: bf16 or f32 operands, fp32 accumulation, output f32
 // or the operands' dtype. Row-major tensors are handed to column-major cuBLAS as their
 // transposes: C (M, N) = op(a) op(b) is computed as C^T = op(b)^T op(a)^T.
+#include "ops/cuda/gemm.h"
+
 #include <cublasLt.h>
 
 #include <mutex>
 
 #include "core/cuda/check.h"
-#include "core/profile.h"
-#include "ops/cuda/ops.h"
 
 #define MT_CUBLAS_CHECK(expr)                                                                     \
   do {                                                                                            \
@@ -18,7 +18,7 @@
                                     cublasLtGetStatusString(mt_st_), #expr, __FILE__, __LINE__)); \
   } while (0)
 
-namespace mt::cuda {
+namespace mt::cuda::kernels {
 
 namespace {
 
@@ -59,26 +59,10 @@ struct Layout {
 
 }  // namespace
 
-namespace {
-
-// D = op(a) op(b) + beta C through cuBLASLt; C and D may be one buffer (accumulation) or two (a
-// residual read by the epilogue).
-void lt_matmul(const Tensor& a, ops::Transpose op_of_a, const Tensor& b, ops::Transpose op_of_b,
-               const Tensor* c, Tensor& d, float beta) {
+void gemm(DType in, const void* a, ops::Transpose op_of_a, const void* b, ops::Transpose op_of_b,
+          DType out, const void* c, void* d, int64_t m, int64_t n, int64_t k, float beta,
+          cudaStream_t stream) {
   const bool ta = op_of_a == ops::Transpose::kYes, tb = op_of_b == ops::Transpose::kYes;
-  const int64_t m = ta ? a.dim(1) : a.dim(0), k = ta ? a.dim(0) : a.dim(1);
-  const int64_t n = tb ? b.dim(0) : b.dim(1);
-  MT_CHECK(a.dtype() == b.dtype(), "GPU gemm operands differ: {} vs {}", dtype_name(a.dtype()),
-           dtype_name(b.dtype()));
-  MT_CHECK(d.dtype() == a.dtype() || d.dtype() == DType::kF32,
-           "GPU gemm output {} for {} operands (valid: the operands' dtype or f32)",
-           dtype_name(d.dtype()), dtype_name(a.dtype()));
-  if (m == 0 || n == 0) return;
-  if (k == 0) {
-    if (c == nullptr && beta == 0.0f) d.zero_();
-    if (c != nullptr) d.copy_from(*c);
-    return;
-  }
   cublasLtMatmulDesc_t op = nullptr;
   MT_CUBLAS_CHECK(cublasLtMatmulDescCreate(&op, CUBLAS_COMPUTE_32F, CUDA_R_32F));
   // cuBLAS's A is our b, its B is our a (see the top of the file).
@@ -88,10 +72,10 @@ void lt_matmul(const Tensor& a, ops::Transpose op_of_a, const Tensor& b, ops::Tr
       cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSA, &op_a, sizeof(op_a)));
   MT_CUBLAS_CHECK(
       cublasLtMatmulDescSetAttribute(op, CUBLASLT_MATMUL_DESC_TRANSB, &op_b, sizeof(op_b)));
-  const cudaDataType_t in = cuda_type(a.dtype()), out = cuda_type(d.dtype());
-  const Layout la(in, tb ? k : n, tb ? n : k, tb ? k : n);
-  const Layout lb(in, ta ? m : k, ta ? k : m, ta ? m : k);
-  const Layout ld(out, n, m, n);
+  const cudaDataType_t in_type = cuda_type(in), out_type = cuda_type(out);
+  const Layout la(in_type, tb ? k : n, tb ? n : k, tb ? k : n);
+  const Layout lb(in_type, ta ? m : k, ta ? k : m, ta ? m : k);
+  const Layout ld(out_type, n, m, n);
   cublasLtMatmulPreference_t pref = nullptr;
   MT_CUBLAS_CHECK(cublasLtMatmulPreferenceCreate(&pref));
   const size_t ws = kWorkspaceBytes;
@@ -101,31 +85,12 @@ void lt_matmul(const Tensor& a, ops::Transpose op_of_a, const Tensor& b, ops::Tr
   int found = 0;
   MT_CUBLAS_CHECK(cublasLtMatmulAlgoGetHeuristic(lt().handle, op, la.desc, lb.desc, ld.desc,
                                                  ld.desc, pref, 1, &heur, &found));
-  MT_CHECK(found > 0, "cuBLASLt has no algorithm for {}x{}x{} ({})", m, n, k,
-           dtype_name(a.dtype()));
+  MT_CHECK(found > 0, "cuBLASLt has no algorithm for {}x{}x{} ({})", m, n, k, dtype_name(in));
   const float alpha = 1.0f;
-  const void* c_ptr = c ? c->raw() : d.raw();
-  MT_CUBLAS_CHECK(cublasLtMatmul(lt().handle, op, &alpha, b.raw(), la.desc, a.raw(), lb.desc, &beta,
-                                 c_ptr, ld.desc, d.raw(), ld.desc, &heur.algo, lt().workspace, ws,
-                                 stream()));
+  MT_CUBLAS_CHECK(cublasLtMatmul(lt().handle, op, &alpha, b, la.desc, a, lb.desc, &beta, c, ld.desc,
+                                 d, ld.desc, &heur.algo, lt().workspace, ws, stream));
   cublasLtMatmulPreferenceDestroy(pref);
   cublasLtMatmulDescDestroy(op);
 }
 
-}  // namespace
-
-void gemm(const Tensor& a, ops::Transpose ta, const Tensor& b, ops::Transpose tb, Tensor& c,
-          ops::Accumulate acc) {
-  const profile::Phase phase("gpu.gemm");
-  lt_matmul(a, ta, b, tb, nullptr, c, acc == ops::Accumulate::kYes ? 1.0f : 0.0f);
-}
-
-void gemm_residual(const Tensor& a, const Tensor& b, const Tensor& c, Tensor& d) {
-  const profile::Phase phase("gpu.gemm");
-  MT_CHECK(c.dtype() == d.dtype() && c.shape() == d.shape(), "GEMM residual {} {} for {} {}",
-           dtype_name(c.dtype()), shape_str(c.shape()), dtype_name(d.dtype()),
-           shape_str(d.shape()));
-  lt_matmul(a, ops::Transpose::kNo, b, ops::Transpose::kNo, &c, d, 1.0f);
-}
-
-}  // namespace mt::cuda
+}  // namespace mt::cuda::kernels

@@ -5,6 +5,8 @@
 // Faster versions (wgmma, TMA, pipelining) are measured against this one.
 #include <mma.h>
 
+#include "ops/cuda/grouped_gemm.h"
+
 #include "ops/cuda/common.cuh"
 
 namespace mt::cuda {

@@ -1,6 +1,8 @@
 // Cross-entropy on the GPU: one block per token row, one pass over the logits (online softmax,
 // 16-byte packs); the per-row losses are summed on the device in a fixed order (deterministic)
 // into a double accumulator, so that no step waits for the host.
+#include "ops/cuda/loss.h"
+
 #include "ops/cuda/common.cuh"
 
 namespace mt::cuda {

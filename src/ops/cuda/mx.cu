@@ -7,6 +7,8 @@
 //         transposed data).
 #include <type_traits>
 
+#include "ops/cuda/mx.h"
+
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/mx.cuh"
 
@@ -168,7 +170,7 @@ dim3 dim1_grid(int64_t batch, int64_t rows, int64_t cols) {
 
 // The quantize tile: 256 bytes of each of its 128 rows (128 bf16 or 64 f32 columns, 32 KiB),
 // loaded by cp.async (no registers held: four 512-thread CTAs per multiprocessor keep 128 KiB in
-// flight); docs/benchmarks.md has the versions measured.
+// flight); docs/benchmarks-history.md has the versions measured.
 template <class T>
 using QuantizeTile = Dim1Tile<T, 256 / sizeof(T)>;
 template <class T>
@@ -290,7 +292,7 @@ __global__ void __launch_bounds__(kDim1QuantizeThreads, 4)
     // The last column step waited for every load and synchronised: the whole tile is visible.
     // Lane pair (row, block) holds the block's two halves, read as 16-byte chunks (a quarter
     // warp meets in two (f32) or four (bf16) of the eight 16-byte bank groups; starting each
-    // lane at its own chunk spilled the registers and ran slower, docs/benchmarks.md).
+    // lane at its own chunk spilled the registers and ran slower, docs/benchmarks-history.md).
     constexpr int kBlocksPerRow = Tile::kCols / kMxBlock;
     constexpr int kPerChunk = 16 / sizeof(T);
     constexpr int kLanes = Tile::kRows * kBlocksPerRow * 2;

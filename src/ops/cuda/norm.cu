@@ -2,6 +2,8 @@
 // statistics; rows as short as QK-norm's 128 keep every lane busy. dw: a deterministic
 // two-pass column reduction (partials per row chunk, then summed in chunk order), so that runs
 // and resumes are bit-identical.
+#include "ops/cuda/norm.h"
+
 #include "ops/cuda/common.cuh"
 
 namespace mt::cuda {

@@ -1,10 +1,12 @@
-// What every Tensor-level CUDA wrapper (ops/cuda/<family>.cpp, cudnn/) needs of its
+// What the front doors (ops/<family>.cpp) need of a GPU branch's
 // operands: the kernels' storage type of a GPU tensor, and device scratch from the caching
 // allocator (after the first step it never reaches cudaMalloc).
 #pragma once
 #include "core/cuda/check.h"
+#include "core/profile.h"
 #include "core/tensor.h"
-#include "ops/cuda/kernels.h"
+#include "ops/cuda/mx.h"
+#include "ops/cuda/permute.h"
 #include "ops/mx.h"
 
 namespace mt::cuda {
@@ -47,24 +49,30 @@ inline Tensor on_device(const Tensor& t) {
   return t.device() == Device::kCUDA ? t : t.to(Device::kCUDA);
 }
 
-// The kernels' view of an ops::MxValuesOut (null: none).
-inline kernels::MxValuesOut mx_values_out(const ops::MxValuesOut* mx) {
-  return mx ? kernels::MxValuesOut{mx->values->raw(), mx->rule}
-            : kernels::MxValuesOut{nullptr, MxScaleRule::kRceil};
+// dst[i] = src[index[i]] (a zero row for a negative index; i32 index on the GPU), rows moved as
+// 2- or 4-byte units whatever their dtype: the embedding's lookup and the unpermutation.
+inline void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst) {
+  const profile::Phase phase("gpu.gather_rows");
+  MT_CHECK(src.dtype() == dst.dtype(), "gather of {} rows into {}", dtype_name(src.dtype()),
+           dtype_name(dst.dtype()));
+  const CopyUnits u = copy_units(src, dst.dim(1));
+  MT_CUDA_CHECK(kernels::gather_rows(u.storage, src.raw(), index.data<int32_t>(), dst.raw(),
+                                     dst.dim(0), u.per_row, stream()));
 }
 
-// A row writer's launch with mx (ops::MxValuesOut, nullable): whether its kernel wrote the MX
-// values. A kernel that cannot fuse them returns cudaErrorNotSupported, launching nothing: then
-// `launch(nullptr)` writes the output alone and the caller runs ops::write_mx_values.
-template <class Launch>
-bool launch_row_writer(const ops::MxValuesOut* mx, Launch&& launch) {
-  const cudaError_t err = launch(mx);
-  if (mx && err == cudaErrorNotSupported) {
-    MT_CUDA_CHECK(launch(nullptr));
-    return false;
-  }
-  MT_CUDA_CHECK(err);
-  return mx != nullptr;
+// The MX values a row writer's kernel writes beside its rows of `width` elements of `storage`
+// (ops::MxValuesOut, nullable): mx when the kernel can fuse them (kernels::can_fuse_mx_values
+// over the rows' pointers and mx's own), else none, and the front door then runs
+// ops::write_mx_values after the kernel.
+inline kernels::MxValuesOut fused_mx_values(const ops::MxValuesOut* mx, DType storage,
+                                            int64_t width,
+                                            std::initializer_list<const void*> row_pointers) {
+  const kernels::MxValuesOut none{nullptr, MxScaleRule::kRceil};
+  if (!mx) return none;
+  for (const void* p : row_pointers)
+    if (!kernels::can_fuse_mx_values(storage, width, {p})) return none;
+  if (!kernels::can_fuse_mx_values(storage, width, {mx->values->raw()})) return none;
+  return {mx->values->raw(), mx->rule};
 }
 
 }  // namespace mt::cuda

@@ -1,5 +1,7 @@
 // Multi-tensor AdamW: one launch per flat parameter buffer (a whole unit's group), fp32 master
 // weights and moments, PyTorch's update order (as the CPU reference).
+#include "ops/cuda/optim.h"
+
 #include "ops/cuda/common.cuh"
 
 namespace mt::cuda {

@@ -7,6 +7,9 @@
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
 
+#include "ops/cuda/permute.h"
+#include "ops/cuda/route.h"
+
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/mx.cuh"
 

@@ -1,4 +1,6 @@
 // Rotary position embedding, forward and backward (the rotation's direction), fp64 angles.
+#include "ops/cuda/rope.h"
+
 #include "ops/cuda/common.cuh"
 
 namespace mt::cuda {

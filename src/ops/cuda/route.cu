@@ -1,6 +1,8 @@
 // The router's kernels: softmax, top-k and renormalisation a warp per token, the expert counts,
 // the load-balancing statistics and the router backward. Deterministic: sums run in a fixed
 // order, counts are integer atomics.
+#include "ops/cuda/route.h"
+
 #include "ops/cuda/common.cuh"
 
 namespace mt::cuda {

@@ -17,7 +17,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
-#include "ops/cuda/kernels.h"
+#include "ops/cuda/grouped_gemm.h"
 
 namespace mt::cuda::grouped_sm90 {
 
@@ -43,7 +43,7 @@ struct Pingpong {
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 // The shipped tiles, chosen per product on the workbench (bench/grouped_gemm_variants.cu, both
-// expert shapes, balanced and ragged rows; figures in docs/benchmarks.md). One CTA per cluster:
+// expert shapes, balanced and ragged rows; figures in docs/benchmarks-history.md). One CTA per cluster:
 // 2x1 clusters (weight tiles multicast) measured slower on every product.
 using WideTile = Shape<_128, _256, _64>;
 using SquareTile = Shape<_128, _128, _64>;

@@ -4,7 +4,7 @@
 #include <algorithm>
 
 #include "ops/cuda/cutlass/grouped_gemm_sm90.cuh"
-#include "ops/cuda/kernels.h"
+#include "ops/cuda/grouped_gemm.h"
 
 namespace mt::cuda::kernels {
 
@@ -16,7 +16,7 @@ using LongK = Config<RowMajor, RowMajor, cutlass::bfloat16_t, grouped_sm90::Wide
                      grouped_sm90::NoCluster, grouped_sm90::Cooperative>;
 using ShortK = Config<RowMajor, RowMajor, cutlass::bfloat16_t, grouped_sm90::SquareTile,
                       grouped_sm90::NoCluster, grouped_sm90::Pingpong>;
-// The tile by K, as the workbench measured it (docs/benchmarks.md, grouped GEMM configuration).
+// The tile by K, as the workbench measured it (docs/benchmarks-history.md, grouped GEMM configuration).
 constexpr int64_t kShortK = kCutlassShortK;
 }  // namespace
 

@@ -1,6 +1,6 @@
 // The weight gradient product of the expert GEMMs (see grouped_gemm_sm90.cuh).
 #include "ops/cuda/cutlass/grouped_gemm_sm90.cuh"
-#include "ops/cuda/kernels.h"
+#include "ops/cuda/grouped_gemm.h"
 
 namespace mt::cuda::kernels {
 

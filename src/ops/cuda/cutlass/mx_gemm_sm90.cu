@@ -2,7 +2,7 @@
 // 128-row segments, A in MXFP8 along Q (E4M3 data, an E8M0 scale per 32 values), b (E, P, Q)
 // bf16 holding MX values (the weights quantized and dequantized once per step: exact in bf16).
 //
-// Which way and why (the figures: docs/benchmarks.md, "MX grouped GEMM"). sm_90 has no
+// Which way and why (the figures: docs/benchmarks-history.md, "MX grouped GEMM"). sm_90 has no
 // block-scaled MMA; the ways to feed it MX operands are
 //  1. FP8 wgmma (k = 32: one MX block per instruction) with each partial sum rescaled into an f32
 //     accumulator, acc += part * sa[row] * sb[col]: two f32 operations per accumulator per 32 K
@@ -34,8 +34,8 @@
 #include "cutlass/arch/barrier.h"
 #include "cutlass/arch/reg_reconfig.h"
 #include "cutlass/cuda_host_adapter.hpp"
-#include "ops/cuda/cutlass/fixed_gemm_sm90.cuh"
-#include "ops/cuda/kernels.h"
+#include "ops/cuda/cutlass/grouped_gemm_fixed_sm90.cuh"
+#include "ops/cuda/mx_gemm.h"
 
 namespace mt::cuda::kernels {
 
@@ -85,7 +85,7 @@ struct Params {
 };
 
 // The conversion avoids the conversion instructions (F2FP: e4m3 -> f16, f32 -> bf16), which the
-// probes of docs/benchmarks.md found to be this kernel's largest cost. An E4M3 byte's 7 magnitude
+// probes of docs/benchmarks-history.md found to be this kernel's largest cost. An E4M3 byte's 7 magnitude
 // bits shifted left by 4 are the bf16 of its value times 2^-120, normal or subnormal alike
 // (exponent field E, mantissa M << 4; with E = 0 a bf16 subnormal M 2^-129 = M 2^-9 2^-120), and
 // the sign bit lands on bf16's: one byte permute (each byte beside a copy of its sign), one shift,

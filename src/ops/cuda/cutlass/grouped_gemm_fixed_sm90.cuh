@@ -8,7 +8,7 @@
 // kernels are CUTLASS's non-array warp-specialized ones, unchanged, with a tile scheduler of ours
 // that reads every tile's {row tile, column tile, expert} from a table built on the device from
 // the segments (no count reaches the host). Output rows of the padding are written (from whatever
-// the padding holds) and never read. Measured against the grouped kernels in docs/benchmarks.md.
+// the padding holds) and never read. Measured against the grouped kernels in docs/benchmarks-history.md.
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -25,7 +25,7 @@
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/gemm/kernel/sm90_tile_scheduler.hpp"
 #include "cutlass/gemm/kernel/tile_scheduler.hpp"
-#include "ops/cuda/kernels.h"
+#include "ops/cuda/grouped_gemm.h"
 
 namespace mt::cuda::fixed_sm90 {
 

@@ -1,8 +1,8 @@
 // The forward (short K) and input-gradient products of the expert GEMMs over 128-row segments
 // with fixed TMA descriptors (see fixed_gemm_sm90.cuh), with the tiles and schedules the grouped
 // kernels use for the same products.
-#include "ops/cuda/cutlass/fixed_gemm_sm90.cuh"
-#include "ops/cuda/kernels.h"
+#include "ops/cuda/cutlass/grouped_gemm_fixed_sm90.cuh"
+#include "ops/cuda/grouped_gemm.h"
 
 namespace mt::cuda::kernels {
 

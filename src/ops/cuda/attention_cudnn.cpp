@@ -9,6 +9,8 @@
 // (ops::long_document_threshold), its deterministic workspace sized by each class. The
 // ragged offsets and lengths come from the device boundaries through one small kernel: no host
 // sync.
+#include "ops/cuda/attention_cudnn.h"
+
 #include <cudnn_frontend.h>
 
 #include <algorithm>
@@ -19,8 +21,7 @@
 
 #include "core/cuda/check.h"
 #include "core/profile.h"
-#include "ops/cuda/kernels.h"
-#include "ops/cuda/ops.h"
+#include "ops/cuda/attention.h"
 
 namespace mt::cuda {
 
@@ -203,7 +204,7 @@ const fe::graph::Graph& cached_graph(const SdpaShape& s) {
 }
 
 SdpaShape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, const ops::Documents& docs,
-                   double scale, bool backward, bool deterministic) {
+                   double scale, bool backward, ops::Determinism determinism) {
   MT_CHECK(docs.cu_seqlens.device() == Device::kCUDA && docs.cu_seqlens.dtype() == DType::kI32,
            "cuDNN attention needs i32 cu_seqlens on the GPU");
   MT_CHECK(docs.max_length >= 1 && docs.max_length <= q.dim(0),
@@ -213,8 +214,11 @@ SdpaShape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, const ops:
            q.dim(1));
   const ops::PlannedDocuments planned =
       ops::planned_documents(docs.cu_seqlens.numel() - 1, docs.max_length, q.dim(0));
-  return {planned.count, planned.longest,           q.dim(0), q.dim(1),     k.dim(1), q.dim(2),
-          v.dim(2),      static_cast<float>(scale), backward, deterministic};
+  return {planned.count, planned.longest,
+          q.dim(0),      q.dim(1),
+          k.dim(1),      q.dim(2),
+          v.dim(2),      static_cast<float>(scale),
+          backward,      determinism == ops::Determinism::kDeterministic};
 }
 
 // Offsets and lengths on the device, the (padded_docs + 1) x 5 offsets then padded_docs lengths.
@@ -244,10 +248,9 @@ kernels::RaggedStrides ragged_strides(const SdpaShape& s) {
 
 Ragged ragged_layout(const ops::Documents& docs, const SdpaShape& s) {
   Ragged r = ragged_buffer(s.docs);
-  MT_CUDA_CHECK(kernels::attention_ragged_layout(docs.cu_seqlens.data<int32_t>(),
-                                                 static_cast<int>(docs.cu_seqlens.numel() - 1),
-                                                 static_cast<int>(s.docs), ragged_strides(s), r.at,
-                                                 stream()));
+  MT_CUDA_CHECK(kernels::attention_ragged_layout(
+      docs.cu_seqlens.data<int32_t>(), static_cast<int>(docs.cu_seqlens.numel() - 1),
+      static_cast<int>(s.docs), ragged_strides(s), r.at, stream()));
   return r;
 }
 
@@ -310,10 +313,6 @@ void* ptr(const Tensor& t) {
 
 }  // namespace
 
-bool cudnn_attention_available() {
-  return true;
-}
-
 bool cudnn_attention_supports(const Tensor& q, const Tensor& v) {
   const auto dim_ok = [](int64_t d) { return d % 8 == 0 && d <= 256; };
   return q.dtype() == DType::kBF16 && dim_ok(q.dim(2)) && dim_ok(v.dim(2));
@@ -326,7 +325,7 @@ void cudnn_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
   expect_shape(out, {q.dim(0), q.dim(1), v.dim(2)}, "attention out");
   expect_shape(lse, {q.dim(0), q.dim(1)}, "attention lse");
   expect_dtype(lse, DType::kF32, "attention lse (GPU)");
-  const SdpaShape s = shape_of(q, k, v, docs, scale, false, false);
+  const SdpaShape s = shape_of(q, k, v, docs, scale, false, ops::Determinism::kFast);
   const fe::graph::Graph& g = cached_graph(s);
   const Ragged r = ragged_layout(docs, s);
   std::unordered_map<int64_t, void*> pack{
@@ -356,9 +355,9 @@ void backward_over(const BackwardOperands& t, SdpaShape s, const Ragged& r, int6
       return static_cast<char*>(ptr(x)) + elements * dtype_size(x.dtype());
     };
     std::unordered_map<int64_t, void*> pack{
-        {kQ, at(t.q, q_at)},     {kK, at(t.k, kv_at)},        {kV, at(t.v, v_at)},
-        {kO, at(t.out, o_at)},   {kStats, at(t.lse, lse_at)}, {kDO, at(t.dout, o_at)},
-        {kDQ, at(t.dq, q_at)},   {kDK, at(t.dk, kv_at)},      {kDV, at(t.dv, v_at)}};
+        {kQ, at(t.q, q_at)},   {kK, at(t.k, kv_at)},        {kV, at(t.v, v_at)},
+        {kO, at(t.out, o_at)}, {kStats, at(t.lse, lse_at)}, {kDO, at(t.dout, o_at)},
+        {kDQ, at(t.dq, q_at)}, {kDK, at(t.dk, kv_at)},      {kDV, at(t.dv, v_at)}};
     run(g, pack, r);
   }
 }
@@ -367,8 +366,8 @@ void backward_over(const BackwardOperands& t, SdpaShape s, const Ragged& r, int6
 
 void cudnn_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
                               const Tensor& lse, const Tensor& dout, const ops::Documents& docs,
-                              double scale, bool deterministic, Tensor& dq, Tensor& dk, Tensor& dv,
-                              int64_t workspace_budget_bytes) {
+                              double scale, ops::Determinism determinism, Tensor& dq, Tensor& dk,
+                              Tensor& dv, int64_t workspace_budget_bytes) {
   const profile::Phase phase("gpu.cudnn_attention_backward");
   check_operands({&q, &k, &v, &out, &dout, &dq, &dk, &dv});
   expect_shape(dq, q.shape(), "attention dq");
@@ -376,7 +375,7 @@ void cudnn_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
   expect_shape(dv, v.shape(), "attention dv");
   expect_dtype(lse, DType::kF32, "attention lse (GPU)");
   const BackwardOperands t{q, k, v, out, lse, dout, dq, dk, dv};
-  const SdpaShape s = shape_of(q, k, v, docs, scale, true, deterministic);
+  const SdpaShape s = shape_of(q, k, v, docs, scale, true, determinism);
   const int64_t count = docs.cu_seqlens.numel() - 1;
   const int64_t threshold = ops::long_document_threshold(docs.max_length, q.dim(0));
   // Unknown long documents, or a quarter of the longest too short to matter: one plan.
@@ -393,8 +392,8 @@ void cudnn_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                rest_layout = ragged_buffer(rest.docs);
   MT_CUDA_CHECK(kernels::attention_ragged_layout_split(
       docs.cu_seqlens.data<int32_t>(), static_cast<int>(count), static_cast<int>(threshold),
-      static_cast<int>(longer.docs), static_cast<int>(rest.docs), ragged_strides(s),
-      long_layout.at, rest_layout.at, stream()));
+      static_cast<int>(longer.docs), static_cast<int>(rest.docs), ragged_strides(s), long_layout.at,
+      rest_layout.at, stream()));
   if (docs.long_count > 0) backward_over(t, longer, long_layout, workspace_budget_bytes);
   if (docs.long_count < count) backward_over(t, rest, rest_layout, workspace_budget_bytes);
 }

@@ -1,0 +1,22 @@
+// Attention through cuDNN's fused SDPA (attention_cudnn.cpp) behind ops/attention.h: host code
+// over Tensors, which builds and caches the cuDNN frontend's graphs and takes their workspaces
+// from the caching allocator. Built where the cuDNN frontend was found (MOETRAIN_HAS_CUDNN).
+// Operands are checked by the front door; bf16 on the GPU, lse f32 (N, H).
+#pragma once
+#include <cstdint>
+
+#include "core/tensor.h"
+#include "ops/attention.h"
+
+namespace mt::cuda {
+
+bool cudnn_attention_supports(const Tensor& q, const Tensor& v);
+void cudnn_attention_forward(const Tensor& q, const Tensor& k, const Tensor& v,
+                             const ops::Documents& docs, double scale, Tensor& out, Tensor& lse);
+// Over groups of KV heads where the workspace of all at once would exceed the budget.
+void cudnn_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const Tensor& out,
+                              const Tensor& lse, const Tensor& dout, const ops::Documents& docs,
+                              double scale, ops::Determinism determinism, Tensor& dq, Tensor& dk,
+                              Tensor& dv, int64_t workspace_budget_bytes);
+
+}  // namespace mt::cuda

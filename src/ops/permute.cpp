@@ -1,0 +1,288 @@
+// The expert permutation's front door (ops/permute.h): the arguments checked once, then the CPU
+// reference (ops/cpu/permute.cpp) or the kernels (ops/cuda/permute.cu).
+#include "ops/permute.h"
+
+#include <algorithm>
+#include <climits>
+
+#include "ops/cpu/permute.h"
+#include "ops/dispatch.h"
+#if MOETRAIN_HAS_CUDA
+#include "core/profile.h"
+#include "ops/cuda/operands.h"
+#include "ops/cuda/permute.h"
+#endif
+
+namespace mt::ops {
+
+namespace {
+int64_t choices_per_token(const ExpertPermutation& p, int64_t n) {
+  return n == 0 ? 0 : p.row_of_choice.numel() / n;
+}
+
+#if MOETRAIN_HAS_CUDA
+// dst[row_of_choice[t * k + j]] = src[t], each token read once; the rows' MX values too where
+// mx is given and the kernel can fuse them (whether it did is returned).
+bool gpu_scatter_token_rows(const Tensor& src, const Tensor& row_of_choice, int64_t k, Tensor& dst,
+                            const MxValuesOut* mx) {
+  const profile::Phase phase("gpu.scatter_token_rows");
+  const int64_t tokens = src.dim(0), width = dst.dim(1);
+  // The fused MX values need the rows' own float storage; otherwise rows move as raw units.
+  const auto fused = cuda::fused_mx_values(mx, src.dtype(), width, {src.raw(), dst.raw()});
+  if (fused.values) {
+    MT_CUDA_CHECK(cuda::kernels::scatter_token_rows(
+        src.dtype(), src.raw(), row_of_choice.data<int32_t>(), tokens, static_cast<int>(k),
+        dst.raw(), width, fused, cuda::stream()));
+    return true;
+  }
+  const cuda::CopyUnits u = cuda::copy_units(src, width);
+  MT_CUDA_CHECK(cuda::kernels::scatter_token_rows(
+      u.storage, src.raw(), row_of_choice.data<int32_t>(), tokens, static_cast<int>(k), dst.raw(),
+      u.per_row, fused, cuda::stream()));
+  return false;
+}
+#endif
+}  // namespace
+
+void make_expert_permutation(const Tensor& expert_index, int64_t num_experts,
+                             ExpertPermutation& out, int64_t align, int64_t routed) {
+  expect_dtype(expert_index, DType::kI32, "expert_index");
+  MT_CHECK(expert_index.ndim() == 2, "expert_index must be (N, k), got {}",
+           shape_str(expert_index.shape()));
+  MT_CHECK(align >= 1, "expert segments aligned to {} rows", align);
+  MT_CHECK(routed >= -1, "{} routed choices", routed);
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(expert_index)) {
+    const profile::Phase phase("gpu.make_expert_permutation");
+    const int64_t n = expert_index.dim(0), k = expert_index.dim(1), m = n * k;
+    out.source_token =
+        cuda::gpu_empty({permuted_rows(routed < 0 ? m : routed, num_experts, align)}, DType::kI32);
+    out.row_of_choice = cuda::gpu_empty({m}, DType::kI32);
+    out.expert_offsets = cuda::gpu_empty({num_experts + 1}, DType::kI64);
+    out.segments = align > 1 ? cuda::gpu_empty({num_experts + 1}, DType::kI64) : out.expert_offsets;
+    out.align = align;
+    const size_t bytes = cuda::kernels::permutation_workspace(m, static_cast<int>(num_experts));
+    Tensor ws = cuda::gpu_empty({static_cast<int64_t>(bytes)}, DType::kU8);
+    MT_CUDA_CHECK(cuda::kernels::expert_permutation(
+        expert_index.data<int32_t>(), m, static_cast<int>(k), static_cast<int>(num_experts), align,
+        routed >= 0, ws.raw(), bytes, out.rows(), out.source_token.data<int32_t>(),
+        out.row_of_choice.data<int32_t>(), out.expert_offsets.data<int64_t>(),
+        out.segments.data<int64_t>(), cuda::stream()));
+    return;
+  }
+#endif
+  cpu::make_expert_permutation(expert_index, num_experts, out, align, routed);
+}
+
+void peer_choices(const Tensor& expert_index, int64_t peers, int64_t experts_per_peer,
+                  Tensor& out) {
+  expect_dtype(expert_index, DType::kI32, "expert_index");
+  const int64_t n = expert_index.dim(0);
+  MT_CHECK(peers >= 1 && experts_per_peer >= 1, "{} peers of {} experts", peers, experts_per_peer);
+  expect_shape(out, {n, peers}, "peer choices");
+  expect_dtype(out, DType::kI32, "peer choices");
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(expert_index)) {
+    MT_CUDA_CHECK(cuda::kernels::peer_choices(
+        expert_index.data<int32_t>(), n, static_cast<int>(expert_index.dim(1)),
+        static_cast<int>(peers), static_cast<int>(experts_per_peer), out.data<int32_t>(),
+        cuda::stream()));
+    return;
+  }
+#endif
+  cpu::peer_choices(expert_index, peers, experts_per_peer, out);
+}
+
+void peer_counts(const Tensor& expert_index, int64_t peers, int64_t experts_per_peer, Tensor& out) {
+  expect_dtype(expert_index, DType::kI32, "expert_index");
+  expect_shape(out, {peers, experts_per_peer + 1}, "peer counts");
+  expect_dtype(out, DType::kI64, "peer counts");
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(expert_index)) {
+    MT_CHECK(out.numel() <= 8192, "{} exchange counts: more than one block's shared histogram",
+             out.numel());
+    MT_CUDA_CHECK(cuda::kernels::peer_counts(
+        expert_index.data<int32_t>(), expert_index.dim(0), static_cast<int>(expert_index.dim(1)),
+        static_cast<int>(peers), static_cast<int>(experts_per_peer), out.data<int64_t>(),
+        cuda::stream()));
+    return;
+  }
+#endif
+  cpu::peer_counts(expert_index, peers, experts_per_peer, out);
+}
+
+void local_choices(const Tensor& expert_index, int64_t rank, int64_t experts_per_peer, Tensor& out,
+                   const Tensor* received_counts) {
+  expect_dtype(expert_index, DType::kI32, "expert_index");
+  expect_shape(out, expert_index.shape(), "local choices");
+  expect_dtype(out, DType::kI32, "local choices");
+  const int64_t rows = expert_index.dim(0);
+  if (received_counts) {
+    expect_dtype(*received_counts, DType::kI64, "received counts");
+    const int64_t peers = received_counts->dim(0);
+    MT_CHECK(received_counts->ndim() == 2 && received_counts->dim(1) == experts_per_peer + 1 &&
+                 rows % peers == 0,
+             "received counts {} for {} rows of {} experts per rank",
+             shape_str(received_counts->shape()), rows, experts_per_peer);
+  }
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(expert_index)) {
+    const Tensor received = received_counts ? cuda::on_device(*received_counts) : Tensor();
+    MT_CUDA_CHECK(cuda::kernels::local_choices(
+        expert_index.data<int32_t>(), expert_index.numel(), static_cast<int>(expert_index.dim(1)),
+        static_cast<int>(rank * experts_per_peer), static_cast<int>(experts_per_peer),
+        received_counts ? received.data<int64_t>() : nullptr,
+        received_counts ? rows / received.dim(0) : rows, out.data<int32_t>(), cuda::stream()));
+    return;
+  }
+#endif
+  cpu::local_choices(expert_index, rank, experts_per_peer, out, received_counts);
+}
+
+void peer_slots(const Tensor& to_peer, int64_t region_rows, Tensor& out) {
+  expect_dtype(to_peer, DType::kI32, "peer choices");
+  MT_CHECK(to_peer.ndim() == 2, "peer choices of shape {}, expected (tokens, peers)",
+           shape_str(to_peer.shape()));
+  expect_shape(out, to_peer.shape(), "peer slots");
+  expect_dtype(out, DType::kI32, "peer slots");
+  const int64_t n = to_peer.dim(0), peers = to_peer.dim(1);
+  MT_CHECK(peers * std::max<int64_t>(region_rows, n) <= INT32_MAX,
+           "peer slots of {} tokens over {} peers ({} rows a region) pass i32", n, peers,
+           region_rows);
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(to_peer)) {
+    MT_CHECK(out.device() == Device::kCUDA, "peer slots must be on the GPU");
+    MT_CUDA_CHECK(cuda::kernels::peer_slots(to_peer.data<int32_t>(), n, static_cast<int>(peers),
+                                            region_rows, out.data<int32_t>(), cuda::stream()));
+    return;
+  }
+#endif
+  cpu::peer_slots(to_peer, region_rows, out);
+}
+
+void region_slots(const Tensor& received_counts, int64_t capacity, Tensor& out) {
+  expect_dtype(received_counts, DType::kI64, "received counts");
+  const int64_t peers = received_counts.dim(0);
+  expect_shape(out, {peers * capacity, peers}, "region slots");
+  expect_dtype(out, DType::kI32, "region slots");
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(received_counts)) {
+    const Tensor received = cuda::on_device(received_counts);
+    MT_CUDA_CHECK(cuda::kernels::region_slots(received.data<int64_t>(), static_cast<int>(peers),
+                                              static_cast<int>(received.dim(1)), capacity,
+                                              out.data<int32_t>(), cuda::stream()));
+    return;
+  }
+#endif
+  cpu::region_slots(received_counts, capacity, out);
+}
+
+void place_rows(const Tensor& x, const Tensor& slot, int64_t capacity, Tensor& out) {
+  const int64_t n = x.dim(0), width = x.dim(1);
+  const int64_t peers = slot.ndim() == 2 ? slot.dim(1) : -1;
+  expect_shape(slot, {n, peers}, "place_rows slots");
+  expect_dtype(slot, DType::kI32, "place_rows slots");
+  expect_shape(out, {peers * capacity, width}, "placed rows");
+  MT_CHECK(x.dtype() == out.dtype(), "place_rows of {} rows into {}", dtype_name(x.dtype()),
+           dtype_name(out.dtype()));
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(x)) {
+    const Tensor s = cuda::on_device(slot);
+    MT_CUDA_CHECK(cuda::kernels::place_rows(
+        x.raw(), n, width * static_cast<int64_t>(dtype_size(x.dtype())), s.data<int32_t>(),
+        static_cast<int>(peers), capacity, out.raw(), cuda::stream()));
+    return;
+  }
+#endif
+  cpu::place_rows(x, slot, capacity, out);
+}
+
+void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp, const MxValuesOut* mx) {
+  const int64_t d = x.dim(1), m = p.rows();
+  expect_shape(xp, {m, d}, "permuted rows");
+  MT_CHECK(x.dtype() == xp.dtype(), "permute of {} rows into {}", dtype_name(x.dtype()),
+           dtype_name(xp.dtype()));
+  check_mx_values("permute_rows", xp, mx);
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(x)) {
+    if (x.dim(0) == 0) return;
+    MT_CHECK(p.row_of_choice.numel() % x.dim(0) == 0, "permutation of {} choices for {} tokens",
+             p.row_of_choice.numel(), x.dim(0));
+    const bool fused =
+        gpu_scatter_token_rows(x, p.row_of_choice, choices_per_token(p, x.dim(0)), xp, mx);
+    if (mx && !fused) write_mx_values(xp, *mx);
+    return;
+  }
+#endif
+  cpu::permute_rows(x, p, xp);
+  if (mx) write_mx_values(xp, *mx);
+}
+
+namespace {
+void sum_token_rows(const Tensor& rows, const ExpertPermutation& p, const Tensor* residual,
+                    Tensor& out) {
+  const int64_t n = out.dim(0), k = choices_per_token(p, n);
+  MT_CHECK(p.row_of_choice.numel() == n * k, "{} tokens for a permutation of {} choices", n,
+           p.row_of_choice.numel());
+  MT_CHECK(rows.dtype() == out.dtype(), "sum of {} rows into {}", dtype_name(rows.dtype()),
+           dtype_name(out.dtype()));
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(out)) {
+    const profile::Phase phase("gpu.sum_token_rows");
+    MT_CUDA_CHECK(cuda::kernels::sum_token_rows(
+        cuda::storage_of(rows), rows.raw(), p.row_of_choice.data<int32_t>(),
+        residual ? residual->raw() : nullptr, n, static_cast<int>(k), out.raw(), out.dim(1),
+        cuda::stream()));
+    return;
+  }
+#endif
+  cpu::sum_token_rows(rows, p, residual, out);
+}
+}  // namespace
+
+void permute_rows_backward(const Tensor& dxp, const ExpertPermutation& p, Tensor& dx) {
+  sum_token_rows(dxp, p, nullptr, dx);
+}
+
+void unpermute_rows(const Tensor& yp, const ExpertPermutation& p, Tensor& y) {
+  const int64_t d = yp.dim(1), m = p.row_of_choice.numel();
+  MT_CHECK(y.numel() == m * d && y.dtype() == yp.dtype(), "unpermuted {} rows {} for {} rows of {}",
+           dtype_name(y.dtype()), shape_str(y.shape()), m, d);
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(yp)) {
+    Tensor rows = y.reshape({m, d});
+    return cuda::gather_rows(yp, p.row_of_choice, rows);
+  }
+#endif
+  cpu::unpermute_rows(yp, p, y);
+}
+
+void unpermute_rows_backward(const Tensor& dy, const ExpertPermutation& p, Tensor& dyp) {
+  const int64_t d = dyp.dim(1), m = p.row_of_choice.numel();
+  MT_CHECK(dy.numel() == m * d && dy.dtype() == dyp.dtype(),
+           "unpermuted {} gradient {} for {} rows of {}", dtype_name(dy.dtype()),
+           shape_str(dy.shape()), m, d);
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(dyp)) {
+    gpu_scatter_token_rows(dy.reshape({m, d}), p.row_of_choice, 1, dyp, nullptr);
+    return;
+  }
+#endif
+  cpu::unpermute_rows_backward(dy, p, dyp);
+}
+
+void combine_forward(const Tensor& yp, const ExpertPermutation& p, Tensor& out,
+                     const Tensor* residual) {
+  MT_CHECK(
+      yp.ndim() == 2 && out.ndim() == 2 && yp.dim(1) == out.dim(1) && yp.dtype() == out.dtype(),
+      "combine of {} {} rows into {} {}", dtype_name(yp.dtype()), shape_str(yp.shape()),
+      dtype_name(out.dtype()), shape_str(out.shape()));
+  if (residual) {
+    expect_shape(*residual, out.shape(), "combine residual");
+    MT_CHECK(residual->dtype() == out.dtype(), "combine residual {} for output {}",
+             dtype_name(residual->dtype()), dtype_name(out.dtype()));
+  }
+  sum_token_rows(yp, p, residual, out);
+}
+
+}  // namespace mt::ops
