@@ -12,6 +12,10 @@
 
 #include "core/error.h"
 #include "model/flops.h"
+#include "model/memory.h"
+#include "model/precision.h"
+#include "moe/expert_exchange.h"
+#include "testing.h"
 #include "train/config.h"
 
 namespace mt {
@@ -311,6 +315,79 @@ TEST(Cli, ActivationsLargerThanTheHostAreRefusedWithTheEstimate) {
             std::string::npos)
       << r.err;
   EXPECT_NE(r.err.find("train.batch_rows"), std::string::npos) << r.err;
+}
+
+// Every [parallel] key lands in ParallelConfig (the model's config keeps none), and the mesh is
+// checked once, by ParallelConfig::validate through dist::MeshShape, with messages naming the keys.
+TEST(ParallelConfig, EveryParallelKeyIsItsAndTheMeshIsValidatedOnce) {
+  const std::string tiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
+  const Config c = load_config(
+      tiny, {"parallel.ep_exchange=host", "parallel.ep_chunks=3", "parallel.ep_overlap=false",
+             "parallel.reshard_after_forward=false", "parallel.ep_exchange_ctas=64",
+             "parallel.ep_dispatch_dtype=mxfp8", "model.expert_recipe=mxfp8_wgrad_with_hp"});
+  EXPECT_EQ(c.parallel.ep_exchange, moe::ExchangeMode::kHostCounts);
+  EXPECT_EQ(c.parallel.ep_chunks, 3);
+  EXPECT_FALSE(c.parallel.ep_overlap);
+  EXPECT_EQ(c.parallel.reshard, fsdp::Reshard::kAfterBackward);
+  EXPECT_EQ(c.parallel.ep_exchange_ctas, 64);
+  EXPECT_EQ(c.parallel.ep_dispatch_dtype, ops::DispatchDtype::kMxfp8);
+  // The model's own precision keeps bf16 dispatch; the run's plan takes the parallel key.
+  EXPECT_EQ(c.model.expert_precision.dispatch, ops::DispatchDtype::kBf16);
+  EXPECT_EQ(plan_precision(c.model, c.parallel).experts.dispatch, ops::DispatchDtype::kMxfp8);
+
+  const std::string world = testing::error_of([&] { load_config(tiny, {"parallel.ep=3"}); });
+  EXPECT_NE(world.find("parallel.ep = 3 must divide parallel.world = 1"), std::string::npos)
+      << world;
+  const std::string experts = testing::error_of([&] {
+    load_config(tiny, {"parallel.world=3", "parallel.ep=3"});
+  });
+  EXPECT_NE(experts.find("parallel.ep = 3 must divide model.n_experts = 8"), std::string::npos)
+      << experts;
+}
+
+// The precision plan: MX copies of the expert weights under an MX recipe only, both passes' in
+// the backward's gather with full checkpointing (its forward products rerun), else the input
+// gradient's.
+TEST(PrecisionPlan, CopiesFollowTheRecipeAndTheCheckpointPolicy) {
+  ModelConfig m;
+  ParallelConfig p;
+  PrecisionPlan plan = plan_precision(m, p);
+  EXPECT_FALSE(plan.expert_mx_copies);
+  EXPECT_EQ(plan.copies_in_use(), 0);
+  m.expert_precision.recipe = ops::ExpertRecipe::kMxfp8;
+  plan = plan_precision(m, p);
+  EXPECT_TRUE(plan.expert_mx_copies);
+  EXPECT_EQ(plan.backward_copies, ops::MxCopyUse::kBackward);
+  EXPECT_EQ(plan.copies_in_use(), 1);
+  m.checkpoint = CheckpointPolicy::kFull;
+  plan = plan_precision(m, p);
+  EXPECT_EQ(plan.backward_copies, ops::MxCopyUse::kBoth);
+  EXPECT_EQ(plan.copies_in_use(), 2);
+  p.ep_dispatch_dtype = ops::DispatchDtype::kMxfp8;  // with mxfp8 it needs requant_dim1
+  EXPECT_NE(testing::error_of([&] { plan_precision(m, p); }).find("model.requant_dim1"),
+            std::string::npos);
+}
+
+// The memory estimate counts the expert exchange's window as the exchange sizes it
+// (moe::ExpertExchange::window_bytes over the precision plan's wire), not by a formula of its own.
+TEST(MemoryEstimate, TheDeviceExchangeCostsItsOwnWindow) {
+  ModelConfig m;
+  m.device = Device::kCUDA;  // the estimate is arithmetic: no GPU needed
+  m.expert_precision.recipe = ops::ExpertRecipe::kMxfp8WgradWithHp;
+  ParallelConfig p;
+  p.world = 2;
+  p.ep = 2;
+  p.ep_dispatch_dtype = ops::DispatchDtype::kMxfp8;
+  const int64_t tokens = 256;
+  const MemoryEstimate device = estimate_memory(m, p, tokens);
+  p.ep_exchange = moe::ExchangeMode::kHostCounts;
+  const MemoryEstimate host = estimate_memory(m, p, tokens);
+  const double window = static_cast<double>(moe::ExpertExchange::window_bytes(
+      2, tokens, m.top_k, m.n_experts, m.dim, DType::kBF16, plan_precision(m, p).experts));
+  EXPECT_GT(window, 0);
+  EXPECT_DOUBLE_EQ(device.workspaces - host.workspaces, window);
+  EXPECT_EQ(device.states, host.states);
+  EXPECT_GT(device.activations, host.activations);  // ep times a balanced share of expert rows
 }
 
 }  // namespace

@@ -29,6 +29,7 @@
 #include "dist/launcher.h"
 #include "dist/socket_backend.h"
 #include "model/flops.h"
+#include "model/memory.h"
 #include "train/config.h"
 #include "train/evaluate.h"
 #include "train/hf_export.h"
@@ -105,67 +106,23 @@ void choose_device(mt::Config& c, const std::optional<mt::dist::Rendezvous>& rdv
 // instead of minutes later with bad_alloc. Activations and workspaces come on top, so passing
 // this check is necessary, not sufficient (out of GPU memory later exits 6 with the details).
 void check_memory(const mt::Config& c) {
-  const double params = static_cast<double>(mt::count_params(c.model).total);
-  const double world = static_cast<double>(c.parallel.world);
   mt::ModelConfig m = c.model;
-  double states = 0, have = 0;
-  const char* where = "";
+  double have = 0;
+  const char* where = "host";
   if (c.hardware.device == "cuda") {
 #if MOETRAIN_HAS_CUDA
-    // fp32 master weights, gradients and two AdamW moments sharded over the ranks (16 bytes),
-    // and a bf16 compute copy of at least one unit's worth (counted as nothing here).
-    states = params * 16 / world;
     have = static_cast<double>(mt::cuda::device_memory_bytes());
     where = "GPU";
     m.device = mt::Device::kCUDA;
 #endif
   } else {
-    // Weights, gradients and two AdamW moments in the compute dtype; CPU ranks share one host.
-    states = params * 4 * static_cast<double>(mt::dtype_size(c.model.compute_dtype));
     have =
         static_cast<double>(sysconf(_SC_PHYS_PAGES)) * static_cast<double>(sysconf(_SC_PAGE_SIZE));
-    where = "host";
   }
-  // The device exchange's expert rows are sized for ep times a balanced share.
-  const double rows_factor =
-      c.parallel.ep > 1 && c.model.ep_exchange == mt::moe::ExchangeMode::kDeviceCounts
-          ? static_cast<double>(c.parallel.ep)
-          : 1.0;
-  double activations = mt::activation_bytes(m, c.train.batch_rows * c.train.seq_len, rows_factor);
-  if (c.hardware.device != "cuda") activations *= world;  // CPU ranks share the host
-  // Workspaces on the GPU: the bf16 compute copies (every unit's on one rank, where they persist;
-  // a unit and the prefetched next one when sharded); under an MX recipe the expert matrices keep
-  // none, and a unit in use holds each one's MX copies for its pass (both with a full
-  // checkpointing policy) beside the gathered or rounded weights they are made from; the expert
-  // exchange's receive buffer, and 1 GiB for the libraries (cuBLASLt, cuDNN, NCCL).
-  double workspaces = 0;
-  if (c.hardware.device == "cuda") {
-    const mt::ModelConfig& mc = c.model;
-    const mt::BlockParamCounts block = mt::count_block_params(mc);
-    const double experts =
-        static_cast<double>(mc.n_experts * block.per_expert) / static_cast<double>(c.parallel.ep);
-    const bool mx = mc.expert_precision.mx_forward_and_input();
-    const double expert_in_use =
-        mx ? 1.0 + (mc.checkpoint == mt::CheckpointPolicy::kFull ? 2.0 : 1.0) : 1.0;
-    const double layer = static_cast<double>(block.dense) + experts * expert_in_use;
-    const double table = static_cast<double>(mc.vocab_size * mc.dim);
-    // One rank: every compute copy persists, the MX copies of the unit in use and the next.
-    const double all =
-        mx ? params - experts * static_cast<double>(mc.n_layers) + 2 * experts * expert_in_use
-           : params;
-    workspaces = (world > 1 ? 2 * std::max(layer, table) : all) * 2 + double{1 << 30};
-    // Held from forward to backward (parallel.reshard_after_forward = false): the other blocks'
-    // gathered weights at the end of the forward (a sharded MX expert group: both passes' copies).
-    if (world > 1 && mc.reshard == mt::fsdp::Reshard::kAfterBackward && mc.n_layers > 2) {
-      const bool experts_sharded = c.parallel.world > c.parallel.ep;
-      const double held =
-          static_cast<double>(block.dense) + (experts_sharded ? experts * (mx ? 2.0 : 1.0) : 0.0);
-      workspaces += static_cast<double>(mc.n_layers - 2) * held * 2;
-    }
-    if (c.parallel.ep > 1 && mc.ep_exchange == mt::moe::ExchangeMode::kDeviceCounts)
-      workspaces +=
-          static_cast<double>(c.parallel.ep * c.train.batch_rows * c.train.seq_len * mc.dim * 2);
-  }
+  const mt::MemoryEstimate e =
+      mt::estimate_memory(m, c.parallel, c.train.batch_rows * c.train.seq_len);
+  const double params = static_cast<double>(mt::count_params(c.model).total);
+  const double states = e.states, activations = e.activations, workspaces = e.workspaces;
   const double need = states + activations + workspaces;
   if (have > 0 && need > have)
     throw mt::ConfigError(fmt::format(

@@ -5,11 +5,11 @@
 namespace mt::dist {
 
 void MeshShape::validate(int64_t n_experts) const {
-  if (world < 1) throw ConfigError(fmt::format("parallel: world size {} must be >= 1", world));
+  if (world < 1) throw ConfigError(fmt::format("config: parallel.world = {} must be >= 1", world));
   if (ep < 1 || world % ep != 0)
     throw ConfigError(fmt::format(
-        "config: parallel.ep = {} must divide the world size {} (valid: divisors of {})", ep, world,
-        world));
+        "config: parallel.ep = {} must divide parallel.world = {} (valid: divisors of {})", ep,
+        world, world));
   if (n_experts % ep != 0)
     throw ConfigError(
         fmt::format("config: parallel.ep = {} must divide model.n_experts = {}", ep, n_experts));

@@ -15,7 +15,7 @@ struct Batch {
   // u8 (N) 1 where the token is padding (a packed row's tail: no document, its own attention
   // segment, no counted target, outside the routing statistics), else 0. Undefined: none.
   Tensor padding;
-  int64_t max_seqlen = 0;      // the longest document (known on the host, never read back)
+  int64_t max_seqlen = 0;       // the longest document (known on the host, never read back)
   int64_t long_documents = -1;  // ops::count_long_documents of the boundaries; -1: not counted
   int64_t padding_tokens = 0;   // how many of `padding` are 1 (on the host)
   int64_t size() const { return tokens.numel(); }

@@ -115,7 +115,8 @@ void block_fill(const BlockParams& p, const ModelConfig& c, const BlockInputs& i
 
 }  // namespace
 
-std::vector<ParamGroup> make_block_groups(const ModelConfig& c, int64_t layer, int64_t first_expert,
+std::vector<ParamGroup> make_block_groups(const ModelConfig& c, const PrecisionPlan& precision,
+                                          int64_t layer, int64_t first_expert,
                                           int64_t local_experts) {
   const std::string pre = fmt::format("layers.{}.", layer);
   std::vector<ParamSpec> dense = {
@@ -136,11 +137,11 @@ std::vector<ParamGroup> make_block_groups(const ModelConfig& c, int64_t layer, i
       {pre + "moe.w_down", {local_experts, c.moe_dim, c.dim}, false, 0, first_expert * down},
   };
   // Under an MX recipe the group keeps each matrix's MX copies (made once per gather or step).
-  for (ParamSpec& s : experts) s.mx_copies = c.expert_precision.mx_forward_and_input();
+  for (ParamSpec& s : experts) s.mx_copies = precision.expert_mx_copies;
   std::vector<ParamGroup> groups;
   groups.push_back(make_param_group(ParamKind::kDense, std::move(dense), c.master_dtype()));
   groups.push_back(make_param_group(ParamKind::kExpert, std::move(experts), c.master_dtype()));
-  groups.back().mx_rule = c.expert_precision.rule;
+  groups.back().mx_rule = precision.experts.rule;
   return groups;
 }
 

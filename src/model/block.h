@@ -5,6 +5,7 @@
 #include "fsdp/params.h"
 #include "model/batch.h"
 #include "model/config.h"
+#include "model/precision.h"
 #include "moe/moe_layer.h"
 
 namespace mt {
@@ -25,7 +26,9 @@ struct BlockParams {
 
 // The block unit's parameter groups: [0] dense, [1] expert, the latter holding experts
 // [first_expert, first_expert + local_experts) (all of them without expert parallelism).
-std::vector<ParamGroup> make_block_groups(const ModelConfig& c, int64_t layer, int64_t first_expert,
+// Under an MX recipe (the precision plan) the expert group keeps its matrices' MX copies.
+std::vector<ParamGroup> make_block_groups(const ModelConfig& c, const PrecisionPlan& precision,
+                                          int64_t layer, int64_t first_expert,
                                           int64_t local_experts);
 BlockParams bind_block_params(const std::vector<ParamGroup>& groups);
 BlockParams bind_block_grads(const std::vector<ParamGroup>& groups);

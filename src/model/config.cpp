@@ -44,8 +44,6 @@ void ModelConfig::validate() const {
   positive("n_experts", n_experts);
   positive("top_k", top_k);
   positive("moe_dim", moe_dim);
-  if (const std::string why = expert_precision.invalid_combination(); !why.empty())
-    throw ConfigError("config: " + why);
   if (expert_precision.recipe != ops::ExpertRecipe::kBf16)
     for (const auto& [key, v] : {std::pair{"dim", dim}, std::pair{"moe_dim", moe_dim}})
       if (v % kMxBlock != 0)

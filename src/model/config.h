@@ -1,5 +1,6 @@
 // Qwen3-MoE architecture: every field of the HF config.json that changes the math, plus the
-// MoE routing options of the trainer. Sizes are validated in one place (validate) with messages
+// MoE routing options, numerics and memory policy of the trainer (how the ranks divide the work is
+// model/parallel.h). Sizes are validated in one place (validate) with messages
 // that name the key.
 #pragma once
 #include <array>
@@ -9,8 +10,6 @@
 #include "core/dtype.h"
 #include "core/enum_names.h"
 #include "core/tensor.h"
-#include "fsdp/fsdp.h"
-#include "moe/expert_exchange.h"
 #include "moe/moe_layer.h"
 #include "ops/expert_gemm.h"
 #include "ops/routing_mode.h"
@@ -54,21 +53,11 @@ struct ModelConfig {
   // input-gradient expert GEMMs run on fixed TMA descriptors; false: dense rows (up to E x 127
   // fewer rows in each of the layer's row buffers).
   bool pad_expert_rows = true;
-  // How the expert-parallel exchange sizes its rows (moe/expert_exchange.h): "device" (fixed
-  // capacity, counts on the device, graph-capturable) or "host" (counts read on the host).
-  moe::ExchangeMode ep_exchange = moe::ExchangeMode::kDeviceCounts;
-  // With ep > 1: the MoE layer's tokens in this many chunks, each chunk's exchange beside the
-  // experts' work on another (moe::MoeComms::chunks), 1 to moe::kMaxExchangeChunks.
-  int64_t ep_chunks = 1;
-  // With ep > 1 on the GPU: the exchanges on a stream beside the experts' (moe/exchange_lane.h);
-  // false runs them in turn on the pass's stream.
-  bool ep_overlap = true;
-  // With world > 1: when a block's gathered weights are dropped within a training pass, after
-  // its forward (gathered again for its backward) or after its backward (fsdp::Reshard).
-  fsdp::Reshard reshard = fsdp::Reshard::kAfterForward;
   // --- numerics and memory ---
   // The experts' GEMMs (ops/expert_gemm.h): bf16, mxfp8 or mxfp8_wgrad_with_hp, with the MX
-  // scale rule; MX recipes need dim and moe_dim to be multiples of 32.
+  // scale rule; MX recipes need dim and moe_dim to be multiples of 32. A run's comes from its
+  // precision plan (model/precision.h), which takes the dispatch dtype from
+  // parallel.ep_dispatch_dtype; here it stays bf16 unless a caller of the MoE layer sets it.
   ops::ExpertPrecision expert_precision;
   double init_std = 0.02;
   DType compute_dtype = DType::kF32;  // CPU: f32 to train, f64 for gradient checks

@@ -71,8 +71,8 @@ namespace captured {
 // What a captured pass depends on besides the values in its buffers.
 struct PassKey {
   int64_t tokens = 0, docs = 0, longest = 0;
-  int64_t long_docs = -1;  // the attention backward's long documents, planned (a power of two)
-  bool padding_mask = false;                 // whether the pass reads Batch::padding
+  int64_t long_docs = -1;     // the attention backward's long documents, planned (a power of two)
+  bool padding_mask = false;  // whether the pass reads Batch::padding
   std::vector<bool> expert_grads_unwritten;  // per layer: overwrite or accumulate
   std::vector<bool> grad_shards_stale;       // per group: zeroed by the pass or added to
   auto operator<=>(const PassKey&) const = default;
@@ -111,17 +111,19 @@ struct Qwen3Moe::GraphCache {
   int64_t replays = 0;
 };
 
-Qwen3Moe::Qwen3Moe(const ModelConfig& c, uint64_t seed, dist::DeviceMesh* mesh)
-    : cfg_(c), mesh_(mesh) {
+Qwen3Moe::Qwen3Moe(const ModelConfig& c, uint64_t seed, dist::DeviceMesh* mesh,
+                   const ParallelConfig& parallel)
+    : cfg_(c), parallel_(parallel), precision_(plan_precision(c, parallel)), mesh_(mesh) {
   cfg_.validate();
+  cfg_.expert_precision = precision_.experts;
   int64_t first_expert = 0, local_experts = c.n_experts;
   if (mesh) {
     first_expert = mesh->first_local_expert();
     local_experts = mesh->experts_per_rank();
     if (mesh->ep_size() > 1) comms_.ep = &mesh->ep();
-    comms_.exchange = c.ep_exchange;
-    comms_.chunks = c.ep_chunks;
-    if (mesh->ep_size() > 1 && c.ep_overlap) {
+    comms_.exchange = parallel.ep_exchange;
+    comms_.chunks = parallel.ep_chunks;
+    if (mesh->ep_size() > 1 && parallel.ep_overlap) {
       lane_ = std::make_unique<moe::ExchangeLane>();
       comms_.lane = lane_.get();
     }
@@ -133,8 +135,9 @@ Qwen3Moe::Qwen3Moe(const ModelConfig& c, uint64_t seed, dist::DeviceMesh* mesh)
       make_param_group(ParamKind::kDense, {{"embed.table", {c.vocab_size, c.dim}}}, dt));
   units_.push_back(std::move(embed));
   for (int64_t l = 0; l < c.n_layers; ++l)
-    units_.push_back(ParamUnit{
-        fmt::format("layers.{}", l), make_block_groups(c, l, first_expert, local_experts), {}});
+    units_.push_back(ParamUnit{fmt::format("layers.{}", l),
+                               make_block_groups(cfg_, precision_, l, first_expert, local_experts),
+                               {}});
   std::vector<ParamSpec> head_specs = {{"head.norm", {c.dim}, true}};
   if (!c.tie_word_embeddings) head_specs.push_back({"head.out", {c.dim, c.vocab_size}});
   units_.push_back(
@@ -337,10 +340,9 @@ void Qwen3Moe::pass(const Batch& b, const LossScale* scale, Tensor* token_losses
   reads[0] = false;
   // A full checkpointing policy reruns the forward's expert products in the backward; a pass
   // without a backward holds nothing for one.
-  fsdp::UnitSchedule schedule(
-      units_, kGradDivideFactor, std::move(reads),
-      c.checkpoint == CheckpointPolicy::kFull ? ops::MxCopyUse::kBoth : ops::MxCopyUse::kBackward,
-      scale ? c.reshard : fsdp::Reshard::kAfterForward);
+  fsdp::UnitSchedule schedule(units_, kGradDivideFactor, std::move(reads),
+                              precision_.backward_copies,
+                              scale ? parallel_.reshard : fsdp::Reshard::kAfterForward);
   const size_t head_unit = units_.size() - 1;
 
   schedule.forward_begin(0);

@@ -15,6 +15,8 @@
 #include "model/batch.h"
 #include "model/block.h"
 #include "model/config.h"
+#include "model/parallel.h"
+#include "model/precision.h"
 
 namespace mt {
 
@@ -32,8 +34,11 @@ struct MicroBatchLosses {
 
 class Qwen3Moe {
  public:
-  // mesh: null for one rank; otherwise it must outlive the model.
-  Qwen3Moe(const ModelConfig& c, uint64_t seed, dist::DeviceMesh* mesh = nullptr);
+  // mesh: null for one rank; otherwise it must outlive the model. parallel: how the layers use
+  // the mesh (the exchange's mode, chunks and lane, FSDP's resharding, the dispatch dtype, which
+  // the precision plan takes; its world and ep are the mesh's).
+  Qwen3Moe(const ModelConfig& c, uint64_t seed, dist::DeviceMesh* mesh = nullptr,
+           const ParallelConfig& parallel = {});
   ~Qwen3Moe();
   // Captured CUDA graphs hold this model's addresses: it is never copied.
   Qwen3Moe(const Qwen3Moe&) = delete;
@@ -95,7 +100,9 @@ class Qwen3Moe {
   void head_and_loss(const Batch& b, const Tensor& xf, HeadGradients* grads, Tensor& loss_sum,
                      Tensor* token_losses = nullptr);
 
-  ModelConfig cfg_;
+  ModelConfig cfg_;  // its expert_precision is the precision plan's
+  ParallelConfig parallel_;
+  PrecisionPlan precision_;
   dist::DeviceMesh* mesh_ = nullptr;
   moe::MoeComms comms_;
   std::unique_ptr<moe::ExchangeLane> lane_;  // with ep > 1: where the exchanges run

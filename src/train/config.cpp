@@ -11,7 +11,7 @@
 #include <utility>
 
 #include "core/error.h"
-#include "dist/communicator.h"
+#include "model/precision.h"
 #include "ops/route.h"
 
 namespace mt {
@@ -174,21 +174,21 @@ const std::vector<Field>& fields() {
        [](Config& c, const Value& v) { c.model.expert_precision.requant_dim1 = v.b; }},
       {"parallel", "ep_exchange", FieldType::kString,
        [](Config& c, const Value& v) {
-         if (!moe::parse_exchange_mode(v.s, &c.model.ep_exchange))
+         if (!moe::parse_exchange_mode(v.s, &c.parallel.ep_exchange))
            throw ConfigError(fmt::format(
                "config: parallel.ep_exchange = \"{}\" (valid: device, host)", shown(v.s)));
        }},
       {"parallel", "ep_chunks", FieldType::kInt,
-       [](Config& c, const Value& v) { c.model.ep_chunks = v.i; }},
+       [](Config& c, const Value& v) { c.parallel.ep_chunks = v.i; }},
       {"parallel", "ep_overlap", FieldType::kBool,
-       [](Config& c, const Value& v) { c.model.ep_overlap = v.b; }},
+       [](Config& c, const Value& v) { c.parallel.ep_overlap = v.b; }},
       {"parallel", "reshard_after_forward", FieldType::kBool,
        [](Config& c, const Value& v) {
-         c.model.reshard = v.b ? fsdp::Reshard::kAfterForward : fsdp::Reshard::kAfterBackward;
+         c.parallel.reshard = v.b ? fsdp::Reshard::kAfterForward : fsdp::Reshard::kAfterBackward;
        }},
       {"parallel", "ep_dispatch_dtype", FieldType::kString,
        [](Config& c, const Value& v) {
-         if (!ops::parse_dispatch_dtype(v.s, &c.model.expert_precision.dispatch))
+         if (!ops::parse_dispatch_dtype(v.s, &c.parallel.ep_dispatch_dtype))
            throw ConfigError(fmt::format(
                "config: parallel.ep_dispatch_dtype = \"{}\" (valid: bf16, mxfp8)", shown(v.s)));
        }},
@@ -466,23 +466,8 @@ void validate_config(const Config& c) {
   if (d.pack_window < 1)
     throw ConfigError(
         fmt::format("config: data.pack_window = {} must be >= 1 (documents)", d.pack_window));
-  const ParallelConfig& p = c.parallel;
-  if (p.world < 1 || p.world > dist::kMaxWorld)
-    throw ConfigError(
-        fmt::format("config: parallel.world = {} must be in [1, {}]", p.world, dist::kMaxWorld));
-  if (p.ep < 1 || p.world % p.ep != 0)
-    throw ConfigError(fmt::format(
-        "config: parallel.ep = {} must divide parallel.world = {} (valid: divisors of {})", p.ep,
-        p.world, p.world));
-  if (c.model.n_experts % p.ep != 0)
-    throw ConfigError(fmt::format("config: parallel.ep = {} must divide model.n_experts = {}", p.ep,
-                                  c.model.n_experts));
-  if (c.model.ep_chunks < 1 || c.model.ep_chunks > moe::kMaxExchangeChunks)
-    throw ConfigError(fmt::format("config: parallel.ep_chunks = {} must be in [1, {}]",
-                                  c.model.ep_chunks, moe::kMaxExchangeChunks));
-  if (p.ep_exchange_ctas < 1 || p.ep_exchange_ctas > 1024)
-    throw ConfigError(fmt::format("config: parallel.ep_exchange_ctas = {} must be in [1, 1024]",
-                                  p.ep_exchange_ctas));
+  c.parallel.validate(c.model.n_experts);
+  plan_precision(c.model, c.parallel);  // the experts' recipe against the dispatch dtype
   if (c.checkpoint.every < 0) throw ConfigError("config: checkpoint.every must be >= 0");
   if (c.checkpoint.keep < 0)
     throw ConfigError(

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "model/config.h"
+#include "model/parallel.h"
 #include "train/packing.h"
 
 namespace mt {
@@ -97,12 +98,6 @@ inline constexpr int64_t kMaxThreads = 4096;
 // Ranks and expert parallelism (DESIGN.md §4). world > 1 on the CPU runs the ranks as threads of
 // one process (the in-process backend); ep must divide world and model.n_experts; world is at
 // most dist::kMaxWorld.
-struct ParallelConfig {
-  int64_t world = 1;
-  int64_t ep = 1;
-  // Thread blocks of the expert exchange's device kernels (each one an SM while it runs).
-  int64_t ep_exchange_ctas = 132;
-};
 
 struct Config {
   ModelConfig model;

@@ -19,6 +19,7 @@
 #include "core/log.h"
 #include "core/profile.h"
 #include "model/flops.h"
+#include "model/precision.h"
 #include "moe/exchange_lane.h"
 #include "train/checkpoint.h"
 #include "train/evaluate.h"
@@ -107,20 +108,16 @@ Trainer::Trainer(const Config& c, dist::Communicator* world) : cfg_(c), world_(w
   MT_CHECK(world_size() == c.parallel.world, "communicator of {} ranks for parallel.world = {}",
            world_size(), c.parallel.world);
   if (world_) {
-    mesh_ = std::make_unique<dist::DeviceMesh>(
-        *world_,
-        dist::MeshShape{static_cast<int>(c.parallel.world), static_cast<int>(c.parallel.ep)},
-        c.model.n_experts);
+    mesh_ = std::make_unique<dist::DeviceMesh>(*world_, c.parallel.mesh(), c.model.n_experts);
   }
   draw_run_id();
-  if (mesh_ && c.parallel.ep > 1 && c.model.ep_exchange == moe::ExchangeMode::kDeviceCounts)
-    reserve_exchange(c);
-  model_ = std::make_unique<Qwen3Moe>(cfg_.model, c.train.seed, mesh_.get());
+  if (mesh_ && c.parallel.device_exchange()) reserve_exchange(c);
+  model_ = std::make_unique<Qwen3Moe>(cfg_.model, c.train.seed, mesh_.get(), c.parallel);
   opt_ = std::make_unique<AdamW>(model_->units(), c.train, world_);
   opt_->use_cuda_graphs(cfg_.model.on_gpu() && c.hardware.cuda_graphs);
   opt_->update_beside_passes(cfg_.model.on_gpu() && c.hardware.overlap_optimizer);
   if (cfg_.model.on_gpu() && c.hardware.cuda_graphs && c.parallel.ep > 1 &&
-      c.model.ep_exchange == moe::ExchangeMode::kHostCounts && is_rank0())
+      c.parallel.ep_exchange == moe::ExchangeMode::kHostCounts && is_rank0())
     log::info(
         "CUDA graphs: the optimizer step only; the training passes run eagerly with "
         "parallel.ep_exchange = \"host\" (the expert exchange reads its row counts on the host)");
@@ -203,7 +200,7 @@ void Trainer::reserve_exchange(const Config& c) {
   const int64_t tokens = c.train.batch_rows * c.train.seq_len;
   const size_t bytes = moe::ExpertExchange::window_bytes(
       static_cast<int>(c.parallel.ep), tokens, c.model.top_k, c.model.n_experts, c.model.dim,
-      cfg_.model.activation_dtype(), c.model.expert_precision);
+      cfg_.model.activation_dtype(), plan_precision(c.model, c.parallel).experts);
   std::string why;
   const size_t got =
       mesh_->ep().reserve_scatter(bytes, static_cast<int>(c.parallel.ep_exchange_ctas), &why);
@@ -347,7 +344,7 @@ std::optional<StepMetrics> Trainer::train_step() {
   // The loss and gradient norm have been read: the device has passed every span of the passes.
   // With the exchanges beside the experts on the GPU the compute stream's waits for them are
   // timed; otherwise it waits for every exchange, all of which is exposed.
-  const bool waits_timed = cfg_.model.device == Device::kCUDA && cfg_.model.ep_overlap;
+  const bool waits_timed = cfg_.model.device == Device::kCUDA && cfg_.parallel.ep_overlap;
   for (const auto& [name, ms] : profile::take_spans()) {
     if (name.starts_with("ep.")) m.exchange_ms += ms;
     if (name == moe::ExchangeLane::kExposedSpan) m.exchange_exposed_ms += ms;

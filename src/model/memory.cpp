@@ -1,0 +1,60 @@
+#include "model/memory.h"
+
+#include <algorithm>
+
+#include "model/flops.h"
+#include "model/precision.h"
+#include "moe/expert_exchange.h"
+
+namespace mt {
+
+MemoryEstimate estimate_memory(const ModelConfig& m, const ParallelConfig& p, int64_t tokens) {
+  MemoryEstimate e;
+  const double params = static_cast<double>(count_params(m).total);
+  const double world = static_cast<double>(p.world);
+  // The device exchange's expert rows are sized for ep times a balanced share.
+  const double rows_factor = p.device_exchange() ? static_cast<double>(p.ep) : 1.0;
+  e.activations = activation_bytes(m, tokens, rows_factor);
+  if (!m.on_gpu()) {
+    // Weights, gradients and two AdamW moments in the compute dtype; CPU ranks share one host.
+    e.states = params * 4 * static_cast<double>(dtype_size(m.compute_dtype));
+    e.activations *= world;
+    return e;
+  }
+  // fp32 master weights, gradients and two AdamW moments sharded over the ranks (16 bytes).
+  e.states = params * 16 / world;
+  // Workspaces: the bf16 compute copies (every unit's on one rank, where they persist; a unit and
+  // the prefetched next one when sharded); under an MX recipe the expert matrices keep none, and a
+  // unit in use holds each one's MX copies for its pass beside the gathered or rounded weights
+  // they are made from; the expert exchange's receive buffer, and 1 GiB for the libraries
+  // (cuBLASLt, cuDNN, NCCL).
+  const PrecisionPlan plan = plan_precision(m, p);
+  const BlockParamCounts block = count_block_params(m);
+  const double experts =
+      static_cast<double>(m.n_experts * block.per_expert) / static_cast<double>(p.ep);
+  const bool mx = plan.expert_mx_copies;
+  const double expert_in_use = 1.0 + static_cast<double>(plan.copies_in_use());
+  const double layer = static_cast<double>(block.dense) + experts * expert_in_use;
+  const double table = static_cast<double>(m.vocab_size * m.dim);
+  // One rank: every compute copy persists, the MX copies of the unit in use and the next.
+  const double all =
+      mx ? params - experts * static_cast<double>(m.n_layers) + 2 * experts * expert_in_use
+         : params;
+  const double compute_bytes = static_cast<double>(dtype_size(m.activation_dtype()));
+  e.workspaces = (world > 1 ? 2 * std::max(layer, table) : all) * compute_bytes + double{1 << 30};
+  // Held from forward to backward (parallel.reshard_after_forward = false): the other blocks'
+  // gathered weights at the end of the forward (a sharded MX expert group: both passes' copies).
+  if (world > 1 && p.reshard == fsdp::Reshard::kAfterBackward && m.n_layers > 2) {
+    const bool experts_sharded = p.world > p.ep;
+    const double held =
+        static_cast<double>(block.dense) + (experts_sharded ? experts * (mx ? 2.0 : 1.0) : 0.0);
+    e.workspaces += static_cast<double>(m.n_layers - 2) * held * compute_bytes;
+  }
+  if (p.device_exchange())
+    e.workspaces += static_cast<double>(
+        moe::ExpertExchange::window_bytes(static_cast<int>(p.ep), tokens, m.top_k, m.n_experts,
+                                          m.dim, m.activation_dtype(), plan.experts));
+  return e;
+}
+
+}  // namespace mt
