@@ -7,8 +7,8 @@
 #include <fstream>
 #include <iterator>
 #include <string>
-#include <vector>
 #include <thread>
+#include <vector>
 
 #include "core/atomic_file.h"
 #include "core/dtype.h"
@@ -17,6 +17,13 @@
 #include "core/tensor.h"
 #include "processes.h"
 #include "testing.h"
+#if MOETRAIN_HAS_CUDA
+#include <cuda_runtime_api.h>
+
+#include "core/cuda/device.h"
+#include "core/cuda/graph.h"
+#include "ops/elementwise.h"
+#endif
 
 namespace mt {
 
@@ -250,9 +257,8 @@ TEST(AtomicFile, AppendedPiecesReadBackExactly) {
   {
     AtomicFile f(path);
     const CounterRng rng{3, 1};
-    const std::vector<size_t> sizes = {0,         7,       4089,    (size_t{32} << 20) - 4096,
-                                       1 << 20,   4096,    (size_t{40} << 20) + 3,
-                                       12345,     5};
+    const std::vector<size_t> sizes = {
+        0, 7, 4089, (size_t{32} << 20) - 4096, 1 << 20, 4096, (size_t{40} << 20) + 3, 12345, 5};
     uint64_t k = 0;
     for (const size_t n : sizes) {
       std::vector<char> piece(n);
@@ -276,5 +282,92 @@ TEST(AtomicFile, AppendedPiecesReadBackExactly) {
   EXPECT_FALSE(std::filesystem::exists(path));
   EXPECT_FALSE(std::filesystem::exists(path + ".tmp"));
 }
+
+#if MOETRAIN_HAS_CUDA
+// Tensors on the GPU (ctest label `gpu`): the caching allocator, its peak and its out-of-memory
+// path.
+TEST(GpuTensor, RoundTripZeroFillAndPeakMemory) {
+  if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU";
+  const Tensor host = testing::randn({1000, 3}, 5, 1.0, DType::kF32);
+  Tensor dev = host.to(Device::kCUDA);
+  EXPECT_EQ(relative_error(dev, host), 0.0);
+  dev.zero_();
+  EXPECT_EQ(dev.to(Device::kCPU).item(2999), 0.0);
+  dev.fill_(2.5);
+  EXPECT_EQ(dev.item(1234), 2.5);
+  reset_peak_memory(Device::kCUDA);
+  const int64_t before = memory_stats(Device::kCUDA).current_bytes;
+  { Tensor big = Tensor::empty({1 << 20}, DType::kF32, Device::kCUDA); }
+  EXPECT_EQ(memory_stats(Device::kCUDA).current_bytes, before);
+  EXPECT_GE(memory_stats(Device::kCUDA).peak_bytes, before + (4 << 20));
+}
+
+// An allocation the GPU cannot hold: exit code 6 and a message with the sizes and the settings
+// that need less; the allocator stays usable.
+TEST(GpuTensor, OutOfMemoryNamesTheSizesAndTheSettings) {
+  if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU";
+  const int64_t too_many = int64_t{1} << 40;  // 4 TiB of f32
+  try {
+    Tensor huge = Tensor::empty({too_many}, DType::kF32, Device::kCUDA);
+    ADD_FAILURE() << "4 TiB were allocated";
+  } catch (const Error& e) {
+    EXPECT_EQ(e.code(), ExitCode::kOutOfMemory);
+    const std::string m = e.what();
+    for (const char* part :
+         {"out of GPU memory", "4096.00 GiB more", "model.checkpoint", "hardware.cuda_graphs"})
+      EXPECT_NE(m.find(part), std::string::npos) << part << " not in: " << m;
+  }
+  Tensor small = Tensor::empty({1024}, DType::kF32, Device::kCUDA);
+  small.fill_(1.0);
+  EXPECT_EQ(small.item(1023), 1.0);
+}
+
+// Out of memory outside a capture, the graph pool's free blocks go back to the driver: an
+// allocation that fits only without them succeeds, the pool's generation moves on, and captured
+// work is captured again instead of replaying into memory it no longer owns.
+TEST(GpuTensor, OutOfMemoryReleasesTheGraphPoolAndWorkIsCapturedAgain) {
+  if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU";
+  Tensor out = Tensor::zeros({1024}, DType::kF32, Device::kCUDA);
+  Tensor ones = Tensor::empty({1024}, DType::kF32, Device::kCUDA);
+  ones.fill_(1.0);
+  auto body = [&] {  // device work only (capturable), through a graph-pool block
+    Tensor t = Tensor::empty({1024}, DType::kF32, Device::kCUDA);
+    t.copy_from(ones);
+    ops::scale_(t, 3.0);
+    out.copy_from(t);
+  };
+  cuda::CapturedWork work;
+  EXPECT_FALSE(work.run(body, "the test's work"));  // eager: warms up
+  EXPECT_TRUE(work.run(body, "the test's work"));   // captured, replayed
+  // Nearly all free memory into the graph pool, then back into its cache.
+  const int64_t chunk = int64_t{1} << 30;
+  int64_t held = 0;
+  {
+    const GraphPoolScope pool;
+    std::vector<Tensor> blocks;
+    for (;;) {
+      size_t free_bytes = 0, total_bytes = 0;
+      ASSERT_EQ(cudaMemGetInfo(&free_bytes, &total_bytes), cudaSuccess);
+      if (free_bytes < static_cast<size_t>(2 * chunk)) break;
+      blocks.push_back(Tensor::empty({chunk}, DType::kU8, Device::kCUDA));
+      held += chunk;
+    }
+  }
+  ASSERT_GT(held, 8 * chunk);
+  const int64_t generation = graph_pool_generation();
+  {
+    Tensor big = Tensor::empty({held}, DType::kU8, Device::kCUDA);  // fits only without them
+    EXPECT_TRUE(big.defined());
+  }
+  EXPECT_EQ(graph_pool_generation(), generation + 1);
+  out.zero_();
+  EXPECT_FALSE(work.run(body, "the test's work"));  // stale: eager again
+  EXPECT_EQ(out.item(1023), 3.0);
+  EXPECT_TRUE(work.run(body, "the test's work"));  // captured again
+  out.zero_();
+  EXPECT_TRUE(work.run(body, "the test's work"));
+  EXPECT_EQ(out.to(Device::kCPU).item(5), 3.0);
+}
+#endif  // MOETRAIN_HAS_CUDA
 
 }  // namespace mt

@@ -19,6 +19,9 @@
 #include "ops/mx.h"
 #include "ops/mx_gemm.h"
 #include "testing.h"
+#if MOETRAIN_HAS_CUDA
+#include "gpu_case.h"
+#endif
 #include "train/config.h"
 #include "train/optimizer.h"
 #include "train/trainer.h"
@@ -220,23 +223,6 @@ TEST(ExpertRecipeConfig, Mxfp8DispatchNeedsAnMxRecipeAndRequantForMxfp8) {
 }
 
 // The MX product's front door names what is wrong with its operands.
-TEST(MxGroupedGemm, RefusesOperandsItCannotMultiply) {
-  const Layout l;
-  const ops::ExpertRows rows = l.expert_rows();
-  Tensor out = Tensor::zeros({l.rows, 8}, DType::kF64);
-  MxTensor along_tokens = MxTensor::empty({l.rows, 64}, MxAxis::kDim1);
-  const Tensor b = Tensor::zeros({3, 8, 64}, DType::kF64);
-  const std::string axis =
-      testing::error_of([&] { ops::mx_grouped_gemm(along_tokens, b, rows, out); });
-  EXPECT_NE(axis.find("quantized along dim0"), std::string::npos) << axis;
-  EXPECT_NE(axis.find("dim1"), std::string::npos) << axis;
-  MxTensor a = MxTensor::empty({l.rows, 64}, MxAxis::kDim0);
-  const Tensor wrong_inner = Tensor::zeros({3, 8, 96}, DType::kF64);
-  const std::string inner =
-      testing::error_of([&] { ops::mx_grouped_gemm(a, wrong_inner, rows, out); });
-  EXPECT_NE(inner.find("(experts, P, 64)"), std::string::npos) << inner;
-}
-
 // Each recipe trains the tiny model: the loss falls as far as bf16's within a small margin.
 TEST(ExpertRecipeTraining, EveryRecipeLearnsTheTinyLanguages) {
   const std::string tiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
@@ -411,6 +397,70 @@ TEST(ExpertRecipeTraining, WeightGradientTapSeesEveryProductsOperands) {
   model.forward_backward(b, scale);  // unset: nothing more
   EXPECT_EQ(seen.size(), static_cast<size_t>(2 * cfg.model.n_layers));
 }
+
+#if MOETRAIN_HAS_CUDA
+// The recipes on the GPU (bf16 operands, fp32 accumulation) against the CPU's f32 emulation of
+// the same operands: the weight gradient (f32) to f32 accuracy; the bf16 outputs to bf16's, and
+// much farther from the unquantized products than that, so the test sees the quantization.
+TEST(GpuExpertGemm, MxRecipesMatchTheCpuEmulation) {
+  const uint64_t seed = fresh_seed();
+  SCOPED_TRACE("seed " + std::to_string(seed));
+  const int64_t experts = 8, k = 256, n = 384;
+  const ops::ExpertPermutation p = random_expert_rows(1024, experts, 128, seed);
+  const ops::ExpertRows rows = p.expert_rows(), rows_cpu = on_cpu(rows);
+  const int64_t m = p.rows();
+  const Tensor x = testing::randn({m, k}, seed + 1, 1.0, DType::kF32).to(DType::kBF16);
+  const Tensor w = testing::randn({experts, k, n}, seed + 2, 0.05, DType::kF32).to(DType::kBF16);
+  const Tensor dy = testing::randn({m, n}, seed + 3, 1.0, DType::kF32).to(DType::kBF16);
+  const Tensor xf = x.to(DType::kF32), wf = w.to(DType::kF32), dyf = dy.to(DType::kF32);
+  // Compares the rows of the experts only (padding rows are never read).
+  auto expert_rows_error = [&](const Tensor& got, const Tensor& want) {
+    const Tensor g = got.to(Device::kCPU).to(DType::kF64), r = want.to(DType::kF64);
+    const int64_t width = got.dim(1);
+    double num = 0, den = 0;
+    for (int64_t e = 0; e < experts; ++e) {
+      const int64_t first = rows_cpu.segments.data<int64_t>()[e];
+      const int64_t count =
+          rows_cpu.offsets.data<int64_t>()[e + 1] - rows_cpu.offsets.data<int64_t>()[e];
+      for (int64_t i = first * width; i < (first + count) * width; ++i) {
+        num += (g.item(i) - r.item(i)) * (g.item(i) - r.item(i));
+        den += r.item(i) * r.item(i);
+      }
+    }
+    return std::sqrt(num / den);
+  };
+  for (ops::ExpertRecipe recipe :
+       {ops::ExpertRecipe::kMxfp8, ops::ExpertRecipe::kMxfp8WgradWithHp}) {
+    SCOPED_TRACE(std::string(ops::expert_recipe_name(recipe)));
+    const ops::ExpertPrecision prec{recipe, MxScaleRule::kRceil};
+    const ops::ExpertPrecision none{};
+    Tensor out = Tensor::poisoned({m, n}, DType::kBF16, Device::kCUDA);
+    Tensor dx = Tensor::poisoned({m, k}, DType::kBF16, Device::kCUDA);
+    Tensor dw = Tensor::poisoned({experts, k, n}, DType::kF32, Device::kCUDA);
+    ops::expert_gemm_forward(x.to(Device::kCUDA), w.to(Device::kCUDA), rows, prec, out);
+    ops::expert_gemm_backward_input(dy.to(Device::kCUDA), w.to(Device::kCUDA), rows, prec, dx);
+    ops::expert_gemm_backward_weight(x.to(Device::kCUDA), dy.to(Device::kCUDA), rows, prec, dw,
+                                     ops::Accumulate::kNo);
+    Tensor want_out = Tensor::zeros({m, n}, DType::kF32), plain_out = want_out.clone();
+    Tensor want_dx = Tensor::zeros({m, k}, DType::kF32);
+    Tensor want_dw = Tensor::zeros({experts, k, n}, DType::kF32), plain_dw = want_dw.clone();
+    ops::expert_gemm_forward(xf, wf, rows_cpu, prec, want_out);
+    ops::expert_gemm_forward(xf, wf, rows_cpu, none, plain_out);
+    ops::expert_gemm_backward_input(dyf, wf, rows_cpu, prec, want_dx);
+    ops::expert_gemm_backward_weight(xf, dyf, rows_cpu, prec, want_dw, ops::Accumulate::kNo);
+    ops::expert_gemm_backward_weight(xf, dyf, rows_cpu, none, plain_dw, ops::Accumulate::kNo);
+    const double out_err = expert_rows_error(out, want_out);
+    EXPECT_LT(out_err, 4e-3);
+    EXPECT_GT(expert_rows_error(out, plain_out), 4 * out_err);
+    EXPECT_LT(expert_rows_error(dx, want_dx), 4e-3);
+    EXPECT_LT(relative_error(dw.to(Device::kCPU), want_dw), 1e-5);
+    if (recipe == ops::ExpertRecipe::kMxfp8)
+      EXPECT_GT(relative_error(dw.to(Device::kCPU), plain_dw), 1e-3);
+    else
+      EXPECT_LT(relative_error(dw.to(Device::kCPU), plain_dw), 1e-5);
+  }
+}
+#endif  // MOETRAIN_HAS_CUDA
 
 }  // namespace
 }  // namespace mt

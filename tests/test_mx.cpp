@@ -16,6 +16,14 @@
 #include "ops/elementwise.h"
 #include "ops/mx.h"
 #include "testing.h"
+#if MOETRAIN_HAS_CUDA
+#include <cuda_runtime_api.h>
+
+#include "core/cuda/check.h"
+#include "gpu_case.h"
+#include "ops/activation.h"
+#include "ops/permute.h"
+#endif
 #include "train/checkpoint.h"
 
 namespace mt {
@@ -328,6 +336,254 @@ TEST(MxRoundTrip, ErrorsNameTheOperand) {
   EXPECT_NE(blocks.find("multiple of 32 columns"), std::string::npos) << blocks;
   EXPECT_NE(blocks.find("(4, 48)"), std::string::npos) << blocks;
 }
+
+#if MOETRAIN_HAS_CUDA
+// The MX kernels against the CPU reference, bit for bit (ctest label `gpu`): every edge case of
+// tests/mx_cases.h, outputs poisoned twice (0xFF, then zeros, so that no byte passes by already
+// holding its value).
+class GpuMx : public ::testing::TestWithParam<testing::MxCase> {};
+TEST_P(GpuMx, QuantizeAndDequantizeMatchTheCpuBitForBit) {
+  const auto [dtype, rule, axis] = GetParam();
+  for (const Shape& shape :
+       {Shape{32, 32}, Shape{96, 64}, Shape{3, 64, 160}, Shape{256, 2048}, Shape{2, 1024, 768}}) {
+    const uint64_t seed = fresh_seed();
+    SCOPED_TRACE("shape " + shape_str(shape) + " seed " + std::to_string(seed));
+    const Tensor x = testing::mx_input(shape, seed, dtype);
+    MxTensor want = MxTensor::poisoned(shape, axis);
+    ops::mx_quantize(x, rule, want);
+    const Tensor xg = x.to(Device::kCUDA);
+    for (int poison : {0xFF, 0x00}) {
+      MxTensor got = MxTensor::poisoned(shape, axis, Device::kCUDA);
+      if (poison == 0x00) {
+        cudaMemset(got.data().raw(), 0, got.data().nbytes());
+        cudaMemset(got.scales().raw(), 0, got.scales().nbytes());
+      }
+      ops::mx_quantize(xg, rule, got);
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      EXPECT_TRUE(same_bytes(got.scales(), want.scales()));
+      EXPECT_TRUE(same_bytes(got.data(), want.data()));
+    }
+    for (DType out : {DType::kF32, DType::kBF16}) {
+      Tensor back_cpu = Tensor::poisoned(shape, out);
+      ops::mx_dequantize(want, back_cpu);
+      Tensor back_gpu = Tensor::poisoned(shape, out, Device::kCUDA);
+      ops::mx_dequantize(want.to(Device::kCUDA), back_gpu);
+      EXPECT_TRUE(same_values(back_gpu, back_cpu));
+    }
+  }
+}
+INSTANTIATE_TEST_SUITE_P(Cases, GpuMx, testing::mx_case_values(), testing::mx_case_name);
+// Every block-scale exponent both rules can produce, against the CPU's (which divides by 448 for
+// RCEIL, as torchao does): one block per amax, amax over every f32 exponent (subnormals too) with
+// the mantissas where the scale can change (around 1.5 and 1.75, the ends) and random ones, plus
+// infinity, NaN and zero; the other 31 elements fractions of it, signed. Both axes, f32 and bf16
+// input, scales and data bit for bit.
+TEST(GpuMx, EveryScaleExponentMatchesTheCpu) {
+  std::vector<uint32_t> amax;
+  const CounterRng rng{fresh_seed(), 3};
+  for (uint32_t field = 0; field < 255; ++field) {
+    for (uint32_t m : {0u, 1u, 0x3FFFFFu, 0x400000u, 0x400001u, 0x5FFFFFu, 0x600000u, 0x600001u,
+                       0x7FFFFEu, 0x7FFFFFu})
+      amax.push_back(field << 23 | m);
+    for (int i = 0; i < 6; ++i)
+      amax.push_back(field << 23 | static_cast<uint32_t>(rng.below(field * 8 + i, 1u << 23)));
+  }
+  amax.push_back(0x7F800000u);                     // infinity
+  amax.push_back(0x7FC00000u);                     // NaN
+  while (amax.size() % 8 != 0) amax.push_back(0);  // the dim1 kernel's 16-byte rows; zero blocks
+  const auto blocks = static_cast<int64_t>(amax.size());
+  Tensor rows = Tensor::empty({blocks, kMxBlock}, DType::kF32);
+  Tensor cols = Tensor::empty({kMxBlock, blocks}, DType::kF32);
+  for (int64_t b = 0; b < blocks; ++b) {
+    float a = 0.0f;
+    std::memcpy(&a, &amax[b], sizeof(a));
+    for (int64_t i = 0; i < kMxBlock; ++i) {
+      // The amax at a place that moves with the block; the others below it, half of them negative.
+      const float frac = static_cast<float>(rng.uniform(1000 + b * kMxBlock + i));
+      const float v = i == b % kMxBlock ? a : (i % 2 ? -1.0f : 1.0f) * a * frac;
+      rows.data<float>()[b * kMxBlock + i] = v;
+      cols.data<float>()[i * blocks + b] = v;
+    }
+  }
+  // The NaN block also holds an infinity and a negative NaN: the signs of NaN bytes (inf x 0 under
+  // FLOOR is negative, a NaN keeps its own) follow the reference's rule, not the GPU's arithmetic.
+  const int64_t nan_block =
+      static_cast<int64_t>(std::find(amax.begin(), amax.end(), 0x7FC00000u) - amax.begin());
+  for (const auto& [at, v] : {std::pair{1, std::numeric_limits<float>::infinity()},
+                              std::pair{2, -std::numeric_limits<float>::quiet_NaN()}}) {
+    const int64_t i = (nan_block + at) % kMxBlock;
+    rows.data<float>()[nan_block * kMxBlock + i] = v;
+    cols.data<float>()[i * blocks + nan_block] = v;
+  }
+  for (const MxScaleRule rule : {MxScaleRule::kRceil, MxScaleRule::kFloor})
+    for (const DType dt : {DType::kF32, DType::kBF16})
+      for (const MxAxis axis : {MxAxis::kDim0, MxAxis::kDim1}) {
+        SCOPED_TRACE(std::string(mx_scale_rule_name(rule)) + " " + std::string(dtype_name(dt)) +
+                     " " + std::string(mx_axis_name(axis)));
+        const Tensor x = (axis == MxAxis::kDim0 ? rows : cols).to(dt);
+        MxTensor want = MxTensor::poisoned(x.shape(), axis);
+        ops::mx_quantize(x, rule, want);
+        MxTensor got = MxTensor::poisoned(x.shape(), axis, Device::kCUDA);
+        ops::mx_quantize(x.to(Device::kCUDA), rule, got);
+        ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+        EXPECT_TRUE(same_bytes(got.scales(), want.scales()));
+        EXPECT_TRUE(same_bytes(got.data(), want.data()));
+      }
+}
+TEST(GpuMx, RefusesWhatTheKernelsCannotRead) {
+  MxTensor q = MxTensor::empty({64, 36}, MxAxis::kDim1, Device::kCUDA);
+  const Tensor x = Tensor::zeros({64, 36}, DType::kBF16, Device::kCUDA);  // 72-byte rows
+  EXPECT_NE(testing::error_of([&] {
+              ops::mx_quantize(x, MxScaleRule::kRceil, q);
+            }).find("multiple of 16 bytes"),
+            std::string::npos);
+  Tensor out = Tensor::zeros({64, 36}, DType::kBF16, Device::kCUDA);
+  EXPECT_NE(testing::error_of([&] { ops::mx_dequantize(q, out); }).find("multiple of 16 bytes"),
+            std::string::npos);
+}
+TEST(GpuMx, RoundTripExpertRowsMatchesTheCpuBitForBit) {
+  for (int64_t align : {int64_t{1}, int64_t{128}})
+    for (DType dt : {DType::kBF16, DType::kF32}) {
+      const uint64_t seed = fresh_seed();
+      SCOPED_TRACE("align " + std::to_string(align) + " " + std::string(dtype_name(dt)) + " seed " +
+                   std::to_string(seed));
+      const ops::ExpertPermutation p = random_expert_rows(700, 8, align, seed);
+      const int64_t m = p.rows(), k = 96;
+      const Tensor x = testing::mx_input({m, k}, seed, dt);
+      Tensor want = x.clone();  // rows outside the experts keep x's values
+      ops::mx_round_trip_expert_rows(x, on_cpu(p.expert_rows()), MxScaleRule::kRceil, want);
+      Tensor got = x.to(Device::kCUDA);
+      ops::mx_round_trip_expert_rows(got, p.expert_rows(), MxScaleRule::kRceil, got);
+      EXPECT_TRUE(same_values(got, want));
+    }
+}
+// The one-pass round trips (along dim0; along dim1 stored transposed; both from one read)
+// against the CPU's steps, bit for bit, over every edge case of tests/mx_cases.h, bf16 and f32
+// inputs into either dtype (an f32 input rounded to bf16 first); into a poisoned output, and in
+// place along dim0.
+TEST(GpuMx, RoundTripsMatchTheCpuBitForBit) {
+  for (DType dt : {DType::kBF16, DType::kF32})
+    for (DType out : {DType::kBF16, DType::kF32})
+      for (MxScaleRule rule : {MxScaleRule::kFloor, MxScaleRule::kRceil})
+        for (const Shape& shape :
+             {Shape{32, 32}, Shape{96, 64}, Shape{3, 64, 160}, Shape{160, 96}, Shape{256, 2048}}) {
+          const uint64_t seed = fresh_seed();
+          SCOPED_TRACE(std::string(dtype_name(dt)) + " -> " + std::string(dtype_name(out)) + " " +
+                       shape_str(shape) + " seed " + std::to_string(seed));
+          const Tensor x = testing::mx_input(shape, seed, dt);
+          Tensor want = Tensor::poisoned(shape, out);
+          ops::mx_round_trip(x, MxAxis::kDim0, rule, want);
+          Tensor got = Tensor::poisoned(shape, out, Device::kCUDA);
+          ops::mx_round_trip(x.to(Device::kCUDA), MxAxis::kDim0, rule, got);
+          EXPECT_TRUE(same_values(got, want));
+          if (out == dt) {
+            Tensor in_place = x.to(Device::kCUDA);
+            ops::mx_round_trip(in_place, MxAxis::kDim0, rule, in_place);
+            EXPECT_TRUE(same_values(in_place, want));
+          }
+          Shape t = shape;
+          std::swap(t[t.size() - 1], t[t.size() - 2]);
+          Tensor want_t = Tensor::poisoned(t, out);
+          ops::mx_round_trip_transposed(x, rule, want_t);
+          Tensor got_t = Tensor::poisoned(t, out, Device::kCUDA);
+          ops::mx_round_trip_transposed(x.to(Device::kCUDA), rule, got_t);
+          EXPECT_TRUE(same_values(got_t, want_t));
+          // Both from one read (a weight's two MX copies).
+          Tensor both0 = Tensor::poisoned(shape, out, Device::kCUDA);
+          Tensor both_t = Tensor::poisoned(t, out, Device::kCUDA);
+          ops::mx_round_trip_both_axes(x.to(Device::kCUDA), rule, both0, both_t);
+          EXPECT_TRUE(same_values(both0, want));
+          EXPECT_TRUE(same_values(both_t, want_t));
+        }
+}
+// got equals want on the rows whose mark is >= 0, value for value (NaN matching NaN, signs of
+// zeros included), and `untouched` on the others (left as they were).
+void expect_rows(const Tensor& got, const Tensor& want, const Tensor& marks,
+                 const Tensor& untouched) {
+  Tensor expected = want.to(Device::kCPU).clone();
+  const Tensor u = untouched.to(Device::kCPU), mk = marks.to(Device::kCPU);
+  const size_t row = static_cast<size_t>(got.dim(1)) * dtype_size(got.dtype());
+  int64_t rows = 0;
+  for (int64_t r = 0; r < got.dim(0); ++r) {
+    if (mk.data<int32_t>()[r] >= 0) {
+      ++rows;
+      continue;
+    }
+    const size_t at = static_cast<size_t>(r) * row;
+    std::memcpy(static_cast<char*>(expected.raw()) + at, static_cast<const char*>(u.raw()) + at,
+                row);
+  }
+  EXPECT_GT(rows, 0);
+  EXPECT_TRUE(same_values(got, expected));
+}
+// The MX values of a row writer's output along its rows, by the CPU reference.
+Tensor mx_values_of(const Tensor& out_gpu, MxScaleRule rule) {
+  const Tensor out = out_gpu.to(Device::kCPU);
+  Tensor values = Tensor::poisoned(out.shape(), out.dtype());
+  ops::mx_round_trip(out, MxAxis::kDim0, rule, values);
+  return values;
+}
+// Runs write(out, mx) plain, with the MX values beside the output, and with them in place, each
+// into a copy of `poison`, and checks the fused outputs against the plain one (rows marked >= 0;
+// the others left as they were).
+template <class Write>
+void expect_mx_values_written(const Tensor& poison, const Tensor& marks, MxScaleRule rule,
+                              Write&& write) {
+  Tensor plain = poison.clone(), out = poison.clone(), values = poison.clone();
+  write(plain, nullptr);
+  const ops::MxValuesOut beside{&values, rule};
+  write(out, &beside);
+  expect_rows(out, plain, marks, poison);
+  const Tensor want = mx_values_of(plain, rule);
+  expect_rows(values, want, marks, poison);
+  Tensor in_place = poison.clone();
+  const ops::MxValuesOut own{&in_place, rule};
+  write(in_place, &own);
+  expect_rows(in_place, want, marks, poison);
+}
+// The row writers' fused MX values (the permutation and both SwiGLU passes: their kernels round
+// each block as they write it) equal the round trip of their plain output, computed by the CPU
+// reference, bit for bit; their plain output is unchanged; padding rows stay as they were; in
+// place, only the MX values are written. Padded 128-row layout of a skewed routing with an empty
+// expert; rows of 96 (a partial warp step) and 768 columns; both scale rules; bf16 and f32.
+TEST(GpuMxValues, RowWritersWriteTheMxValuesOfTheirRows) {
+  for (DType dt : {DType::kBF16, DType::kF32})
+    for (int64_t f : {int64_t{96}, int64_t{768}})
+      for (MxScaleRule rule : {MxScaleRule::kRceil, MxScaleRule::kFloor}) {
+        const uint64_t seed = fresh_seed();
+        SCOPED_TRACE(std::string(dtype_name(dt)) + " f " + std::to_string(f) + " seed " +
+                     std::to_string(seed));
+        const ops::ExpertPermutation p = random_expert_rows(500, 8, 128, seed);
+        const int64_t m = p.rows();
+        const Tensor& marks = p.source_token;
+        const Tensor x = testing::mx_input({500, f}, seed, dt).to(Device::kCUDA);
+        expect_mx_values_written(
+            Tensor::poisoned({m, f}, dt, Device::kCUDA), marks, rule,
+            [&](Tensor& out, const ops::MxValuesOut* mx) { ops::permute_rows(x, p, out, mx); });
+        const Tensor h = testing::mx_input({m, 2 * f}, seed + 1, dt).to(Device::kCUDA);
+        const Tensor weight = testing::randn({m}, seed + 2, 1.0, DType::kF32).to(Device::kCUDA);
+        const ops::SwigluRows rows{&marks, &weight};
+        expect_mx_values_written(Tensor::poisoned({m, f}, dt, Device::kCUDA), marks, rule,
+                                 [&](Tensor& out, const ops::MxValuesOut* mx) {
+                                   ops::swiglu_forward(h, out, rows, mx);
+                                 });
+        const Tensor da =
+            testing::randn({m, f}, seed + 3, 1.0, DType::kF32).to(dt).to(Device::kCUDA);
+        const Tensor dw_poison = Tensor::poisoned({m, 1}, DType::kF32, Device::kCUDA);
+        Tensor dw_plain;
+        expect_mx_values_written(Tensor::poisoned({m, 2 * f}, dt, Device::kCUDA), marks, rule,
+                                 [&](Tensor& out, const ops::MxValuesOut* mx) {
+                                   Tensor dw = dw_poison.clone();
+                                   Tensor dw_flat = dw.reshape({m});
+                                   ops::swiglu_backward(h, da, out, rows, &dw_flat, mx);
+                                   if (!dw_plain.defined())
+                                     dw_plain = dw;  // the plain run's, first
+                                   else
+                                     expect_rows(dw, dw_plain, marks, dw_poison);
+                                 });
+      }
+}
+#endif  // MOETRAIN_HAS_CUDA
 
 }  // namespace
 }  // namespace mt

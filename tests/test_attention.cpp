@@ -1,0 +1,282 @@
+// Attention over packed documents (ops/attention.h): the CPU reference (hand-checked cases, fp64
+// finite-difference gradients of L = sum(out * G) with a fixed random G) and, in the Gpu* cases
+// (ctest label `gpu`), the CUDA kernels against it (tests/gpu_case.h).
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <tuple>
+
+#include "op_testing.h"
+#include "ops/attention.h"
+#if MOETRAIN_HAS_CUDA
+#include <cuda_runtime_api.h>
+
+#include "core/cuda/device.h"
+#include "core/cuda/graph.h"
+#include "gpu_case.h"
+#endif
+
+namespace mt {
+namespace {
+
+struct AttnCase {
+  Tensor q, k, v;
+  ops::Documents docs;
+  double scale;
+};
+
+AttnCase attn_case() {
+  // 3 documents (lengths 3, 1, 4), 4 query heads over 2 kv heads, Dqk 8 != Dv 6.
+  return {randn({8, 4, 8}, 1, 0.7),
+          randn({8, 2, 8}, 2, 0.7),
+          randn({8, 2, 6}, 3),
+          {i32({0, 3, 4, 8}), 4},
+          1.0 / std::sqrt(8.0)};
+}
+
+TEST(Attention, SingleTokenDocumentCopiesItsValue) {
+  AttnCase c = attn_case();
+  Tensor out = Tensor::poisoned({8, 4, 6}, DType::kF64),
+         lse = Tensor::poisoned({8, 4}, DType::kF64);
+  ops::attention_forward(c.q, c.k, c.v, c.docs, c.scale, out, lse);
+  EXPECT_TRUE(all_finite(out) && all_finite(lse));
+  for (int h = 0; h < 4; ++h) {
+    const int g = h / 2;
+    for (int d = 0; d < 6; ++d)
+      EXPECT_NEAR(out.item((3 * 4 + h) * 6 + d), c.v.item((3 * 2 + g) * 6 + d), 1e-14);
+    double s = 0;
+    for (int d = 0; d < 8; ++d) s += c.q.item((3 * 4 + h) * 8 + d) * c.k.item((3 * 2 + g) * 8 + d);
+    EXPECT_NEAR(lse.item(3 * 4 + h), s * c.scale, 1e-14);
+  }
+}
+
+TEST(Attention, MatchesDenseSoftmaxAndIsolatesDocuments) {
+  AttnCase c = attn_case();
+  Tensor out = Tensor::poisoned({8, 4, 6}, DType::kF64),
+         lse = Tensor::poisoned({8, 4}, DType::kF64);
+  ops::attention_forward(c.q, c.k, c.v, c.docs, c.scale, out, lse);
+  // Token 6 (document 2 = tokens 4..7), head 3 -> kv head 1: explicit softmax over tokens 4..6.
+  double w[3], z = 0;
+  for (int j = 4; j <= 6; ++j) {
+    double s = 0;
+    for (int d = 0; d < 8; ++d) s += c.q.item((6 * 4 + 3) * 8 + d) * c.k.item((j * 2 + 1) * 8 + d);
+    z += (w[j - 4] = std::exp(s * c.scale));
+  }
+  for (int d = 0; d < 6; ++d) {
+    double ref = 0;
+    for (int j = 4; j <= 6; ++j) ref += w[j - 4] / z * c.v.item((j * 2 + 1) * 6 + d);
+    EXPECT_NEAR(out.item((6 * 4 + 3) * 6 + d), ref, 1e-13);
+  }
+  EXPECT_NEAR(lse.item(6 * 4 + 3), std::log(z), 1e-13);
+  // Changing a later document's keys leaves earlier documents alone.
+  Tensor out2 = like(out);
+  c.k.set_item((5 * 2 + 0) * 8, 10.0);
+  ops::attention_forward(c.q, c.k, c.v, c.docs, c.scale, out2, lse);
+  for (int64_t i = 0; i < 4 * 4 * 6; ++i) EXPECT_EQ(out.item(i), out2.item(i));
+}
+
+TEST(Attention, Gradients) {
+  AttnCase c = attn_case();
+  Tensor g = randn({8, 4, 6}, 4);
+  Tensor out = Tensor::poisoned({8, 4, 6}, DType::kF64),
+         lse = Tensor::poisoned({8, 4}, DType::kF64);
+  auto loss = [&] {
+    ops::attention_forward(c.q, c.k, c.v, c.docs, c.scale, out, lse);
+    return dot(out, g);
+  };
+  loss();
+  Tensor dq = like(c.q), dk = like(c.k), dv = like(c.v);
+  ops::attention_backward(c.q, c.k, c.v, out, lse, g, c.docs, c.scale, dq, dk, dv);
+  EXPECT_LT(gradcheck(loss, c.q, dq), kGradTol);
+  EXPECT_LT(gradcheck(loss, c.k, dk), kGradTol);
+  EXPECT_LT(gradcheck(loss, c.v, dv), kGradTol);
+}
+
+TEST(Attention, PlannedDocumentsRoundUpToPowersOfTwoWithinTheTokens) {
+  const ops::PlannedDocuments a = ops::planned_documents(5, 300, 4096);
+  EXPECT_EQ(a.count, 8);
+  EXPECT_EQ(a.longest, 512);
+  const ops::PlannedDocuments b = ops::planned_documents(1, 3, 40);  // floor 64, cut at 40
+  EXPECT_EQ(b.count, 1);
+  EXPECT_EQ(b.longest, 40);
+  const ops::PlannedDocuments c = ops::planned_documents(16, 4096, 16384);  // already powers
+  EXPECT_EQ(c.count, 16);
+  EXPECT_EQ(c.longest, 4096);
+}
+
+// The backward's split: a quarter of the planned longest (700 plans at 1024: 256), the documents
+// past it counted from host boundaries (300 and 700; 256 itself is not past it), their planned
+// count a power of two.
+TEST(Attention, LongDocumentsAreThosePastAQuarterOfThePlannedLongest) {
+  EXPECT_EQ(ops::long_document_threshold(700, 4096), 256);
+  EXPECT_EQ(ops::long_document_threshold(4096, 16384), 1024);
+  EXPECT_EQ(ops::long_document_threshold(3, 40), 10);  // the plan's longest is cut at the tokens
+  Tensor cu = Tensor::empty({7}, DType::kI32);
+  const int32_t bounds[] = {0, 300, 301, 358, 1058, 1314, 1400};  // 300, 1, 57, 700, 256, 86
+  for (int i = 0; i < 7; ++i) cu.set_item(i, bounds[i]);
+  EXPECT_EQ(ops::count_long_documents(cu, ops::max_document_length(cu)), 2);
+  EXPECT_EQ(ops::planned_long_documents(-1), -1);
+  EXPECT_EQ(ops::planned_long_documents(0), 0);
+  EXPECT_EQ(ops::planned_long_documents(3), 4);
+  EXPECT_EQ(ops::planned_long_documents(4), 4);
+}
+
+TEST(Attention, LongestDocumentIsCheckedAndComputed) {
+  AttnCase c = attn_case();
+  EXPECT_EQ(ops::max_document_length(c.docs.cu_seqlens), 4);
+  Tensor out = Tensor::poisoned({8, 4, 6}, DType::kF64),
+         lse = Tensor::poisoned({8, 4}, DType::kF64);
+  c.docs.max_length = 3;  // understated: the GPU would size its grid too small
+  EXPECT_THROW(ops::attention_forward(c.q, c.k, c.v, c.docs, c.scale, out, lse), Error);
+}
+
+#if MOETRAIN_HAS_CUDA
+
+struct GpuAttention : GpuCase {};
+
+TEST_P(GpuAttention, AttentionPackedCausalGqa) {
+  // Documents of 300, 1, 57 and 700 tokens; 8 query heads over 2 kv heads; Dqk 64, Dv 32.
+  const std::vector<int32_t> cu = {0, 300, 301, 358, 1058};
+  const int64_t n = 1058, h = 8, kv = 2, dqk = 64, dv = 32;
+  Tensor cus = Tensor::empty({5}, DType::kI32);
+  for (int i = 0; i < 5; ++i) cus.set_item(i, cu[i]);
+  const Tensor q = input({n, h, dqk}), k = input({n, kv, dqk}), v = input({n, kv, dv});
+  const Tensor dout = input({n, h, dv});
+  const double scale = 1.0 / std::sqrt(static_cast<double>(dqk));
+  Tensor out = Tensor::empty({n, h, dv}, DType::kF32), lse = Tensor::empty({n, h}, DType::kF32);
+  ops::attention_forward(q, k, v, {cus, 700}, scale, out, lse);
+  Tensor dq = Tensor::empty(q.shape(), DType::kF32), dk = Tensor::empty(k.shape(), DType::kF32);
+  Tensor dvv = Tensor::empty(v.shape(), DType::kF32);
+  ops::attention_backward(q, k, v, out, lse, dout, {cus, 700}, scale, dq, dk, dvv);
+
+  const Tensor gq = gpu(q), gk = gpu(k), gv = gpu(v);
+  const ops::Documents gcu{cus.to(Device::kCUDA), 700};
+  Tensor gout = gpu_out({n, h, dv}), glse = gpu_out({n, h}, DType::kF32);
+  ops::attention_forward(gq, gk, gv, gcu, scale, gout, glse);
+  expect_close(gout, out, "attention out");
+  expect_close(glse, lse, "attention lse");
+  Tensor gdq = gpu_out(q.shape()), gdk = gpu_out(k.shape()), gdv = gpu_out(v.shape());
+  // The backward reads the GPU's own forward output, as training does.
+  ops::attention_backward(gq, gk, gv, gout, glse, gpu(dout), gcu, scale, gdq, gdk, gdv);
+  expect_close(gdq, dq, "attention dq");
+  expect_close(gdk, dk, "attention dk");
+  expect_close(gdv, dvv, "attention dv");
+}
+
+// cuDNN's fused SDPA at Qwen3's head shape against the CPU reference (bf16 inputs, fp32 math):
+// five documents (padded to eight empty-tailed ones inside) including a one-token document,
+// then a second packing that builds another graph. Deterministic backward repeats bit for bit, and
+// gives the same bits run over groups of heads.
+TEST(GpuCudnnAttention, MatchesReferenceOnPackedDocuments) {
+  if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU: run this test on the GPU machine";
+  const ops::AttentionGpu kCudnn{ops::AttentionKernel::kCudnn};
+  // A zero workspace budget: as many head groups as there are KV heads.
+  const ops::AttentionGpu kCudnnSplit{ops::AttentionKernel::kCudnn,
+                                      ops::Determinism::kDeterministic, 0};
+  const ops::AttentionGpu kCudnnFast{ops::AttentionKernel::kCudnn, ops::Determinism::kFast};
+  if (!ops::cudnn_attention_available()) GTEST_FAIL() << "built without the cuDNN frontend";
+  const uint64_t seed = fresh_seed();
+  std::printf("seed %llu\n", static_cast<unsigned long long>(seed));
+  const int64_t h = 16, kv = 2, d = 128;
+  const double scale = 1.0 / std::sqrt(static_cast<double>(d));
+  // One long document beside 40 short ones: the backward plans the long one apart.
+  std::vector<int32_t> one_long = {0, 700};
+  for (int i = 1; i <= 40; ++i) one_long.push_back(700 + 10 * i - (i % 3));
+  for (const std::vector<int32_t>& cu : {std::vector<int32_t>{0, 300, 301, 358, 1058, 1100},
+                                         std::vector<int32_t>{0, 1024, 1100}, one_long}) {
+    const int64_t n = cu.back(), docs = static_cast<int64_t>(cu.size()) - 1;
+    Tensor cus = Tensor::empty({docs + 1}, DType::kI32);
+    for (int64_t i = 0; i <= docs; ++i) cus.set_item(i, cu[i]);
+    const ops::Documents host_docs{cus, ops::max_document_length(cus)};
+    const auto bf16_values = [&](const Shape& s, uint64_t stream) {
+      return testing::randn(s, seed + stream, 1.0, DType::kF32).to(DType::kBF16).to(DType::kF32);
+    };
+    const Tensor q = bf16_values({n, h, d}, 1), k = bf16_values({n, kv, d}, 2),
+                 v = bf16_values({n, kv, d}, 3), dout = bf16_values({n, h, d}, 4);
+    Tensor out = Tensor::empty({n, h, d}, DType::kF32), lse = Tensor::empty({n, h}, DType::kF32);
+    ops::attention_forward(q, k, v, host_docs, scale, out, lse);
+    Tensor dq = Tensor::empty(q.shape(), DType::kF32), dk = Tensor::empty(k.shape(), DType::kF32),
+           dv = Tensor::empty(v.shape(), DType::kF32);
+    ops::attention_backward(q, k, v, out, lse, dout, host_docs, scale, dq, dk, dv);
+
+    const auto dev = [](const Tensor& t) { return t.to(DType::kBF16).to(Device::kCUDA); };
+    const auto poisoned = [](const Shape& s, DType t) {
+      return Tensor::poisoned(s, t, Device::kCUDA);
+    };
+    const ops::Documents docs_gpu{cus.to(Device::kCUDA), host_docs.max_length};
+    const Tensor gq = dev(q), gk = dev(k), gv = dev(v), gdout = dev(dout);
+    Tensor gout = poisoned(out.shape(), DType::kBF16), glse = poisoned(lse.shape(), DType::kF32);
+    ops::attention_forward(gq, gk, gv, docs_gpu, scale, gout, glse, kCudnn);
+    const auto close = [&](const Tensor& got, const Tensor& ref, double tol, const char* what) {
+      const Tensor host = got.to(Device::kCPU).to(DType::kF32);
+      ASSERT_TRUE(all_finite(host)) << what << ": unwritten (NaN) or non-finite";
+      EXPECT_LT(relative_error(host, ref), tol) << what << ", " << docs << " documents";
+    };
+    close(gout, out, 1e-2, "cudnn out");
+    close(glse, lse, 1e-4, "cudnn lse");
+    Tensor grad[2][3];
+    for (Tensor* g : grad) {
+      g[0] = poisoned(q.shape(), DType::kBF16);
+      g[1] = poisoned(k.shape(), DType::kBF16);
+      g[2] = poisoned(v.shape(), DType::kBF16);
+      ops::attention_backward(gq, gk, gv, gout, glse, gdout, docs_gpu, scale, g[0], g[1], g[2],
+                              kCudnn);
+    }
+    close(grad[0][0], dq, 2e-2, "cudnn dq");
+    close(grad[0][1], dk, 2e-2, "cudnn dk");
+    close(grad[0][2], dv, 2e-2, "cudnn dv");
+    // Split by KV-head groups (a zero workspace budget: as many groups as there are KV heads):
+    // every head's sums keep their order, so the gradients are the same bit for bit.
+    Tensor split[3] = {poisoned(q.shape(), DType::kBF16), poisoned(k.shape(), DType::kBF16),
+                       poisoned(v.shape(), DType::kBF16)};
+    ops::attention_backward(gq, gk, gv, gout, glse, gdout, docs_gpu, scale, split[0], split[1],
+                            split[2], kCudnnSplit);
+    for (int i = 0; i < 3; ++i) {
+      const Tensor a = grad[0][i].to(Device::kCPU), b = grad[1][i].to(Device::kCPU),
+                   c = split[i].to(Device::kCPU);
+      EXPECT_EQ(std::memcmp(a.raw(), b.raw(), a.nbytes()), 0) << "deterministic backward " << i;
+      EXPECT_EQ(std::memcmp(a.raw(), c.raw(), a.nbytes()), 0) << "backward by head groups " << i;
+    }
+    Tensor fast[3] = {poisoned(q.shape(), DType::kBF16), poisoned(k.shape(), DType::kBF16),
+                      poisoned(v.shape(), DType::kBF16)};
+    ops::attention_backward(gq, gk, gv, gout, glse, gdout, docs_gpu, scale, fast[0], fast[1],
+                            fast[2], kCudnnFast);
+    close(fast[0], dq, 2e-2, "cudnn dq (non-deterministic)");
+    close(fast[1], dk, 2e-2, "cudnn dk (non-deterministic)");
+    close(fast[2], dv, 2e-2, "cudnn dv (non-deterministic)");
+    // The long documents planned apart from the rest (their count known, as the loader gives
+    // it): the reference's gradients, deterministic, and the same split by head groups.
+    ops::Documents counted = docs_gpu;
+    counted.long_count = ops::count_long_documents(cus, host_docs.max_length);
+    Tensor apart[3][3];
+    for (int r = 0; r < 3; ++r) {
+      for (int i = 0; i < 3; ++i)
+        apart[r][i] = poisoned(i == 0 ? q.shape() : k.shape(), DType::kBF16);
+      ops::attention_backward(gq, gk, gv, gout, glse, gdout, counted, scale, apart[r][0],
+                              apart[r][1], apart[r][2], r == 2 ? kCudnnSplit : kCudnn);
+    }
+    close(apart[0][0], dq, 2e-2, "cudnn dq (long documents apart)");
+    close(apart[0][1], dk, 2e-2, "cudnn dk (long documents apart)");
+    close(apart[0][2], dv, 2e-2, "cudnn dv (long documents apart)");
+    for (int i = 0; i < 3; ++i) {
+      const Tensor a = apart[0][i].to(Device::kCPU), b = apart[1][i].to(Device::kCPU),
+                   c = apart[2][i].to(Device::kCPU);
+      EXPECT_EQ(std::memcmp(a.raw(), b.raw(), a.nbytes()), 0) << "apart, deterministic " << i;
+      EXPECT_EQ(std::memcmp(a.raw(), c.raw(), a.nbytes()), 0) << "apart, by head groups " << i;
+    }
+  }
+}
+
+MOETRAIN_GPU_CASES(GpuAttention);
+
+#endif  // MOETRAIN_HAS_CUDA
+
+}  // namespace
+}  // namespace mt

@@ -1,0 +1,199 @@
+// The grouped expert GEMMs (ops/grouped_gemm.h): the CPU reference (hand-checked cases, fp64
+// finite-difference gradients of L = sum(out * G) with a fixed random G) and, in the Gpu* cases
+// (ctest label `gpu`), the CUDA kernels against it (tests/gpu_case.h).
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <numeric>
+#include <random>
+#include <tuple>
+
+#include "op_testing.h"
+#include "ops/gemm.h"
+#include "ops/grouped_gemm.h"
+#if MOETRAIN_HAS_CUDA
+#include <cuda_runtime_api.h>
+
+#include "core/cuda/device.h"
+#include "core/cuda/graph.h"
+#include "gpu_case.h"
+#include "ops/cuda/grouped_gemm.h"
+#endif
+
+namespace mt {
+namespace {
+
+// The grouped GEMMs over a padded layout give the dense layout's products on every expert's rows
+// (and the same weight gradients); padding rows are not read.
+TEST(GroupedGemm, PaddedSegmentsGiveTheDenseProducts) {
+  const std::vector<int64_t> counts = {2, 0, 5}, off = {0, 2, 2, 7}, seg = {0, 4, 4, 12};
+  Tensor x = randn({7, 4}, 1), w = randn({3, 4, 5}, 2), g = randn({7, 5}, 3);
+  Tensor toff = Tensor::empty({4}, DType::kI64), tseg = Tensor::empty({4}, DType::kI64);
+  for (int e = 0; e < 4; ++e) {
+    toff.set_item(e, static_cast<double>(off[e]));
+    tseg.set_item(e, static_cast<double>(seg[e]));
+  }
+  const ops::ExpertRows padded(toff, tseg, 4);
+  // The padded copies: expert e's rows at seg[e], NaN in the padding (must not be read).
+  auto pad = [&](const Tensor& dense) {
+    const int64_t width = dense.dim(1);
+    Tensor p = Tensor::empty({12, width}, DType::kF64);
+    for (int64_t i = 0; i < p.numel(); ++i) p.set_item(i, std::nan(""));
+    for (int e = 0; e < 3; ++e)
+      for (int64_t r = 0; r < counts[e]; ++r)
+        for (int64_t c = 0; c < width; ++c)
+          p.set_item((seg[e] + r) * width + c, dense.item((off[e] + r) * width + c));
+    return p;
+  };
+  const Tensor xpad = pad(x), gpad = pad(g);
+  Tensor out = Tensor::empty({7, 5}, DType::kF64), pout = Tensor::empty({12, 5}, DType::kF64);
+  Tensor dx = Tensor::empty({7, 4}, DType::kF64), pdx = Tensor::empty({12, 4}, DType::kF64);
+  Tensor dw = Tensor::poisoned(w.shape(), DType::kF64),
+         pdw = Tensor::poisoned(w.shape(), DType::kF64);
+  ops::grouped_gemm_forward(x, w, toff, out);
+  ops::grouped_gemm_forward(xpad, w, padded, pout);
+  ops::grouped_gemm_backward_input(g, w, toff, dx);
+  ops::grouped_gemm_backward_input(gpad, w, padded, pdx);
+  ops::grouped_gemm_backward_weight(x, g, toff, dw, ops::Accumulate::kNo);
+  ops::grouped_gemm_backward_weight(xpad, gpad, padded, pdw, ops::Accumulate::kNo);
+  for (int e = 0; e < 3; ++e)
+    for (int64_t r = 0; r < counts[e]; ++r) {
+      for (int c = 0; c < 5; ++c)
+        EXPECT_EQ(pout.item((seg[e] + r) * 5 + c), out.item((off[e] + r) * 5 + c));
+      for (int c = 0; c < 4; ++c)
+        EXPECT_EQ(pdx.item((seg[e] + r) * 4 + c), dx.item((off[e] + r) * 4 + c));
+    }
+  for (int64_t i = 0; i < dw.numel(); ++i) EXPECT_EQ(pdw.item(i), dw.item(i)) << i;
+  // A layout whose expert overruns its segment is refused, naming the expert.
+  Tensor bad = tseg.clone();
+  bad.set_item(1, 1.0);
+  const std::string e =
+      error_of([&] { ops::grouped_gemm_forward(xpad, w, ops::ExpertRows(toff, bad, 1), pout); });
+  EXPECT_NE(e.find("expert 0"), std::string::npos) << e;
+}
+
+TEST(GroupedGemm, PerExpertProductsAndGradients) {
+  Tensor x = randn({7, 4}, 1), w = randn({3, 4, 5}, 2), g = randn({7, 5}, 3);
+  Tensor off = Tensor::empty({4}, DType::kI64);
+  for (int e = 0; e < 4; ++e) off.set_item(e, std::vector<int>{0, 2, 2, 7}[e]);  // expert 1 empty
+  Tensor out = Tensor::poisoned({7, 5}, DType::kF64);
+  ops::grouped_gemm_forward(x, w, off, out);
+  for (int r = 0; r < 7; ++r) {
+    const int e = r < 2 ? 0 : 2;
+    for (int n = 0; n < 5; ++n) {
+      double ref = 0;
+      for (int k = 0; k < 4; ++k) ref += x.item(r * 4 + k) * w.item((e * 4 + k) * 5 + n);
+      EXPECT_NEAR(out.item(r * 5 + n), ref, 1e-13);
+    }
+  }
+  auto loss = [&] {
+    ops::grouped_gemm_forward(x, w, off, out);
+    return dot(out, g);
+  };
+  Tensor dx = like(x), dw = Tensor::zeros(w.shape(), DType::kF64);
+  ops::grouped_gemm_backward_input(g, w, off, dx);
+  ops::grouped_gemm_backward_weight(x, g, off, dw);
+  EXPECT_LT(gradcheck(loss, x, dx), kGradTol);
+  EXPECT_LT(gradcheck(loss, w, dw, 60), kGradTol);
+  for (int i = 20; i < 40; ++i) EXPECT_EQ(dw.item(i), 0.0);  // the empty expert
+  // Overwriting into a poisoned buffer gives the same, the empty expert zero.
+  Tensor fresh = Tensor::poisoned(w.shape(), DType::kF64);
+  ops::grouped_gemm_backward_weight(x, g, off, fresh, ops::Accumulate::kNo);
+  for (int64_t i = 0; i < dw.numel(); ++i) EXPECT_EQ(fresh.item(i), dw.item(i)) << i;
+}
+
+#if MOETRAIN_HAS_CUDA
+
+struct GpuGroupedGemm : GpuCase {};
+
+// Expert e's rows of t (a padded layout's rows between segments dropped), on the host.
+Tensor real_rows(const Tensor& t, const std::vector<int64_t>& off,
+                 const std::vector<int64_t>& seg) {
+  const Tensor h = t.to(Device::kCPU);
+  const int64_t e = static_cast<int64_t>(off.size()) - 1, width = h.numel() / h.dim(0);
+  Tensor out = Tensor::empty({off[e], width}, h.dtype());
+  const size_t row_bytes = h.nbytes() / h.dim(0);
+  for (int64_t i = 0; i < e; ++i)
+    std::memcpy(static_cast<char*>(out.raw()) + off[i] * row_bytes,
+                static_cast<const char*>(h.raw()) + seg[i] * row_bytes,
+                (off[i + 1] - off[i]) * row_bytes);
+  return out;
+}
+
+// The grouped GEMMs against the CPU reference, dense and with 128-row segments (the layout
+// whose forward and input gradient run on fixed descriptors): uneven experts, empty ones, partial
+// tiles in every dimension, outputs poisoned (padding rows are not compared: nothing reads them).
+TEST_P(GpuGroupedGemm, GroupedGemmWithDeviceOffsets) {
+  if (GetParam() != DType::kBF16) GTEST_SKIP() << "grouped gemm v1 is bf16";
+  const std::vector<int64_t> counts = {300, 0, 129, 1, 0, 517, 128, 64};
+  const int64_t e = static_cast<int64_t>(counts.size()), k = 136, n = 200;
+  for (const int64_t align : {int64_t{1}, int64_t{128}}) {
+    SCOPED_TRACE(fmt::format("segments aligned to {} rows", align));
+    std::vector<int64_t> off(e + 1, 0), seg(e + 1, 0);
+    for (int64_t i = 0; i < e; ++i) {
+      off[i + 1] = off[i] + counts[i];
+      seg[i + 1] = seg[i] + (counts[i] + align - 1) / align * align;
+    }
+    Tensor toff = Tensor::empty({e + 1}, DType::kI64), tseg = Tensor::empty({e + 1}, DType::kI64);
+    for (int64_t i = 0; i <= e; ++i) {
+      toff.set_item(i, static_cast<double>(off[i]));
+      tseg.set_item(i, static_cast<double>(seg[i]));
+    }
+    const int64_t m = seg[e];
+    const ops::ExpertRows rows(toff, tseg, align);
+    const Tensor x = input({m, k}), w = input({e, k, n}, 0.1), dy = input({m, n});
+    Tensor out = Tensor::empty({m, n}, DType::kF32), dx = Tensor::empty({m, k}, DType::kF32);
+    Tensor dw = input({e, k, n}, 0.01);
+    const Tensor dw0 = dw.clone();
+    Tensor gdw = dw.to(Device::kCUDA);  // f32 accumulation target
+    ops::grouped_gemm_forward(x, w, rows, out);
+    ops::grouped_gemm_backward_input(dy, w, rows, dx);
+    ops::grouped_gemm_backward_weight(x, dy, rows, dw);
+    const ops::ExpertRows grows(toff.to(Device::kCUDA), tseg.to(Device::kCUDA), align);
+    const Tensor gx = gpu(x), gw = gpu(w), gdy = gpu(dy);
+    Tensor gout = gpu_out({m, n}), gdx = gpu_out({m, k});
+    ops::grouped_gemm_forward(gx, gw, grows, gout);
+    ops::grouped_gemm_backward_input(gdy, gw, grows, gdx);
+    ops::grouped_gemm_backward_weight(gx, gdy, grows, gdw);
+    expect_close(real_rows(gout, off, seg), real_rows(out, off, seg), "grouped forward");
+    expect_close(real_rows(gdx, off, seg), real_rows(dx, off, seg), "grouped dx");
+    expect_close(gdw, dw, "grouped dw (accumulated, f32)");
+    // Overwriting into a poisoned buffer: experts 1 and 4 have no rows and must come out zero.
+    Tensor fresh = Tensor::empty({e, k, n}, DType::kF32);
+    ops::grouped_gemm_backward_weight(x, dy, rows, fresh, ops::Accumulate::kNo);
+    Tensor gfresh = gpu_out({e, k, n}, DType::kF32);
+    ops::grouped_gemm_backward_weight(gx, gdy, grows, gfresh, ops::Accumulate::kNo);
+    expect_close(gfresh, fresh, "grouped dw (overwritten, f32)");
+    EXPECT_EQ(fresh.to(DType::kF32).item(1 * k * n + 5), 0.0);
+
+    // Version 1 (the fallback without CUTLASS) through its kernel API, on the same data.
+    Tensor vout = gpu_out({m, n}), vdx = gpu_out({m, k}), vdw = dw0.to(Device::kCUDA);
+    const cuda::kernels::ExpertSegments o{grows.offsets.data<int64_t>(),
+                                          grows.segments.data<int64_t>()};
+    const int ne = static_cast<int>(e);
+    ASSERT_EQ(cuda::kernels::grouped_gemm_rows(gx.raw(), gw.raw(), o, ne, m, k, n, false,
+                                               vout.raw(), false, nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cuda::kernels::grouped_gemm_rows(gdy.raw(), gw.raw(), o, ne, m, n, k, true, vdx.raw(),
+                                               false, nullptr),
+              cudaSuccess);
+    ASSERT_EQ(cuda::kernels::grouped_gemm_weight(gx.raw(), gdy.raw(), o, ne, k, n, vdw.raw(), true,
+                                                 true, nullptr),
+              cudaSuccess);
+    expect_close(real_rows(vout, off, seg), real_rows(out, off, seg), "grouped forward v1");
+    expect_close(real_rows(vdx, off, seg), real_rows(dx, off, seg), "grouped dx v1");
+    expect_close(vdw, dw, "grouped dw v1");
+  }
+}
+
+MOETRAIN_GPU_CASES(GpuGroupedGemm);
+
+#endif  // MOETRAIN_HAS_CUDA
+
+}  // namespace
+}  // namespace mt
