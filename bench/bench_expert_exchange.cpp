@@ -3,7 +3,7 @@
 // rank, top-8 of 128 experts with random routing, rows of 2048 bf16. "exchange" is what the MoE
 // layer's forward pays: the plan (counts, the send layout, the choices) with the dispatch of the
 // rows and their routing weights, and combine,
-// for each mode (moe/expert_exchange.h): host counts, device counts (rows written into the
+// for each mode (moe/exchange/expert_exchange.h): host counts, device counts (rows written into the
 // peers' memory by a kernel), and device counts replayed as a CUDA graph; and with the MXFP8
 // wire on the dispatch. Comparators in the same job: the raw NCCL all-to-all of the same
 // deduplicated rows with the counts known in advance, and the raw all-to-all of one row per
@@ -24,7 +24,7 @@
 #include "dist/launcher.h"
 #include "dist/nccl_backend.h"
 #include "dist/socket_backend.h"
-#include "moe/expert_exchange.h"
+#include "moe/exchange/expert_exchange.h"
 #include "moe/moe_layer.h"
 #include "ops/permute.h"
 
@@ -164,7 +164,7 @@ void run(int rank, int world, mt::dist::Communicator& boot, mt::dist::Communicat
 
   mt::ops::ExpertPrecision mx;
   mx.recipe = mt::ops::ExpertRecipe::kMxfp8WgradWithHp;
-  mx.dispatch = mt::ops::DispatchDtype::kMxfp8;
+  mx.dispatch = mt::RowWire::kMxfp8;
   for (const ExchangeMode mode : {ExchangeMode::kHostCounts, ExchangeMode::kDeviceCounts})
     for (const bool mxfp8 : {false, true}) {
       const mt::ops::ExpertPrecision wire = mxfp8 ? mx : mt::ops::ExpertPrecision{};

@@ -170,13 +170,13 @@ int main() {
     c.pad_expert_rows = true;
     struct Recipe {
       mt::ops::ExpertRecipe recipe;
-      mt::ops::DispatchDtype dispatch;
+      mt::RowWire dispatch;
     };
-    using mt::ops::DispatchDtype, mt::ops::ExpertRecipe;
-    const Recipe recipes[] = {{ExpertRecipe::kBf16, DispatchDtype::kBf16},
-                              {ExpertRecipe::kMxfp8WgradWithHp, DispatchDtype::kBf16},
-                              {ExpertRecipe::kMxfp8WgradWithHp, DispatchDtype::kMxfp8},
-                              {ExpertRecipe::kMxfp8, DispatchDtype::kBf16}};
+    using mt::RowWire, mt::ops::ExpertRecipe;
+    const Recipe recipes[] = {{ExpertRecipe::kBf16, RowWire::kAsIs},
+                              {ExpertRecipe::kMxfp8WgradWithHp, RowWire::kAsIs},
+                              {ExpertRecipe::kMxfp8WgradWithHp, RowWire::kMxfp8},
+                              {ExpertRecipe::kMxfp8, RowWire::kAsIs}};
     constexpr int kRecipes = 4;
     // The weights' MX copies, made in training by each gather for its pass (fsdp::gather: the
     // forward's and the input gradient's once per step each): made here once, outside the layer,

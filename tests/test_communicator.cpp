@@ -25,7 +25,7 @@
 #include "dist/communicator.h"
 #include "dist/mesh.h"
 #include "fsdp/fsdp.h"
-#include "moe/expert_exchange.h"
+#include "moe/exchange/expert_exchange.h"
 #include "moe/moe_layer.h"
 #include "ops/elementwise.h"
 #include "ops/mx.h"
@@ -234,7 +234,7 @@ TEST(InProcess, ScatterRowsMovesEveryPartWithOneLayout) {
       dist::RowScatter s;
       s.slot = &slot;
       s.capacity = capacity;
-      s.parts = {{&ids, &ids_in}, {&f64, &f64_in}, {&x, &x_in, dist::RowWire::kMxfp8, rule}};
+      s.parts = {{&ids, &ids_in}, {&f64, &f64_in}, {&x, &x_in, RowWire::kMxfp8, rule}};
       s.to_peers = &counts;
       s.from_peers = &counts_in;
       c.scatter_rows(s);
@@ -272,7 +272,7 @@ TEST(InProcess, ScatterRowsMovesEveryPartWithOneLayout) {
       EXPECT_NE(e.find("scatter_rows of f64 (6, 5) into f64 (24, 4)"), std::string::npos) << e;
       Tensor odd = Tensor::empty({n, 40}, DType::kF32),
              odd_in = Tensor::empty({world * capacity, 40}, DType::kF32);
-      bad.parts = {{&odd, &odd_in, dist::RowWire::kMxfp8}};
+      bad.parts = {{&odd, &odd_in, RowWire::kMxfp8}};
       e = testing::error_of([&] { c.scatter_rows(bad); });
       EXPECT_NE(e.find("an MXFP8 part of f32 (6, 40) (needs f32, bf16 or f64 rows"),
                 std::string::npos)
@@ -319,8 +319,7 @@ TEST(InProcess, ScatterRowsSumsAPartIntoItsRows) {
       dist::RowScatter s;
       s.slot = &slot;
       s.capacity = capacity;
-      s.parts = {
-          {&rows, &out, dist::RowWire::kAsIs, {}, &index, with_residual ? &residual : nullptr}};
+      s.parts = {{&rows, &out, RowWire::kAsIs, {}, &index, with_residual ? &residual : nullptr}};
       c.scatter_rows(s);
       int64_t summed = 0;
       for (int64_t i = 0; i < m; ++i)
@@ -340,12 +339,12 @@ TEST(InProcess, ScatterRowsSumsAPartIntoItsRows) {
     dist::RowScatter bad;
     bad.slot = &slot;
     bad.capacity = capacity;
-    bad.parts = {{&rows, &out, dist::RowWire::kAsIs, {}, &short_index}};
+    bad.parts = {{&rows, &out, RowWire::kAsIs, {}, &short_index}};
     std::string e = testing::error_of([&] { c.scatter_rows(bad); });
     EXPECT_NE(e.find("scatter_rows of f64 (5, 4) into f64 (7, 4)"), std::string::npos) << e;
     const Tensor wide = testing::randn({n, 32}, 90).to(DType::kF32);
     Tensor wide_out = Tensor::empty({m, 32}, DType::kF32);
-    bad.parts = {{&wide, &wide_out, dist::RowWire::kMxfp8, {}, &index}};
+    bad.parts = {{&wide, &wide_out, RowWire::kMxfp8, {}, &index}};
     e = testing::error_of([&] { c.scatter_rows(bad); });
     EXPECT_NE(e.find("a summed part of f32 rows on the MXFP8 wire"), std::string::npos) << e;
   });

@@ -14,7 +14,7 @@
 #include "model/flops.h"
 #include "model/memory.h"
 #include "model/precision.h"
-#include "moe/expert_exchange.h"
+#include "moe/exchange/expert_exchange.h"
 #include "testing.h"
 #include "train/config.h"
 
@@ -330,10 +330,10 @@ TEST(ParallelConfig, EveryParallelKeyIsItsAndTheMeshIsValidatedOnce) {
   EXPECT_FALSE(c.parallel.ep_overlap);
   EXPECT_EQ(c.parallel.reshard, fsdp::Reshard::kAfterBackward);
   EXPECT_EQ(c.parallel.ep_exchange_ctas, 64);
-  EXPECT_EQ(c.parallel.ep_dispatch_dtype, ops::DispatchDtype::kMxfp8);
+  EXPECT_EQ(c.parallel.ep_dispatch_dtype, RowWire::kMxfp8);
   // The model's own precision keeps bf16 dispatch; the run's plan takes the parallel key.
-  EXPECT_EQ(c.model.expert_precision.dispatch, ops::DispatchDtype::kBf16);
-  EXPECT_EQ(plan_precision(c.model, c.parallel).experts.dispatch, ops::DispatchDtype::kMxfp8);
+  EXPECT_EQ(c.model.expert_precision.dispatch, RowWire::kAsIs);
+  EXPECT_EQ(plan_precision(c.model, c.parallel).experts.dispatch, RowWire::kMxfp8);
 
   const std::string world = testing::error_of([&] { load_config(tiny, {"parallel.ep=3"}); });
   EXPECT_NE(world.find("parallel.ep = 3 must divide parallel.world = 1"), std::string::npos)
@@ -363,7 +363,7 @@ TEST(PrecisionPlan, CopiesFollowTheRecipeAndTheCheckpointPolicy) {
   plan = plan_precision(m, p);
   EXPECT_EQ(plan.backward_copies, ops::MxCopyUse::kBoth);
   EXPECT_EQ(plan.copies_in_use(), 2);
-  p.ep_dispatch_dtype = ops::DispatchDtype::kMxfp8;  // with mxfp8 it needs requant_dim1
+  p.ep_dispatch_dtype = RowWire::kMxfp8;  // with mxfp8 it needs requant_dim1
   EXPECT_NE(testing::error_of([&] { plan_precision(m, p); }).find("model.requant_dim1"),
             std::string::npos);
 }
@@ -377,7 +377,7 @@ TEST(MemoryEstimate, TheDeviceExchangeCostsItsOwnWindow) {
   ParallelConfig p;
   p.world = 2;
   p.ep = 2;
-  p.ep_dispatch_dtype = ops::DispatchDtype::kMxfp8;
+  p.ep_dispatch_dtype = RowWire::kMxfp8;
   const int64_t tokens = 256;
   const MemoryEstimate device = estimate_memory(m, p, tokens);
   p.ep_exchange = moe::ExchangeMode::kHostCounts;

@@ -342,7 +342,7 @@ TEST(LsaScatter, EmulatedRanksPlaceEveryPartOfEveryCodec) {
           d.recv.push_back(
               Tensor::poisoned({ranks * n, d.send[i].dim(1)}, d.send[i].dtype(), Device::kCUDA));
           s.parts.push_back({&d.send[i], &d.recv[i],
-                             i >= 3 ? dist::RowWire::kMxfp8 : dist::RowWire::kAsIs, rule});
+                             i >= 3 ? RowWire::kMxfp8 : RowWire::kAsIs, rule});
         }
         d.counts = cases[r].counts.to(Device::kCUDA);
         d.counts_in = Tensor::poisoned({ranks, 2}, DType::kI64, Device::kCUDA);
@@ -416,7 +416,7 @@ void plan_sums(const std::vector<ScatterCase>& cases, int r, int ranks, int64_t 
                : Tensor());
     plain.parts.push_back({&x, &d.places[i]});
     summed.parts.push_back(
-        {&x, &d.sums[i], dist::RowWire::kAsIs, {}, &d.index, i >= 2 ? &d.residual[i] : nullptr});
+        {&x, &d.sums[i], RowWire::kAsIs, {}, &d.index, i >= 2 ? &d.residual[i] : nullptr});
   }
   dist::check_row_scatter(summed, ranks);
   ASSERT_TRUE(dist::make_lsa_plan(plain, ranks, SIZE_MAX, &d.plan));
@@ -502,7 +502,7 @@ TEST(LsaScatter, OneRankThroughNcclSumsAsTheAllToAllPath) {
     for (size_t i = 0; i < 4; ++i)
       s.parts.push_back({&d.send[i],
                          &d.want[i],
-                         dist::RowWire::kAsIs,
+                         RowWire::kAsIs,
                          {},
                          &d.index,
                          i >= 2 ? &d.residual[i] : nullptr});
@@ -542,7 +542,7 @@ TEST(LsaScatter, OneRankThroughNcclPlacesEveryPart) {
     for (size_t i = 0; i < send.size(); ++i) {
       recv.push_back(Tensor::poisoned({n, send[i].dim(1)}, send[i].dtype(), Device::kCUDA));
       s.parts.push_back(
-          {&send[i], &recv[i], i >= 3 ? dist::RowWire::kMxfp8 : dist::RowWire::kAsIs});
+          {&send[i], &recv[i], i >= 3 ? RowWire::kMxfp8 : RowWire::kAsIs});
     }
     s.to_peers = &counts;
     s.from_peers = &counts_in;

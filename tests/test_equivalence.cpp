@@ -26,7 +26,7 @@
 #include "dist/mesh.h"
 #include "dist_training.h"
 #include "fsdp/fsdp.h"
-#include "moe/expert_exchange.h"
+#include "moe/exchange/expert_exchange.h"
 #include "moe/moe_layer.h"
 #include "ops/elementwise.h"
 #include "ops/mx.h"

@@ -25,7 +25,7 @@
 #include "dist/communicator.h"
 #include "dist/mesh.h"
 #include "fsdp/fsdp.h"
-#include "moe/expert_exchange.h"
+#include "moe/exchange/expert_exchange.h"
 #include "moe/moe_layer.h"
 #include "ops/elementwise.h"
 #include "ops/mx.h"
@@ -236,7 +236,7 @@ TEST(ExpertExchange, ThePlansDispatchEqualsDispatchAfterIt) {
   const int64_t n = 6, experts = 4, width = 64;
   ops::ExpertPrecision mx;
   mx.recipe = ops::ExpertRecipe::kMxfp8WgradWithHp;
-  mx.dispatch = ops::DispatchDtype::kMxfp8;
+  mx.dispatch = RowWire::kMxfp8;
   for_each_exchange_case([&](Communicator& c, moe::ExchangeMode mode, const Tensor& index,
                              const std::string&, const std::string& what) {
     const int r = c.rank();

@@ -19,6 +19,13 @@ enum class MxAxis : uint8_t { kDim0, kDim1 };
 // docs/numerics.md gives both rules' handling of zero, tiny, infinite and NaN blocks.
 enum class MxScaleRule : uint8_t { kFloor, kRceil };
 
+// How rows cross a wire (the expert exchange: the dispatch's rows and every part of a row
+// scatter): as they are, in their own dtype (the GPU's bf16 activations, which the config key
+// parallel.ep_dispatch_dtype calls "bf16"), or as MXFP8 (E4M3 data and E8M0 scales, 1 x 32 blocks
+// along the row), arriving as their MX values in the rows' dtype (ops::mx_round_trip along the
+// row).
+enum class RowWire : uint8_t { kAsIs, kMxfp8 };
+
 std::string_view mx_axis_name(MxAxis a);             // "dim0", "dim1"
 std::string_view mx_scale_rule_name(MxScaleRule r);  // "floor", "rceil"
 bool parse_mx_scale_rule(std::string_view name, MxScaleRule* out);

@@ -25,11 +25,6 @@ class PendingCollective {
   virtual void wait() = 0;
 };
 
-// How a part of a row scatter crosses: as its bytes, or as MXFP8 (E4M3 data + E8M0 scales, 1 x 32
-// blocks along the row, MxScaleRule), arriving as its MX values in the rows' dtype (what
-// ops::mx_round_trip along the row gives).
-enum class RowWire : uint8_t { kAsIs, kMxfp8 };
-
 // One part of a row scatter: send (n, W) rows in the sender's order, any dtype (kMxfp8: f32, bf16
 // or f64, which is rounded to f32 first; W a multiple of 32); recv (size * capacity, W) of send's
 // dtype, allocated by the caller.

@@ -4,7 +4,7 @@
 
 #include "model/flops.h"
 #include "model/precision.h"
-#include "moe/expert_exchange.h"
+#include "moe/exchange/expert_exchange.h"
 
 namespace mt {
 

@@ -7,7 +7,7 @@
 
 #include "dist/mesh.h"
 #include "fsdp/fsdp.h"
-#include "moe/expert_exchange.h"
+#include "moe/exchange/expert_exchange.h"
 #include "ops/expert_gemm.h"
 
 namespace mt {
@@ -15,15 +15,15 @@ namespace mt {
 struct ParallelConfig {
   int64_t world = 1;  // ranks; dense parameters shard over all of them
   int64_t ep = 1;     // ranks the experts are split over (dist/mesh.h)
-  // How the expert exchange sizes its rows (moe/expert_exchange.h): "device" (fixed capacity,
-  // counts on the device, graph-capturable) or "host" (counts read on the host).
+  // How the expert exchange sizes its rows (moe/exchange/expert_exchange.h): "device" (fixed
+  // capacity, counts on the device, graph-capturable) or "host" (counts read on the host).
   moe::ExchangeMode ep_exchange = moe::ExchangeMode::kDeviceCounts;
   // Thread blocks of the exchange's device kernels (each one an SM while it runs).
   int64_t ep_exchange_ctas = 132;
   // With ep > 1: the MoE layer's tokens in this many chunks, each chunk's exchange beside the
   // experts' work on another (moe::MoeComms::chunks), 1 to moe::kMaxExchangeChunks.
   int64_t ep_chunks = 1;
-  // With ep > 1 on the GPU: the exchanges on a stream beside the experts' (moe/exchange_lane.h);
+  // With ep > 1 on the GPU: the exchanges on a stream beside the experts' (moe/exchange/lane.h);
   // false runs them in turn on the pass's stream.
   bool ep_overlap = true;
   // With world > 1: when a block's gathered weights are dropped within a training pass, after
@@ -31,8 +31,8 @@ struct ParallelConfig {
   // the key is reshard_after_forward).
   fsdp::Reshard reshard = fsdp::Reshard::kAfterForward;
   // What the dispatch sends the experts (and the combine's backward its gradient): the rows as
-  // they are, or MXFP8 (ops::DispatchDtype); part of the experts' precision (ops::ExpertPrecision).
-  ops::DispatchDtype ep_dispatch_dtype = ops::DispatchDtype::kBf16;
+  // they are, or MXFP8 (RowWire); part of the experts' precision (ops::ExpertPrecision).
+  RowWire ep_dispatch_dtype = RowWire::kAsIs;
 
   dist::MeshShape mesh() const { return {static_cast<int>(world), static_cast<int>(ep)}; }
   // The exchange through a device path with fixed capacity: its window is reserved up front.

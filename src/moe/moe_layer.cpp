@@ -56,7 +56,7 @@ Tensor weights_here(const MoeActivations& a, const MoeChunk& ch) {
 // with EP the wire made them, with ep 1 the permutation does, once): the forward product then
 // takes them as they are.
 bool rows_arrive_mx(const MoeConfig& c) {
-  return c.expert_precision.dispatch == ops::DispatchDtype::kMxfp8;
+  return c.expert_precision.dispatch == RowWire::kMxfp8;
 }
 
 // What reads a permutation's expert rows: the weight gradient (the rows themselves), the MX
@@ -85,7 +85,7 @@ Tensor permute_expert_rows(const MoeConfig& c, const MoeChunk& ch, const Tensor&
 }
 
 // The layer's exchanges: on the comms' lane when there is one, else in the caller's order. Keeps
-// what the thread's stream made for a run until the run is joined (exchange_lane.h).
+// what the thread's stream made for a run until the run is joined (moe/exchange/lane.h).
 class Exchanges {
  public:
   Exchanges(const MoeComms& comms, Device device) : lane_(comms.lane), device_(device) {}

@@ -12,8 +12,8 @@
 
 #include "core/tensor.h"
 #include "dist/communicator.h"
-#include "moe/exchange_lane.h"
-#include "moe/expert_exchange.h"
+#include "moe/exchange/expert_exchange.h"
+#include "moe/exchange/lane.h"
 #include "ops/expert_gemm.h"
 #include "ops/gemm.h"
 #include "ops/permute.h"
@@ -62,8 +62,8 @@ struct MoeComms {
   // combine of each chunk crosses while the experts' weight gradients are computed (with one
   // chunk too), and with several chunks the experts compute on one chunk while the next chunk's
   // dispatch or the previous chunk's combine crosses; each chunk then pays its own products and
-  // accumulates its share of the experts' weight gradients (docs/benchmarks-history.md has the costs).
-  // Without a lane everything runs in turn, with the same results (the CPU ranks' tests).
+  // accumulates its share of the experts' weight gradients (docs/benchmarks-history.md has the
+  // costs). Without a lane everything runs in turn, with the same results (the CPU ranks' tests).
   int64_t chunks = 1;
   ExchangeLane* lane = nullptr;
 };

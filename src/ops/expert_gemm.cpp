@@ -53,8 +53,8 @@ constexpr std::array<EnumName<ExpertRecipe>, 3> kRecipes{
     {{ExpertRecipe::kBf16, "bf16"},
      {ExpertRecipe::kMxfp8, "mxfp8"},
      {ExpertRecipe::kMxfp8WgradWithHp, "mxfp8_wgrad_with_hp"}}};
-constexpr std::array<EnumName<DispatchDtype>, 2> kDispatchDtypes{
-    {{DispatchDtype::kBf16, "bf16"}, {DispatchDtype::kMxfp8, "mxfp8"}}};
+constexpr std::array<EnumName<RowWire>, 2> kRowWires{
+    {{RowWire::kAsIs, "bf16"}, {RowWire::kMxfp8, "mxfp8"}}};
 
 std::string_view expert_recipe_name(ExpertRecipe r) {
   return enum_name(kRecipes, r);
@@ -64,28 +64,28 @@ bool parse_expert_recipe(std::string_view name, ExpertRecipe* out) {
   return parse_enum(kRecipes, name, out);
 }
 
-std::string_view dispatch_dtype_name(DispatchDtype d) {
-  return enum_name(kDispatchDtypes, d);
+std::string_view dispatch_dtype_name(RowWire d) {
+  return enum_name(kRowWires, d);
 }
 
-bool parse_dispatch_dtype(std::string_view name, DispatchDtype* out) {
-  return parse_enum(kDispatchDtypes, name, out);
+bool parse_dispatch_dtype(std::string_view name, RowWire* out) {
+  return parse_enum(kRowWires, name, out);
 }
 
 std::string ExpertPrecision::invalid_combination() const {
-  if (dispatch == DispatchDtype::kMxfp8 && recipe == ExpertRecipe::kBf16)
+  if (dispatch == RowWire::kMxfp8 && recipe == ExpertRecipe::kBf16)
     return "parallel.ep_dispatch_dtype = \"mxfp8\" needs an MX expert recipe (the expert GEMMs "
            "take "
            "the rows as they arrive): set model.expert_recipe = \"mxfp8_wgrad_with_hp\" or "
            "\"mxfp8\"";
-  if (dispatch == DispatchDtype::kMxfp8 && recipe == ExpertRecipe::kMxfp8 && !requant_dim1)
+  if (dispatch == RowWire::kMxfp8 && recipe == ExpertRecipe::kMxfp8 && !requant_dim1)
     return "parallel.ep_dispatch_dtype = \"mxfp8\" with model.expert_recipe = \"mxfp8\": the rows "
            "arrive quantized along the hidden dimension (dim0), and the weight gradient needs them "
            "quantized along the tokens (dim1), which they can no longer give as the original bf16 "
            "would; use model.expert_recipe = \"mxfp8_wgrad_with_hp\" (weight gradient in bf16 from "
            "the dequantized rows), or model.requant_dim1 = true (re-quantize the dequantized rows "
            "along dim1; docs/numerics.md measures the difference)";
-  if (requant_dim1 && (dispatch != DispatchDtype::kMxfp8 || recipe != ExpertRecipe::kMxfp8))
+  if (requant_dim1 && (dispatch != RowWire::kMxfp8 || recipe != ExpertRecipe::kMxfp8))
     return "model.requant_dim1 = true applies only with parallel.ep_dispatch_dtype = \"mxfp8\" and "
            "model.expert_recipe = \"mxfp8\" (it re-quantizes rows that arrived in MXFP8)";
   return {};

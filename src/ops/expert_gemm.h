@@ -32,18 +32,17 @@ std::string_view expert_recipe_name(ExpertRecipe r);  // "bf16", "mxfp8", "mxfp8
 bool parse_expert_recipe(std::string_view name, ExpertRecipe* out);
 
 // What the expert rows travel as in the dispatch (and the output gradient in the backward of
-// the combine): bf16, or MXFP8 (1 x 32 blocks along the hidden dimension). The GEMMs then take
+// the combine): as they are (bf16), or MXFP8 (core/mx_format.h's RowWire). The GEMMs then take
 // rows quantized along dim0; rows cannot be quantized along the tokens (dim1) from them as from
 // the original, so MXFP8 dispatch goes with mxfp8_wgrad_with_hp, or with mxfp8 and requant_dim1
 // (the weight gradient re-quantizes the dequantized rows along dim1; docs/numerics.md).
-enum class DispatchDtype : uint8_t { kBf16, kMxfp8 };
-std::string_view dispatch_dtype_name(DispatchDtype d);  // "bf16", "mxfp8"
-bool parse_dispatch_dtype(std::string_view name, DispatchDtype* out);
+std::string_view dispatch_dtype_name(RowWire d);  // "bf16", "mxfp8": parallel.ep_dispatch_dtype
+bool parse_dispatch_dtype(std::string_view name, RowWire* out);
 
 struct ExpertPrecision {
   ExpertRecipe recipe = ExpertRecipe::kBf16;
   MxScaleRule rule = MxScaleRule::kRceil;  // torchao's MXFP8 training recipes use RCEIL
-  DispatchDtype dispatch = DispatchDtype::kBf16;
+  RowWire dispatch = RowWire::kAsIs;
   bool requant_dim1 = false;
 
   bool mx_forward_and_input() const { return recipe != ExpertRecipe::kBf16; }

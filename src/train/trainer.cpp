@@ -20,7 +20,7 @@
 #include "core/profile.h"
 #include "model/flops.h"
 #include "model/precision.h"
-#include "moe/exchange_lane.h"
+#include "moe/exchange/lane.h"
 #include "train/checkpoint.h"
 #include "train/evaluate.h"
 #include "train/hf_export.h"

@@ -1,4 +1,4 @@
-#include "moe/exchange_lane.h"
+#include "moe/exchange/lane.h"
 
 #include "core/error.h"
 #include "core/profile.h"

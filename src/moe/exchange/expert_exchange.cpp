@@ -1,4 +1,4 @@
-#include "moe/expert_exchange.h"
+#include "moe/exchange/expert_exchange.h"
 
 #include <algorithm>
 #include <array>
@@ -37,34 +37,28 @@ ExpertExchange::ExpertExchange(dist::Communicator& ep, const Tensor& expert_inde
   ops::peer_choices(expert_index, peers, local, to_peer);
   if (mode == ExchangeMode::kHostCounts) {
     plan_host_counts(expert_index, to_peer, local);
-    for (const DispatchRows& d : with) *d.out = dispatch(*d.rows, d.wire);
+    for (const DispatchRows& d : with) *d.out = dispatch(*d.rows, d.precision);
   } else {
     plan_device_counts(expert_index, to_peer, local, with);
   }
 }
 
-namespace {
-dist::RowWire row_wire(const ops::ExpertPrecision& wire) {
-  return wire.dispatch == ops::DispatchDtype::kMxfp8 ? dist::RowWire::kMxfp8 : dist::RowWire::kAsIs;
-}
-}  // namespace
-
 size_t ExpertExchange::window_bytes(int ep, int64_t tokens, int64_t top_k, int64_t experts,
                                     int64_t dim, DType row_dtype,
-                                    const ops::ExpertPrecision& wire) {
+                                    const ops::ExpertPrecision& precision) {
   const std::vector<dist::ScatterRowShape> parts = {
-      {top_k, sizeof(int32_t), dist::RowWire::kAsIs},  // the choices
-      {dim, dtype_size(row_dtype), row_wire(wire)},    // the rows
-      {top_k, sizeof(float), dist::RowWire::kAsIs},    // their routing weights
+      {top_k, sizeof(int32_t), RowWire::kAsIs},          // the choices
+      {dim, dtype_size(row_dtype), precision.dispatch},  // the rows
+      {top_k, sizeof(float), RowWire::kAsIs},            // their routing weights
   };
   const size_t counts = static_cast<size_t>(experts / ep + 1) * sizeof(int64_t);
   const size_t plan = dist::scatter_window(ep, tokens, parts, counts).bytes;
   // Combine sends rows as they are; the backward's combine the routing weights' gradient too.
-  const size_t combine = dist::scatter_window(ep, tokens,
-                                              {{top_k, sizeof(float), dist::RowWire::kAsIs},
-                                               {dim, dtype_size(row_dtype), dist::RowWire::kAsIs}},
-                                              0)
-                             .bytes;
+  const size_t combine =
+      dist::scatter_window(
+          ep, tokens,
+          {{top_k, sizeof(float), RowWire::kAsIs}, {dim, dtype_size(row_dtype), RowWire::kAsIs}}, 0)
+          .bytes;
   return std::max(plan, combine);
 }
 
@@ -124,7 +118,7 @@ void ExpertExchange::plan_device_counts(const Tensor& expert_index, const Tensor
   for (const DispatchRows& d : with) {
     check_token_rows(*d.rows);
     *d.out = Tensor::empty({received_tokens_, d.rows->dim(1)}, d.rows->dtype(), device);
-    s.parts.push_back({d.rows, d.out, row_wire(d.wire), d.wire.rule});
+    s.parts.push_back({d.rows, d.out, d.precision.dispatch, d.precision.rule});
   }
   s.to_peers = &sent;
   s.from_peers = &received;
@@ -156,21 +150,21 @@ Tensor ExpertExchange::send_rows(const Tensor& rows) const {
   return received;
 }
 
-Tensor ExpertExchange::dispatch(const Tensor& rows, const ops::ExpertPrecision& wire) const {
+Tensor ExpertExchange::dispatch(const Tensor& rows, const ops::ExpertPrecision& precision) const {
   const Device device = rows.device();
   const profile::Span span("ep.dispatch", device == Device::kCUDA);
   check_token_rows(rows);
   Tensor received = Tensor::empty({received_tokens_, rows.dim(1)}, rows.dtype(), device);
   if (mode_ == ExchangeMode::kDeviceCounts) {  // an MXFP8 wire quantized as it is sent
     dist::RowScatter s = dispatch_scatter();
-    s.parts.push_back({&rows, &received, row_wire(wire), wire.rule});
+    s.parts.push_back({&rows, &received, precision.dispatch, precision.rule});
     ep_->scatter_rows(s);
     return received;
   }
-  if (wire.dispatch == ops::DispatchDtype::kBf16) return send_rows(rows);
+  if (precision.dispatch == RowWire::kAsIs) return send_rows(rows);
   // Each token quantized once, before it is sent (to one rank or several).
   MxTensor out = MxTensor::empty(rows.shape(), MxAxis::kDim0, device);
-  ops::mx_quantize(rows, wire.rule, out);
+  ops::mx_quantize(rows, precision.rule, out);
   MxTensor in = MxTensor::empty({received_tokens_, rows.dim(1)}, MxAxis::kDim0, device);
   in.data() = send_rows(out.data());
   in.scales() = send_rows(out.scales());
@@ -197,7 +191,7 @@ void ExpertExchange::combine(const std::vector<CombineRows>& parts) const {
     s.slot = &return_slot_;
     s.capacity = tokens_;
     for (const CombineRows& p : parts)
-      s.parts.push_back({p.rows, p.out, dist::RowWire::kAsIs, {}, &back_place_, p.residual});
+      s.parts.push_back({p.rows, p.out, RowWire::kAsIs, {}, &back_place_, p.residual});
     ep_->scatter_rows(s);
     return;
   }

@@ -23,8 +23,9 @@
 //   weights) in one exchange. Buffers have the worst case's size: ep * N tokens received,
 //   ep * N * min(k, L) expert rows (rows past the routed ones name no token and are skipped).
 //
-// The MXFP8 wire (dispatch's `wire`) sends 1 + 1/32 bytes per element instead of 2; with device
-// counts the send kernel quantizes the rows and the receive kernel dequantizes them.
+// The MXFP8 wire (precision.dispatch = RowWire::kMxfp8) sends 1 + 1/32 bytes per element instead
+// of 2; with device counts the send kernel quantizes the rows and the receive kernel dequantizes
+// them.
 #pragma once
 #include <vector>
 
@@ -40,11 +41,11 @@ std::string_view exchange_mode_name(ExchangeMode m);  // "host", "device"
 bool parse_exchange_mode(std::string_view name, ExchangeMode* out);
 
 // Rows in token order that the plan dispatches along with the tokens' choices (with device
-// counts in the same exchange): *out is set to what dispatch(*rows, wire) returns.
+// counts in the same exchange): *out is set to what dispatch(*rows, precision) returns.
 struct DispatchRows {
   const Tensor* rows = nullptr;
   Tensor* out = nullptr;
-  ops::ExpertPrecision wire = {};
+  ops::ExpertPrecision precision = {};
 };
 
 class ExpertExchange {
@@ -57,10 +58,11 @@ class ExpertExchange {
 
   // The receive buffer (bytes) that a device path needs for the largest exchange of a layer over
   // `ep` ranks of `tokens` tokens with top_k choices of `experts`: the plan's (the choices, the
-  // counts, rows of `dim` elements of row_dtype on `wire` and their f32 routing weights) or the
-  // backward's combine (the weights' gradient and rows of row_dtype as they are).
+  // counts, rows of `dim` elements of row_dtype on precision.dispatch's wire and their f32
+  // routing weights) or the backward's combine (the weights' gradient and rows of row_dtype as
+  // they are).
   static size_t window_bytes(int ep, int64_t tokens, int64_t top_k, int64_t experts, int64_t dim,
-                             DType row_dtype, const ops::ExpertPrecision& wire);
+                             DType row_dtype, const ops::ExpertPrecision& precision);
 
   int64_t tokens() const { return tokens_; }  // N
   // Rows of dispatch's output: the tokens received (Rt), or with device counts ep * N places.
@@ -73,11 +75,11 @@ class ExpertExchange {
   const Tensor& local_index() const { return local_index_; }
 
   // rows (N, W) in token order, any dtype -> (Rt, W): each token to every rank holding one of
-  // its experts, grouped by source rank, token order within a source. With wire.dispatch =
+  // its experts, grouped by source rank, token order within a source. With precision.dispatch =
   // kMxfp8 the rows travel as MXFP8 (E4M3 data + E8M0 scales, 1 x 32 blocks along the row, the
-  // wire's scale rule), dequantized on arrival into the rows' dtype: they arrive as their MX
+  // precision's scale rule), dequantized on arrival into the rows' dtype: they arrive as their MX
   // values (ops::mx_round_trip along the row; W a multiple of 32).
-  Tensor dispatch(const Tensor& rows, const ops::ExpertPrecision& wire = {}) const;
+  Tensor dispatch(const Tensor& rows, const ops::ExpertPrecision& precision = {}) const;
   // rows (Rt, W) -> out (N, W): each token's rows from the ranks it went to, summed in rank
   // order, plus residual[t] when given (float dtypes). The adjoint of dispatch.
   void combine(const Tensor& rows, Tensor& out, const Tensor* residual = nullptr) const;
