@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 status=0
 : >"$out/gpu_tests.log"
 for f in core gemm grouped_gemm embedding norm rope attention route permute activation loss optim \
-    mx mx_gemm expert_gemm; do
+    mx mx_gemm expert_gemm exchange_layout; do
   "$bundle/test_$f" --gtest_filter='*Gpu*' >>"$out/gpu_tests.log" 2>&1 || status=1
 done
 "$bundle/test_moe_layer" >>"$out/gpu_tests.log" 2>&1 || status=1

@@ -4,6 +4,7 @@
 
 #include "core/mx.h"
 #include "ops/mx.h"
+#include "ops/exchange_layout.h"
 #include "ops/permute.h"
 
 namespace mt::dist {

@@ -32,6 +32,7 @@
 #include "core/tensor.h"
 #include "dist/communicator.h"
 #include "ops/expert_gemm.h"
+#include "ops/exchange_layout.h"
 #include "ops/permute.h"
 
 namespace mt::moe {

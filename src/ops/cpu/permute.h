@@ -8,13 +8,6 @@ namespace mt::ops::cpu {
 
 void make_expert_permutation(const Tensor& expert_index, int64_t num_experts,
                              ExpertPermutation& out, int64_t align, int64_t routed);
-void peer_choices(const Tensor& expert_index, int64_t peers, int64_t experts_per_peer, Tensor& out);
-void peer_counts(const Tensor& expert_index, int64_t peers, int64_t experts_per_peer, Tensor& out);
-void local_choices(const Tensor& expert_index, int64_t rank, int64_t experts_per_peer, Tensor& out,
-                   const Tensor* received_counts);
-void peer_slots(const Tensor& to_peer, int64_t region_rows, Tensor& out);
-void region_slots(const Tensor& received_counts, int64_t capacity, Tensor& out);
-void place_rows(const Tensor& x, const Tensor& slot, int64_t capacity, Tensor& out);
 void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp);
 // out[t] = residual[t] (or 0) + sum_j rows[row_of_choice[t*k + j]], in token order over the k
 // copies: deterministic, no scatter races.

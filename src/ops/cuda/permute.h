@@ -22,25 +22,6 @@ cudaError_t expert_permutation(const int32_t* expert_index, int64_t m, int k, in
                                bool skips, void* workspace, size_t workspace_bytes, int64_t rows,
                                int32_t* source_token, int32_t* row_of_choice, int64_t* offsets,
                                int64_t* segments, cudaStream_t stream);
-// ops::peer_choices (out i32 (n, peers)) and ops::local_choices (n entries).
-cudaError_t peer_choices(const int32_t* index, int64_t n, int k, int peers, int per_peer,
-                         int32_t* out, cudaStream_t stream);
-// received: null, or i64 (peers, per_peer + 1) counts whose last column masks each region of
-// `region` rows (k entries each) past its count.
-cudaError_t local_choices(const int32_t* index, int64_t n, int k, int first, int per_peer,
-                          const int64_t* received, int64_t region, int32_t* out,
-                          cudaStream_t stream);
-// ops::peer_slots: to_peer and out i32 (n, peers).
-cudaError_t peer_slots(const int32_t* to_peer, int64_t n, int peers, int64_t region_rows,
-                       int32_t* out, cudaStream_t stream);
-cudaError_t region_slots(const int64_t* received, int peers, int width, int64_t capacity,
-                         int32_t* out, cudaStream_t stream);
-// ops::place_rows over rows of row_bytes.
-cudaError_t place_rows(const void* x, int64_t n, int64_t row_bytes, const int32_t* slot, int peers,
-                       int64_t capacity, void* out, cudaStream_t stream);
-// ops::peer_counts: counts i64 (peers, per_peer + 1); peers * (per_peer + 1) ints of shared memory.
-cudaError_t peer_counts(const int32_t* index, int64_t n, int k, int peers, int per_peer,
-                        int64_t* counts, cudaStream_t stream);
 cudaError_t gather_rows(DType s, const void* src, const int32_t* index, void* dst, int64_t rows,
                         int64_t width, cudaStream_t stream);
 // out[t] = residual[t] (when not null) + sum_j rows[row_of_choice[t*k + j]].
