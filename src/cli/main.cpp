@@ -61,7 +61,7 @@ void add_config_options(CLI::App* cmd, ConfigArgs& a) {
 // (`moetrain launch` or torchrun) with at least as many visible GPUs as ranks: every rank of a
 // one-host job sees the same counts, so all decide alike. Several hosts: say "cuda" explicitly.
 void choose_device(mt::Config& c, const std::optional<mt::dist::Rendezvous>& rdv) {
-  const bool launched = rdv.has_value();
+  [[maybe_unused]] const bool launched = rdv.has_value();  // read where NCCL and CUDA are
   int gpus = 0;
 #if MOETRAIN_HAS_CUDA
   gpus = mt::cuda::device_count();

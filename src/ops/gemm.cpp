@@ -56,7 +56,7 @@ void gpu_gemm(const Tensor& a, Transpose ta, const Tensor& b, Transpose tb, cons
 }  // namespace
 
 void gemm(const Tensor& a, Transpose ta, const Tensor& b, Transpose tb, Tensor& c, Accumulate acc) {
-  const GemmDims g = check_gemm(a, ta, b, tb, c);
+  [[maybe_unused]] const GemmDims g = check_gemm(a, ta, b, tb, c);
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(a))
     return gpu_gemm(a, ta, b, tb, nullptr, c, acc == Accumulate::kYes ? 1.0f : 0.0f, g);

@@ -46,7 +46,7 @@ void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Te
                            Tensor& lse, Tensor& loss_sum, Tensor* token_loss) {
   check_loss_inputs(logits, targets, mask, lse);
   check_scalar(loss_sum, logits.device(), "loss sum");
-  const int64_t n = logits.dim(0), v = logits.dim(1);
+  const int64_t n = logits.dim(0);
   if (token_loss) {
     expect_shape(*token_loss, {n}, "per-token loss");
     MT_CHECK(token_loss->dtype() == lse.dtype() && token_loss->device() == logits.device(),
@@ -60,7 +60,8 @@ void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Te
     Tensor loss = token_loss ? *token_loss : cuda::gpu_empty({n}, DType::kF32);
     MT_CUDA_CHECK(cuda::kernels::cross_entropy_forward(
         cuda::storage_of(logits, "logits"), logits.raw(), targets.data<int32_t>(),
-        mask.data<uint8_t>(), lse.data<float>(), loss.data<float>(), loss_sum.data<double>(), n, v,
+        mask.data<uint8_t>(), lse.data<float>(), loss.data<float>(), loss_sum.data<double>(), n,
+        logits.dim(1),
         cuda::stream()));
     return;
   }

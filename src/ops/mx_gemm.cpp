@@ -21,7 +21,7 @@ void mx_grouped_gemm(const MxTensor& a, const Tensor& b, const ExpertRows& rows,
   MT_CHECK(b.ndim() == 3 && b.dim(2) == a.shape()[1],
            "mx_grouped_gemm: b must be (experts, P, {}) for a {}, got {}", a.shape()[1],
            shape_str(a.shape()), shape_str(b.shape()));
-  const int64_t m = a.shape()[0], q = a.shape()[1], experts = b.dim(0), p = b.dim(1);
+  const int64_t m = a.shape()[0], p = b.dim(1);
   expect_shape(out, {m, p}, "mx_grouped_gemm out");
   MT_CHECK(a.device() == b.device() && out.device() == b.device(),
            "mx_grouped_gemm: a, b and out must be on one device");
@@ -32,6 +32,7 @@ void mx_grouped_gemm(const MxTensor& a, const Tensor& b, const ExpertRows& rows,
     expect_dtype(out, DType::kBF16, "mx_grouped_gemm out");
 #if MOETRAIN_HAS_CUTLASS
     if (rows.align % cuda::kernels::kFixedRowTile == 0 && p % 8 == 0) {
+      const int64_t q = a.shape()[1], experts = b.dim(0);
       expect_dtype(rows.segments, DType::kI64, "expert segments");
       MT_CHECK(rows.segments.device() == Device::kCUDA && rows.segments.numel() == experts + 1,
                "expert segments must be {} i64 on the GPU", experts + 1);

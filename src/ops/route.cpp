@@ -40,13 +40,14 @@ bool parse_routing_mode(std::string_view name, RoutingMode* out) {
 void router_forward(const Tensor& logits, const Tensor& bias, const RouterOptions& opt,
                     Routing& out) {
   MT_CHECK(logits.ndim() == 2, "router logits must be (N, E), got {}", shape_str(logits.shape()));
-  const int64_t n = logits.dim(0), e = logits.dim(1), k = opt.top_k;
+  const int64_t e = logits.dim(1), k = opt.top_k;
   MT_CHECK(k >= 1 && k <= e, "top_k {} outside [1, {}]", k, e);
   if (bias.defined()) expect_shape(bias, {e}, "router bias");
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(logits)) {
     const profile::Phase phase("gpu.router_forward");
     expect_dtype(logits, DType::kF32, "router logits (GPU: f32)");
+    const int64_t n = logits.dim(0);
     MT_CHECK(e <= cuda::kernels::kMaxRoutedExperts && k <= cuda::kernels::kMaxRoutedTopK,
              "GPU routing: {} experts, top-{}; the kernels take up to {} experts and top-{}", e, k,
              cuda::kernels::kMaxRoutedExperts, cuda::kernels::kMaxRoutedTopK);
@@ -66,10 +67,11 @@ void router_forward(const Tensor& logits, const Tensor& bias, const RouterOption
 }
 
 AuxStats router_aux_stats(const Routing& r, const Tensor& padding) {
-  const int64_t n = r.scores.dim(0), e = r.scores.dim(1), k = r.expert_index.dim(1);
+  const int64_t n = r.scores.dim(0);
   check_padding(padding, n);
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(r.scores)) {
+    const int64_t e = r.scores.dim(1), k = r.expert_index.dim(1);
     const profile::Phase phase("gpu.router_aux_stats");
     const Tensor pad_tensor = padding.defined() ? cuda::on_device(padding) : Tensor();
     const uint8_t* pad = pad_tensor.defined() ? pad_tensor.data<uint8_t>() : nullptr;

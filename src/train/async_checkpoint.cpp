@@ -27,6 +27,7 @@ constexpr double kRankFilesTimeoutS = 1800;
 std::string refusal_path(const std::string& file) {
   return file + ".not_finite";
 }
+#if MOETRAIN_HAS_CUDA
 // Faults a new buffer's pages in on every core (writing a byte of each): page-locking faults them
 // one thread at a time, at the kernel's page-clearing rate.
 void fault_in(void* data, size_t bytes) {
@@ -36,6 +37,7 @@ void fault_in(void* data, size_t bytes) {
 #pragma omp parallel for schedule(static)
   for (int64_t i = 0; i < pages; ++i) p[static_cast<size_t>(i) * kPage] = 0;
 }
+#endif
 }  // namespace
 
 AsyncCheckpointWriter::AsyncCheckpointWriter(dist::Communicator* world, int64_t keep,
