@@ -3,7 +3,7 @@
 // device copy, on the issue's 16384 x 2048 bf16 tensor and the experts' weights (128 x 2048 x
 // 768), and checks every variant's bytes and scales against the shipped kernel's (which the GPU
 // tests hold bit for bit to the CPU reference). JSON lines; the winner goes into mx.cu through
-// test_cuda_mx. Built on request (`cmake --build build --target bench_mx_dim1_variants`).
+// test_mx's Gpu* cases. Built on request (`cmake --build build --target bench_mx_dim1_variants`).
 #include <cuda_runtime.h>
 
 #include <algorithm>
