@@ -123,7 +123,7 @@ void run(int rank, int world, mt::dist::Communicator& boot, mt::dist::Communicat
   const char* ctas_env = std::getenv("BENCH_CTAS");  // the exchange kernel's blocks
   const int ctas = ctas_env ? std::atoi(ctas_env) : 32;
   const size_t reserved =
-      ep.reserve_scatter(mt::moe::ExpertExchange::window_bytes(world, kTokens, kTopK, kExperts,
+      ep.reserve_peer_window(mt::moe::ExpertExchange::window_bytes(world, kTokens, kTopK, kExperts,
                                                                kDim, DType::kBF16, {}),
                          ctas, &why);
   const Tensor weights = mt::bench::random_bf16({kTokens, kTopK}, 5 + rank, 1.0)

@@ -26,6 +26,7 @@
 #include "dist/mesh.h"
 #include "fsdp/fsdp.h"
 #include "moe/exchange/expert_exchange.h"
+#include "moe/exchange/row_scatter.h"
 #include "moe/moe_layer.h"
 #include "ops/elementwise.h"
 #include "ops/mx.h"
@@ -164,7 +165,7 @@ TEST(InProcess, ScatterRowsPlacesEveryRowAtItsSlot) {
       rows.data<int32_t>()[i] = static_cast<int32_t>(1000 * r + i);
     Tensor recv = Tensor::empty({world * capacity, 3}, DType::kI32);
     std::fill(recv.data<int32_t>(), recv.data<int32_t>() + recv.numel(), -7);
-    c.scatter_rows(rows, slot, capacity, recv);
+    moe::scatter_rows(c, rows, slot, capacity, recv);
     for (int q = 0; q < world; ++q) {
       int64_t s = 0;
       for (int64_t t = 0; t < n; ++t) {
@@ -177,7 +178,8 @@ TEST(InProcess, ScatterRowsPlacesEveryRowAtItsSlot) {
     }
     Tensor bad = slot.clone();
     bad.data<int32_t>()[0] = static_cast<int32_t>(capacity);
-    const std::string e = testing::error_of([&] { c.scatter_rows(rows, bad, capacity, recv); });
+    const std::string e =
+        testing::error_of([&] { moe::scatter_rows(c, rows, bad, capacity, recv); });
     EXPECT_NE(e.find("slot 7 of row 0 for rank 0: 7 places per rank"), std::string::npos) << e;
   });
 }
@@ -231,13 +233,13 @@ TEST(InProcess, ScatterRowsMovesEveryPartWithOneLayout) {
         counts.data<int64_t>()[p * 2 + 1] = 10 * r + p;
       }
       Tensor counts_in = Tensor::poisoned({world, 2}, DType::kI64);
-      dist::RowScatter s;
+      moe::RowScatter s;
       s.slot = &slot;
       s.capacity = capacity;
       s.parts = {{&ids, &ids_in}, {&f64, &f64_in}, {&x, &x_in, RowWire::kMxfp8, rule}};
       s.to_peers = &counts;
       s.from_peers = &counts_in;
-      c.scatter_rows(s);
+      moe::scatter_rows(c, s);
       for (int q = 0; q < world; ++q) {
         const Tensor theirs = ids_of(q), their_f64 = testing::randn({n, 5}, 40 + q);
         Tensor their_mx = Tensor::empty({n, width}, DType::kF32);
@@ -264,22 +266,22 @@ TEST(InProcess, ScatterRowsMovesEveryPartWithOneLayout) {
       EXPECT_NE(std::memcmp(mine.data<float>(), x.data<float>(), x.nbytes()), 0);
 
       Tensor narrow = Tensor::empty({world * capacity, 4}, DType::kF64);
-      dist::RowScatter bad = s;
+      moe::RowScatter bad = s;
       bad.parts = {{&f64, &narrow}};
       bad.to_peers = nullptr;
       bad.from_peers = nullptr;
-      std::string e = testing::error_of([&] { c.scatter_rows(bad); });
+      std::string e = testing::error_of([&] { moe::scatter_rows(c, bad); });
       EXPECT_NE(e.find("scatter_rows of f64 (6, 5) into f64 (24, 4)"), std::string::npos) << e;
       Tensor odd = Tensor::empty({n, 40}, DType::kF32),
              odd_in = Tensor::empty({world * capacity, 40}, DType::kF32);
       bad.parts = {{&odd, &odd_in, RowWire::kMxfp8}};
-      e = testing::error_of([&] { c.scatter_rows(bad); });
+      e = testing::error_of([&] { moe::scatter_rows(c, bad); });
       EXPECT_NE(e.find("an MXFP8 part of f32 (6, 40) (needs f32, bf16 or f64 rows"),
                 std::string::npos)
           << e;
       bad.parts = {};
       bad.to_peers = &counts;
-      e = testing::error_of([&] { c.scatter_rows(bad); });
+      e = testing::error_of([&] { moe::scatter_rows(c, bad); });
       EXPECT_NE(e.find("per-peer rows need both"), std::string::npos) << e;
     });
 }
@@ -316,11 +318,11 @@ TEST(InProcess, ScatterRowsSumsAPartIntoItsRows) {
     const Tensor residual = testing::randn({m, width}, 80 + r);
     for (const bool with_residual : {false, true}) {
       Tensor out = Tensor::poisoned({m, width}, DType::kF64);
-      dist::RowScatter s;
+      moe::RowScatter s;
       s.slot = &slot;
       s.capacity = capacity;
       s.parts = {{&rows, &out, RowWire::kAsIs, {}, &index, with_residual ? &residual : nullptr}};
-      c.scatter_rows(s);
+      moe::scatter_rows(c, s);
       int64_t summed = 0;
       for (int64_t i = 0; i < m; ++i)
         for (int64_t d = 0; d < width; ++d) {
@@ -336,16 +338,16 @@ TEST(InProcess, ScatterRowsSumsAPartIntoItsRows) {
     }
     Tensor out = Tensor::empty({m, width}, DType::kF64);
     Tensor short_index = index.slice_rows(0, m - 1);
-    dist::RowScatter bad;
+    moe::RowScatter bad;
     bad.slot = &slot;
     bad.capacity = capacity;
     bad.parts = {{&rows, &out, RowWire::kAsIs, {}, &short_index}};
-    std::string e = testing::error_of([&] { c.scatter_rows(bad); });
+    std::string e = testing::error_of([&] { moe::scatter_rows(c, bad); });
     EXPECT_NE(e.find("scatter_rows of f64 (5, 4) into f64 (7, 4)"), std::string::npos) << e;
     const Tensor wide = testing::randn({n, 32}, 90).to(DType::kF32);
     Tensor wide_out = Tensor::empty({m, 32}, DType::kF32);
     bad.parts = {{&wide, &wide_out, RowWire::kMxfp8, {}, &index}};
-    e = testing::error_of([&] { c.scatter_rows(bad); });
+    e = testing::error_of([&] { moe::scatter_rows(c, bad); });
     EXPECT_NE(e.find("a summed part of f32 rows on the MXFP8 wire"), std::string::npos) << e;
   });
 }

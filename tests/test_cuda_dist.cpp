@@ -14,7 +14,8 @@
 #include "core/mx.h"
 #include "core/rng.h"
 #include "dist/nccl_backend.h"
-#include "dist/nccl_lsa.h"
+#include "moe/exchange/lsa.h"
+#include "moe/exchange/row_scatter.h"
 #include "moe/moe_layer.h"
 #include "ops/elementwise.h"
 #include "ops/mx.h"
@@ -325,7 +326,7 @@ TEST(LsaScatter, EmulatedRanksPlaceEveryPartOfEveryCodec) {
       struct OnDevice {
         std::vector<Tensor> send, recv;
         Tensor slot, counts, counts_in, window;
-        dist::LsaPlan plan;
+        moe::LsaPlan plan;
       };
       std::vector<OnDevice> dev(ranks);
       std::vector<void*> windows(ranks);
@@ -333,7 +334,7 @@ TEST(LsaScatter, EmulatedRanksPlaceEveryPartOfEveryCodec) {
         OnDevice& d = dev[r];
         for (const Tensor* t : cases[r].parts()) d.send.push_back(t->to(Device::kCUDA));
         d.send.push_back(cases[r].rows_f32.to(Device::kCUDA));
-        dist::RowScatter s;
+        moe::RowScatter s;
         d.slot = cases[r].slot.to(Device::kCUDA);
         s.slot = &d.slot;
         s.capacity = n;
@@ -341,19 +342,19 @@ TEST(LsaScatter, EmulatedRanksPlaceEveryPartOfEveryCodec) {
         for (size_t i = 0; i < d.send.size(); ++i) {
           d.recv.push_back(
               Tensor::poisoned({ranks * n, d.send[i].dim(1)}, d.send[i].dtype(), Device::kCUDA));
-          s.parts.push_back({&d.send[i], &d.recv[i],
-                             i >= 3 ? RowWire::kMxfp8 : RowWire::kAsIs, rule});
+          s.parts.push_back(
+              {&d.send[i], &d.recv[i], i >= 3 ? RowWire::kMxfp8 : RowWire::kAsIs, rule});
         }
         d.counts = cases[r].counts.to(Device::kCUDA);
         d.counts_in = Tensor::poisoned({ranks, 2}, DType::kI64, Device::kCUDA);
         s.to_peers = &d.counts;
         s.from_peers = &d.counts_in;
-        dist::check_row_scatter(s, ranks);
-        ASSERT_TRUE(dist::make_lsa_plan(s, ranks, SIZE_MAX, &d.plan)) << what;
+        moe::check_row_scatter(s, ranks);
+        ASSERT_TRUE(moe::make_lsa_plan(s, ranks, SIZE_MAX, &d.plan)) << what;
         // The codecs this case exists to cover, one per part.
-        const dist::LsaCodec codecs[] = {dist::LsaCodec::kCopy16, dist::LsaCodec::kCopy4,
-                                         dist::LsaCodec::kCopy1, dist::LsaCodec::kMxfp8Bf16,
-                                         dist::LsaCodec::kMxfp8F32};
+        const moe::LsaCodec codecs[] = {moe::LsaCodec::kCopy16, moe::LsaCodec::kCopy4,
+                                         moe::LsaCodec::kCopy1, moe::LsaCodec::kMxfp8Bf16,
+                                         moe::LsaCodec::kMxfp8F32};
         ASSERT_EQ(d.plan.n_parts, 5) << what;
         for (int i = 0; i < 5; ++i)
           EXPECT_EQ(d.plan.parts[i].codec, codecs[i]) << what << " part " << i;
@@ -361,10 +362,10 @@ TEST(LsaScatter, EmulatedRanksPlaceEveryPartOfEveryCodec) {
                                     Device::kCUDA);
         windows[r] = d.window.raw();
       }
-      std::vector<dist::LsaPlan> plans;
+      std::vector<moe::LsaPlan> plans;
       for (const OnDevice& d : dev) plans.push_back(d.plan);
       ASSERT_EQ(cudaSuccess,
-                dist::emulated_scatter(plans.data(), ranks, windows.data(), 8, cuda::stream()));
+                moe::emulated_scatter(plans.data(), ranks, windows.data(), 8, cuda::stream()));
       cuda::synchronize();
       for (int to = 0; to < ranks; ++to)
         for (int from = 0; from < ranks; ++from)
@@ -381,7 +382,7 @@ TEST(LsaScatter, EmulatedRanksPlaceEveryPartOfEveryCodec) {
 struct SumCase {
   std::vector<Tensor> send, places, sums, want, residual;
   Tensor slot, index, window;
-  dist::LsaPlan plan, sum_plan;
+  moe::LsaPlan plan, sum_plan;
 };
 
 void plan_sums(const std::vector<ScatterCase>& cases, int r, int ranks, int64_t n, int64_t m,
@@ -401,7 +402,7 @@ void plan_sums(const std::vector<ScatterCase>& cases, int r, int ranks, int64_t 
       index.data<int32_t>()[i * ranks + q] = i % 7 == 3 ? -1 : place[(3 * i + q) % n];
   }
   d.index = index.to(Device::kCUDA);
-  dist::RowScatter plain, summed;
+  moe::RowScatter plain, summed;
   plain.slot = summed.slot = &d.slot;
   plain.capacity = summed.capacity = n;
   d.places.reserve(4);
@@ -418,13 +419,13 @@ void plan_sums(const std::vector<ScatterCase>& cases, int r, int ranks, int64_t 
     summed.parts.push_back(
         {&x, &d.sums[i], RowWire::kAsIs, {}, &d.index, i >= 2 ? &d.residual[i] : nullptr});
   }
-  dist::check_row_scatter(summed, ranks);
-  ASSERT_TRUE(dist::make_lsa_plan(plain, ranks, SIZE_MAX, &d.plan));
-  ASSERT_TRUE(dist::make_lsa_plan(summed, ranks, SIZE_MAX, &d.sum_plan));
-  const dist::LsaSum sums[] = {dist::LsaSum::kF32, dist::LsaSum::kBf16, dist::LsaSum::kBf16,
-                               dist::LsaSum::kF32};
-  const dist::LsaCodec codecs[] = {dist::LsaCodec::kCopy4, dist::LsaCodec::kCopy1,
-                                   dist::LsaCodec::kCopy16, dist::LsaCodec::kCopy16};
+  moe::check_row_scatter(summed, ranks);
+  ASSERT_TRUE(moe::make_lsa_plan(plain, ranks, SIZE_MAX, &d.plan));
+  ASSERT_TRUE(moe::make_lsa_plan(summed, ranks, SIZE_MAX, &d.sum_plan));
+  const moe::LsaSum sums[] = {moe::LsaSum::kF32, moe::LsaSum::kBf16, moe::LsaSum::kBf16,
+                               moe::LsaSum::kF32};
+  const moe::LsaCodec codecs[] = {moe::LsaCodec::kCopy4, moe::LsaCodec::kCopy1,
+                                   moe::LsaCodec::kCopy16, moe::LsaCodec::kCopy16};
   for (int i = 0; i < 4; ++i) {
     EXPECT_EQ(d.sum_plan.parts[i].sum, sums[i]) << "part " << i;
     EXPECT_EQ(d.sum_plan.parts[i].codec, codecs[i]) << "part " << i;
@@ -462,7 +463,7 @@ TEST(LsaScatter, EmulatedRanksSumTheirPlacesAsTheyArrive) {
     for (int r = 0; r < ranks; ++r) cases.emplace_back(r, ranks, n, &sent[r]);
     std::vector<SumCase> dev(ranks);
     std::vector<void*> windows(ranks);
-    std::vector<dist::LsaPlan> plain, summed;
+    std::vector<moe::LsaPlan> plain, summed;
     for (int r = 0; r < ranks; ++r) {
       ASSERT_NO_FATAL_FAILURE(plan_sums(cases, r, ranks, n, m, dev[r])) << what;
       windows[r] = dev[r].window.raw();
@@ -470,10 +471,10 @@ TEST(LsaScatter, EmulatedRanksSumTheirPlacesAsTheyArrive) {
       summed.push_back(dev[r].sum_plan);
     }
     ASSERT_EQ(cudaSuccess,
-              dist::emulated_scatter(plain.data(), ranks, windows.data(), 8, cuda::stream()));
+              moe::emulated_scatter(plain.data(), ranks, windows.data(), 8, cuda::stream()));
     for (SumCase& d : dev) sums_from_places(d);
     ASSERT_EQ(cudaSuccess,
-              dist::emulated_scatter(summed.data(), ranks, windows.data(), 8, cuda::stream()));
+              moe::emulated_scatter(summed.data(), ranks, windows.data(), 8, cuda::stream()));
     cuda::synchronize();
     for (int r = 0; r < ranks; ++r) expect_sums(dev[r], what + ", rank " + std::to_string(r));
   }
@@ -492,11 +493,11 @@ TEST(LsaScatter, OneRankThroughNcclSumsAsTheAllToAllPath) {
     SumCase d;
     ASSERT_NO_FATAL_FAILURE(plan_sums(cases, 0, 1, n, m, d));
     std::string why;
-    const size_t reserved = c.reserve_scatter(1 << 20, 8, &why);
+    const size_t reserved = c.reserve_peer_window(1 << 20, 8, &why);
     ASSERT_GT(reserved, 0u) << why;
     for (size_t i = 0; i < 4; ++i)
       d.want.push_back(Tensor::poisoned(d.sums[i].shape(), d.sums[i].dtype(), Device::kCUDA));
-    dist::RowScatter s;
+    moe::RowScatter s;
     s.slot = &d.slot;
     s.capacity = n;
     for (size_t i = 0; i < 4; ++i)
@@ -506,14 +507,14 @@ TEST(LsaScatter, OneRankThroughNcclSumsAsTheAllToAllPath) {
                          {},
                          &d.index,
                          i >= 2 ? &d.residual[i] : nullptr});
-    dist::LsaPlan plan;
-    ASSERT_TRUE(dist::make_lsa_plan(s, 1, reserved, &plan));  // the device path takes it
-    c.dist::Communicator::scatter_rows(s);                    // the definition's path
+    moe::LsaPlan plan;
+    ASSERT_TRUE(moe::make_lsa_plan(s, 1, reserved, &plan));  // the device path takes it
+    moe::scatter_rows(c, s, moe::ScatterPath::kAllToAll);    // the definition's path
     for (size_t i = 0; i < 4; ++i) s.parts[i].recv = &d.sums[i];
-    c.scatter_rows(s);
+    moe::scatter_rows(c, s);
     cuda::synchronize();
     expect_sums(d, "one NCCL rank");
-    auto graph = cuda::Graph::capture([&] { c.scatter_rows(s); });
+    auto graph = cuda::Graph::capture([&] { moe::scatter_rows(c, s); });
     for (Tensor& t : d.sums) cudaMemset(t.raw(), 0xFF, t.nbytes());
     graph->launch();
     cuda::synchronize();
@@ -535,23 +536,22 @@ TEST(LsaScatter, OneRankThroughNcclPlacesEveryPart) {
     send.push_back(host.rows_f32.to(Device::kCUDA));
     Tensor slot = host.slot.to(Device::kCUDA), counts = host.counts.to(Device::kCUDA);
     Tensor counts_in = Tensor::poisoned({1, 2}, DType::kI64, Device::kCUDA);
-    dist::RowScatter s;
+    moe::RowScatter s;
     s.slot = &slot;
     s.capacity = n;
     recv.reserve(send.size());
     for (size_t i = 0; i < send.size(); ++i) {
       recv.push_back(Tensor::poisoned({n, send[i].dim(1)}, send[i].dtype(), Device::kCUDA));
-      s.parts.push_back(
-          {&send[i], &recv[i], i >= 3 ? RowWire::kMxfp8 : RowWire::kAsIs});
+      s.parts.push_back({&send[i], &recv[i], i >= 3 ? RowWire::kMxfp8 : RowWire::kAsIs});
     }
     s.to_peers = &counts;
     s.from_peers = &counts_in;
     std::string why;
-    const size_t reserved = c.reserve_scatter(1 << 20, 8, &why);
+    const size_t reserved = c.reserve_peer_window(1 << 20, 8, &why);
     ASSERT_GT(reserved, 0u) << why;
-    dist::LsaPlan plan;
-    ASSERT_TRUE(dist::make_lsa_plan(s, 1, reserved, &plan));  // the device path takes it
-    c.scatter_rows(s);
+    moe::LsaPlan plan;
+    ASSERT_TRUE(moe::make_lsa_plan(s, 1, reserved, &plan));  // the device path takes it
+    moe::scatter_rows(c, s);
     cuda::synchronize();
     expect_scattered(host, 0, 0, 1, n, recv, counts_in, MxScaleRule::kRceil, "one NCCL rank");
     // The path without the device API (each region whole through NCCL's all-to-all) gives the same.
@@ -560,7 +560,7 @@ TEST(LsaScatter, OneRankThroughNcclPlacesEveryPart) {
       s.parts[i].recv = &recv[i];
     }
     counts_in = Tensor::poisoned({1, 2}, DType::kI64, Device::kCUDA);
-    c.dist::Communicator::scatter_rows(s);
+    moe::scatter_rows(c, s, moe::ScatterPath::kAllToAll);
     cuda::synchronize();
     expect_scattered(host, 0, 0, 1, n, recv, counts_in, MxScaleRule::kRceil,
                      "one NCCL rank, all-to-all");
@@ -568,9 +568,9 @@ TEST(LsaScatter, OneRankThroughNcclPlacesEveryPart) {
     for (const bool device_path : {true, false}) {
       auto graph = cuda::Graph::capture([&] {
         if (device_path)
-          c.scatter_rows(s);
+          moe::scatter_rows(c, s);
         else
-          c.dist::Communicator::scatter_rows(s);
+          moe::scatter_rows(c, s, moe::ScatterPath::kAllToAll);
       });
       for (Tensor& t : recv) cudaMemset(t.raw(), 0xFF, t.nbytes());
       cudaMemset(counts_in.raw(), 0xFF, counts_in.nbytes());
@@ -599,7 +599,7 @@ TEST(MoeLayer, OneRankChunksOnTheLaneGiveTheChunksInTurn) {
     c.n_experts = e;
     c.top_k = k;
     std::string why;
-    ASSERT_GT(comm.reserve_scatter(
+    ASSERT_GT(comm.reserve_peer_window(
                   moe::ExpertExchange::window_bytes(1, n, k, e, d, DType::kBF16, {}), 16, &why),
               0u)
         << why;

@@ -18,7 +18,7 @@
 #include "core/cuda/check.h"
 #include "core/error.h"
 #include "core/log.h"
-#include "dist/nccl_lsa.h"
+#include "dist/peer_window.h"
 
 namespace mt::dist {
 
@@ -35,15 +35,12 @@ namespace {
   } while (0)
 
 // The dtype table (core/dtype.h) holds NCCL's type numbers without NCCL's header.
-static_assert(dtype_info(DType::kF32).nccl == ncclFloat32 &&
-              dtype_info(DType::kF64).nccl == ncclFloat64 &&
-              dtype_info(DType::kBF16).nccl == ncclBfloat16 &&
-              dtype_info(DType::kE4M3).nccl == ncclFloat8e4m3 &&
-              dtype_info(DType::kE8M0).nccl == ncclUint8 &&
-              dtype_info(DType::kI32).nccl == ncclInt32 &&
-              dtype_info(DType::kI64).nccl == ncclInt64 &&
-              dtype_info(DType::kU8).nccl == ncclUint8 &&
-              dtype_info(DType::kF16).nccl == ncclFloat16);
+static_assert(
+    dtype_info(DType::kF32).nccl == ncclFloat32 && dtype_info(DType::kF64).nccl == ncclFloat64 &&
+    dtype_info(DType::kBF16).nccl == ncclBfloat16 &&
+    dtype_info(DType::kE4M3).nccl == ncclFloat8e4m3 && dtype_info(DType::kE8M0).nccl == ncclUint8 &&
+    dtype_info(DType::kI32).nccl == ncclInt32 && dtype_info(DType::kI64).nccl == ncclInt64 &&
+    dtype_info(DType::kU8).nccl == ncclUint8 && dtype_info(DType::kF16).nccl == ncclFloat16);
 
 ncclDataType_t nccl_type(DType t) {
   MT_CHECK(dtype_info(t).nccl >= 0, "NCCL cannot move {} tensors", dtype_name(t));
@@ -78,12 +75,12 @@ class NcclCommunicator final : public Communicator {
     wake_.notify_all();
     if (failed) {          // aborted: nothing of NCCL's is safe to call, and the watchdog ends the
       watchdog_.detach();  // process if it outlives the grace period (it no longer reads `this`)
-      (void)lsa_.release();
+      (void)window_.release();
       return;
     }
     watchdog_.join();
     cudaDeviceSynchronize();
-    lsa_.reset();  // its window and device communicator belong to comm_
+    window_.reset();  // its window and device communicator belong to comm_
     ncclCommDestroy(comm_);
     cudaStreamDestroy(stream_);
     cudaEventDestroy(ready_);
@@ -166,28 +163,15 @@ class NcclCommunicator final : public Communicator {
     finish_on_host("all_to_all", r, recv);
   }
 
-  size_t reserve_scatter(size_t bytes, int ctas, std::string* why) override {
-    begin("reserve_scatter");
-    if (lsa_ && lsa_->bytes() >= bytes) return lsa_->bytes();
-    lsa_.reset();
-    lsa_ = LsaScatter::create(comm_, bytes, ctas, why);
-    return lsa_ ? lsa_->bytes() : 0;
+  size_t reserve_peer_window(size_t bytes, int ctas, std::string* why) override {
+    begin("reserve_peer_window");
+    if (window_ && window_->bytes() >= bytes) return window_->bytes();
+    window_.reset();
+    window_ = PeerWindow::create(comm_, bytes, ctas, why);
+    return window_ ? window_->bytes() : 0;
   }
 
-  using Communicator::scatter_rows;
-  void scatter_rows(const RowScatter& s) override {
-    check_row_scatter(s, size_);
-    LsaPlan plan;
-    if (!lsa_ || !make_lsa_plan(s, size_, lsa_->bytes(), &plan))
-      return Communicator::scatter_rows(s);
-    begin("scatter_rows");
-    MT_CUDA_CHECK(lsa_->scatter(plan, cuda::stream()));
-    // A peer that never arrives at the kernel's barriers leaves it spinning: the watchdog sees
-    // it unfinished and ends the rank (a replayed graph's kernels are watched by watch_queued).
-    cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
-    MT_CUDA_CHECK(cudaStreamIsCapturing(cuda::stream(), &capturing));
-    if (capturing == cudaStreamCaptureStatusNone) hand_to_watchdog("scatter_rows", cuda::stream());
-  }
+  const PeerWindow* peer_window() const override { return window_.get(); }
 
   void barrier() override {
     Tensor token = Tensor::zeros({1}, DType::kF32, Device::kCUDA);
@@ -376,9 +360,9 @@ class NcclCommunicator final : public Communicator {
   static constexpr std::chrono::seconds kAbortGrace{15};
 
   ncclComm_t comm_;
-  std::unique_ptr<LsaScatter> lsa_;  // scatter_rows' device path, once reserved
-  cudaStream_t stream_ = nullptr;    // this communicator's collectives
-  cudaEvent_t ready_ = nullptr;      // the compute stream's point a collective starts after
+  std::unique_ptr<PeerWindow> window_;  // the exchange's device path, once reserved
+  cudaStream_t stream_ = nullptr;       // this communicator's collectives
+  cudaEvent_t ready_ = nullptr;         // the compute stream's point a collective starts after
   int device_;
   int rank_ = 0, size_ = 1;
   double timeout_s_;
@@ -415,66 +399,6 @@ std::unique_ptr<Communicator> connect_nccl_world(const Rendezvous& r, Communicat
   ncclComm_t comm = nullptr;
   MT_NCCL_CHECK(ncclCommInitRank(&comm, r.world, id, r.rank));
   return std::make_unique<NcclCommunicator>(comm, r.local_rank, r.timeout_s);
-}
-
-bool make_lsa_plan(const RowScatter& s, int ranks, size_t window_limit, LsaPlan* plan) {
-  if (s.parts.size() > static_cast<size_t>(kLsaMaxParts) || s.slot->device() != Device::kCUDA)
-    return false;
-  std::vector<ScatterRowShape> shapes;
-  for (const ScatterPart& part : s.parts) {
-    if (part.send->device() != Device::kCUDA) return false;
-    shapes.push_back({part.send->dim(1), dtype_size(part.send->dtype()), part.wire});
-  }
-  const size_t peer_row_bytes = s.to_peers ? s.to_peers->nbytes() / ranks : 0;
-  if (s.to_peers && (s.to_peers->device() != Device::kCUDA || peer_row_bytes % 4 != 0))
-    return false;
-  const ScatterWindow window = scatter_window(ranks, s.capacity, shapes, peer_row_bytes);
-  if (window.bytes > window_limit) return false;
-  *plan = LsaPlan{};
-  plan->n_parts = static_cast<int>(s.parts.size());
-  plan->n = s.slot->dim(0);
-  plan->slot = s.slot->data<int32_t>();
-  plan->capacity = s.capacity;
-  plan->to_peers = s.to_peers ? s.to_peers->raw() : nullptr;
-  plan->from_peers = s.from_peers ? s.from_peers->raw() : nullptr;
-  plan->peer_row_bytes = static_cast<int64_t>(peer_row_bytes);
-  plan->peer_offset = window.peer_rows;
-  plan->window_bytes = window.bytes;
-  for (size_t i = 0; i < s.parts.size(); ++i) {
-    const ScatterPart& part = s.parts[i];
-    LsaPart& out = plan->parts[i];
-    out.send = part.send->numel() ? part.send->raw() : nullptr;
-    out.recv = part.recv->numel() ? part.recv->raw() : nullptr;
-    out.width = part.send->dim(1);
-    out.elem_bytes = static_cast<int64_t>(dtype_size(part.send->dtype()));
-    out.rule = part.rule;
-    out.data_offset = window.data[i];
-    out.scales_offset = window.scales[i];
-    const DType dt = part.send->dtype();
-    const bool kernel_rows = dt == DType::kBF16 || dt == DType::kF32;  // what the kernels decode
-    if (part.sum_index) {
-      if (!kernel_rows) return false;
-      out.sum = dt == DType::kBF16 ? LsaSum::kBf16 : LsaSum::kF32;
-      out.sum_index = part.sum_index->data<int32_t>();
-      out.residual = part.residual ? part.residual->raw() : nullptr;
-      out.sum_rows = part.recv->dim(0);
-    }
-    const auto aligned = [&](size_t a) {
-      return reinterpret_cast<uintptr_t>(out.send) % a == 0 &&
-             reinterpret_cast<uintptr_t>(out.recv) % a == 0 &&
-             reinterpret_cast<uintptr_t>(out.residual) % a == 0 &&
-             static_cast<size_t>(out.width * out.elem_bytes) % a == 0;
-    };
-    if (part.wire == RowWire::kMxfp8) {
-      if (!aligned(16) || !kernel_rows) return false;
-      out.codec = dt == DType::kBF16 ? LsaCodec::kMxfp8Bf16 : LsaCodec::kMxfp8F32;
-    } else {
-      out.codec = aligned(16)  ? LsaCodec::kCopy16
-                  : aligned(4) ? LsaCodec::kCopy4
-                               : LsaCodec::kCopy1;
-    }
-  }
-  return true;
 }
 
 }  // namespace mt::dist

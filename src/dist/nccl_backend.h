@@ -24,11 +24,4 @@ namespace mt::dist {
 // communicator over the same ranks (the TCP one): it carries NCCL's unique id from rank 0.
 std::unique_ptr<Communicator> connect_nccl_world(const Rendezvous& r, Communicator& bootstrap);
 
-struct LsaPlan;
-// The device path's plan for a checked scatter over `ranks` ranks (dist/nccl_lsa.h), or false
-// when that path cannot take it: host tensors, more parts than its kernel holds, a window larger
-// than window_limit, rows or pointers an MXFP8 part cannot read 16 bytes at a time, a summed
-// part of f64 rows.
-bool make_lsa_plan(const RowScatter& s, int ranks, size_t window_limit, LsaPlan* plan);
-
 }  // namespace mt::dist

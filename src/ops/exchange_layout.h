@@ -1,6 +1,6 @@
 // The expert-parallel exchange's layouts: which ranks a token's choices go to, how many, where
 // each row lands in a peer's region of a fixed-capacity exchange (moe/exchange/expert_exchange.h,
-// dist::Communicator::scatter_rows) and the regions laid out whole for the all-to-all path.
+// moe::scatter_rows) and the regions laid out whole for the all-to-all path.
 #pragma once
 #include "core/tensor.h"
 
@@ -20,7 +20,7 @@ void peer_counts(const Tensor& expert_index, int64_t peers, int64_t experts_per_
 void local_choices(const Tensor& expert_index, int64_t rank, int64_t experts_per_peer, Tensor& out,
                    const Tensor* received_counts = nullptr);
 
-// Fixed-capacity exchanges (Communicator::scatter_rows) place rows by slot:
+// Fixed-capacity exchanges (moe::scatter_rows) place rows by slot:
 // peer_slots: out i32 (N, peers) from to_peer (N, peers), peer_choices' output: entry p of row t
 // is -1 where to_peer's is, else p * region_rows + the number of rows before t with an entry for
 // p (the token's place in peer p's region, the tokens in order). One scan per peer.

@@ -203,7 +203,7 @@ void Trainer::reserve_exchange(const Config& c) {
       cfg_.model.activation_dtype(), plan_precision(c.model, c.parallel).experts);
   std::string why;
   const size_t got =
-      mesh_->ep().reserve_scatter(bytes, static_cast<int>(c.parallel.ep_exchange_ctas), &why);
+      mesh_->ep().reserve_peer_window(bytes, static_cast<int>(c.parallel.ep_exchange_ctas), &why);
   if (!is_rank0()) return;
   if (got > 0)
     log::info(

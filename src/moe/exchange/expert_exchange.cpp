@@ -46,16 +46,16 @@ ExpertExchange::ExpertExchange(dist::Communicator& ep, const Tensor& expert_inde
 size_t ExpertExchange::window_bytes(int ep, int64_t tokens, int64_t top_k, int64_t experts,
                                     int64_t dim, DType row_dtype,
                                     const ops::ExpertPrecision& precision) {
-  const std::vector<dist::ScatterRowShape> parts = {
+  const std::vector<ScatterRowShape> parts = {
       {top_k, sizeof(int32_t), RowWire::kAsIs},          // the choices
       {dim, dtype_size(row_dtype), precision.dispatch},  // the rows
       {top_k, sizeof(float), RowWire::kAsIs},            // their routing weights
   };
   const size_t counts = static_cast<size_t>(experts / ep + 1) * sizeof(int64_t);
-  const size_t plan = dist::scatter_window(ep, tokens, parts, counts).bytes;
+  const size_t plan = scatter_window(ep, tokens, parts, counts).bytes;
   // Combine sends rows as they are; the backward's combine the routing weights' gradient too.
   const size_t combine =
-      dist::scatter_window(
+      scatter_window(
           ep, tokens,
           {{top_k, sizeof(float), RowWire::kAsIs}, {dim, dtype_size(row_dtype), RowWire::kAsIs}}, 0)
           .bytes;
@@ -113,7 +113,7 @@ void ExpertExchange::plan_device_counts(const Tensor& expert_index, const Tensor
   ops::peer_slots(to_peer, tokens_, back_place_);
 
   Tensor choices = Tensor::empty({received_tokens_, k}, DType::kI32, device);
-  dist::RowScatter s = dispatch_scatter();
+  RowScatter s = dispatch_scatter();
   s.parts.push_back({&expert_index, &choices});
   for (const DispatchRows& d : with) {
     check_token_rows(*d.rows);
@@ -122,7 +122,7 @@ void ExpertExchange::plan_device_counts(const Tensor& expert_index, const Tensor
   }
   s.to_peers = &sent;
   s.from_peers = &received;
-  ep_->scatter_rows(s);
+  scatter_rows(*ep_, s);
   return_slot_ = Tensor::empty({received_tokens_, peers}, DType::kI32, device);
   ops::region_slots(received, tokens_, return_slot_);
   local_index_ = Tensor::empty(choices.shape(), DType::kI32, device);
@@ -134,8 +134,8 @@ void ExpertExchange::check_token_rows(const Tensor& rows) const {
            shape_str(rows.shape()), tokens_);
 }
 
-dist::RowScatter ExpertExchange::dispatch_scatter() const {
-  dist::RowScatter s;
+RowScatter ExpertExchange::dispatch_scatter() const {
+  RowScatter s;
   s.slot = &send_slot_;
   s.capacity = tokens_;
   return s;
@@ -156,9 +156,9 @@ Tensor ExpertExchange::dispatch(const Tensor& rows, const ops::ExpertPrecision& 
   check_token_rows(rows);
   Tensor received = Tensor::empty({received_tokens_, rows.dim(1)}, rows.dtype(), device);
   if (mode_ == ExchangeMode::kDeviceCounts) {  // an MXFP8 wire quantized as it is sent
-    dist::RowScatter s = dispatch_scatter();
+    RowScatter s = dispatch_scatter();
     s.parts.push_back({&rows, &received, precision.dispatch, precision.rule});
-    ep_->scatter_rows(s);
+    scatter_rows(*ep_, s);
     return received;
   }
   if (precision.dispatch == RowWire::kAsIs) return send_rows(rows);
@@ -187,12 +187,12 @@ void ExpertExchange::combine(const std::vector<CombineRows>& parts) const {
     expect_shape(*p.out, {tokens_, p.rows->dim(1)}, "combined rows");
   }
   if (mode_ == ExchangeMode::kDeviceCounts) {  // summed as they arrive
-    dist::RowScatter s;
+    RowScatter s;
     s.slot = &return_slot_;
     s.capacity = tokens_;
     for (const CombineRows& p : parts)
       s.parts.push_back({p.rows, p.out, RowWire::kAsIs, {}, &back_place_, p.residual});
-    ep_->scatter_rows(s);
+    scatter_rows(*ep_, s);
     return;
   }
   for (const CombineRows& p : parts) {

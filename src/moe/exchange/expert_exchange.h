@@ -16,7 +16,7 @@
 //   in torchtitan); every buffer has its exact size.
 // - kDeviceCounts: nothing is read on the host, so a CUDA graph can hold the layer. Every rank
 //   owns a region of N places (its micro-batch's tokens: the most it can send) in each peer's
-//   receive buffer; rows go straight to their place (Communicator::scatter_rows: a kernel over
+//   receive buffer; rows go straight to their place (moe/exchange/row_scatter.h: a kernel over
 //   NVLink with NCCL's symmetric memory within a node); the counts travel with the first rows,
 //   device to device, and mark which places hold a token. The plan sends the tokens' choices,
 //   their counts and the rows given to it (DispatchRows: the layer's activations and routing
@@ -31,8 +31,9 @@
 
 #include "core/tensor.h"
 #include "dist/communicator.h"
-#include "ops/expert_gemm.h"
+#include "moe/exchange/row_scatter.h"
 #include "ops/exchange_layout.h"
+#include "ops/expert_gemm.h"
 #include "ops/permute.h"
 
 namespace mt::moe {
@@ -100,7 +101,7 @@ class ExpertExchange {
   // Host counts: rows (N, W) -> (Rt, W) through all-to-all.
   Tensor send_rows(const Tensor& rows) const;
   // Device counts: a scatter with dispatch's layout (send_slot_, N places a rank), no parts yet.
-  dist::RowScatter dispatch_scatter() const;
+  RowScatter dispatch_scatter() const;
   void check_token_rows(const Tensor& rows) const;  // (N, W), else an error naming both
 
   dist::Communicator* ep_;

@@ -1,6 +1,6 @@
-// Rows written straight into the peers' memory over NVLink, with NCCL's device API: a symmetric
-// buffer (ncclMemAlloc, registered once as a window on the communicator) and a device
-// communicator with one LSA barrier per CTA. One send kernel passes a barrier (every peer is done
+// The expert exchange's device path: rows written straight into the peers' memory over NVLink
+// through a dist::PeerWindow (NCCL's symmetric memory and a device communicator with one LSA
+// barrier per CTA). One send kernel passes a barrier (every peer is done
 // with its buffer), stores every part of each row at its place in the peer's window through the
 // peer's LSA pointer (an MXFP8 part quantized on the way: E4M3 data and E8M0 scales, two lanes
 // per 32-element block) together with the per-peer rows, and passes a second barrier (every row
@@ -18,12 +18,11 @@
 #include <nccl.h>
 
 #include <cstdint>
-#include <memory>
-#include <string>
 
 #include "core/mx_format.h"
+#include "dist/peer_window.h"
 
-namespace mt::dist {
+namespace mt::moe {
 
 inline constexpr int kLsaMaxParts = 6;
 
@@ -32,10 +31,10 @@ inline constexpr int kLsaMaxParts = 6;
 enum class LsaCodec : uint8_t { kCopy16, kCopy4, kCopy1, kMxfp8Bf16, kMxfp8F32 };
 
 // How a part arrives: its places copied (or decoded) into recv, or, for a kCopy part of bf16 or
-// f32 rows, summed into recv's rows (dist::ScatterPart::sum_index): row m = residual[m] (none:
-// 0) + the places sum_index[m * ranks + j] for j < ranks in that order (-1: none), fp32 math, one
-// rounding. kCopy16 sums 16-byte packs (recv, residual and the rows 16-byte aligned), the other
-// copy codecs an element at a time.
+// f32 rows, summed into recv's rows (ScatterPart::sum_index, row_scatter.h): row m = residual[m]
+// (none: 0) + the places sum_index[m * ranks + j] for j < ranks in that order (-1: none), fp32
+// math, one rounding. kCopy16 sums 16-byte packs (recv, residual and the rows 16-byte aligned), the
+// other copy codecs an element at a time.
 enum class LsaSum : uint8_t { kNone, kBf16, kF32 };
 
 struct LsaPart {
@@ -45,7 +44,7 @@ struct LsaPart {
   int64_t elem_bytes = 0;
   LsaCodec codec = LsaCodec::kCopy1;
   MxScaleRule rule = MxScaleRule::kRceil;
-  size_t data_offset = 0, scales_offset = 0;  // in the window (dist::scatter_window)
+  size_t data_offset = 0, scales_offset = 0;  // in the window (scatter_window)
   LsaSum sum = LsaSum::kNone;
   const int32_t* sum_index = nullptr;  // (sum_rows, ranks) places
   const void* residual = nullptr;      // (sum_rows, width) or null
@@ -68,26 +67,9 @@ struct LsaPlan {
   size_t window_bytes = 0;  // what the layout needs
 };
 
-class LsaScatter {
- public:
-  // Collective over comm: a window of `bytes` and `ctas` barriers. Null (with *why set) when
-  // the ranks are not all in one LSA team or NCCL refuses the window.
-  static std::unique_ptr<LsaScatter> create(ncclComm_t comm, size_t bytes, int ctas,
-                                            std::string* why);
-  ~LsaScatter();
-  LsaScatter(const LsaScatter&) = delete;
-  LsaScatter& operator=(const LsaScatter&) = delete;
-
-  size_t bytes() const;
-  // The send kernel, then the receive kernel, on `stream` (cudaErrorInvalidValue when the plan
-  // needs more than the window).
-  cudaError_t scatter(const LsaPlan& plan, cudaStream_t stream);
-
- private:
-  struct State;
-  explicit LsaScatter(std::unique_ptr<State> s);
-  std::unique_ptr<State> s_;
-};
+// The send kernel, then the receive kernel, on `stream`, through `window`'s LSA pointers and
+// barriers (cudaErrorInvalidValue when the plan needs more than the window).
+cudaError_t lsa_scatter(const dist::PeerWindow& window, const LsaPlan& plan, cudaStream_t stream);
 
 // The same kernels over `ranks` (at most 8) ranks emulated on this GPU: plans[r] is rank r's
 // plan, windows[r] its receive buffer (plans[r].window_bytes of device memory). Every rank's send
@@ -95,4 +77,4 @@ class LsaScatter {
 cudaError_t emulated_scatter(const LsaPlan* plans, int ranks, void* const* windows, int ctas,
                              cudaStream_t stream);
 
-}  // namespace mt::dist
+}  // namespace mt::moe

@@ -1,9 +1,8 @@
-#include <nccl_device.h>
-
-#include "dist/nccl_lsa.h"
+#include "dist/peer_window.cuh"
+#include "moe/exchange/lsa.h"
 #include "ops/cuda/mx.cuh"
 
-namespace mt::dist {
+namespace mt::moe {
 
 namespace {
 
@@ -288,69 +287,8 @@ cudaError_t launch_receive(const char* window, const LsaPlan& plan, int ranks,
 
 }  // namespace
 
-struct LsaScatter::State {
-  ncclComm_t comm = nullptr;
-  void* buffer = nullptr;
-  size_t bytes = 0;
-  int ctas = 0;
-  ncclWindow_t window{};
-  ncclDevComm dev{};
-  bool registered = false, dev_created = false;
-};
-
-LsaScatter::LsaScatter(std::unique_ptr<State> s) : s_(std::move(s)) {}
-
-LsaScatter::~LsaScatter() {
-  if (!s_) return;
-  if (s_->dev_created) ncclDevCommDestroy(s_->comm, &s_->dev);
-  if (s_->registered) ncclCommWindowDeregister(s_->comm, s_->window);
-  if (s_->buffer) ncclMemFree(s_->buffer);
-}
-
-std::unique_ptr<LsaScatter> LsaScatter::create(ncclComm_t comm, size_t bytes, int ctas,
-                                               std::string* why) {
-  int ranks = 0;
-  ncclCommCount(comm, &ranks);
-  const ncclTeam_t lsa = ncclTeamLsa(comm);
-  if (lsa.nRanks != ranks) {
-    *why = "the ranks are not all in one LSA team (one node with peer access)";
-    return nullptr;
-  }
-  auto s = std::make_unique<State>();
-  s->comm = comm;
-  s->bytes = (bytes + NCCL_WIN_REQUIRED_ALIGNMENT - 1) / NCCL_WIN_REQUIRED_ALIGNMENT *
-             NCCL_WIN_REQUIRED_ALIGNMENT;
-  s->ctas = ctas;
-  std::unique_ptr<LsaScatter> out(new LsaScatter(std::move(s)));
-  State& st = *out->s_;
-  if (ncclResult_t r = ncclMemAlloc(&st.buffer, st.bytes); r != ncclSuccess) {
-    *why = std::string("ncclMemAlloc: ") + ncclGetErrorString(r);
-    st.buffer = nullptr;
-    return nullptr;
-  }
-  if (ncclResult_t r =
-          ncclCommWindowRegister(comm, st.buffer, st.bytes, &st.window, NCCL_WIN_COLL_SYMMETRIC);
-      r != ncclSuccess) {
-    *why = std::string("ncclCommWindowRegister: ") + ncclGetErrorString(r);
-    return nullptr;
-  }
-  st.registered = true;
-  ncclDevCommRequirements reqs{};
-  reqs.lsaBarrierCount = ctas;
-  if (ncclResult_t r = ncclDevCommCreate(comm, &reqs, &st.dev); r != ncclSuccess) {
-    *why = std::string("ncclDevCommCreate: ") + ncclGetErrorString(r);
-    return nullptr;
-  }
-  st.dev_created = true;
-  return out;
-}
-
-size_t LsaScatter::bytes() const {
-  return s_->bytes;
-}
-
-cudaError_t LsaScatter::scatter(const LsaPlan& plan, cudaStream_t stream) {
-  const State& st = *s_;
+cudaError_t lsa_scatter(const dist::PeerWindow& window, const LsaPlan& plan, cudaStream_t stream) {
+  const dist::PeerWindow::State& st = window.state();
   if (plan.window_bytes > st.bytes || plan.n_parts > kLsaMaxParts) return cudaErrorInvalidValue;
   // Every rank launches, even with no rows: the barriers need all of them.
   lsa_send_kernel<<<st.ctas, kThreads, 0, stream>>>(LsaPeers{st.dev, st.window}, plan);
@@ -378,4 +316,4 @@ cudaError_t emulated_scatter(const LsaPlan* plans, int ranks, void* const* windo
   return cudaSuccess;
 }
 
-}  // namespace mt::dist
+}  // namespace mt::moe

@@ -1,13 +1,20 @@
-#include "dist/communicator.h"
+#include "moe/exchange/row_scatter.h"
 
 #include <vector>
 
 #include "core/mx.h"
-#include "ops/mx.h"
 #include "ops/exchange_layout.h"
+#include "ops/mx.h"
 #include "ops/permute.h"
+#if MOETRAIN_HAS_NCCL
+#include <cuda_runtime_api.h>
 
-namespace mt::dist {
+#include "core/cuda/check.h"
+#include "dist/peer_window.h"
+#include "moe/exchange/lsa.h"
+#endif
+
+namespace mt::moe {
 
 namespace {
 
@@ -19,7 +26,7 @@ size_t align16(size_t bytes) {
 // (ops::place_rows), then one all_to_all of `capacity` rows per peer, which lands region by region
 // in rank order, as recv is laid out. Nothing is read on the host (the counts are fixed), so a
 // CUDA graph can hold it; the places no row was put at cross too, undefined.
-void move_rows(Communicator& c, const Tensor& send, const Tensor& slot, int64_t capacity,
+void move_rows(dist::Communicator& c, const Tensor& send, const Tensor& slot, int64_t capacity,
                Tensor& recv) {
   const int peers = c.size();
   Tensor regions = Tensor::empty({peers * capacity, send.dim(1)}, send.dtype(), send.device());
@@ -100,46 +107,129 @@ void check_row_scatter(const RowScatter& s, int peers) {
   }
 }
 
-void Communicator::scatter_rows(const Tensor& send, const Tensor& slot, int64_t capacity,
-                                Tensor& recv) {
+#if MOETRAIN_HAS_NCCL
+namespace {
+// The scatter through the communicator's peer window, when it has one and the scatter fits it.
+bool device_path(dist::Communicator& c, const RowScatter& s) {
+  const dist::PeerWindow* window = c.peer_window();
+  LsaPlan plan;
+  if (!window || !make_lsa_plan(s, c.size(), window->bytes(), &plan)) return false;
+  MT_CUDA_CHECK(lsa_scatter(*window, plan, cuda::stream()));
+  // A peer that never arrives at the kernel's barriers leaves it spinning: the watchdog sees it
+  // unfinished and ends the rank (a replayed graph's kernels are handed over by the trainer).
+  cudaStreamCaptureStatus capturing = cudaStreamCaptureStatusNone;
+  MT_CUDA_CHECK(cudaStreamIsCapturing(cuda::stream(), &capturing));
+  if (capturing == cudaStreamCaptureStatusNone) c.watch_queued("scatter_rows");
+  return true;
+}
+}  // namespace
+
+bool make_lsa_plan(const RowScatter& s, int ranks, size_t window_limit, LsaPlan* plan) {
+  if (s.parts.size() > static_cast<size_t>(kLsaMaxParts) || s.slot->device() != Device::kCUDA)
+    return false;
+  std::vector<ScatterRowShape> shapes;
+  for (const ScatterPart& part : s.parts) {
+    if (part.send->device() != Device::kCUDA) return false;
+    shapes.push_back({part.send->dim(1), dtype_size(part.send->dtype()), part.wire});
+  }
+  const size_t peer_row_bytes = s.to_peers ? s.to_peers->nbytes() / ranks : 0;
+  if (s.to_peers && (s.to_peers->device() != Device::kCUDA || peer_row_bytes % 4 != 0))
+    return false;
+  const ScatterWindow window = scatter_window(ranks, s.capacity, shapes, peer_row_bytes);
+  if (window.bytes > window_limit) return false;
+  *plan = LsaPlan{};
+  plan->n_parts = static_cast<int>(s.parts.size());
+  plan->n = s.slot->dim(0);
+  plan->slot = s.slot->data<int32_t>();
+  plan->capacity = s.capacity;
+  plan->to_peers = s.to_peers ? s.to_peers->raw() : nullptr;
+  plan->from_peers = s.from_peers ? s.from_peers->raw() : nullptr;
+  plan->peer_row_bytes = static_cast<int64_t>(peer_row_bytes);
+  plan->peer_offset = window.peer_rows;
+  plan->window_bytes = window.bytes;
+  for (size_t i = 0; i < s.parts.size(); ++i) {
+    const ScatterPart& part = s.parts[i];
+    LsaPart& out = plan->parts[i];
+    out.send = part.send->numel() ? part.send->raw() : nullptr;
+    out.recv = part.recv->numel() ? part.recv->raw() : nullptr;
+    out.width = part.send->dim(1);
+    out.elem_bytes = static_cast<int64_t>(dtype_size(part.send->dtype()));
+    out.rule = part.rule;
+    out.data_offset = window.data[i];
+    out.scales_offset = window.scales[i];
+    const DType dt = part.send->dtype();
+    const bool kernel_rows = dt == DType::kBF16 || dt == DType::kF32;  // what the kernels decode
+    if (part.sum_index) {
+      if (!kernel_rows) return false;
+      out.sum = dt == DType::kBF16 ? LsaSum::kBf16 : LsaSum::kF32;
+      out.sum_index = part.sum_index->data<int32_t>();
+      out.residual = part.residual ? part.residual->raw() : nullptr;
+      out.sum_rows = part.recv->dim(0);
+    }
+    const auto aligned = [&](size_t a) {
+      return reinterpret_cast<uintptr_t>(out.send) % a == 0 &&
+             reinterpret_cast<uintptr_t>(out.recv) % a == 0 &&
+             reinterpret_cast<uintptr_t>(out.residual) % a == 0 &&
+             static_cast<size_t>(out.width * out.elem_bytes) % a == 0;
+    };
+    if (part.wire == RowWire::kMxfp8) {
+      if (!aligned(16) || !kernel_rows) return false;
+      out.codec = dt == DType::kBF16 ? LsaCodec::kMxfp8Bf16 : LsaCodec::kMxfp8F32;
+    } else {
+      out.codec = aligned(16)  ? LsaCodec::kCopy16
+                  : aligned(4) ? LsaCodec::kCopy4
+                               : LsaCodec::kCopy1;
+    }
+  }
+  return true;
+}
+#endif
+
+void scatter_rows(dist::Communicator& c, const Tensor& send, const Tensor& slot, int64_t capacity,
+                  Tensor& recv) {
   RowScatter s;
   s.slot = &slot;
   s.capacity = capacity;
   s.parts.push_back({&send, &recv});
-  scatter_rows(s);
+  scatter_rows(c, s);
 }
 
-// Each part's regions in one fixed-size all_to_all (an MXFP8 part quantized before and
-// dequantized after it), the per-peer rows in another: the path for backends without a device
-// path (CPU ranks, NCCL across nodes), and the reference the device path is tested against.
-void Communicator::scatter_rows(const RowScatter& s) {
-  const int peers = size();
+void scatter_rows(dist::Communicator& c, const RowScatter& s, ScatterPath path) {
+  const int peers = c.size();
   check_row_scatter(s, peers);
+#if MOETRAIN_HAS_NCCL
+  if (path == ScatterPath::kBest && device_path(c, s)) return;
+#else
+  (void)path;
+#endif
+  // Each part's regions in one fixed-size all_to_all (an MXFP8 part quantized before and
+  // dequantized after it), the per-peer rows in another: the path for backends without a device
+  // path (CPU ranks, NCCL across nodes), and the reference the device path is tested against.
   if (s.to_peers) {
     const std::vector<int64_t> one(peers, 1);
-    all_to_all(*s.to_peers, one, *s.from_peers, one);
+    c.all_to_all(*s.to_peers, one, *s.from_peers, one);
   }
   for (const ScatterPart& part : s.parts) {
     if (part.sum_index) {
       Tensor places = Tensor::empty({peers * s.capacity, part.send->dim(1)}, part.send->dtype(),
                                     part.send->device());
-      move_rows(*this, *part.send, *s.slot, s.capacity, places);
+      move_rows(c, *part.send, *s.slot, s.capacity, places);
       ops::ExpertPermutation back;
       back.row_of_choice = part.sum_index->reshape({part.sum_index->numel()});
       ops::combine_forward(places, back, *part.recv, part.residual);
       continue;
     }
     if (part.wire == RowWire::kAsIs) {
-      move_rows(*this, *part.send, *s.slot, s.capacity, *part.recv);
+      move_rows(c, *part.send, *s.slot, s.capacity, *part.recv);
       continue;
     }
     MxTensor out = MxTensor::empty(part.send->shape(), MxAxis::kDim0, part.send->device());
     ops::mx_quantize(*part.send, part.rule, out);
     MxTensor in = MxTensor::empty(part.recv->shape(), MxAxis::kDim0, part.recv->device());
-    move_rows(*this, out.data(), *s.slot, s.capacity, in.data());
-    move_rows(*this, out.scales(), *s.slot, s.capacity, in.scales());
+    move_rows(c, out.data(), *s.slot, s.capacity, in.data());
+    move_rows(c, out.scales(), *s.slot, s.capacity, in.scales());
     ops::mx_dequantize(in, *part.recv);
   }
 }
 
-}  // namespace mt::dist
+}  // namespace mt::moe
