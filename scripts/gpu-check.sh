@@ -39,7 +39,7 @@ grep -E "^\[ *(OK|FAILED) *\]|Failure|error|seed" "$out/gpu_tests.log" | grep -v
 tail -2 "$out/tiny_gpu.log"
 # Benchmarks: GPU_CHECK_BENCH lists which (default all but scaling; 0 for none),
 # GPU_CHECK_LAYERS the layer counts of the full-model step.
-benches=",${GPU_CHECK_BENCH:-gemm,mx,attention,exchange,moe,model},"
+benches=",${GPU_CHECK_BENCH:-gemm,mx,activation,attention,exchange,moe,model},"
 run_bench() {  # name, command...: JSON lines to bench.jsonl, failures named on stdout
   local name=$1
   shift
@@ -53,6 +53,9 @@ if [[ $benches == *,gemm,* ]]; then
 fi
 if [[ $benches == *,mx,* ]]; then
   run_bench bench_mx "$bundle/bench_mx"
+fi
+if [[ $benches == *,activation,* ]]; then
+  run_bench bench_activation "$bundle/bench_activation"
 fi
 if [[ $benches == *,attention,* ]]; then
   run_bench bench_attention "$bundle/bench_attention"
