@@ -55,12 +55,4 @@ size_t PeerWindow::bytes() const {
   return s_->bytes;
 }
 
-int PeerWindow::ctas() const {
-  return s_->ctas;
-}
-
-const void* PeerWindow::local() const {
-  return s_->buffer;
-}
-
 }  // namespace mt::dist

@@ -24,9 +24,6 @@ class PeerWindow {
   PeerWindow& operator=(const PeerWindow&) = delete;
 
   size_t bytes() const;
-  int ctas() const;
-  // This rank's copy of the window (what arrives from the peers lands here).
-  const void* local() const;
   // The device handles the kernels write through (dist/peer_window.cuh: the LSA pointers and
   // barriers), for nvcc code only.
   struct State;

@@ -31,8 +31,4 @@ inline bool on_gpu(const Tensor& t) {
 #endif
 }
 
-inline void expect_cpu(const Tensor& t, const char* name) {
-  MT_CHECK(t.device() == Device::kCPU, "{} is on the GPU; this op has no CUDA kernel yet", name);
-}
-
 }  // namespace mt::ops
