@@ -14,8 +14,8 @@
 
 namespace {
 
-using mt::DType;
 using mt::Device;
+using mt::DType;
 using mt::Tensor;
 
 void report(const char* name, int64_t m, int64_t f, double bytes, double ms, double copy_gbps) {
@@ -57,9 +57,8 @@ int main() {
   const mt::ops::MxValuesOut mx{&a, mt::MxScaleRule::kRceil};  // the MX values in place of a
   report("forward_mx_values", m, f, elems * 6,
          mt::bench::median_ms([&] { mt::ops::swiglu_forward(h, a, rows, &mx); }), copy_gbps);
-  report("backward", m, f, elems * 10, mt::bench::median_ms([&] {
-           mt::ops::swiglu_backward(h, da, dh, rows, &dweight);
-         }),
+  report("backward", m, f, elems * 10,
+         mt::bench::median_ms([&] { mt::ops::swiglu_backward(h, da, dh, rows, &dweight); }),
          copy_gbps);
   std::fflush(stdout);
   return 0;

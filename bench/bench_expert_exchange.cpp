@@ -124,8 +124,8 @@ void run(int rank, int world, mt::dist::Communicator& boot, mt::dist::Communicat
   const int ctas = ctas_env ? std::atoi(ctas_env) : 32;
   const size_t reserved =
       ep.reserve_peer_window(mt::moe::ExpertExchange::window_bytes(world, kTokens, kTopK, kExperts,
-                                                               kDim, DType::kBF16, {}),
-                         ctas, &why);
+                                                                   kDim, DType::kBF16, {}),
+                             ctas, &why);
   const Tensor weights = mt::bench::random_bf16({kTokens, kTopK}, 5 + rank, 1.0)
                              .to(Device::kCPU)
                              .to(DType::kF32)

@@ -101,7 +101,8 @@ int main() {
     const Tensor rows_bf16 = mt::bench::random_bf16({m, pr.q}, 6, 1.0);
     const Tensor b = mt::bench::random_bf16({experts, pr.p, pr.q}, 7, 0.05);
     const Tensor w_kn = mt::bench::random_bf16({experts, pr.q, pr.p}, 8, 0.05);
-    mt::MxTensor a = mt::MxTensor::empty({m, pr.q}, mt::MxAxis::kDim0, Device::kCUDA);
+    mt::QuantTensor a = mt::QuantTensor::empty({m, pr.q}, mt::QuantBlock::kMx32,
+                                               mt::QuantAxis::kDim0, Device::kCUDA);
     Tensor o = Tensor::empty({m, pr.p}, DType::kBF16, Device::kCUDA);
     const double f = 2.0 * m * pr.p * pr.q;
     const std::string s = std::to_string(m) + "x" + std::to_string(pr.q) + " @ 128x" +

@@ -176,8 +176,10 @@ int main() {
     const Recipe recipes[] = {{ExpertRecipe::kBf16, RowWire::kAsIs},
                               {ExpertRecipe::kMxfp8WgradWithHp, RowWire::kAsIs},
                               {ExpertRecipe::kMxfp8WgradWithHp, RowWire::kMxfp8},
-                              {ExpertRecipe::kMxfp8, RowWire::kAsIs}};
-    constexpr int kRecipes = 4;
+                              {ExpertRecipe::kMxfp8, RowWire::kAsIs},
+                              {ExpertRecipe::kFp8WgradWithHp, RowWire::kAsIs},
+                              {ExpertRecipe::kFp8Blockwise, RowWire::kAsIs}};
+    constexpr int kRecipes = 6;
     // The weights' MX copies, made in training by each gather for its pass (fsdp::gather: the
     // forward's and the input gradient's once per step each): made here once, outside the layer,
     // and timed on their own.
@@ -238,8 +240,9 @@ int main() {
           mt::bench::median(recipe_ms[r]),
           mt::bench::median(recipe_ms[r]) / mt::bench::median(recipe_ms[0]),
           mt::bench::median(paired), mt::bench::join(paired).c_str(), peak_gib,
-          mt::bench::join(recipe_ms[r]).c_str(), r == 0 ? 0.0 : copies_ms,
-          r == 0 ? 0.0 : held_copies_ms);
+          mt::bench::join(recipe_ms[r]).c_str(),
+          recipes[r].recipe == ExpertRecipe::kBf16 ? 0.0 : copies_ms,
+          recipes[r].recipe == ExpertRecipe::kBf16 ? 0.0 : held_copies_ms);
     }
     use_recipe(recipes[0]);
     std::fflush(stdout);

@@ -13,7 +13,7 @@
 
 #include "bench/bench_util.h"
 #include "core/cuda/check.h"
-#include "core/mx.h"
+#include "core/quant.h"
 #include "ops/elementwise.h"
 #include "ops/mx.h"
 
@@ -49,8 +49,8 @@ void report(const std::string& name, const mt::Shape& shape, double bytes, doubl
 int main() {
   using mt::Device;
   using mt::DType;
-  using mt::MxAxis;
   using mt::MxScaleRule;
+  using mt::QuantAxis;
   using mt::Tensor;
   {
     const Tensor a = Tensor::empty({int64_t{1} << 29}, DType::kBF16, Device::kCUDA);
@@ -77,29 +77,29 @@ int main() {
     report("copy_d2d", shape, 2 * in_bytes, copy_ms, 0);
     const double n = static_cast<double>(x[0].numel());
     const double quant_bytes = in_bytes + n + n / mt::kMxBlock;
-    for (MxAxis axis : {MxAxis::kDim0, MxAxis::kDim1}) {
-      if (shape.size() == 3 && axis == MxAxis::kDim0) continue;  // weights: K runs down (dim1)
+    for (QuantAxis axis : {QuantAxis::kDim0, QuantAxis::kDim1}) {
+      if (shape.size() == 3 && axis == QuantAxis::kDim0) continue;  // weights: K runs down (dim1)
       for (MxScaleRule rule : {MxScaleRule::kFloor, MxScaleRule::kRceil}) {
-        std::vector<mt::MxTensor> q;
+        std::vector<mt::QuantTensor> q;
         for (int i = 0; i < kRotate; ++i)
-          q.push_back(mt::MxTensor::empty(shape, axis, Device::kCUDA));
+          q.push_back(mt::QuantTensor::empty(shape, mt::QuantBlock::kMx32, axis, Device::kCUDA));
         const double ms = per_launch_ms([&](int i) { mt::ops::mx_quantize(x[i], rule, q[i]); });
-        report(std::string("mx_quantize_") + std::string(mt::mx_axis_name(axis)) + "_" +
+        report(std::string("mx_quantize_") + std::string(mt::quant_axis_name(axis)) + "_" +
                    std::string(mt::mx_scale_rule_name(rule)),
                shape, quant_bytes, ms, copy_gbps);
       }
-      std::vector<mt::MxTensor> q;
+      std::vector<mt::QuantTensor> q;
       for (int i = 0; i < kRotate; ++i) {
-        q.push_back(mt::MxTensor::empty(shape, axis, Device::kCUDA));
+        q.push_back(mt::QuantTensor::empty(shape, mt::QuantBlock::kMx32, axis, Device::kCUDA));
         mt::ops::mx_quantize(x[i], MxScaleRule::kRceil, q[i]);
       }
-      report(std::string("mx_dequantize_") + std::string(mt::mx_axis_name(axis)), shape,
+      report(std::string("mx_dequantize_") + std::string(mt::quant_axis_name(axis)), shape,
              quant_bytes, per_launch_ms([&](int i) { mt::ops::mx_dequantize(q[i], copy[i]); }),
              copy_gbps);
     }
     // The one-pass round trip along dim0 (the MX values the expert products read): a copy's bytes.
     report("mx_round_trip_dim0_rceil", shape, 2 * in_bytes, per_launch_ms([&](int i) {
-             mt::ops::mx_round_trip(x[i], MxAxis::kDim0, MxScaleRule::kRceil, copy[i]);
+             mt::ops::mx_round_trip(x[i], QuantAxis::kDim0, MxScaleRule::kRceil, copy[i]);
            }),
            copy_gbps);
   }
@@ -117,7 +117,7 @@ int main() {
     }
     const double n = static_cast<double>(w[0].numel());
     const double two_ms = per_launch_ms([&](int i) {
-      mt::ops::mx_round_trip(w[i], MxAxis::kDim0, MxScaleRule::kRceil, along_n[i]);
+      mt::ops::mx_round_trip(w[i], QuantAxis::kDim0, MxScaleRule::kRceil, along_n[i]);
       mt::ops::mx_round_trip_transposed(w[i], MxScaleRule::kRceil, along_k[i]);
     });
     const double one_ms = per_launch_ms([&](int i) {

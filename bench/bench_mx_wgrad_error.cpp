@@ -21,7 +21,7 @@
 #include <string>
 #include <vector>
 
-#include "core/mx.h"
+#include "core/quant.h"
 #include "moe/moe_layer.h"
 #include "ops/grouped_gemm.h"
 #include "ops/mx.h"
@@ -62,7 +62,7 @@ mt::Tensor along_tokens(const mt::Tensor& t, const Tapped& tap) {
 
 mt::Tensor wire(const mt::Tensor& t) {  // quantized along dim0 and dequantized
   mt::Tensor out = t.clone();
-  mt::ops::mx_round_trip(t, mt::MxAxis::kDim0, mt::MxScaleRule::kRceil, out);
+  mt::ops::mx_round_trip(t, mt::QuantAxis::kDim0, mt::MxScaleRule::kRceil, out);
   return out;
 }
 

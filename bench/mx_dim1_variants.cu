@@ -13,8 +13,8 @@
 #include <utility>
 #include <vector>
 
-#include "ops/cuda/mx.h"
 #include "ops/cuda/mx.cuh"
+#include "ops/cuda/mx.h"
 #include "workbench.cuh"
 
 namespace {
@@ -250,9 +250,9 @@ void launch_ring(const Buffers& b, int i, mt::MxScaleRule rule) {
 }
 
 void launch_shipped(const Buffers& b, int i, mt::MxScaleRule rule) {
-  WORKBENCH_CHECK(mt::cuda::kernels::mx_quantize(mt::DType::kBF16, b.x[i], mt::MxAxis::kDim1, rule,
-                                                 b.batch, b.rows, b.cols, b.data[i], b.scales[i],
-                                                 nullptr));
+  WORKBENCH_CHECK(mt::cuda::kernels::mx_quantize(mt::DType::kBF16, b.x[i], mt::QuantAxis::kDim1,
+                                                 rule, b.batch, b.rows, b.cols, b.data[i],
+                                                 b.scales[i], nullptr));
 }
 
 }  // namespace

@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 status=0
 : >"$out/gpu_tests.log"
 for f in core gemm grouped_gemm embedding norm rope attention route permute activation loss optim \
-    mx mx_gemm expert_gemm exchange_layout; do
+    mx mx_gemm fp8 expert_gemm exchange_layout; do
   "$bundle/test_$f" --gtest_filter='*Gpu*' >>"$out/gpu_tests.log" 2>&1 || status=1
 done
 "$bundle/test_moe_layer" >>"$out/gpu_tests.log" 2>&1 || status=1
@@ -39,7 +39,7 @@ grep -E "^\[ *(OK|FAILED) *\]|Failure|error|seed" "$out/gpu_tests.log" | grep -v
 tail -2 "$out/tiny_gpu.log"
 # Benchmarks: GPU_CHECK_BENCH lists which (default all but scaling; 0 for none),
 # GPU_CHECK_LAYERS the layer counts of the full-model step.
-benches=",${GPU_CHECK_BENCH:-gemm,mx,activation,attention,exchange,moe,model},"
+benches=",${GPU_CHECK_BENCH:-gemm,mx,fp8,activation,attention,exchange,moe,model},"
 run_bench() {  # name, command...: JSON lines to bench.jsonl, failures named on stdout
   local name=$1
   shift
@@ -53,6 +53,10 @@ if [[ $benches == *,gemm,* ]]; then
 fi
 if [[ $benches == *,mx,* ]]; then
   run_bench bench_mx "$bundle/bench_mx"
+fi
+if [[ $benches == *,fp8,* ]]; then
+  run_bench bench_fp8_gemm "$bundle/bench_fp8_gemm"
+  run_bench fp8_grouped_mm_torch python3 bench/fp8_grouped_mm_torch.py
 fi
 if [[ $benches == *,activation,* ]]; then
   run_bench bench_activation "$bundle/bench_activation"

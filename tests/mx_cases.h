@@ -11,7 +11,7 @@
 #include <tuple>
 #include <vector>
 
-#include "core/mx.h"
+#include "core/quant.h"
 #include "core/rng.h"
 #include "core/tensor.h"
 
@@ -61,16 +61,16 @@ inline Tensor mx_input(const Shape& shape, uint64_t seed, DType dtype) {
 }
 
 // Test names of a (dtype, rule, axis) parameter: "bf16_rceil_dim1".
-using MxCase = std::tuple<DType, MxScaleRule, MxAxis>;
+using MxCase = std::tuple<DType, MxScaleRule, QuantAxis>;
 inline auto mx_case_values() {
   return ::testing::Combine(::testing::Values(DType::kBF16, DType::kF32),
                             ::testing::Values(MxScaleRule::kFloor, MxScaleRule::kRceil),
-                            ::testing::Values(MxAxis::kDim0, MxAxis::kDim1));
+                            ::testing::Values(QuantAxis::kDim0, QuantAxis::kDim1));
 }
 inline std::string mx_case_name(const ::testing::TestParamInfo<MxCase>& info) {
   return std::string(dtype_name(std::get<0>(info.param))) + "_" +
          std::string(mx_scale_rule_name(std::get<1>(info.param))) + "_" +
-         std::string(mx_axis_name(std::get<2>(info.param)));
+         std::string(quant_axis_name(std::get<2>(info.param)));
 }
 
 inline std::vector<uint8_t> bytes_of(const Tensor& t) {

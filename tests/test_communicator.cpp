@@ -243,7 +243,7 @@ TEST(InProcess, ScatterRowsMovesEveryPartWithOneLayout) {
       for (int q = 0; q < world; ++q) {
         const Tensor theirs = ids_of(q), their_f64 = testing::randn({n, 5}, 40 + q);
         Tensor their_mx = Tensor::empty({n, width}, DType::kF32);
-        ops::mx_round_trip(rows_of(q), MxAxis::kDim0, rule, their_mx);
+        ops::mx_round_trip(rows_of(q), QuantAxis::kDim0, rule, their_mx);
         int64_t at = 0;
         for (int64_t t = 0; t < n; ++t) {
           if (!goes(t, r, q)) continue;
@@ -262,7 +262,7 @@ TEST(InProcess, ScatterRowsMovesEveryPartWithOneLayout) {
       }
       // The MX values differ from the rows (the test would pass on a plain copy otherwise).
       Tensor mine = Tensor::empty({n, width}, DType::kF32);
-      ops::mx_round_trip(x, MxAxis::kDim0, rule, mine);
+      ops::mx_round_trip(x, QuantAxis::kDim0, rule, mine);
       EXPECT_NE(std::memcmp(mine.data<float>(), x.data<float>(), x.nbytes()), 0);
 
       Tensor narrow = Tensor::empty({world * capacity, 4}, DType::kF64);

@@ -11,7 +11,7 @@
 #include "core/cuda/check.h"
 #include "core/cuda/device.h"
 #include "core/cuda/graph.h"
-#include "core/mx.h"
+#include "core/quant.h"
 #include "core/rng.h"
 #include "dist/nccl_backend.h"
 #include "moe/exchange/lsa.h"
@@ -290,8 +290,8 @@ void expect_scattered(const ScatterCase& from_case, int from, int to, int ranks,
   std::vector<Tensor> want = {from_case.choices, from_case.weights, from_case.narrow,
                               Tensor::empty(from_case.rows.shape(), DType::kBF16),
                               Tensor::empty(from_case.rows_f32.shape(), DType::kF32)};
-  ops::mx_round_trip(from_case.rows, MxAxis::kDim0, rule, want[3]);
-  ops::mx_round_trip(from_case.rows_f32, MxAxis::kDim0, rule, want[4]);
+  ops::mx_round_trip(from_case.rows, QuantAxis::kDim0, rule, want[3]);
+  ops::mx_round_trip(from_case.rows_f32, QuantAxis::kDim0, rule, want[4]);
   for (size_t i = 0; i < want.size(); ++i) {
     const Tensor got = recv[i].to(Device::kCPU);
     const size_t row_bytes = want[i].nbytes() / n;
@@ -353,8 +353,8 @@ TEST(LsaScatter, EmulatedRanksPlaceEveryPartOfEveryCodec) {
         ASSERT_TRUE(moe::make_lsa_plan(s, ranks, SIZE_MAX, &d.plan)) << what;
         // The codecs this case exists to cover, one per part.
         const moe::LsaCodec codecs[] = {moe::LsaCodec::kCopy16, moe::LsaCodec::kCopy4,
-                                         moe::LsaCodec::kCopy1, moe::LsaCodec::kMxfp8Bf16,
-                                         moe::LsaCodec::kMxfp8F32};
+                                        moe::LsaCodec::kCopy1, moe::LsaCodec::kMxfp8Bf16,
+                                        moe::LsaCodec::kMxfp8F32};
         ASSERT_EQ(d.plan.n_parts, 5) << what;
         for (int i = 0; i < 5; ++i)
           EXPECT_EQ(d.plan.parts[i].codec, codecs[i]) << what << " part " << i;
@@ -423,9 +423,9 @@ void plan_sums(const std::vector<ScatterCase>& cases, int r, int ranks, int64_t 
   ASSERT_TRUE(moe::make_lsa_plan(plain, ranks, SIZE_MAX, &d.plan));
   ASSERT_TRUE(moe::make_lsa_plan(summed, ranks, SIZE_MAX, &d.sum_plan));
   const moe::LsaSum sums[] = {moe::LsaSum::kF32, moe::LsaSum::kBf16, moe::LsaSum::kBf16,
-                               moe::LsaSum::kF32};
+                              moe::LsaSum::kF32};
   const moe::LsaCodec codecs[] = {moe::LsaCodec::kCopy4, moe::LsaCodec::kCopy1,
-                                   moe::LsaCodec::kCopy16, moe::LsaCodec::kCopy16};
+                                  moe::LsaCodec::kCopy16, moe::LsaCodec::kCopy16};
   for (int i = 0; i < 4; ++i) {
     EXPECT_EQ(d.sum_plan.parts[i].sum, sums[i]) << "part " << i;
     EXPECT_EQ(d.sum_plan.parts[i].codec, codecs[i]) << "part " << i;

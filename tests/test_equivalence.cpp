@@ -137,12 +137,13 @@ TEST(EquivalenceWhole, SftBlendMatchesOneRank) {
   for (const std::string& p : paths) std::filesystem::remove(p);
 }
 
-// MX expert recipes: every quantization that runs along a row (the forward's and input
-// gradient's operands) sees the same rows however the batch is split, so mxfp8_wgrad_with_hp is
-// equivalent at every (W, ep). mxfp8 also blocks each expert's rows along the tokens for the
-// weight gradient: with W = ep an expert receives the batch's rows for it in the single rank's
-// order, so the blocks are the same; with W > ep each rank of an EP group blocks its own rows
-// (as torchao's per-rank grouped GEMM does) and the single-rank run is not the reference.
+// MX and FP8 blockwise expert recipes: every quantization that runs along a row (the forward's
+// and input gradient's operands) sees the same rows however the batch is split, and a weight's
+// tiles are the same on every rank, so mxfp8_wgrad_with_hp and fp8_wgrad_with_hp are equivalent
+// at every (W, ep). mxfp8 and fp8_blockwise also block each expert's rows along the tokens for
+// the weight gradient: with W = ep an expert receives the batch's rows for it in the single
+// rank's order, so the blocks are the same; with W > ep each rank of an EP group blocks its own
+// rows (as torchao's per-rank grouped GEMM does) and the single-rank run is not the reference.
 struct MxCase {
   int world, ep;
   const char* recipe;
@@ -153,8 +154,12 @@ class EquivalenceMx : public ::testing::TestWithParam<MxCase> {};
 
 TEST_P(EquivalenceMx, OneStepGradientsThenThreeStepsParameters) {
   const MxCase m = GetParam();
-  std::vector<std::string> mx = {"model.dim=32", "model.moe_dim=32",
-                                 std::string("model.expert_recipe=") + m.recipe,
+  // The recipe's blocks run along both expert dims: 32 for MX, 128 for FP8 blockwise.
+  const bool fp8 = std::string(m.recipe).rfind("fp8", 0) == 0;
+  const std::vector<std::string> dims =
+      fp8 ? std::vector<std::string>{"model.dim=128", "model.moe_dim=128"}
+          : std::vector<std::string>{"model.dim=32", "model.moe_dim=32"};
+  std::vector<std::string> mx = {dims[0], dims[1], std::string("model.expert_recipe=") + m.recipe,
                                  std::string("parallel.ep_dispatch_dtype=") + m.dispatch,
                                  "parallel.ep_chunks=" + std::to_string(m.chunks)};
   if (std::string(m.dispatch) == "mxfp8" && std::string(m.recipe) == "mxfp8")
@@ -165,7 +170,7 @@ TEST_P(EquivalenceMx, OneStepGradientsThenThreeStepsParameters) {
   const Snapshot ref3 = train(0, 1, 3, mx), got3 = train(m.world, m.ep, 3, mx);
   expect_same(got3.params, ref3.params, 1e-10, "parameter");
   // Not the bf16 run: the recipe changed the gradients.
-  const Snapshot plain = train(0, 1, 1, {"model.dim=32", "model.moe_dim=32"});
+  const Snapshot plain = train(0, 1, 1, dims);
   EXPECT_GT(
       relative_error(ref1.grads.at("layers.0.moe.w_down"), plain.grads.at("layers.0.moe.w_down")),
       1e-4);
@@ -177,7 +182,10 @@ INSTANTIATE_TEST_SUITE_P(
                       MxCase{4, 4, "mxfp8_wgrad_with_hp"}, MxCase{2, 2, "mxfp8"},
                       MxCase{4, 4, "mxfp8"}, MxCase{4, 2, "mxfp8_wgrad_with_hp", "mxfp8"},
                       MxCase{2, 2, "mxfp8", "mxfp8"},
-                      MxCase{4, 2, "mxfp8_wgrad_with_hp", "mxfp8", 3}),
+                      MxCase{4, 2, "mxfp8_wgrad_with_hp", "mxfp8", 3},
+                      MxCase{2, 1, "fp8_wgrad_with_hp"},
+                      MxCase{4, 2, "fp8_wgrad_with_hp", "bf16", 3}, MxCase{2, 2, "fp8_blockwise"},
+                      MxCase{4, 4, "fp8_blockwise"}),
     [](const auto& info) {
       return "W" + std::to_string(info.param.world) + "_ep" + std::to_string(info.param.ep) + "_" +
              info.param.recipe + "_dispatch_" + info.param.dispatch +

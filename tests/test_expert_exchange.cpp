@@ -267,7 +267,7 @@ TEST(ExpertExchange, ThePlansDispatchEqualsDispatchAfterIt) {
       }
     }
     Tensor mxv = Tensor::empty({n, width}, DType::kF32);
-    ops::mx_round_trip(x, MxAxis::kDim0, mx.rule, mxv);
+    ops::mx_round_trip(x, QuantAxis::kDim0, mx.rule, mxv);
     EXPECT_NE(std::memcmp(mxv.data<float>(), x.data<float>(), x.nbytes()), 0);
   });
   // The plan's exchange with rows of 2048 bf16 at top-8 of 128 over 2 ranks, 16 places: the

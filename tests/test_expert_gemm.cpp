@@ -5,17 +5,20 @@
 // recipe.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <string>
+#include <tuple>
 #include <vector>
 
-#include "core/mx.h"
+#include "core/quant.h"
 #include "core/rng.h"
 #include "hf_fixture.h"
 #include "model/qwen3_moe.h"
 #include "moe/moe_layer.h"
 #include "mx_cases.h"
 #include "ops/expert_gemm.h"
+#include "ops/fp8.h"
 #include "ops/mx.h"
 #include "ops/mx_gemm.h"
 #include "testing.h"
@@ -48,8 +51,8 @@ struct Layout {
 };
 
 // The tensor after an independent quantize + dequantize along axis (f64 out).
-Tensor round_tripped(const Tensor& t, MxAxis axis) {
-  MxTensor q = MxTensor::poisoned(t.shape(), axis);
+Tensor round_tripped(const Tensor& t, QuantAxis axis) {
+  QuantTensor q = QuantTensor::poisoned(t.shape(), QuantBlock::kMx32, axis);
   ops::mx_quantize(t, MxScaleRule::kRceil, q);
   Tensor out = Tensor::poisoned(t.shape(), DType::kF64);
   ops::mx_dequantize(q, out);
@@ -62,7 +65,7 @@ Tensor expert_rows_round_tripped(const Tensor& x, const Layout& l, int e) {
   Tensor block = Tensor::zeros({padded, k}, DType::kF64);
   for (int64_t r = 0; r < n; ++r)
     for (int64_t c = 0; c < k; ++c) block.set_item(r * k + c, x.item((l.first(e) + r) * k + c));
-  return round_tripped(block, MxAxis::kDim1);
+  return round_tripped(block, QuantAxis::kDim1);
 }
 
 double rel(const Tensor& got, const Tensor& want, const Layout& l, int64_t width) {
@@ -77,6 +80,48 @@ double rel(const Tensor& got, const Tensor& want, const Layout& l, int64_t width
   return std::sqrt(num / den);
 }
 
+// Expert e's rows of t as a (count, width) f64 matrix.
+Tensor expert_slice(const Tensor& t, const Layout& l, int e) {
+  const int64_t w = t.dim(1);
+  Tensor out = Tensor::zeros({l.count(e), w}, DType::kF64);
+  for (int64_t i = 0; i < l.count(e) * w; ++i) out.set_item(i, t.item(l.first(e) * w + i));
+  return out;
+}
+
+// The three products by fp64 loops over the operands' values as each product sees them: out
+// from xq and wk (both along K), dx from dyq and wn (along N), dw from each expert's rows xe[e]
+// and dye[e] (row i of expert e at row i). Rows outside the experts stay as `poison` has them.
+struct LoopProducts {
+  Tensor out, dx, dw;
+};
+LoopProducts loop_products(const Layout& l, const Tensor& xq, const Tensor& wk, const Tensor& dyq,
+                           const Tensor& wn, const std::vector<Tensor>& xe,
+                           const std::vector<Tensor>& dye) {
+  const int64_t k = xq.dim(1), n = dyq.dim(1), experts = static_cast<int64_t>(xe.size());
+  LoopProducts r{Tensor::poisoned({l.rows, n}, DType::kF64),
+                 Tensor::poisoned({l.rows, k}, DType::kF64),
+                 Tensor::zeros({experts, k, n}, DType::kF64)};
+  for (int e = 0; e < experts; ++e)
+    for (int64_t i = 0; i < l.count(e); ++i) {
+      const int64_t row = l.first(e) + i;
+      for (int64_t c = 0; c < n; ++c) {
+        double s = 0;
+        for (int64_t j = 0; j < k; ++j) s += xq.item(row * k + j) * wk.item((e * k + j) * n + c);
+        r.out.set_item(row * n + c, s);
+      }
+      for (int64_t j = 0; j < k; ++j) {
+        double s = 0;
+        for (int64_t c = 0; c < n; ++c) s += dyq.item(row * n + c) * wn.item((e * k + j) * n + c);
+        r.dx.set_item(row * k + j, s);
+      }
+      for (int64_t j = 0; j < k; ++j)
+        for (int64_t c = 0; c < n; ++c)
+          r.dw.set_item((e * k + j) * n + c, r.dw.item((e * k + j) * n + c) +
+                                                 xe[e].item(i * k + j) * dye[e].item(i * n + c));
+    }
+  return r;
+}
+
 class Recipes : public ::testing::TestWithParam<ops::ExpertRecipe> {};
 
 TEST_P(Recipes, ProductsEqualFp64MathOnTheQuantizedOperands) {
@@ -88,41 +133,26 @@ TEST_P(Recipes, ProductsEqualFp64MathOnTheQuantizedOperands) {
   const Tensor dy = testing::randn({l.rows, n}, 23, 1.0);
   const bool mx = p.mx_forward_and_input();
   // Operands as each product sees them.
-  const Tensor xq = mx ? round_tripped(x, MxAxis::kDim0) : x;     // along K
-  const Tensor wk = mx ? round_tripped(w, MxAxis::kDim1) : w;     // along K
-  const Tensor dyq = mx ? round_tripped(dy, MxAxis::kDim0) : dy;  // along N
-  const Tensor wn = mx ? round_tripped(w, MxAxis::kDim0) : w;     // along N
+  const Tensor xq = mx ? round_tripped(x, QuantAxis::kDim0) : x;     // along K
+  const Tensor wk = mx ? round_tripped(w, QuantAxis::kDim1) : w;     // along K
+  const Tensor dyq = mx ? round_tripped(dy, QuantAxis::kDim0) : dy;  // along N
+  const Tensor wn = mx ? round_tripped(w, QuantAxis::kDim0) : w;     // along N
 
-  Tensor out = Tensor::poisoned({l.rows, n}, DType::kF64), want_out = out.clone();
-  Tensor dx = Tensor::poisoned({l.rows, k}, DType::kF64), want_dx = dx.clone();
+  Tensor out = Tensor::poisoned({l.rows, n}, DType::kF64);
+  Tensor dx = Tensor::poisoned({l.rows, k}, DType::kF64);
   Tensor dw = Tensor::poisoned({experts, k, n}, DType::kF64);
-  Tensor want_dw = Tensor::zeros({experts, k, n}, DType::kF64);
   ops::expert_gemm_forward(x, w, l.expert_rows(), p, out);
   ops::expert_gemm_backward_input(dy, w, l.expert_rows(), p, dx);
   ops::expert_gemm_backward_weight(x, dy, l.expert_rows(), p, dw, ops::Accumulate::kNo);
+  std::vector<Tensor> xe, dye;
   for (int e = 0; e < experts; ++e) {
-    const Tensor xe = p.mx_weight_gradient() ? expert_rows_round_tripped(x, l, e) : Tensor();
-    const Tensor dye = p.mx_weight_gradient() ? expert_rows_round_tripped(dy, l, e) : Tensor();
-    for (int64_t i = 0; i < l.count(e); ++i) {
-      const int64_t r = l.first(e) + i;
-      for (int64_t c = 0; c < n; ++c) {
-        double s = 0;
-        for (int64_t j = 0; j < k; ++j) s += xq.item(r * k + j) * wk.item((e * k + j) * n + c);
-        want_out.set_item(r * n + c, s);
-      }
-      for (int64_t j = 0; j < k; ++j) {
-        double s = 0;
-        for (int64_t c = 0; c < n; ++c) s += dyq.item(r * n + c) * wn.item((e * k + j) * n + c);
-        want_dx.set_item(r * k + j, s);
-      }
-      for (int64_t j = 0; j < k; ++j)
-        for (int64_t c = 0; c < n; ++c) {
-          const double a = p.mx_weight_gradient() ? xe.item(i * k + j) : x.item(r * k + j);
-          const double b = p.mx_weight_gradient() ? dye.item(i * n + c) : dy.item(r * n + c);
-          want_dw.set_item((e * k + j) * n + c, want_dw.item((e * k + j) * n + c) + a * b);
-        }
-    }
+    xe.push_back(p.mx_weight_gradient() ? expert_rows_round_tripped(x, l, e)
+                                        : expert_slice(x, l, e));
+    dye.push_back(p.mx_weight_gradient() ? expert_rows_round_tripped(dy, l, e)
+                                         : expert_slice(dy, l, e));
   }
+  const LoopProducts want = loop_products(l, xq, wk, dyq, wn, xe, dye);
+  const Tensor &want_out = want.out, &want_dx = want.dx, &want_dw = want.dw;
   EXPECT_LT(rel(out, want_out, l, n), 1e-12);
   EXPECT_LT(rel(dx, want_dx, l, k), 1e-12);
   EXPECT_LT(relative_error(dw, want_dw), 1e-12);
@@ -148,6 +178,79 @@ INSTANTIATE_TEST_SUITE_P(All, Recipes,
                                            ops::ExpertRecipe::kMxfp8WgradWithHp),
                          [](const auto& info) {
                            return std::string(ops::expert_recipe_name(info.param));
+                         });
+
+// The FP8 blockwise recipes on the CPU: the same three products against fp64 loops over operands
+// quantized independently (whole tensors in 1 x 128 rows and 128 x 128 tiles, and each expert's
+// rows as a zero-padded matrix blocked down its columns).
+class Fp8Recipes : public ::testing::TestWithParam<std::tuple<ops::ExpertRecipe, Fp8ScaleRule>> {};
+
+Tensor fp8_values(const Tensor& t, QuantBlock block, QuantAxis axis, Fp8ScaleRule rule) {
+  Tensor out = Tensor::poisoned(t.shape(), DType::kF64);
+  ops::fp8_round_trip(t, block, axis, rule, out);
+  return out;
+}
+
+TEST_P(Fp8Recipes, ProductsEqualFp64MathOnTheQuantizedOperands) {
+  ops::ExpertPrecision p;
+  p.recipe = std::get<0>(GetParam());
+  p.fp8_scale = std::get<1>(GetParam());
+  const Layout l;
+  const int64_t k = 128, n = 256, experts = 3;
+  const Tensor x = testing::randn({l.rows, k}, 41, 1.0);
+  const Tensor w = testing::randn({experts, k, n}, 42, 0.2);
+  const Tensor dy = testing::randn({l.rows, n}, 43, 1.0);
+  const Tensor xq = fp8_values(x, QuantBlock::kRow128, QuantAxis::kDim0, p.fp8_scale);
+  const Tensor dyq = fp8_values(dy, QuantBlock::kRow128, QuantAxis::kDim0, p.fp8_scale);
+  const Tensor wq = fp8_values(w, QuantBlock::kTile128, QuantAxis::kDim0, p.fp8_scale);
+  Tensor out = Tensor::poisoned({l.rows, n}, DType::kF64);
+  Tensor dx = Tensor::poisoned({l.rows, k}, DType::kF64);
+  Tensor dw = Tensor::poisoned({experts, k, n}, DType::kF64);
+  ops::expert_gemm_forward(x, w, l.expert_rows(), p, out);
+  ops::expert_gemm_backward_input(dy, w, l.expert_rows(), p, dx);
+  ops::expert_gemm_backward_weight(x, dy, l.expert_rows(), p, dw, ops::Accumulate::kNo);
+  // Each expert's rows, zero-padded to whole 128-row blocks, quantized down the columns.
+  const auto along_tokens = [&](const Tensor& t, int e) {
+    const Tensor rows = expert_slice(t, l, e);
+    if (!p.fp8_weight_gradient()) return rows;
+    const int64_t padded =
+        std::max<int64_t>((l.count(e) + kFp8Block - 1) / kFp8Block, 1) * kFp8Block;
+    Tensor block = Tensor::zeros({padded, t.dim(1)}, DType::kF64);
+    for (int64_t i = 0; i < rows.numel(); ++i) block.set_item(i, rows.item(i));
+    return fp8_values(block, QuantBlock::kRow128, QuantAxis::kDim1, p.fp8_scale);
+  };
+  std::vector<Tensor> xe, dye;
+  for (int e = 0; e < experts; ++e) {
+    xe.push_back(along_tokens(x, e));
+    dye.push_back(along_tokens(dy, e));
+  }
+  const LoopProducts want = loop_products(l, xq, wq, dyq, wq, xe, dye);
+  const Tensor &want_out = want.out, &want_dx = want.dx, &want_dw = want.dw;
+  EXPECT_LT(rel(out, want_out, l, n), 1e-12);
+  EXPECT_LT(rel(dx, want_dx, l, k), 1e-12);
+  EXPECT_LT(relative_error(dw, want_dw), 1e-12);
+  // Quantized, and only where the recipe says: the forward moves by FP8's error, the weight
+  // gradient of fp8_wgrad_with_hp does not move at all.
+  Tensor plain_out = Tensor::poisoned({l.rows, n}, DType::kF64);
+  Tensor plain_dw = Tensor::poisoned({experts, k, n}, DType::kF64);
+  ops::grouped_gemm_forward(x, w, l.expert_rows(), plain_out);
+  ops::grouped_gemm_backward_weight(x, dy, l.expert_rows(), plain_dw, ops::Accumulate::kNo);
+  EXPECT_GT(rel(out, plain_out, l, n), 1e-3);
+  EXPECT_LT(rel(out, plain_out, l, n), 0.1);
+  if (p.fp8_weight_gradient())
+    EXPECT_GT(relative_error(dw, plain_dw), 1e-3);
+  else
+    EXPECT_LT(relative_error(dw, plain_dw), 1e-15);
+}
+
+INSTANTIATE_TEST_SUITE_P(All, Fp8Recipes,
+                         ::testing::Combine(::testing::Values(ops::ExpertRecipe::kFp8Blockwise,
+                                                              ops::ExpertRecipe::kFp8WgradWithHp),
+                                            ::testing::Values(Fp8ScaleRule::kFp32,
+                                                              Fp8ScaleRule::kPow2)),
+                         [](const auto& info) {
+                           return std::string(ops::expert_recipe_name(std::get<0>(info.param))) +
+                                  "_" + std::string(fp8_scale_rule_name(std::get<1>(info.param)));
                          });
 
 TEST(MxRoundTrip, ExpertRowsBlockFromEachExpertsFirstRowAndLeavePaddingAlone) {
@@ -196,6 +299,24 @@ TEST(ExpertRecipeConfig, KeysParseAndBadValuesNameTheValidOnes) {
     load_config(tiny, {"model.expert_recipe=mxfp8", "model.moe_dim=48"});
   });
   EXPECT_NE(dim.find("model.moe_dim = 48 must be a multiple of 32"), std::string::npos) << dim;
+  const Config f = load_config(tiny, {"model.expert_recipe=fp8_blockwise", "model.fp8_scale=pow2",
+                                      "model.dim=128", "model.moe_dim=256"});
+  EXPECT_EQ(f.model.expert_precision.recipe, ops::ExpertRecipe::kFp8Blockwise);
+  EXPECT_EQ(f.model.expert_precision.fp8_scale, Fp8ScaleRule::kPow2);
+  EXPECT_EQ(load_config(tiny, {}).model.expert_precision.fp8_scale, Fp8ScaleRule::kFp32);
+  const std::string fp8_dim = testing::error_of([&] {
+    load_config(tiny,
+                {"model.expert_recipe=fp8_wgrad_with_hp", "model.dim=128", "model.moe_dim=96"});
+  });
+  EXPECT_NE(fp8_dim.find("model.moe_dim = 96 must be a multiple of 128"), std::string::npos)
+      << fp8_dim;
+  const std::string scale = testing::error_of([&] { load_config(tiny, {"model.fp8_scale=e8m0"}); });
+  EXPECT_NE(scale.find("valid: fp32, pow2"), std::string::npos) << scale;
+  const std::string wire = testing::error_of([&] {
+    load_config(tiny, {"model.expert_recipe=fp8_blockwise", "model.dim=128", "model.moe_dim=128",
+                       "parallel.ep_dispatch_dtype=mxfp8"});
+  });
+  EXPECT_NE(wire.find("not model.expert_recipe = \"fp8_blockwise\""), std::string::npos) << wire;
 }
 
 TEST(ExpertRecipeConfig, Mxfp8DispatchNeedsAnMxRecipeAndRequantForMxfp8) {
@@ -250,6 +371,29 @@ TEST(ExpertRecipeTraining, EveryRecipeLearnsTheTinyLanguages) {
     EXPECT_NEAR(final_loss[i], final_loss[0], 0.1) << i;
   }
   EXPECT_NE(final_loss[3], final_loss[2]);  // the wire's quantization reached the GEMMs
+}
+
+// The FP8 blockwise recipes train the tiny model with expert dims of 128 (their blocks' size) as
+// far as bf16 does at the same dims.
+TEST(ExpertRecipeTraining, Fp8RecipesLearnTheTinyLanguages) {
+  const std::string tiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
+  std::vector<double> final_loss;
+  for (const char* recipe : {"bf16", "fp8_blockwise", "fp8_wgrad_with_hp"}) {
+    const Config c = load_config(
+        tiny, {"model.dim=128", "model.moe_dim=128", std::string("model.expert_recipe=") + recipe,
+               "train.steps=60", "train.warmup_steps=5"});
+    Trainer t(c);
+    const auto m = t.run({});
+    ASSERT_EQ(m.size(), 60u);
+    EXPECT_TRUE(std::isfinite(m.back().loss)) << recipe;
+    EXPECT_LT(m.back().loss, m.front().loss - 1.0) << recipe;
+    final_loss.push_back(m.back().loss);
+  }
+  for (size_t i = 1; i < final_loss.size(); ++i) {
+    EXPECT_NE(final_loss[i], final_loss[0]) << i;  // the recipe changed the arithmetic
+    EXPECT_NEAR(final_loss[i], final_loss[0], 0.1) << i;
+  }
+  EXPECT_NE(final_loss[1], final_loss[2]);  // the weight gradient's quantization counts
 }
 
 // The MX copies FSDP makes for a pass (ParamGroup::mx, fsdp::gather) are those of the weights

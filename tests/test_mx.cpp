@@ -11,7 +11,7 @@
 #include <string>
 #include <tuple>
 
-#include "core/mx.h"
+#include "core/quant.h"
 #include "mx_cases.h"
 #include "ops/elementwise.h"
 #include "ops/mx.h"
@@ -37,7 +37,7 @@ std::pair<uint8_t, std::vector<uint8_t>> quantize_block(const std::vector<float>
                                                         MxScaleRule rule) {
   Tensor x = Tensor::zeros({1, kMxBlock}, DType::kF32);
   for (size_t i = 0; i < v.size(); ++i) x.data<float>()[i] = v[i];
-  MxTensor q = MxTensor::poisoned({1, kMxBlock}, MxAxis::kDim0);
+  QuantTensor q = QuantTensor::poisoned({1, kMxBlock}, QuantBlock::kMx32, QuantAxis::kDim0);
   ops::mx_quantize(x, rule, q);
   return {static_cast<const uint8_t*>(q.scales().raw())[0], testing::bytes_of(q.data())};
 }
@@ -97,7 +97,7 @@ TEST(MxQuantize, HandCheckedBlocks) {
 }
 
 TEST(MxDequantize, HandChecked) {
-  MxTensor q = MxTensor::empty({1, kMxBlock}, MxAxis::kDim0);
+  QuantTensor q = QuantTensor::empty({1, kMxBlock}, QuantBlock::kMx32, QuantAxis::kDim0);
   uint8_t* d = static_cast<uint8_t*>(q.data().raw());
   for (int i = 0; i < kMxBlock; ++i) d[i] = 0;
   d[0] = 0x78;  // 256
@@ -123,10 +123,10 @@ TEST_P(MxTorchao, MatchesTorchaoBitForBit) {
   const SafetensorsFile f = read_safetensors(path);
   const std::string in = std::string(dtype_name(dtype));
   const std::string key =
-      in + "." + std::string(mx_scale_rule_name(rule)) + "." + std::string(mx_axis_name(axis));
-  const Tensor& x = f.tensors.at(axis == MxAxis::kDim0 ? "x." + in : "x." + in + ".t");
+      in + "." + std::string(mx_scale_rule_name(rule)) + "." + std::string(quant_axis_name(axis));
+  const Tensor& x = f.tensors.at(axis == QuantAxis::kDim0 ? "x." + in : "x." + in + ".t");
   ASSERT_EQ(x.dtype(), dtype);
-  MxTensor q = MxTensor::poisoned(x.shape(), axis);
+  QuantTensor q = QuantTensor::poisoned(x.shape(), QuantBlock::kMx32, axis);
   ops::mx_quantize(x, rule, q);
   const Tensor& data = f.tensors.at(key + ".data");
   const Tensor& scales = f.tensors.at(key + ".scales");
@@ -174,7 +174,7 @@ TEST_P(MxTorchao, MatchesTorchaoBitForBit) {
   EXPECT_GT(saturated, 0);
 
   // Dequantization of torchao's own bytes gives torchao's to_dtype.
-  MxTensor theirs_q = MxTensor::empty(x.shape(), axis);
+  QuantTensor theirs_q = QuantTensor::empty(x.shape(), QuantBlock::kMx32, axis);
   std::memcpy(theirs_q.data().raw(), data.raw(), data.nbytes());  // saved as u8
   std::memcpy(theirs_q.scales().raw(), scales.raw(), scales.nbytes());
   Tensor back = Tensor::poisoned(x.shape(), dtype);
@@ -201,8 +201,8 @@ TEST(MxQuantize, Dim1IsDim0OfTheTranspose) {
   const Tensor x = testing::mx_input({experts, rows, cols}, 11, DType::kBF16);
   const Tensor xt = transposed(x);
   for (MxScaleRule rule : {MxScaleRule::kFloor, MxScaleRule::kRceil}) {
-    MxTensor a = MxTensor::poisoned(x.shape(), MxAxis::kDim1);
-    MxTensor b = MxTensor::poisoned(xt.shape(), MxAxis::kDim0);
+    QuantTensor a = QuantTensor::poisoned(x.shape(), QuantBlock::kMx32, QuantAxis::kDim1);
+    QuantTensor b = QuantTensor::poisoned(xt.shape(), QuantBlock::kMx32, QuantAxis::kDim0);
     ops::mx_quantize(x, rule, a);
     ops::mx_quantize(xt, rule, b);
     EXPECT_EQ(a.data().shape(), b.data().shape());
@@ -226,11 +226,11 @@ TEST(MxRoundTrip, TransposedAndIntoAnotherDtype) {
   ops::convert(x32, x16);
   for (MxScaleRule rule : {MxScaleRule::kFloor, MxScaleRule::kRceil}) {
     Tensor along = Tensor::poisoned(x32.shape(), DType::kBF16);
-    ops::mx_round_trip(x16, MxAxis::kDim1, rule, along);
+    ops::mx_round_trip(x16, QuantAxis::kDim1, rule, along);
     Tensor t = Tensor::poisoned({experts, cols, rows}, DType::kBF16);
     ops::mx_round_trip_transposed(x32, rule, t);
     EXPECT_TRUE(same_values(transposed(t), along));
-    for (MxAxis axis : {MxAxis::kDim0, MxAxis::kDim1}) {
+    for (QuantAxis axis : {QuantAxis::kDim0, QuantAxis::kDim1}) {
       Tensor from_f32 = Tensor::poisoned(x32.shape(), DType::kBF16);
       Tensor from_bf16 = Tensor::poisoned(x32.shape(), DType::kBF16);
       Tensor unrounded = Tensor::poisoned(x32.shape(), DType::kF32);
@@ -249,7 +249,7 @@ TEST(MxQuantize, RceilRoundTripWithinHalfAStep) {
   Tensor x = testing::randn({64, 256}, 5, 1.0, DType::kF32);
   for (int64_t i = 0; i < x.numel(); ++i)
     x.data<float>()[i] *= std::ldexp(1.0f, (i / 32) % 40 - 20);
-  MxTensor q = MxTensor::poisoned(x.shape(), MxAxis::kDim0);
+  QuantTensor q = QuantTensor::poisoned(x.shape(), QuantBlock::kMx32, QuantAxis::kDim0);
   ops::mx_quantize(x, MxScaleRule::kRceil, q);
   Tensor back = Tensor::poisoned(x.shape(), DType::kF64);
   ops::mx_dequantize(q, back);
@@ -263,19 +263,22 @@ TEST(MxQuantize, RceilRoundTripWithinHalfAStep) {
   EXPECT_GT(worst, 0.1);  // the bound is tight, not vacuous
 }
 
-TEST(MxTensorShape, ErrorsNameTheDimension) {
+TEST(QuantTensorShape, ErrorsNameTheDimension) {
   EXPECT_NE(testing::error_of([] {
-              MxTensor::empty({4, 48}, MxAxis::kDim0);
+              QuantTensor::empty({4, 48}, QuantBlock::kMx32, QuantAxis::kDim0);
             }).find("blocked dimension (48) must be a multiple of 32"),
             std::string::npos);
   EXPECT_NE(testing::error_of([] {
-              MxTensor::empty({40, 64}, MxAxis::kDim1);
+              QuantTensor::empty({40, 64}, QuantBlock::kMx32, QuantAxis::kDim1);
             }).find("blocked dimension (40)"),
             std::string::npos);
-  EXPECT_NE(testing::error_of([] { MxTensor::empty({64}, MxAxis::kDim0); }).find("at least 2"),
+  EXPECT_NE(testing::error_of([] {
+              QuantTensor::empty({64}, QuantBlock::kMx32, QuantAxis::kDim0);
+            }).find("at least 2"),
             std::string::npos);
-  EXPECT_EQ(MxTensor::scales_shape({2, 64, 96}, MxAxis::kDim1), (Shape{2, 96, 2}));
-  MxTensor q = MxTensor::empty({32, 64}, MxAxis::kDim0);
+  EXPECT_EQ(QuantTensor::scales_shape({2, 64, 96}, QuantBlock::kMx32, QuantAxis::kDim1),
+            (Shape{2, 96, 2}));
+  QuantTensor q = QuantTensor::empty({32, 64}, QuantBlock::kMx32, QuantAxis::kDim0);
   const Tensor wrong = Tensor::zeros({64, 32}, DType::kF32);
   EXPECT_NE(testing::error_of([&] {
               ops::mx_quantize(wrong, MxScaleRule::kRceil, q);
@@ -297,12 +300,12 @@ TEST(MxRoundTrip, ErrorsNameTheOperand) {
   EXPECT_NE(t.find("mx_round_trip_transposed output"), std::string::npos) << t;
   EXPECT_NE(t.find("96, 64"), std::string::npos) << t;
   Tensor small = Tensor::zeros({32, 96}, DType::kF32);
-  const std::string shape =
-      testing::error_of([&] { ops::mx_round_trip(x, MxAxis::kDim0, MxScaleRule::kRceil, small); });
+  const std::string shape = testing::error_of(
+      [&] { ops::mx_round_trip(x, QuantAxis::kDim0, MxScaleRule::kRceil, small); });
   EXPECT_NE(shape.find("input's shape (64, 96)"), std::string::npos) << shape;
   Tensor ints = Tensor::zeros({64, 96}, DType::kI32);
-  const std::string dtype =
-      testing::error_of([&] { ops::mx_round_trip(x, MxAxis::kDim0, MxScaleRule::kRceil, ints); });
+  const std::string dtype = testing::error_of(
+      [&] { ops::mx_round_trip(x, QuantAxis::kDim0, MxScaleRule::kRceil, ints); });
   EXPECT_NE(dtype.find("f32, bf16 or f64"), std::string::npos) << dtype;
 
   // Both axes from one read: R and C multiples of 32, one dtype, each output's own shape.
@@ -349,11 +352,11 @@ TEST_P(GpuMx, QuantizeAndDequantizeMatchTheCpuBitForBit) {
     const uint64_t seed = fresh_seed();
     SCOPED_TRACE("shape " + shape_str(shape) + " seed " + std::to_string(seed));
     const Tensor x = testing::mx_input(shape, seed, dtype);
-    MxTensor want = MxTensor::poisoned(shape, axis);
+    QuantTensor want = QuantTensor::poisoned(shape, QuantBlock::kMx32, axis);
     ops::mx_quantize(x, rule, want);
     const Tensor xg = x.to(Device::kCUDA);
     for (int poison : {0xFF, 0x00}) {
-      MxTensor got = MxTensor::poisoned(shape, axis, Device::kCUDA);
+      QuantTensor got = QuantTensor::poisoned(shape, QuantBlock::kMx32, axis, Device::kCUDA);
       if (poison == 0x00) {
         cudaMemset(got.data().raw(), 0, got.data().nbytes());
         cudaMemset(got.scales().raw(), 0, got.scales().nbytes());
@@ -417,13 +420,13 @@ TEST(GpuMx, EveryScaleExponentMatchesTheCpu) {
   }
   for (const MxScaleRule rule : {MxScaleRule::kRceil, MxScaleRule::kFloor})
     for (const DType dt : {DType::kF32, DType::kBF16})
-      for (const MxAxis axis : {MxAxis::kDim0, MxAxis::kDim1}) {
+      for (const QuantAxis axis : {QuantAxis::kDim0, QuantAxis::kDim1}) {
         SCOPED_TRACE(std::string(mx_scale_rule_name(rule)) + " " + std::string(dtype_name(dt)) +
-                     " " + std::string(mx_axis_name(axis)));
-        const Tensor x = (axis == MxAxis::kDim0 ? rows : cols).to(dt);
-        MxTensor want = MxTensor::poisoned(x.shape(), axis);
+                     " " + std::string(quant_axis_name(axis)));
+        const Tensor x = (axis == QuantAxis::kDim0 ? rows : cols).to(dt);
+        QuantTensor want = QuantTensor::poisoned(x.shape(), QuantBlock::kMx32, axis);
         ops::mx_quantize(x, rule, want);
-        MxTensor got = MxTensor::poisoned(x.shape(), axis, Device::kCUDA);
+        QuantTensor got = QuantTensor::poisoned(x.shape(), QuantBlock::kMx32, axis, Device::kCUDA);
         ops::mx_quantize(x.to(Device::kCUDA), rule, got);
         ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
         EXPECT_TRUE(same_bytes(got.scales(), want.scales()));
@@ -431,7 +434,7 @@ TEST(GpuMx, EveryScaleExponentMatchesTheCpu) {
       }
 }
 TEST(GpuMx, RefusesWhatTheKernelsCannotRead) {
-  MxTensor q = MxTensor::empty({64, 36}, MxAxis::kDim1, Device::kCUDA);
+  QuantTensor q = QuantTensor::empty({64, 36}, QuantBlock::kMx32, QuantAxis::kDim1, Device::kCUDA);
   const Tensor x = Tensor::zeros({64, 36}, DType::kBF16, Device::kCUDA);  // 72-byte rows
   EXPECT_NE(testing::error_of([&] {
               ops::mx_quantize(x, MxScaleRule::kRceil, q);
@@ -472,13 +475,13 @@ TEST(GpuMx, RoundTripsMatchTheCpuBitForBit) {
                        shape_str(shape) + " seed " + std::to_string(seed));
           const Tensor x = testing::mx_input(shape, seed, dt);
           Tensor want = Tensor::poisoned(shape, out);
-          ops::mx_round_trip(x, MxAxis::kDim0, rule, want);
+          ops::mx_round_trip(x, QuantAxis::kDim0, rule, want);
           Tensor got = Tensor::poisoned(shape, out, Device::kCUDA);
-          ops::mx_round_trip(x.to(Device::kCUDA), MxAxis::kDim0, rule, got);
+          ops::mx_round_trip(x.to(Device::kCUDA), QuantAxis::kDim0, rule, got);
           EXPECT_TRUE(same_values(got, want));
           if (out == dt) {
             Tensor in_place = x.to(Device::kCUDA);
-            ops::mx_round_trip(in_place, MxAxis::kDim0, rule, in_place);
+            ops::mx_round_trip(in_place, QuantAxis::kDim0, rule, in_place);
             EXPECT_TRUE(same_values(in_place, want));
           }
           Shape t = shape;
@@ -520,7 +523,7 @@ void expect_rows(const Tensor& got, const Tensor& want, const Tensor& marks,
 Tensor mx_values_of(const Tensor& out_gpu, MxScaleRule rule) {
   const Tensor out = out_gpu.to(Device::kCPU);
   Tensor values = Tensor::poisoned(out.shape(), out.dtype());
-  ops::mx_round_trip(out, MxAxis::kDim0, rule, values);
+  ops::mx_round_trip(out, QuantAxis::kDim0, rule, values);
   return values;
 }
 // Runs write(out, mx) plain, with the MX values beside the output, and with them in place, each

@@ -8,7 +8,7 @@
 #include <random>
 #include <string>
 
-#include "core/mx.h"
+#include "core/quant.h"
 #include "core/rng.h"
 #include "ops/grouped_gemm.h"
 #include "ops/mx.h"
@@ -35,13 +35,13 @@ TEST(MxGroupedGemm, RefusesOperandsItCannotMultiply) {
   const ops::ExpertRows rows{offsets, segments, 32};
   const int64_t m = 160;
   Tensor out = Tensor::zeros({m, 8}, DType::kF64);
-  MxTensor along_tokens = MxTensor::empty({m, 64}, MxAxis::kDim1);
+  QuantTensor along_tokens = QuantTensor::empty({m, 64}, QuantBlock::kMx32, QuantAxis::kDim1);
   const Tensor b = Tensor::zeros({3, 8, 64}, DType::kF64);
   const std::string axis =
       testing::error_of([&] { ops::mx_grouped_gemm(along_tokens, b, rows, out); });
   EXPECT_NE(axis.find("quantized along dim0"), std::string::npos) << axis;
   EXPECT_NE(axis.find("dim1"), std::string::npos) << axis;
-  MxTensor a = MxTensor::empty({m, 64}, MxAxis::kDim0);
+  QuantTensor a = QuantTensor::empty({m, 64}, QuantBlock::kMx32, QuantAxis::kDim0);
   const Tensor wrong_inner = Tensor::zeros({3, 8, 96}, DType::kF64);
   const std::string inner =
       testing::error_of([&] { ops::mx_grouped_gemm(a, wrong_inner, rows, out); });
@@ -82,7 +82,8 @@ TEST(GpuMxGemm, KernelEqualsTheDefinitionBitForBit) {
     const ops::ExpertPermutation perm = random_expert_rows(700, experts, 128, seed);
     const ops::ExpertRows rows = perm.expert_rows(), rows_cpu = on_cpu(rows);
     const int64_t m = perm.rows();
-    MxTensor a = MxTensor::poisoned({m, c.q}, MxAxis::kDim0, Device::kCUDA);
+    QuantTensor a =
+        QuantTensor::poisoned({m, c.q}, QuantBlock::kMx32, QuantAxis::kDim0, Device::kCUDA);
     ops::mx_quantize(block_scaled_rows(m, c.q, seed), MxScaleRule::kRceil, a);
     const Tensor b =
         testing::randn({experts, c.p, c.q}, seed + 1, 0.05, DType::kF32).to(DType::kBF16);
@@ -124,7 +125,7 @@ TEST(GpuMxGemm, ANanScalePoisonsItsRow) {
   for (int64_t e = 0; e <= experts; ++e) offsets.data<int64_t>()[e] = e * 128;
   const Tensor off = offsets.to(Device::kCUDA);
   const ops::ExpertRows rows(off, off, 128);
-  MxTensor a = MxTensor::empty({m, q}, MxAxis::kDim0, Device::kCUDA);
+  QuantTensor a = QuantTensor::empty({m, q}, QuantBlock::kMx32, QuantAxis::kDim0, Device::kCUDA);
   ops::mx_quantize(block_scaled_rows(m, q, fresh_seed()), MxScaleRule::kRceil, a);
   const uint8_t nan_scale = 0xFF;
   MT_CUDA_CHECK(cudaMemcpy(static_cast<uint8_t*>(a.scales().raw()) + 130 * (q / kMxBlock) + 1,

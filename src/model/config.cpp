@@ -44,13 +44,13 @@ void ModelConfig::validate() const {
   positive("n_experts", n_experts);
   positive("top_k", top_k);
   positive("moe_dim", moe_dim);
-  if (expert_precision.recipe != ops::ExpertRecipe::kBf16)
+  if (const int64_t block = expert_precision.dim_multiple(); block > 1)
     for (const auto& [key, v] : {std::pair{"dim", dim}, std::pair{"moe_dim", moe_dim}})
-      if (v % kMxBlock != 0)
+      if (v % block != 0)
         throw ConfigError(fmt::format(
             "config: model.{} = {} must be a multiple of {} with model.expert_recipe = \"{}\" (the "
-            "MX blocks run along it)",
-            key, v, kMxBlock, ops::expert_recipe_name(expert_precision.recipe)));
+            "recipe's quantization blocks run along it)",
+            key, v, block, ops::expert_recipe_name(expert_precision.recipe)));
   for (const auto& [key, v] :
        {std::pair{"rms_norm_eps", rms_norm_eps}, std::pair{"rope_theta", rope_theta}})
     if (!(v > 0)) throw ConfigError(fmt::format("config: model.{} = {} must be > 0", key, v));

@@ -1,9 +1,13 @@
 #include "ops/expert_gemm.h"
 
+#include <fmt/format.h>
+
 #include <array>
 
 #include "core/enum_names.h"
 #include "core/profile.h"
+#include "ops/fp8.h"
+#include "ops/fp8_gemm.h"
 #include "ops/mx.h"
 
 namespace mt::ops {
@@ -19,20 +23,20 @@ Tensor round_trip_rows(const Tensor& t, const ExpertRows& rows, MxScaleRule rule
 
 // Allocates out, when undefined, as w's MX copy along `along` is stored: along K (dim1) w^T
 // (E, N, K), along N (dim0) w (E, K, N).
-void allocate_copy(const Tensor& w, MxAxis along, DType dtype, Tensor& out) {
+void allocate_copy(const Tensor& w, QuantAxis along, DType dtype, Tensor& out) {
   if (!out.defined())
-    out = Tensor::empty(along == MxAxis::kDim1 ? transposed_shape(w.shape()) : w.shape(), dtype,
+    out = Tensor::empty(along == QuantAxis::kDim1 ? transposed_shape(w.shape()) : w.shape(), dtype,
                         w.device());
 }
 
 // w's MX values along `along` as `dtype` holds them, read as stored, into out (allocate_copy).
-void mx_weight(const Tensor& w, MxAxis along, MxScaleRule rule, DType dtype, Tensor& out) {
+void mx_weight(const Tensor& w, QuantAxis along, MxScaleRule rule, DType dtype, Tensor& out) {
   allocate_copy(w, along, dtype, out);
-  if (along == MxAxis::kDim0) return mx_round_trip(w, MxAxis::kDim0, rule, out);
+  if (along == QuantAxis::kDim0) return mx_round_trip(w, QuantAxis::kDim0, rule, out);
   mx_round_trip_transposed(w, rule, out);
 }
 
-Tensor mx_weight(const Tensor& w, MxAxis along, MxScaleRule rule) {
+Tensor mx_weight(const Tensor& w, QuantAxis along, MxScaleRule rule) {
   const profile::Phase phase("mx.weight_copy");
   Tensor out;
   mx_weight(w, along, rule, w.dtype(), out);
@@ -43,16 +47,50 @@ Tensor mx_weight(const Tensor& w, MxAxis along, MxScaleRule rule) {
 Tensor mx_rows(const Tensor& x, MxScaleRule rule) {
   const profile::Phase phase("mx.round_trip_rows");
   Tensor out = Tensor::empty(x.shape(), x.dtype(), x.device());
-  mx_round_trip(x, MxAxis::kDim0, rule, out);
+  mx_round_trip(x, QuantAxis::kDim0, rule, out);
+  return out;
+}
+
+// The FP8 recipes' operands, quantized where the product needs them.
+QuantTensor fp8_rows(const Tensor& x, Fp8ScaleRule rule) {
+  const profile::Phase phase("fp8.quantize_rows");
+  QuantTensor q = QuantTensor::empty(x.shape(), QuantBlock::kRow128, QuantAxis::kDim0, x.device());
+  fp8_quantize(x, rule, q);
+  return q;
+}
+
+// w (E, K, N) in 128 x 128 tiles stored along `axis`: dim1 (w^T) for the forward, dim0 for the
+// input gradient.
+QuantTensor fp8_weight(const Tensor& w, QuantAxis axis, Fp8ScaleRule rule) {
+  const profile::Phase phase("fp8.quantize_weight");
+  QuantTensor q = QuantTensor::empty(w.shape(), QuantBlock::kTile128, axis, w.device());
+  fp8_quantize(w, rule, q);
+  return q;
+}
+
+QuantTensor fp8_along_tokens(const Tensor& t, const ExpertRows& rows, Fp8ScaleRule rule) {
+  const profile::Phase phase("fp8.quantize_expert_rows");
+  QuantTensor q = QuantTensor::empty(fp8_expert_rows_shape(t), QuantBlock::kRow128,
+                                     QuantAxis::kDim1, t.device());
+  fp8_quantize_expert_rows(t, rows, rule, q);
+  return q;
+}
+
+// The weight gradient's operand values in 128-row blocks per expert (any layout; the CPU's).
+Tensor fp8_round_trip_rows(const Tensor& t, const ExpertRows& rows, Fp8ScaleRule rule) {
+  Tensor out = t.dtype() == DType::kF64 ? t.clone() : t.to(DType::kF32);
+  fp8_round_trip_expert_rows(out, rows, rule, out);
   return out;
 }
 
 }  // namespace
 
-constexpr std::array<EnumName<ExpertRecipe>, 3> kRecipes{
+constexpr std::array<EnumName<ExpertRecipe>, 5> kRecipes{
     {{ExpertRecipe::kBf16, "bf16"},
      {ExpertRecipe::kMxfp8, "mxfp8"},
-     {ExpertRecipe::kMxfp8WgradWithHp, "mxfp8_wgrad_with_hp"}}};
+     {ExpertRecipe::kMxfp8WgradWithHp, "mxfp8_wgrad_with_hp"},
+     {ExpertRecipe::kFp8Blockwise, "fp8_blockwise"},
+     {ExpertRecipe::kFp8WgradWithHp, "fp8_wgrad_with_hp"}}};
 constexpr std::array<EnumName<RowWire>, 2> kRowWires{
     {{RowWire::kAsIs, "bf16"}, {RowWire::kMxfp8, "mxfp8"}}};
 
@@ -72,12 +110,17 @@ bool parse_dispatch_dtype(std::string_view name, RowWire* out) {
   return parse_enum(kRowWires, name, out);
 }
 
+int64_t ExpertPrecision::dim_multiple() const {
+  return mx_forward_and_input() ? kMxBlock : fp8_forward_and_input() ? kFp8Block : 1;
+}
+
 std::string ExpertPrecision::invalid_combination() const {
-  if (dispatch == RowWire::kMxfp8 && recipe == ExpertRecipe::kBf16)
-    return "parallel.ep_dispatch_dtype = \"mxfp8\" needs an MX expert recipe (the expert GEMMs "
-           "take "
-           "the rows as they arrive): set model.expert_recipe = \"mxfp8_wgrad_with_hp\" or "
-           "\"mxfp8\"";
+  if (dispatch == RowWire::kMxfp8 && !mx_forward_and_input())
+    return fmt::format(
+        "parallel.ep_dispatch_dtype = \"mxfp8\" needs an MX expert recipe (the expert GEMMs take "
+        "the rows as they arrive), not model.expert_recipe = \"{}\": set \"mxfp8_wgrad_with_hp\" "
+        "or \"mxfp8\"",
+        expert_recipe_name(recipe));
   if (dispatch == RowWire::kMxfp8 && recipe == ExpertRecipe::kMxfp8 && !requant_dim1)
     return "parallel.ep_dispatch_dtype = \"mxfp8\" with model.expert_recipe = \"mxfp8\": the rows "
            "arrive quantized along the hidden dimension (dim0), and the weight gradient needs them "
@@ -95,17 +138,17 @@ void make_mx_weight_copies(const Tensor& w, MxScaleRule rule, DType dtype, MxCop
                            MxWeightCopies& out) {
   const profile::Phase phase("mx.weight_copies");
   if (use == MxCopyUse::kBoth) {  // one read of w for both
-    allocate_copy(w, MxAxis::kDim1, dtype, out.along_k);
-    allocate_copy(w, MxAxis::kDim0, dtype, out.along_n);
+    allocate_copy(w, QuantAxis::kDim1, dtype, out.along_k);
+    allocate_copy(w, QuantAxis::kDim0, dtype, out.along_n);
     return mx_round_trip_both_axes(w, rule, out.along_n, out.along_k);
   }
-  if (use != MxCopyUse::kBackward) mx_weight(w, MxAxis::kDim1, rule, dtype, out.along_k);
-  if (use != MxCopyUse::kForward) mx_weight(w, MxAxis::kDim0, rule, dtype, out.along_n);
+  if (use != MxCopyUse::kBackward) mx_weight(w, QuantAxis::kDim1, rule, dtype, out.along_k);
+  if (use != MxCopyUse::kForward) mx_weight(w, QuantAxis::kDim0, rule, dtype, out.along_n);
 }
 
 // The copy a product reads: the one made beforehand, else made now from w.
 Tensor weight_copy(const MxOperands& made, Tensor MxWeightCopies::*copy, const Tensor& w,
-                   MxAxis along, MxScaleRule rule, const char* product) {
+                   QuantAxis along, MxScaleRule rule, const char* product) {
   if (!made.weight) return mx_weight(w, along, rule);
   const Tensor& t = made.weight->*copy;
   MT_CHECK(t.defined(),
@@ -118,23 +161,42 @@ Tensor weight_copy(const MxOperands& made, Tensor MxWeightCopies::*copy, const T
 // out = a b^T over the experts' rows, with b (E, P, Q): grouped_gemm_backward_input's product.
 void expert_gemm_forward(const Tensor& x, const Tensor& w, const ExpertRows& rows,
                          const ExpertPrecision& p, Tensor& out, const MxOperands& made) {
+  if (p.fp8_forward_and_input())
+    return fp8_grouped_gemm(fp8_rows(x, p.fp8_scale), fp8_weight(w, QuantAxis::kDim1, p.fp8_scale),
+                            rows, out);
   if (!p.mx_forward_and_input()) return grouped_gemm_forward(x, w, rows, out);
   grouped_gemm_backward_input(
       made.rows ? *made.rows : mx_rows(x, p.rule),
-      weight_copy(made, &MxWeightCopies::along_k, w, MxAxis::kDim1, p.rule, "forward"), rows, out);
+      weight_copy(made, &MxWeightCopies::along_k, w, QuantAxis::kDim1, p.rule, "forward"), rows,
+      out);
 }
 
 void expert_gemm_backward_input(const Tensor& dy, const Tensor& w, const ExpertRows& rows,
                                 const ExpertPrecision& p, Tensor& dx, const MxOperands& made) {
+  if (p.fp8_forward_and_input())
+    return fp8_grouped_gemm(fp8_rows(dy, p.fp8_scale), fp8_weight(w, QuantAxis::kDim0, p.fp8_scale),
+                            rows, dx);
   if (!p.mx_forward_and_input()) return grouped_gemm_backward_input(dy, w, rows, dx);
   grouped_gemm_backward_input(
       made.rows ? *made.rows : mx_rows(dy, p.rule),
-      weight_copy(made, &MxWeightCopies::along_n, w, MxAxis::kDim0, p.rule, "input-gradient"), rows,
-      dx);
+      weight_copy(made, &MxWeightCopies::along_n, w, QuantAxis::kDim0, p.rule, "input-gradient"),
+      rows, dx);
 }
 
 void expert_gemm_backward_weight(const Tensor& x, const Tensor& dy, const ExpertRows& rows,
                                  const ExpertPrecision& p, Tensor& dw, Accumulate accumulate) {
+  if (p.fp8_weight_gradient()) {
+    if (rows.align % kFp8Block == 0)  // whole 128-row blocks per expert: the FP8 product
+      return fp8_grouped_gemm_weight(fp8_along_tokens(x, rows, p.fp8_scale),
+                                     fp8_along_tokens(dy, rows, p.fp8_scale), rows, dw, accumulate);
+    MT_CHECK(x.device() == Device::kCPU,
+             "the FP8 weight gradient on the GPU needs the experts' rows on 128-row segments "
+             "(ExpertRows::align {}): the MoE layer's padded layout",
+             rows.align);
+    return grouped_gemm_backward_weight(fp8_round_trip_rows(x, rows, p.fp8_scale),
+                                        fp8_round_trip_rows(dy, rows, p.fp8_scale), rows, dw,
+                                        accumulate);
+  }
   if (!p.mx_weight_gradient()) return grouped_gemm_backward_weight(x, dy, rows, dw, accumulate);
   grouped_gemm_backward_weight(round_trip_rows(x, rows, p.rule), round_trip_rows(dy, rows, p.rule),
                                rows, dw, accumulate);

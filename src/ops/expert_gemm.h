@@ -9,6 +9,13 @@
 // quantizes all three; kMxfp8WgradWithHp all but the weight gradient, which takes the
 // unquantized operands.
 //
+// The FP8 blockwise recipes (DeepSeek-V3's; ops/fp8.h, ops/fp8_gemm.h) quantize the rows in
+// 1 x 128 blocks along the contraction and the weights in 128 x 128 tiles (f32 scales,
+// model.fp8_scale), and the weight gradient's operands in 128-row blocks along the tokens from
+// each expert's first row: kFp8Blockwise all three products, kFp8WgradWithHp the forward and
+// input gradient (the weight gradient in the compute dtype). On the GPU they run on the FP8
+// tensor cores; the CPU computes the definition (exact dequantization, f64 products).
+//
 // Every MX product multiplies the operands' MX values (quantized and dequantized: exact in the
 // compute dtype) with the compute dtype's grouped GEMM. sm_90 has no block-scaled MMA, so bf16
 // tensor cores do the MX products whichever way; the E4M3 bytes are expanded where it costs
@@ -21,18 +28,25 @@
 #include <string>
 #include <string_view>
 
-#include "core/mx.h"
+#include "core/quant.h"
 #include "core/tensor.h"
 #include "ops/grouped_gemm.h"
 
 namespace mt::ops {
 
-enum class ExpertRecipe : uint8_t { kBf16, kMxfp8, kMxfp8WgradWithHp };
-std::string_view expert_recipe_name(ExpertRecipe r);  // "bf16", "mxfp8", "mxfp8_wgrad_with_hp"
+enum class ExpertRecipe : uint8_t {
+  kBf16,
+  kMxfp8,
+  kMxfp8WgradWithHp,
+  kFp8Blockwise,
+  kFp8WgradWithHp
+};
+// "bf16", "mxfp8", "mxfp8_wgrad_with_hp", "fp8_blockwise", "fp8_wgrad_with_hp"
+std::string_view expert_recipe_name(ExpertRecipe r);
 bool parse_expert_recipe(std::string_view name, ExpertRecipe* out);
 
 // What the expert rows travel as in the dispatch (and the output gradient in the backward of
-// the combine): as they are (bf16), or MXFP8 (core/mx_format.h's RowWire). The GEMMs then take
+// the combine): as they are (bf16), or MXFP8 (core/quant_format.h's RowWire). The GEMMs then take
 // rows quantized along dim0; rows cannot be quantized along the tokens (dim1) from them as from
 // the original, so MXFP8 dispatch goes with mxfp8_wgrad_with_hp, or with mxfp8 and requant_dim1
 // (the weight gradient re-quantizes the dequantized rows along dim1; docs/numerics.md).
@@ -41,12 +55,22 @@ bool parse_dispatch_dtype(std::string_view name, RowWire* out);
 
 struct ExpertPrecision {
   ExpertRecipe recipe = ExpertRecipe::kBf16;
-  MxScaleRule rule = MxScaleRule::kRceil;  // torchao's MXFP8 training recipes use RCEIL
+  MxScaleRule rule = MxScaleRule::kRceil;        // torchao's MXFP8 training recipes use RCEIL
+  Fp8ScaleRule fp8_scale = Fp8ScaleRule::kFp32;  // DeepSeek-V3's f32 scales
   RowWire dispatch = RowWire::kAsIs;
   bool requant_dim1 = false;
 
-  bool mx_forward_and_input() const { return recipe != ExpertRecipe::kBf16; }
+  bool mx_forward_and_input() const {
+    return recipe == ExpertRecipe::kMxfp8 || recipe == ExpertRecipe::kMxfp8WgradWithHp;
+  }
   bool mx_weight_gradient() const { return recipe == ExpertRecipe::kMxfp8; }
+  bool fp8_forward_and_input() const {
+    return recipe == ExpertRecipe::kFp8Blockwise || recipe == ExpertRecipe::kFp8WgradWithHp;
+  }
+  bool fp8_weight_gradient() const { return recipe == ExpertRecipe::kFp8Blockwise; }
+  // The block the recipe's quantization needs the expert dims (model.dim, model.moe_dim) to be
+  // multiples of: 32 (MX), 128 (FP8 blockwise), 1 (bf16).
+  int64_t dim_multiple() const;
   // The combination's error (the coupling rule above), or empty when it is valid.
   std::string invalid_combination() const;
 };

@@ -25,8 +25,10 @@ void check_unquantized_dtype(const char* op, const char* role, const Tensor& t) 
 }
 
 // ... of the MX tensor's logical shape, on its device.
-void check_operands(const char* op, const char* role, const Tensor& t, const MxTensor& q) {
+void check_operands(const char* op, const char* role, const Tensor& t, const QuantTensor& q) {
   MT_CHECK(q.defined(), "{}: the MX tensor is not allocated", op);
+  MT_CHECK(q.block() == QuantBlock::kMx32, "{}: the tensor is in {} blocks, not MX's 1x32", op,
+           quant_block_name(q.block()));
   MT_CHECK(t.shape() == q.shape(), "{}: {} {} does not match the MX tensor's {}", op, role,
            shape_str(t.shape()), shape_str(q.shape()));
   check_unquantized_dtype(op, role, t);
@@ -53,23 +55,24 @@ Matrices matrices_of(const Shape& s) {
 
 // The kernels move 16 bytes at a time through the unquantized side; along dim1 they also step
 // down its rows, which must keep that alignment.
-void check_readable(const char* op, const Tensor& t, MxAxis axis) {
+void check_readable(const char* op, const Tensor& t, QuantAxis axis) {
   const Matrices m = matrices_of(t.shape());
   MT_CHECK(reinterpret_cast<uintptr_t>(t.raw()) % 16 == 0,
            "{} on the GPU needs a 16-byte aligned tensor", op);
-  MT_CHECK(axis == MxAxis::kDim0 || (m.cols * dtype_size(t.dtype())) % 16 == 0,
+  MT_CHECK(axis == QuantAxis::kDim0 || (m.cols * dtype_size(t.dtype())) % 16 == 0,
            "{} along dim1 on the GPU needs rows of a multiple of 16 bytes; {} has {} {} columns",
            op, shape_str(t.shape()), m.cols, dtype_name(t.dtype()));
 }
 
 // One pass on the GPU: x quantized along `axis` and dequantized into out (dim1: transposed).
-void gpu_round_trip(const char* op, const Tensor& x, MxAxis axis, MxScaleRule rule, Tensor& out) {
+void gpu_round_trip(const char* op, const Tensor& x, QuantAxis axis, MxScaleRule rule,
+                    Tensor& out) {
   const profile::Phase phase("gpu.mx_round_trip");
   const DType in = cuda::storage_of(x, "mx_round_trip input");
   const DType dt = cuda::storage_of(out, "mx_round_trip output");
   const Matrices m = matrices_of(x.shape());
   check_readable(op, x, axis);
-  check_readable(op, out, MxAxis::kDim0);
+  check_readable(op, out, QuantAxis::kDim0);
   MT_CUDA_CHECK(cuda::kernels::mx_round_trip(in, x.raw(), axis, rule, m.batch, m.rows, m.cols, dt,
                                              out.raw(), cuda::stream()));
 }
@@ -77,7 +80,7 @@ void gpu_round_trip(const char* op, const Tensor& x, MxAxis axis, MxScaleRule ru
 
 }  // namespace
 
-void mx_quantize(const Tensor& x, MxScaleRule rule, MxTensor& out) {
+void mx_quantize(const Tensor& x, MxScaleRule rule, QuantTensor& out) {
   check_operands("mx_quantize", "input", x, out);
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(x)) {
@@ -95,7 +98,7 @@ void mx_quantize(const Tensor& x, MxScaleRule rule, MxTensor& out) {
   cpu::mx_quantize(x, rule, out);
 }
 
-void mx_dequantize(const MxTensor& q, Tensor& out) {
+void mx_dequantize(const QuantTensor& q, Tensor& out) {
   check_operands("mx_dequantize", "output", out, q);
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(out)) {
@@ -113,21 +116,21 @@ void mx_dequantize(const MxTensor& q, Tensor& out) {
   cpu::mx_dequantize(q, out);
 }
 
-void mx_round_trip(const Tensor& x, MxAxis axis, MxScaleRule rule, Tensor& out) {
+void mx_round_trip(const Tensor& x, QuantAxis axis, MxScaleRule rule, Tensor& out) {
   MT_CHECK(out.shape() == x.shape() && out.device() == x.device(),
            "mx_round_trip: output {} {} must have the input's shape {} and device",
            dtype_name(out.dtype()), shape_str(out.shape()), shape_str(x.shape()));
   check_unquantized_dtype("mx_round_trip", "x", x);
   check_unquantized_dtype("mx_round_trip", "output", out);
 #if MOETRAIN_HAS_CUDA
-  if (on_gpu(x) && axis == MxAxis::kDim0) {
+  if (on_gpu(x) && axis == QuantAxis::kDim0) {
     MT_CHECK(x.ndim() >= 1 && x.dim(x.ndim() - 1) % kMxBlock == 0,
              "mx_round_trip along dim0 needs rows of a multiple of {} elements; got {}", kMxBlock,
              shape_str(x.shape()));
-    return gpu_round_trip("mx_round_trip", x, MxAxis::kDim0, rule, out);
+    return gpu_round_trip("mx_round_trip", x, QuantAxis::kDim0, rule, out);
   }
 #endif
-  MxTensor q = MxTensor::empty(x.shape(), axis, x.device());
+  QuantTensor q = QuantTensor::empty(x.shape(), QuantBlock::kMx32, axis, x.device());
   mx_quantize(rounded_to(x, out.dtype()), rule, q);
   mx_dequantize(q, out);
 }
@@ -145,10 +148,10 @@ void mx_round_trip_transposed(const Tensor& x, MxScaleRule rule, Tensor& out) {
     MT_CHECK(x.dim(x.ndim() - 2) % kMxBlock == 0,
              "mx_round_trip_transposed needs a multiple of {} rows; got {}", kMxBlock,
              shape_str(x.shape()));
-    return gpu_round_trip("mx_round_trip_transposed", x, MxAxis::kDim1, rule, out);
+    return gpu_round_trip("mx_round_trip_transposed", x, QuantAxis::kDim1, rule, out);
   }
 #endif
-  MxTensor q = MxTensor::empty(x.shape(), MxAxis::kDim1, x.device());
+  QuantTensor q = QuantTensor::empty(x.shape(), QuantBlock::kMx32, QuantAxis::kDim1, x.device());
   mx_quantize(rounded_to(x, out.dtype()), rule, q);
   mx_dequantize(q.stored_as_dim0(), out);
 }
@@ -174,16 +177,16 @@ void mx_round_trip_both_axes(const Tensor& x, MxScaleRule rule, Tensor& dim0, Te
     const DType in = cuda::storage_of(x, "mx_round_trip_both_axes input");
     const DType dt = cuda::storage_of(dim0, "mx_round_trip_both_axes output");
     const Matrices m = matrices_of(x.shape());
-    check_readable("mx_round_trip_both_axes", x, MxAxis::kDim1);
-    check_readable("mx_round_trip_both_axes", dim0, MxAxis::kDim0);
-    check_readable("mx_round_trip_both_axes", transposed, MxAxis::kDim0);
+    check_readable("mx_round_trip_both_axes", x, QuantAxis::kDim1);
+    check_readable("mx_round_trip_both_axes", dim0, QuantAxis::kDim0);
+    check_readable("mx_round_trip_both_axes", transposed, QuantAxis::kDim0);
     MT_CUDA_CHECK(cuda::kernels::mx_round_trip_both_axes(in, x.raw(), rule, m.batch, m.rows, m.cols,
                                                          dt, dim0.raw(), transposed.raw(),
                                                          cuda::stream()));
     return;
   }
 #endif
-  mx_round_trip(x, MxAxis::kDim0, rule, dim0);
+  mx_round_trip(x, QuantAxis::kDim0, rule, dim0);
   mx_round_trip_transposed(x, rule, transposed);
 }
 
@@ -199,7 +202,7 @@ void check_mx_values(const char* op, const Tensor& out, const MxValuesOut* mx) {
 }
 
 void write_mx_values(const Tensor& out, const MxValuesOut& mx) {
-  mx_round_trip(out, MxAxis::kDim0, mx.rule, *mx.values);
+  mx_round_trip(out, QuantAxis::kDim0, mx.rule, *mx.values);
 }
 
 void mx_round_trip_expert_rows(const Tensor& x, const ExpertRows& rows, MxScaleRule rule,

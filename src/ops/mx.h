@@ -1,9 +1,9 @@
-// MX quantization (core/mx.h): the format's two conversions, exactly as torchao's to_mx and
+// MX quantization (core/quant.h): the format's two conversions, exactly as torchao's to_mx and
 // to_dtype define them for FP8 E4M3 elements with 32-element blocks. The CUDA kernels agree with
 // the CPU reference bit for bit, and the reference with vectors made by torchao 0.18.0
 // (tests/fixtures/mx_torchao.safetensors, scripts/make_mx_fixture.py).
 #pragma once
-#include "core/mx.h"
+#include "core/quant.h"
 #include "core/tensor.h"
 #include "ops/grouped_gemm.h"
 
@@ -17,18 +17,18 @@ namespace mt::ops {
 // with the product or quotient rounded to f32 first, then to E4M3 (nearest even), as torchao
 // does. A block holding a NaN gets s = 0xFF (NaN) and its elements 0x7F or +-0; an infinite
 // amax gives the largest scale and +-448 for the infinities.
-void mx_quantize(const Tensor& x, MxScaleRule rule, MxTensor& out);
+void mx_quantize(const Tensor& x, MxScaleRule rule, QuantTensor& out);
 
 // out (q's logical shape; f32, bf16 or f64) = from_e4m3(data) * 2^(s - 127), NaN where s is 0xFF.
 // The product is exact in f32, so each output is the exact value rounded once to out's dtype.
-void mx_dequantize(const MxTensor& q, Tensor& out);
+void mx_dequantize(const QuantTensor& q, Tensor& out);
 
 // The MX products' operands (what the MX GEMM recipes compute with): out = x's values as out's
 // dtype holds them (f32, bf16 or f64; f64 is quantized from its f32 rounding), quantized along
 // `axis` and dequantized, in x's shape. Every such value is exact in bf16 unless it lies below
 // bf16's subnormals (2^-133). out may be x. On the GPU along dim0 one pass (rows of a multiple of
 // 32 elements).
-void mx_round_trip(const Tensor& x, MxAxis axis, MxScaleRule rule, Tensor& out);
+void mx_round_trip(const Tensor& x, QuantAxis axis, MxScaleRule rule, Tensor& out);
 // The same along dim1, stored transposed: x (..., R, C) -> out (..., C, R), the MX tensor's
 // values in its stored layout (the MX copy of a weight quantized along its rows' axis, laid out
 // as the product's b operand). One pass on the GPU.

@@ -14,10 +14,11 @@
 
 namespace mt::ops {
 
-void mx_grouped_gemm(const MxTensor& a, const Tensor& b, const ExpertRows& rows, Tensor& out) {
-  MT_CHECK(a.defined() && a.axis() == MxAxis::kDim0 && a.shape().size() == 2,
+void mx_grouped_gemm(const QuantTensor& a, const Tensor& b, const ExpertRows& rows, Tensor& out) {
+  MT_CHECK(a.defined() && a.block() == QuantBlock::kMx32 && a.axis() == QuantAxis::kDim0 &&
+               a.shape().size() == 2,
            "mx_grouped_gemm: a must be an MX matrix quantized along dim0, got {} along {}",
-           shape_str(a.shape()), mx_axis_name(a.axis()));
+           shape_str(a.shape()), quant_axis_name(a.axis()));
   MT_CHECK(b.ndim() == 3 && b.dim(2) == a.shape()[1],
            "mx_grouped_gemm: b must be (experts, P, {}) for a {}, got {}", a.shape()[1],
            shape_str(a.shape()), shape_str(b.shape()));

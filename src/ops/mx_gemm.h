@@ -10,7 +10,7 @@
 // layer does not call it: its operands' MX values are written in bf16 by the kernels that make
 // them, which costs less on sm_90 (ops/expert_gemm.h, docs/benchmarks-history.md).
 #pragma once
-#include "core/mx.h"
+#include "core/quant.h"
 #include "core/tensor.h"
 #include "ops/grouped_gemm.h"
 
@@ -19,6 +19,6 @@ namespace mt::ops {
 // out (M, P) = a_e (M, Q) b[e]^T for each expert e's rows: a quantized along dim0 (Q, a
 // multiple of 32), b (E, P, Q) and out in the compute dtype (bf16 on the GPU, f32/f64 on the
 // CPU). The padding rows of a padded layout are written and meaningless, as grouped_gemm's.
-void mx_grouped_gemm(const MxTensor& a, const Tensor& b, const ExpertRows& rows, Tensor& out);
+void mx_grouped_gemm(const QuantTensor& a, const Tensor& b, const ExpertRows& rows, Tensor& out);
 
 }  // namespace mt::ops

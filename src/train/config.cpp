@@ -161,8 +161,15 @@ const std::vector<Field>& fields() {
        [](Config& c, const Value& v) {
          if (!ops::parse_expert_recipe(v.s, &c.model.expert_precision.recipe))
            throw ConfigError(fmt::format(
-               "config: model.expert_recipe = \"{}\" (valid: bf16, mxfp8, mxfp8_wgrad_with_hp)",
-               v.s));
+               "config: model.expert_recipe = \"{}\" (valid: bf16, mxfp8, mxfp8_wgrad_with_hp, "
+               "fp8_blockwise, fp8_wgrad_with_hp)",
+               shown(v.s)));
+       }},
+      {"model", "fp8_scale", FieldType::kString,
+       [](Config& c, const Value& v) {
+         if (!parse_fp8_scale_rule(v.s, &c.model.expert_precision.fp8_scale))
+           throw ConfigError(
+               fmt::format("config: model.fp8_scale = \"{}\" (valid: fp32, pow2)", shown(v.s)));
        }},
       {"model", "mx_scale_rule", FieldType::kString,
        [](Config& c, const Value& v) {

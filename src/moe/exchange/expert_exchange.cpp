@@ -163,9 +163,10 @@ Tensor ExpertExchange::dispatch(const Tensor& rows, const ops::ExpertPrecision& 
   }
   if (precision.dispatch == RowWire::kAsIs) return send_rows(rows);
   // Each token quantized once, before it is sent (to one rank or several).
-  MxTensor out = MxTensor::empty(rows.shape(), MxAxis::kDim0, device);
+  QuantTensor out = QuantTensor::empty(rows.shape(), QuantBlock::kMx32, QuantAxis::kDim0, device);
   ops::mx_quantize(rows, precision.rule, out);
-  MxTensor in = MxTensor::empty({received_tokens_, rows.dim(1)}, MxAxis::kDim0, device);
+  QuantTensor in = QuantTensor::empty({received_tokens_, rows.dim(1)}, QuantBlock::kMx32,
+                                      QuantAxis::kDim0, device);
   in.data() = send_rows(out.data());
   in.scales() = send_rows(out.scales());
   ops::mx_dequantize(in, received);

@@ -19,7 +19,7 @@
 
 #include <cstdint>
 
-#include "core/mx_format.h"
+#include "core/quant_format.h"
 #include "dist/peer_window.h"
 
 namespace mt::moe {

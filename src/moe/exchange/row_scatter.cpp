@@ -2,7 +2,7 @@
 
 #include <vector>
 
-#include "core/mx.h"
+#include "core/quant.h"
 #include "ops/exchange_layout.h"
 #include "ops/mx.h"
 #include "ops/permute.h"
@@ -223,9 +223,11 @@ void scatter_rows(dist::Communicator& c, const RowScatter& s, ScatterPath path) 
       move_rows(c, *part.send, *s.slot, s.capacity, *part.recv);
       continue;
     }
-    MxTensor out = MxTensor::empty(part.send->shape(), MxAxis::kDim0, part.send->device());
+    QuantTensor out = QuantTensor::empty(part.send->shape(), QuantBlock::kMx32, QuantAxis::kDim0,
+                                         part.send->device());
     ops::mx_quantize(*part.send, part.rule, out);
-    MxTensor in = MxTensor::empty(part.recv->shape(), MxAxis::kDim0, part.recv->device());
+    QuantTensor in = QuantTensor::empty(part.recv->shape(), QuantBlock::kMx32, QuantAxis::kDim0,
+                                        part.recv->device());
     move_rows(c, out.data(), *s.slot, s.capacity, in.data());
     move_rows(c, out.scales(), *s.slot, s.capacity, in.scales());
     ops::mx_dequantize(in, *part.recv);

@@ -9,7 +9,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/mx_format.h"
+#include "core/quant_format.h"
 #include "core/tensor.h"
 #include "dist/communicator.h"
 

@@ -18,12 +18,12 @@ namespace {
 struct BlockLayout {
   int64_t batch, rows, cols, outer, inner;
   bool dim1;
-  explicit BlockLayout(const MxTensor& q) {
+  explicit BlockLayout(const QuantTensor& q) {
     const Shape& s = q.shape();
     rows = s[s.size() - 2];
     cols = s[s.size() - 1];
     batch = rows * cols == 0 ? 0 : shape_numel(s) / (rows * cols);
-    dim1 = q.axis() == MxAxis::kDim1;
+    dim1 = q.axis() == QuantAxis::kDim1;
     outer = dim1 ? cols : rows;
     inner = dim1 ? rows : cols;
   }
@@ -99,7 +99,7 @@ double dequantize_element(uint8_t q, uint8_t s) {
 
 }  // namespace
 
-void mx_quantize(const Tensor& x, MxScaleRule rule, MxTensor& out) {
+void mx_quantize(const Tensor& x, MxScaleRule rule, QuantTensor& out) {
   const BlockLayout l(out);
   uint8_t* q = static_cast<uint8_t*>(out.data().raw());
   uint8_t* scales = static_cast<uint8_t*>(out.scales().raw());
@@ -115,7 +115,7 @@ void mx_quantize(const Tensor& x, MxScaleRule rule, MxTensor& out) {
       }
 }
 
-void mx_dequantize(const MxTensor& q, Tensor& out) {
+void mx_dequantize(const QuantTensor& q, Tensor& out) {
   const BlockLayout l(q);
   const uint8_t* data = static_cast<const uint8_t*>(q.data().raw());
   const uint8_t* scales = static_cast<const uint8_t*>(q.scales().raw());

@@ -7,10 +7,9 @@
 //         transposed data).
 #include <type_traits>
 
-#include "ops/cuda/mx.h"
-
 #include "ops/cuda/common.cuh"
 #include "ops/cuda/mx.cuh"
+#include "ops/cuda/mx.h"
 
 namespace mt::cuda {
 
@@ -447,7 +446,7 @@ __global__ void mx_round_trip_expert_rows_kernel(const T* __restrict__ x, int64_
 
 namespace kernels {
 
-cudaError_t mx_quantize(DType in, const void* x, MxAxis axis, MxScaleRule rule, int64_t batch,
+cudaError_t mx_quantize(DType in, const void* x, QuantAxis axis, MxScaleRule rule, int64_t batch,
                         int64_t rows, int64_t cols, uint8_t* data, uint8_t* scales,
                         cudaStream_t stream) {
   const int64_t n = batch * rows * cols;
@@ -456,7 +455,7 @@ cudaError_t mx_quantize(DType in, const void* x, MxAxis axis, MxScaleRule rule, 
     using T = decltype(tag);
     constexpr int P = Chunk<T>::P;
     const T* px = static_cast<const T*>(x);
-    if (axis == MxAxis::kDim0) {
+    if (axis == QuantAxis::kDim0) {
       const int64_t chunks = n / P;
       const int64_t per_cta = int64_t{kQuantizeThreads} * kDim0ChunksPerThread;
       mx_quantize_dim0_kernel<T><<<static_cast<unsigned>((chunks + per_cta - 1) / per_cta),
@@ -470,7 +469,7 @@ cudaError_t mx_quantize(DType in, const void* x, MxAxis axis, MxScaleRule rule, 
   return cudaGetLastError();
 }
 
-cudaError_t mx_dequantize(DType out, const uint8_t* data, const uint8_t* scales, MxAxis axis,
+cudaError_t mx_dequantize(DType out, const uint8_t* data, const uint8_t* scales, QuantAxis axis,
                           int64_t batch, int64_t rows, int64_t cols, void* dst,
                           cudaStream_t stream) {
   const int64_t n = batch * rows * cols;
@@ -478,7 +477,7 @@ cudaError_t mx_dequantize(DType out, const uint8_t* data, const uint8_t* scales,
   dispatch_storage(out, [&](auto tag) {
     using T = decltype(tag);
     T* o = static_cast<T*>(dst);
-    if (axis == MxAxis::kDim0) {
+    if (axis == QuantAxis::kDim0) {
       const int64_t groups = n / 16;
       mx_dequantize_dim0_kernel<T>
           <<<static_cast<unsigned>((groups + kBlock - 1) / kBlock), kBlock, 0, stream>>>(
@@ -492,7 +491,7 @@ cudaError_t mx_dequantize(DType out, const uint8_t* data, const uint8_t* scales,
   return cudaGetLastError();
 }
 
-cudaError_t mx_round_trip(DType in, const void* x, MxAxis axis, MxScaleRule rule, int64_t batch,
+cudaError_t mx_round_trip(DType in, const void* x, QuantAxis axis, MxScaleRule rule, int64_t batch,
                           int64_t rows, int64_t cols, DType out, void* dst, cudaStream_t stream) {
   const int64_t n = batch * rows * cols;
   if (n == 0) return cudaSuccess;
@@ -501,7 +500,7 @@ cudaError_t mx_round_trip(DType in, const void* x, MxAxis axis, MxScaleRule rule
     dispatch_storage(out, [&](auto out_tag) {
       using TOut = decltype(out_tag);
       TOut* o = static_cast<TOut*>(dst);
-      if (axis == MxAxis::kDim0) {
+      if (axis == QuantAxis::kDim0) {
         const int64_t chunks = n / Chunk<T>::P;
         const int64_t per_cta = int64_t{kQuantizeThreads} * kDim0ChunksPerThread;
         mx_round_trip_dim0_kernel<T, TOut>

@@ -5,7 +5,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
-#include "core/mx_format.h"
+#include "core/quant_format.h"
 #include "ops/cuda/common.cuh"
 
 namespace mt::cuda {

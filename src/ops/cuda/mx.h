@@ -8,7 +8,7 @@
 #include <initializer_list>
 
 #include "core/dtype.h"
-#include "core/mx_format.h"
+#include "core/quant_format.h"
 #include "ops/cuda/grouped_gemm.h"
 
 namespace mt::cuda::kernels {
@@ -33,19 +33,19 @@ inline bool can_fuse_mx_values(DType storage, int64_t width,
 }
 
 // MX quantization (ops/mx.h): x (batch, rows, cols), f32 or bf16, 16-byte aligned -> E4M3 data
-// and E8M0 scales in core/mx.h's layout for `axis`, and back to f32 or bf16 in the logical
+// and E8M0 scales in core/quant.h's layout for `axis`, and back to f32 or bf16 in the logical
 // layout (16-byte aligned). dim1 needs rows of a multiple of 16 bytes (cols * element size).
-cudaError_t mx_quantize(DType in, const void* x, MxAxis axis, MxScaleRule rule, int64_t batch,
+cudaError_t mx_quantize(DType in, const void* x, QuantAxis axis, MxScaleRule rule, int64_t batch,
                         int64_t rows, int64_t cols, uint8_t* data, uint8_t* scales,
                         cudaStream_t stream);
-cudaError_t mx_dequantize(DType out, const uint8_t* data, const uint8_t* scales, MxAxis axis,
+cudaError_t mx_dequantize(DType out, const uint8_t* data, const uint8_t* scales, QuantAxis axis,
                           int64_t batch, int64_t rows, int64_t cols, void* dst,
                           cudaStream_t stream);
 // x (batch, rows, cols) quantized and dequantized (ops::mx_round_trip) in one pass, x's values
 // first rounded to `out`'s type; 16-byte aligned. dim0: out in x's layout (may be x); dim1: out
 // (batch, cols, rows), the values transposed into the quantized data's stored layout
 // (ops::mx_round_trip_transposed), rows of a multiple of 16 bytes.
-cudaError_t mx_round_trip(DType in, const void* x, MxAxis axis, MxScaleRule rule, int64_t batch,
+cudaError_t mx_round_trip(DType in, const void* x, QuantAxis axis, MxScaleRule rule, int64_t batch,
                           int64_t rows, int64_t cols, DType out, void* dst, cudaStream_t stream);
 // Both of mx_round_trip's outputs from one read of x: dim0 in x's layout and the dim1 values
 // transposed (ops::mx_round_trip_both_axes); rows and cols multiples of 32, rows of a multiple of

@@ -8,7 +8,8 @@
 // kernels are CUTLASS's non-array warp-specialized ones, unchanged, with a tile scheduler of ours
 // that reads every tile's {row tile, column tile, expert} from a table built on the device from
 // the segments (no count reaches the host). Output rows of the padding are written (from whatever
-// the padding holds) and never read. Measured against the grouped kernels in docs/benchmarks-history.md.
+// the padding holds) and never read. Measured against the grouped kernels in
+// docs/benchmarks-history.md.
 #pragma once
 #include <cuda_runtime_api.h>
 

@@ -1,7 +1,7 @@
 // CUTLASS Hopper grouped GEMM (TMA + wgmma, warp-specialized, pointer-array) for the
 // expert GEMMs, with every per-group argument built on the device from the experts' row offsets
-// and segments (ops::ExpertRows): no count reaches the host. One template, instantiated in three .cu files (forward, dx, dw) so
-// that they compile in parallel.
+// and segments (ops::ExpertRows): no count reaches the host. One template, instantiated in three
+// .cu files (forward, dx, dw) so that they compile in parallel.
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -17,6 +17,7 @@
 #include "cutlass/gemm/group_array_problem_shape.hpp"
 #include "cutlass/gemm/kernel/gemm_universal.hpp"
 #include "cutlass/util/packed_stride.hpp"
+#include "ops/cuda/cutlass/group_args.cuh"
 #include "ops/cuda/grouped_gemm.h"
 
 namespace mt::cuda::grouped_sm90 {
@@ -43,8 +44,8 @@ struct Pingpong {
   using Epilogue = cutlass::epilogue::PtrArrayTmaWarpSpecializedPingpong;
 };
 // The shipped tiles, chosen per product on the workbench (bench/grouped_gemm_variants.cu, both
-// expert shapes, balanced and ragged rows; figures in docs/benchmarks-history.md). One CTA per cluster:
-// 2x1 clusters (weight tiles multicast) measured slower on every product.
+// expert shapes, balanced and ragged rows; figures in docs/benchmarks-history.md). One CTA per
+// cluster: 2x1 clusters (weight tiles multicast) measured slower on every product.
 using WideTile = Shape<_128, _256, _64>;
 using SquareTile = Shape<_128, _128, _64>;
 using NoCluster = Shape<_1, _1, _1>;
@@ -134,46 +135,37 @@ __global__ void fill_group_arrays(GroupArrays<C> g, kernels::ExpertSegments layo
   g.stride_d[e] = sc;
 }
 
-// Device bytes for the group arrays of `experts` groups (carved at 256-byte boundaries).
+// Points g's arrays into one allocation at base (null: none) and returns its bytes.
+template <class C>
+size_t carve(GroupArrays<C>& g, char* base, int experts) {
+  cutlass_groups::Carver carve{base};
+  carve.take(g.shapes, experts);
+  carve.take(g.a, experts);
+  carve.take(g.b, experts);
+  carve.take(g.c, experts);
+  carve.take(g.d, experts);
+  carve.take(g.stride_a, experts);
+  carve.take(g.stride_b, experts);
+  carve.take(g.stride_c, experts);
+  carve.take(g.stride_d, experts);
+  return carve.used;
+}
+
+// Device bytes for the group arrays of `experts` groups.
 template <class C>
 size_t array_bytes(int experts) {
-  auto round = [](size_t b) { return (b + 255) / 256 * 256; };
-  return round(sizeof(typename C::Shape3) * experts) + 4 * round(sizeof(void*) * experts) +
-         round(sizeof(typename C::StrideA) * experts) +
-         round(sizeof(typename C::StrideB) * experts) +
-         2 * round(sizeof(typename C::StrideC) * experts);
+  GroupArrays<C> g{};
+  return carve(g, nullptr, experts);
 }
 
 template <Product P, class C>
 typename C::Gemm::Arguments make_arguments(char* base, int experts, GroupArrays<C>& g,
                                            bool accumulate) {
-  char* p = base;
-  auto take = [&](auto*& field, size_t bytes) {
-    field = reinterpret_cast<std::remove_reference_t<decltype(field)>>(p);
-    p += (bytes + 255) / 256 * 256;
-  };
-  take(g.shapes, sizeof(typename C::Shape3) * experts);
-  take(g.a, sizeof(void*) * experts);
-  take(g.b, sizeof(void*) * experts);
-  take(g.c, sizeof(void*) * experts);
-  take(g.d, sizeof(void*) * experts);
-  take(g.stride_a, sizeof(typename C::StrideA) * experts);
-  take(g.stride_b, sizeof(typename C::StrideB) * experts);
-  take(g.stride_c, sizeof(typename C::StrideC) * experts);
-  take(g.stride_d, sizeof(typename C::StrideD) * experts);
-  // One GPU per process: the SM count is read once.
-  static const cutlass::KernelHardwareInfo hw =
-      cutlass::KernelHardwareInfo::make_kernel_hardware_info<typename C::Kernel>(0);
+  carve(g, base, experts);
+  const cutlass::KernelHardwareInfo& hw = cutlass_groups::hardware_info<typename C::Kernel>();
   typename C::Gemm::Arguments args;
   decltype(args.epilogue.thread) fusion{};
-  fusion.alpha = 1.0f;
-  fusion.beta = accumulate ? 1.0f : 0.0f;  // beta 0: the epilogue never reads the output
-  fusion.alpha_ptr = nullptr;
-  fusion.beta_ptr = nullptr;
-  fusion.alpha_ptr_array = nullptr;
-  fusion.beta_ptr_array = nullptr;
-  fusion.dAlpha = {cute::_0{}, cute::_0{}, 0};
-  fusion.dBeta = {cute::_0{}, cute::_0{}, 0};
+  cutlass_groups::plain_epilogue(fusion, accumulate);
   args = typename C::Gemm::Arguments{
       cutlass::gemm::GemmUniversalMode::kGrouped,
       {experts, g.shapes, nullptr},  // no host copy of the shapes: they live on the device

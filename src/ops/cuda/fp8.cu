@@ -1,0 +1,240 @@
+// FP8 blockwise quantization kernels (ops/cuda/fp8.h). Each is bit-exact with the CPU reference
+// (ops/cpu/fp8.cpp): the same amax, the same f32 scale and factor, the same E4M3 rounding.
+#include "ops/cuda/fp8.cuh"
+#include "ops/cuda/fp8.h"
+
+namespace mt::cuda::kernels {
+
+namespace {
+
+constexpr int kB = static_cast<int>(kFp8Block);
+
+// 1 x 128 along the rows: 16 lanes per block, 8 elements each (one or two 16-byte loads).
+template <class T>
+__global__ void quantize_rows_kernel(const T* x, int64_t blocks, Fp8ScaleRule rule, uint8_t* data,
+                                     float* scales) {
+  const int64_t t = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
+  const int64_t block = t / 16;
+  const bool active = block < blocks;
+  const int64_t at = block * kB + (t % 16) * 8;
+  float v[8] = {};
+  if (active) {
+    if constexpr (sizeof(T) == 2) {
+      const Pack<T> p = load_pack(x + at);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) v[i] = p.v[i];
+    } else {
+      const Pack<T> p0 = load_pack(x + at), p1 = load_pack(x + at + 4);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v[i] = p0.v[i], v[4 + i] = p1.v[i];
+    }
+  }
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < 8; ++i) m = max(m, magnitude(v[i]));
+#pragma unroll
+  for (int o = 1; o < 16; o <<= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (!active) return;
+  const Fp8Scale s = fp8_scale(rule, m);
+  uint2 q;
+  q.x = fp8x2(v[0], v[1], s) | (static_cast<uint32_t>(fp8x2(v[2], v[3], s)) << 16);
+  q.y = fp8x2(v[4], v[5], s) | (static_cast<uint32_t>(fp8x2(v[6], v[7], s)) << 16);
+  *reinterpret_cast<uint2*>(data + at) = q;
+  if (t % 16 == 0) scales[block] = s.scale;  // (row, block of the row) in that order
+}
+
+// 128 x 128 tiles: one CTA of 256 threads per tile, each thread 64 consecutive elements of one
+// row; the transposed copy goes through shared memory.
+constexpr int kTileThreads = 256;
+constexpr int kTilePitch = kB + 16;  // bytes per shared row (keeps 16-byte alignment)
+
+template <class T>
+__global__ void __launch_bounds__(kTileThreads)
+    quantize_tiles_kernel(const T* w, int64_t rows, int64_t cols, Fp8ScaleRule rule, uint8_t* dim0,
+                          uint8_t* dim1, float* scales) {
+  __shared__ alignas(16) uint8_t tile[kB * kTilePitch];
+  __shared__ uint32_t warp_amax[kTileThreads / 32];
+  const int64_t tiles_c = cols / kB, tiles_r = rows / kB;
+  const int64_t b = blockIdx.x / (tiles_r * tiles_c);
+  const int64_t tr = blockIdx.x / tiles_c % tiles_r, tc = blockIdx.x % tiles_c;
+  const int r = threadIdx.x / 2, half = threadIdx.x % 2;
+  const int64_t row = tr * kB + r, col0 = tc * kB + half * 64;
+  const T* src = w + (b * rows + row) * cols + col0;
+  float v[64];
+#pragma unroll
+  for (int i = 0; i < 64; i += Pack<T>::kSize) {
+    const Pack<T> p = load_pack(src + i);
+#pragma unroll
+    for (int j = 0; j < Pack<T>::kSize; ++j) v[i + j] = p.v[j];
+  }
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < 64; ++i) m = max(m, magnitude(v[i]));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = m;
+  __syncthreads();
+  m = 0;
+#pragma unroll
+  for (int i = 0; i < kTileThreads / 32; ++i) m = max(m, warp_amax[i]);
+  const Fp8Scale s = fp8_scale(rule, m);
+  uint32_t q[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i)
+    q[i] = fp8x2(v[4 * i], v[4 * i + 1], s) |
+           (static_cast<uint32_t>(fp8x2(v[4 * i + 2], v[4 * i + 3], s)) << 16);
+  if (dim0) {
+    uint4* dst = reinterpret_cast<uint4*>(dim0 + (b * rows + row) * cols + col0);
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      dst[i] = make_uint4(q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]);
+  }
+  if (threadIdx.x == 0) scales[blockIdx.x] = s.scale;  // (b, tr, tc) in that order
+  if (!dim1) return;
+  uint4* shared_row = reinterpret_cast<uint4*>(tile + r * kTilePitch + half * 64);
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    shared_row[i] = make_uint4(q[4 * i], q[4 * i + 1], q[4 * i + 2], q[4 * i + 3]);
+  __syncthreads();
+  // Thread (c, half) writes 64 bytes of transposed row c: the tile's rows half*64 .. +64.
+  const int c = threadIdx.x / 2;
+  uint32_t out[16];
+#pragma unroll
+  for (int i = 0; i < 16; ++i) {
+    uint32_t word = 0;
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      word |= static_cast<uint32_t>(tile[(half * 64 + 4 * i + j) * kTilePitch + c]) << (8 * j);
+    out[i] = word;
+  }
+  uint4* dst =
+      reinterpret_cast<uint4*>(dim1 + (b * cols + tc * kB + c) * rows + tr * kB + half * 64);
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    dst[i] = make_uint4(out[4 * i], out[4 * i + 1], out[4 * i + 2], out[4 * i + 3]);
+}
+
+// 1 x 128 down the columns: one CTA per 128-row block and 64 columns. The block's rows are read
+// coalesced into shared memory (as floats), each column's amax is reduced by the four threads
+// that share it, their bytes go through a second shared tile and leave as whole 16-byte runs of
+// the transposed rows.
+constexpr int kColumnThreads = 256;
+constexpr int kColumnWidth = 64;               // columns per CTA
+constexpr int kValuePitch = kColumnWidth + 8;  // floats per shared row: conflict-free reads
+constexpr int kBytePitch = kB + 16;            // bytes per shared transposed row
+
+template <class T>
+__global__ void __launch_bounds__(kColumnThreads)
+    quantize_columns_kernel(const T* x, int64_t m, int64_t k, ExpertSegments rows, int experts,
+                            bool segmented, Fp8ScaleRule rule, uint8_t* data, float* scales) {
+  __shared__ alignas(16) float values[kB * kValuePitch];
+  __shared__ alignas(16) uint8_t bytes[kColumnWidth * kBytePitch];
+  const int64_t r0 = static_cast<int64_t>(blockIdx.y) * kB;
+  const int64_t c0 = static_cast<int64_t>(blockIdx.x) * kColumnWidth;
+  int64_t end = r0 + kB;  // the block's rows [r0, end) are read, the rest are zeros
+  if (segmented) {
+    // The expert whose segment holds r0: the last e with segments[e] <= r0 (empty experts
+    // share their segment start with the next one); none past the last segment.
+    if (r0 >= rows.segments[experts]) {
+      end = r0;
+    } else {
+      int lo = 0, hi = experts;  // segments[lo] <= r0 < segments[hi]
+      while (hi - lo > 1) {
+        const int mid = (lo + hi) / 2;
+        if (rows.segments[mid] <= r0)
+          lo = mid;
+        else
+          hi = mid;
+      }
+      end = min(r0 + kB, rows.segments[lo] + rows.offsets[lo + 1] - rows.offsets[lo]);
+    }
+  }
+  // Load: 16-byte packs of a row; columns past k (a last partial CTA) read as zeros.
+  constexpr int kPack = Pack<T>::kSize;
+  constexpr int kPacksPerRow = kColumnWidth / kPack;
+  for (int i = threadIdx.x; i < kB * kPacksPerRow; i += kColumnThreads) {
+    const int r = i / kPacksPerRow, c = (i % kPacksPerRow) * kPack;
+    float v[kPack] = {};
+    if (r0 + r < end && c0 + c < k) {
+      const Pack<T> p = load_pack(x + (r0 + r) * k + c0 + c);
+#pragma unroll
+      for (int j = 0; j < kPack; ++j) v[j] = p.v[j];
+    }
+#pragma unroll
+    for (int j = 0; j < kPack; ++j) values[r * kValuePitch + c + j] = v[j];
+  }
+  __syncthreads();
+  // Column c, rows q, q + 4, ...: the four threads of a column are adjacent lanes.
+  const int c = threadIdx.x / 4, q = threadIdx.x % 4;
+  uint32_t amax = 0;
+#pragma unroll 8
+  for (int i = 0; i < kB / 4; ++i)
+    amax = max(amax, magnitude(values[(4 * i + q) * kValuePitch + c]));
+  amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+  amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+  const bool live = end > r0;
+  const Fp8Scale s = live ? fp8_scale(rule, amax) : Fp8Scale{1.0f, 1.0f};
+#pragma unroll 8
+  for (int i = 0; i < kB / 4; i += 2) {
+    const uint16_t pair = fp8x2(values[(4 * i + q) * kValuePitch + c],
+                                values[(4 * (i + 1) + q) * kValuePitch + c], s);
+    bytes[c * kBytePitch + 4 * i + q] = static_cast<uint8_t>(pair);
+    bytes[c * kBytePitch + 4 * (i + 1) + q] = static_cast<uint8_t>(pair >> 8);
+  }
+  if (q == 0 && c0 + c < k) scales[blockIdx.y * k + c0 + c] = s.scale;
+  __syncthreads();
+  // Store: each column's 128 bytes as eight 16-byte runs of its transposed row.
+  for (int i = threadIdx.x; i < kColumnWidth * (kB / 16); i += kColumnThreads) {
+    const int col = i / (kB / 16), run = i % (kB / 16);
+    if (c0 + col >= k) continue;
+    *reinterpret_cast<uint4*>(data + (c0 + col) * m + r0 + run * 16) =
+        *reinterpret_cast<const uint4*>(bytes + col * kBytePitch + run * 16);
+  }
+}
+
+}  // namespace
+
+cudaError_t fp8_quantize_rows(DType in, const void* x, int64_t rows, int64_t cols,
+                              Fp8ScaleRule rule, uint8_t* data, float* scales,
+                              cudaStream_t stream) {
+  const int64_t blocks = rows * (cols / kB);
+  if (blocks == 0) return cudaSuccess;
+  const int64_t threads = blocks * 16;
+  const unsigned grid = static_cast<unsigned>((threads + kBlock - 1) / kBlock);
+  dispatch_storage(in, [&](auto tag) {
+    using T = decltype(tag);
+    quantize_rows_kernel<T>
+        <<<grid, kBlock, 0, stream>>>(static_cast<const T*>(x), blocks, rule, data, scales);
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t fp8_quantize_tiles(DType in, const void* w, int64_t batch, int64_t rows, int64_t cols,
+                               Fp8ScaleRule rule, uint8_t* dim0, uint8_t* dim1, float* scales,
+                               cudaStream_t stream) {
+  const int64_t tiles = batch * (rows / kB) * (cols / kB);
+  if (tiles == 0) return cudaSuccess;
+  dispatch_storage(in, [&](auto tag) {
+    using T = decltype(tag);
+    quantize_tiles_kernel<T><<<static_cast<unsigned>(tiles), kTileThreads, 0, stream>>>(
+        static_cast<const T*>(w), rows, cols, rule, dim0, dim1, scales);
+  });
+  return cudaGetLastError();
+}
+
+cudaError_t fp8_quantize_columns(DType in, const void* x, int64_t m, int64_t k,
+                                 const ExpertSegments* rows, int experts, Fp8ScaleRule rule,
+                                 uint8_t* data, float* scales, cudaStream_t stream) {
+  if (m == 0 || k == 0) return cudaSuccess;
+  const dim3 grid(static_cast<unsigned>((k + kColumnWidth - 1) / kColumnWidth),
+                  static_cast<unsigned>(m / kB));
+  const ExpertSegments layout = rows ? *rows : ExpertSegments{nullptr, nullptr};
+  dispatch_storage(in, [&](auto tag) {
+    using T = decltype(tag);
+    quantize_columns_kernel<T><<<grid, kColumnThreads, 0, stream>>>(
+        static_cast<const T*>(x), m, k, layout, experts, rows != nullptr, rule, data, scales);
+  });
+  return cudaGetLastError();
+}
+
+}  // namespace mt::cuda::kernels

@@ -1,0 +1,48 @@
+// FP8 blockwise quantization (DeepSeek-V3's recipe, core/quant.h's kRow128 and kTile128
+// formats): E4M3 elements with one f32 scale per 1 x 128 block of a row (activations, gradients)
+// or per 128 x 128 tile (weights), the scale rule model.fp8_scale picks (core/quant_format.h).
+// The CUDA kernels agree with the CPU reference bit for bit.
+#pragma once
+#include "core/quant.h"
+#include "core/tensor.h"
+#include "ops/grouped_gemm.h"
+
+namespace mt::ops {
+
+// out = x quantized in out.block() (kRow128 or kTile128) stored along out.axis(); x f32, bf16
+// or f64 (rounded to f32 first) of out's logical shape. On the GPU: kRow128 along dim0, and
+// kTile128 (either axis).
+void fp8_quantize(const Tensor& x, Fp8ScaleRule rule, QuantTensor& out);
+
+// A weight's two FP8 copies from one read of w (..., R, C): `dim0` stored as w, `dim1` stored
+// transposed, both in 128 x 128 tiles with the same scales (a tile's scale does not depend on the
+// layout): the forward's and the input gradient's b operands.
+void fp8_quantize_both_axes(const Tensor& w, Fp8ScaleRule rule, QuantTensor& dim0,
+                            QuantTensor& dim1);
+
+// out (x's dtype and shape) = x's FP8 values: quantized in `block`s along `axis` and dequantized
+// (f64: exact; f32 or bf16: the exact value rounded once). CPU only: the definition the GPU
+// products are held to.
+void fp8_round_trip(const Tensor& x, QuantBlock block, QuantAxis axis, Fp8ScaleRule rule,
+                    Tensor& out);
+
+// out (q's logical shape; f32, bf16 or f64) = from_e4m3(data) * scale, computed exactly in f64
+// and rounded once to out's dtype. CPU only (tests and the reference products read it).
+void fp8_dequantize(const QuantTensor& q, Tensor& out);
+
+// The weight gradient's operands: x (M, C) quantized along the tokens into out of logical shape
+// fp8_expert_rows_shape(x) = (M rounded up to 128, C) (kRow128, dim1: data stored (C, M'),
+// scales (M' / 128, C)) in 128-row blocks from each expert's first row; rows that belong to no
+// expert (a padded layout's padding, the rows past M) are zeros. Needs segments on 128-row
+// boundaries (ExpertRows::align a multiple of 128).
+Shape fp8_expert_rows_shape(const Tensor& x);
+void fp8_quantize_expert_rows(const Tensor& x, const ExpertRows& rows, Fp8ScaleRule rule,
+                              QuantTensor& out);
+
+// The same operands' values for any layout, in x's shape: each expert's rows in 128-row blocks
+// from its first row, the last block zero-padded, quantized and dequantized into out (x's shape,
+// f32 or f64). Rows outside every segment are left as they are. out may be x. CPU only.
+void fp8_round_trip_expert_rows(const Tensor& x, const ExpertRows& rows, Fp8ScaleRule rule,
+                                Tensor& out);
+
+}  // namespace mt::ops

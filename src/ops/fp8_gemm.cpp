@@ -1,0 +1,146 @@
+// The FP8 expert products' front door (ops/fp8_gemm.h): the operands checked once, then on the GPU
+// CUTLASS's blockwise-scaled grouped kernels, on the CPU the definition: both operands
+// dequantized exactly (f64), then the grouped GEMM in f64.
+#include "ops/fp8_gemm.h"
+
+#include "ops/dispatch.h"
+#include "ops/fp8.h"
+#if MOETRAIN_HAS_CUDA
+#include "core/profile.h"
+#include "ops/cuda/fp8_gemm.h"
+#include "ops/cuda/operands.h"
+#endif
+
+namespace mt::ops {
+
+namespace {
+
+void check_quant(const char* op, const char* role, const QuantTensor& t, QuantBlock block,
+                 QuantAxis axis, int64_t ndim) {
+  MT_CHECK(t.defined() && t.block() == block && t.axis() == axis &&
+               static_cast<int64_t>(t.shape().size()) == ndim,
+           "{}: {} must be a {}-dimensional FP8 tensor in {} blocks along {}, got {} in {} blocks "
+           "along {}",
+           op, role, ndim, quant_block_name(block), quant_axis_name(axis), shape_str(t.shape()),
+           quant_block_name(t.block()), quant_axis_name(t.axis()));
+}
+
+Tensor dequantized(const QuantTensor& q) {
+  Tensor out = Tensor::empty(q.shape(), DType::kF64);
+  fp8_dequantize(q, out);
+  return out;
+}
+
+// The definition's result in out's dtype.
+void write_result(const Tensor& f64, Tensor& out) {
+  if (out.dtype() == DType::kF64) return out.copy_from(f64);
+  for (int64_t i = 0; i < out.numel(); ++i) out.set_item(i, f64.item(i));
+}
+
+#if MOETRAIN_HAS_CUDA
+cuda::kernels::ExpertSegments device_layout(const ExpertRows& rows) {
+  return {rows.offsets.data<int64_t>(), rows.segments.data<int64_t>()};
+}
+Tensor workspace(size_t bytes) {
+  return cuda::gpu_empty({static_cast<int64_t>(bytes)}, DType::kU8);
+}
+#endif
+
+}  // namespace
+
+void fp8_grouped_gemm(const QuantTensor& a, const QuantTensor& b, const ExpertRows& rows,
+                      Tensor& out) {
+  check_quant("fp8_grouped_gemm", "a", a, QuantBlock::kRow128, QuantAxis::kDim0, 2);
+  MT_CHECK(b.defined() && b.block() == QuantBlock::kTile128 && b.shape().size() == 3,
+           "fp8_grouped_gemm: b must be (experts, P, Q) in 128x128 tiles, got {} in {} blocks",
+           shape_str(b.shape()), quant_block_name(b.block()));
+  const Shape& bs = b.data().shape();  // stored (E, P, Q)
+  const int64_t m = a.shape()[0], q = a.shape()[1], experts = bs[0], p = bs[1];
+  MT_CHECK(bs[2] == q, "fp8_grouped_gemm: b's stored rows must be {} wide (a's), got {}", q,
+           shape_str(bs));
+  expect_shape(out, {m, p}, "fp8_grouped_gemm out");
+  expect_shape(rows.offsets, {experts + 1}, "expert offsets");
+  MT_CHECK(
+      a.device() == b.device() && out.device() == b.device() && rows.offsets.device() == b.device(),
+      "fp8_grouped_gemm: operands, output and expert layout must be on one device");
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(out)) {
+#if MOETRAIN_HAS_CUTLASS
+    const profile::Phase phase("gpu.fp8_grouped_gemm");
+    expect_dtype(out, DType::kBF16, "fp8_grouped_gemm out (the GPU writes bf16)");
+    const int e = static_cast<int>(experts);
+    Tensor ws = workspace(cuda::kernels::fp8_gemm_rows_workspace(e));
+    const cuda::kernels::Fp8Operands ops{a.data().raw(), a.scales().data<float>(), b.data().raw(),
+                                         b.scales().data<float>(), out.raw()};
+    // b's scales are (K / 128, N / 128) of the weight: along b's rows for w^T (dim1), along its
+    // contraction for w (dim0).
+    const auto b_scales = b.axis() == QuantAxis::kDim1 ? cuda::kernels::Fp8WeightScales::kMnMajor
+                                                       : cuda::kernels::Fp8WeightScales::kKMajor;
+    MT_CUDA_CHECK(cuda::kernels::fp8_gemm_rows(device_layout(rows), e, ops, b_scales, m, p, q,
+                                               cuda::kernels::Fp8Schedule::kCooperative, ws.raw(),
+                                               ws.nbytes(), cuda::stream()));
+    return;
+#else
+    MT_CHECK(false, "fp8_grouped_gemm on the GPU needs the CUTLASS build (MOETRAIN_HAS_CUTLASS)");
+#endif
+  }
+#endif
+  // b stored (E, P, Q) is w^T for a dim1 copy of w (E, Q, P) and w itself for a dim0 copy of
+  // w (E, P, Q): a b[e]^T is the grouped GEMM's forward or transposed product over w.
+  Tensor out64 = Tensor::empty({m, p}, DType::kF64);
+  grouped_gemm(dequantized(a), dequantized(b),
+               b.axis() == QuantAxis::kDim1 ? Transpose::kNo : Transpose::kYes, rows, out64);
+  write_result(out64, out);
+}
+
+void fp8_grouped_gemm_weight(const QuantTensor& x, const QuantTensor& dy, const ExpertRows& rows,
+                             Tensor& dw, Accumulate accumulate) {
+  check_quant("fp8_grouped_gemm_weight", "x", x, QuantBlock::kRow128, QuantAxis::kDim1, 2);
+  check_quant("fp8_grouped_gemm_weight", "dy", dy, QuantBlock::kRow128, QuantAxis::kDim1, 2);
+  const int64_t m = x.shape()[0], k = x.shape()[1], n = dy.shape()[1];
+  MT_CHECK(dy.shape()[0] == m, "fp8_grouped_gemm_weight: x has {} rows, dy {}", m, dy.shape()[0]);
+  MT_CHECK(dw.ndim() == 3, "fp8_grouped_gemm_weight: dw must be (E, K, N), got {}",
+           shape_str(dw.shape()));
+  const int64_t experts = dw.dim(0);
+  expect_shape(dw, {experts, k, n}, "fp8_grouped_gemm_weight dw");
+  expect_shape(rows.offsets, {experts + 1}, "expert offsets");
+  MT_CHECK(rows.align % kFp8Block == 0,
+           "fp8_grouped_gemm_weight: the experts' segments must start on 128-row boundaries "
+           "(ExpertRows::align {})",
+           rows.align);
+  MT_CHECK(x.device() == dw.device() && dy.device() == dw.device() &&
+               rows.offsets.device() == dw.device(),
+           "fp8_grouped_gemm_weight: operands, output and expert layout must be on one device");
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(dw)) {
+#if MOETRAIN_HAS_CUTLASS
+    const profile::Phase phase("gpu.fp8_grouped_gemm_weight");
+    expect_dtype(dw, DType::kF32, "fp8_grouped_gemm_weight dw (the GPU accumulates in f32)");
+    const int e = static_cast<int>(experts);
+    const bool acc = accumulate == Accumulate::kYes;
+    if (!acc)  // the GEMM writes only experts with rows
+      MT_CUDA_CHECK(cuda::kernels::zero_empty_groups(rows.offsets.data<int64_t>(), e, dw.raw(),
+                                                     k * n, true, cuda::stream()));
+    Tensor ws = workspace(cuda::kernels::fp8_gemm_weight_workspace(e));
+    const cuda::kernels::Fp8Operands ops{x.data().raw(), x.scales().data<float>(), dy.data().raw(),
+                                         dy.scales().data<float>(), dw.raw()};
+    MT_CUDA_CHECK(cuda::kernels::fp8_gemm_weight(device_layout(rows), e, ops, m, k, n, acc,
+                                                 cuda::kernels::Fp8Schedule::kCooperative, ws.raw(),
+                                                 ws.nbytes(), cuda::stream()));
+    return;
+#else
+    MT_CHECK(false,
+             "fp8_grouped_gemm_weight on the GPU needs the CUTLASS build (MOETRAIN_HAS_CUTLASS)");
+#endif
+  }
+#endif
+  MT_CHECK(dw.dtype() == DType::kF32 || dw.dtype() == DType::kF64,
+           "fp8_grouped_gemm_weight: dw must be f32 or f64, got {}", dtype_name(dw.dtype()));
+  Tensor dw64 = Tensor::empty(dw.shape(), DType::kF64);
+  if (accumulate == Accumulate::kYes)
+    for (int64_t i = 0; i < dw.numel(); ++i) dw64.set_item(i, dw.item(i));
+  grouped_gemm_backward_weight(dequantized(x), dequantized(dy), rows, dw64, accumulate);
+  write_result(dw64, dw);
+}
+
+}  // namespace mt::ops
