@@ -50,6 +50,10 @@ line = {"bench": "model_step", "preset": os.path.basename(sys.argv[5]).removesuf
         "pad_fraction": round(statistics.median(r.get("pad_fraction", 0) for r in steady), 4),
         "mfu": round(statistics.median(r["mfu"] for r in steady), 4),
         "peak_gib": round(max(r["peak_bytes"] for r in rows) / 2**30, 2),
+        # The caching allocator's trips to the driver in the timed steps (0 when steady; flushes:
+        # the step ran at the memory limit).
+        "device_mallocs": sum(r.get("device_mallocs", 0) for r in steady),
+        "cache_flushes": sum(r.get("cache_flushes", 0) for r in steady),
         "final_loss": round(rows[-1]["loss"], 4)}
 for key in ("exchange_ms", "exchange_exposed_ms"):  # with ep > 1 (eager passes: graphs time none)
     if key in rows[-1]:

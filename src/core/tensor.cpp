@@ -7,11 +7,13 @@
 #include <cstring>
 #include <limits>
 #include <map>
+#include <memory>
 #include <mutex>
 #include <unordered_map>
 #include <utility>
 #include <vector>
 
+#include "core/block_pool.h"
 #include "core/cuda/check.h"
 #include "core/log.h"
 #include "core/profile.h"
@@ -24,12 +26,14 @@ namespace {
 thread_local bool in_graph_pool = false;
 
 // One allocator per device kind (DESIGN.md §3), counting the bytes of live tensors. The CPU one
-// is aligned malloc. The CUDA one caches freed blocks by (pool, GPU, rounded size) and reuses
-// them, so a training step's allocations stop reaching cudaMalloc (and its implicit syncs) after
-// step 1; the GPU is the calling thread's current one (a process drives one GPU, or one per
-// thread in the NCCL tests). A block is reused only on the stream it was allocated on (the
-// thread's cuda::stream() then), in that stream's order; a tensor that another stream also uses
-// must stay alive until its own stream has waited for that use (moe/exchange/lane.h).
+// is aligned malloc. The CUDA one caches device memory in BlockPools (core/block_pool.h: best-fit
+// blocks cut from cudaMalloc'd segments, split and merged), one per (pool, GPU, stream), so a
+// training step's allocations stop reaching cudaMalloc (and its implicit syncs) after step 1,
+// whatever sizes its phases ask for; the GPU is the calling thread's current one (a process
+// drives one GPU, or one per thread in the NCCL tests). A block is reused only on the stream it
+// was allocated on (the thread's cuda::stream() then), in that stream's order; a tensor that
+// another stream also uses must stay alive until its own stream has waited for that use
+// (moe/exchange/lane.h).
 struct DeviceAllocator {
   explicit DeviceAllocator(Device d) : device(d) {}
   const Device device;
@@ -37,26 +41,21 @@ struct DeviceAllocator {
   std::atomic<int64_t> peak{0};
   std::atomic<int64_t> graph_live{0};        // bytes of live graph-pool tensors
   std::atomic<int64_t> graph_generation{0};  // see graph_pool_generation()
+  std::atomic<int64_t> device_mallocs{0};    // MemoryStats
+  std::atomic<int64_t> cache_flushes{0};
   std::mutex mu;
   struct Key {
     bool graph;
     int gpu;
     uintptr_t stream;  // the stream it was allocated on
-    size_t size;
     auto operator<=>(const Key&) const = default;
   };
-  struct Block {
-    int gpu;
+  std::map<Key, std::unique_ptr<BlockPool>> pools;  // CUDA
+  struct Owner {
+    BlockPool* pool;
     bool graph;
-    uintptr_t stream;
   };
-  std::map<Key, std::vector<void*>> cached;   // CUDA: free blocks
-  std::unordered_map<void*, Block> block_of;  // CUDA: every block from cudaMalloc, live or free
-
-  static size_t rounded(size_t bytes) {
-    const size_t unit = bytes < (1u << 20) ? 512 : (2u << 20);  // small: 512 B, large: 2 MiB
-    return (std::max<size_t>(bytes, 1) + unit - 1) / unit * unit;
-  }
+  std::unordered_map<void*, Owner> owner_of;  // CUDA: every live block's pool
 
   void* allocate(size_t bytes) {
     void* p = nullptr;
@@ -64,7 +63,7 @@ struct DeviceAllocator {
       p = std::aligned_alloc(64, (bytes + 63) / 64 * 64 + 64);
       MT_CHECK(p != nullptr, "out of host memory allocating {} bytes", bytes);
     } else {
-      p = allocate_cuda(rounded(bytes));
+      p = allocate_cuda(bytes);
       if (in_graph_pool) graph_live += static_cast<int64_t>(bytes);
     }
     raise_peak(current += static_cast<int64_t>(bytes));
@@ -84,24 +83,20 @@ struct DeviceAllocator {
       return;
     }
     std::lock_guard<std::mutex> lock(mu);
-    const Block b = block_of.at(p);
-    if (b.graph) graph_live -= static_cast<int64_t>(bytes);
-    cached[{b.graph, b.gpu, b.stream, rounded(bytes)}].push_back(p);
+    const auto it = owner_of.find(p);
+    const Owner owner = it->second;
+    owner_of.erase(it);
+    if (owner.graph) graph_live -= static_cast<int64_t>(bytes);
+    owner.pool->release(p);
   }
 
 #if MOETRAIN_HAS_CUDA
-  // Returns this GPU's free blocks of one pool to the driver; true when there were any. mu held.
+  // Returns this GPU's wholly free segments of one kind of pool to the driver; true when there
+  // were any. mu held.
   bool free_cached(int gpu, bool graph) {
     bool any = false;
-    for (auto& [key, blocks] : cached)
-      if (key.gpu == gpu && key.graph == graph) {
-        for (void* b : blocks) {
-          cudaFree(b);
-          block_of.erase(b);
-          any = true;
-        }
-        blocks.clear();
-      }
+    for (auto& [key, pool] : pools)
+      if (key.gpu == gpu && key.graph == graph) any |= pool->release_free_segments() > 0;
     return any;
   }
 
@@ -125,8 +120,8 @@ struct DeviceAllocator {
     (void)cudaMemGetInfo(&free_bytes, &total_bytes);
     (void)cudaGetLastError();
     size_t graph_cached = 0;
-    for (const auto& [key, blocks] : cached)
-      if (key.gpu == gpu && key.graph) graph_cached += key.size * blocks.size();
+    for (const auto& [key, pool] : pools)
+      if (key.gpu == gpu && key.graph) graph_cached += pool->reserved_bytes();
     constexpr double kGiB = 1024.0 * 1024 * 1024;
     return fmt::format(
         "out of GPU memory: {:.2f} GiB more asked of GPU {}, which has {:.2f} of {:.2f} GiB free; "
@@ -138,44 +133,46 @@ struct DeviceAllocator {
         size / kGiB, gpu, free_bytes / kGiB, total_bytes / kGiB, current.load() / kGiB,
         peak.load() / kGiB, graph_cached / kGiB);
   }
+
+  BlockPool& pool_for(const Key& key) {
+    std::unique_ptr<BlockPool>& pool = pools[key];
+    if (!pool)
+      pool =
+          std::make_unique<BlockPool>(BlockPool::Backend{[this](size_t bytes) -> void* {
+                                                           ++device_mallocs;
+                                                           void* p = nullptr;
+                                                           if (cudaMalloc(&p, bytes) == cudaSuccess)
+                                                             return p;
+                                                           (void)cudaGetLastError();
+                                                           return nullptr;
+                                                         },
+                                                         [](void* p) { cudaFree(p); }});
+    return *pool;
+  }
 #endif
 
   void* allocate_cuda(size_t size) {
 #if MOETRAIN_HAS_CUDA
     int gpu = 0;
     MT_CUDA_CHECK(cudaGetDevice(&gpu));
-    const bool graph = in_graph_pool;
-    const auto stream = reinterpret_cast<uintptr_t>(cuda::stream());
-    {
-      std::lock_guard<std::mutex> lock(mu);
-      auto it = cached.find({graph, gpu, stream, size});
-      if (it != cached.end() && !it->second.empty()) {
-        void* p = it->second.back();
-        it->second.pop_back();
-        return p;
-      }
-    }
-    void* p = nullptr;
-    auto try_malloc = [&] {
-      if (cudaMalloc(&p, size) == cudaSuccess) return true;
-      (void)cudaGetLastError();
-      p = nullptr;
-      return false;
-    };
-    if (!try_malloc()) {
-      // Out of memory: give this GPU's free ordinary blocks back to the driver and try again;
-      // then, outside a capture (which cannot free), the graph pool's free blocks too, which
-      // makes every captured graph stale (graph_pool_generation).
-      std::lock_guard<std::mutex> lock(mu);
-      free_cached(gpu, false);
-      if (!try_malloc() && !capturing()) {
+    const Key key{in_graph_pool, gpu, reinterpret_cast<uintptr_t>(cuda::stream())};
+    std::lock_guard<std::mutex> lock(mu);
+    BlockPool& pool = pool_for(key);
+    void* p = pool.allocate(size);
+    if (p == nullptr) {
+      // Out of memory: give this GPU's wholly free ordinary segments back to the driver and try
+      // again; then, outside a capture (which cannot free), the graph pool's too, which makes
+      // every captured graph stale (graph_pool_generation).
+      if (free_cached(gpu, false)) ++cache_flushes;
+      p = pool.allocate(size);
+      if (p == nullptr && !capturing()) {
         if (free_cached(gpu, true)) ++graph_generation;
-        if (try_malloc()) log_graph_pool_release(size);
+        p = pool.allocate(size);
+        if (p != nullptr) log_graph_pool_release(size);
       }
       if (p == nullptr) throw Error(ExitCode::kOutOfMemory, out_of_memory_message(size, gpu));
     }
-    std::lock_guard<std::mutex> lock(mu);
-    block_of[p] = {gpu, graph, stream};
+    owner_of[p] = {&pool, key.graph};
     return p;
 #else
     (void)size;
@@ -249,7 +246,7 @@ class Storage {
 
 MemoryStats memory_stats(Device d) {
   auto& a = allocator_for(d);
-  return {a.current.load(), a.peak.load()};
+  return {a.current.load(), a.peak.load(), a.device_mallocs.load(), a.cache_flushes.load()};
 }
 GraphPoolScope::GraphPoolScope() : outer_(in_graph_pool) {
   in_graph_pool = true;

@@ -21,10 +21,16 @@ int64_t shape_numel(const Shape& s);
 // s with its last two dimensions swapped (a matrix's, or a batch of matrices', transpose).
 Shape transposed_shape(Shape s);
 
-// Bytes held by live tensors on one device, and the high-water mark since the last reset.
+// Bytes held by live tensors on one device, and the high-water mark since the last reset. On the
+// GPU also the caching allocator's trips to the driver since the process began: cudaMalloc calls
+// (none in a steady training step), and flushes, each a cudaMalloc that failed and returned the
+// cache's free blocks to the driver (cudaFree synchronises the device) before trying again: a
+// step near the memory limit whose allocations do not fit the cached sizes.
 struct MemoryStats {
   int64_t current_bytes = 0;
   int64_t peak_bytes = 0;
+  int64_t device_mallocs = 0;
+  int64_t cache_flushes = 0;
 };
 MemoryStats memory_stats(Device d);
 void reset_peak_memory(Device d);

@@ -256,6 +256,7 @@ std::optional<StepMetrics> Trainer::train_step() {
   const DataState data_before = data_->state();
   const auto start = std::chrono::steady_clock::now();
   reset_peak_memory(cfg_.model.device);
+  const MemoryStats memory_before = memory_stats(cfg_.model.device);
   StepMetrics m;
   m.step = step_ + 1;
   m.lr = learning_rate(t, m.step);
@@ -340,7 +341,10 @@ std::optional<StepMetrics> Trainer::train_step() {
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   m.tokens_per_s = static_cast<double>(t.tokens_per_step() * world_size()) / seconds;
   m.mfu = flops_per_token_ * m.tokens_per_s / (peak_flops_ * world_size());
-  m.peak_bytes = memory_stats(cfg_.model.device).peak_bytes;
+  const MemoryStats memory_after = memory_stats(cfg_.model.device);
+  m.peak_bytes = memory_after.peak_bytes;
+  m.device_mallocs = memory_after.device_mallocs - memory_before.device_mallocs;
+  m.cache_flushes = memory_after.cache_flushes - memory_before.cache_flushes;
   // The loss and gradient norm have been read: the device has passed every span of the passes.
   // With the exchanges beside the experts on the GPU the compute stream's waits for them are
   // timed; otherwise it waits for every exchange, all of which is exposed.
@@ -604,6 +608,10 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
                                {"tokens_per_s", m.tokens_per_s},
                                {"mfu", m.mfu},
                                {"peak_bytes", m.peak_bytes}};
+      if (cfg_.model.on_gpu()) {
+        j["device_mallocs"] = m.device_mallocs;
+        j["cache_flushes"] = m.cache_flushes;
+      }
       j["pad_fraction"] = m.pad_fraction;
       j["expert_load_max_over_mean"] = m.expert_load_max_over_mean;
       j["idle_expert_fraction"] = m.idle_expert_fraction;
@@ -648,6 +656,14 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
                                              m.exchange_ms, m.exchange_exposed_ms)
                                : "");
     }
+    // A steady step allocates nothing from the driver; one that flushes the allocator's cache
+    // (cudaFree synchronises) runs at the memory limit, slower than it need be.
+    if (is_rank0() && m.cache_flushes > 0 && m.step > 2)
+      log::warn(
+          "step {}: GPU memory at its limit: the allocator returned its cache to the driver {} "
+          "time(s) and called cudaMalloc {} time(s) this step (each flush synchronises the GPU); "
+          "model.checkpoint = \"selective\" or a smaller train.batch_rows leaves room",
+          m.step, m.cache_flushes, m.device_mallocs);
   }
   // Whoever reads the model next (an export, a caller) sees the last update, and the last
   // checkpoint is on disk.

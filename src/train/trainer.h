@@ -25,6 +25,11 @@ struct StepMetrics {
   double tokens_per_s = 0;
   double mfu = 0;  // model FLOPs / (time * peak)
   int64_t peak_bytes = 0;
+  // The GPU caching allocator's cudaMalloc calls and cache flushes during this step (core/tensor.h
+  // MemoryStats): zero in a steady step; flushes mean the step runs near the memory limit and
+  // stalls on the driver.
+  int64_t device_mallocs = 0;
+  int64_t cache_flushes = 0;
   // Device time in expert-parallel dispatch and combine (count exchange, row all-to-alls,
   // regrouping), forward and backward; 0 without expert parallelism.
   double exchange_ms = 0;
