@@ -40,7 +40,6 @@ class BlockPool {
   void release(void* p);
   // Returns every wholly free segment to the backend; the bytes returned.
   size_t release_free_segments();
-  bool owns(void* p) const { return blocks_.count(reinterpret_cast<uintptr_t>(p)) != 0; }
 
   size_t reserved_bytes() const { return reserved_; }  // held from the backend
   int64_t backend_allocations() const { return backend_allocations_; }
