@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
-# The MXFP8 numerics study: configs/mx-numerics.toml trained once per expert recipe (same seed,
+# The quantized recipes' numerics study (MXFP8 and FP8 blockwise): configs/mx-numerics.toml
+# trained once per expert recipe (same seed,
 # same data), one metrics file each under $OUT (default /tmp/moetrain-mx-numerics); then
 # scripts/plot_mx_numerics.py draws the loss curves (docs/mx_numerics.png) and prints the final
 # gaps to bf16.
-# Usage: scripts/mx-numerics.sh [moetrain binary]. The five runs share the GPU concurrently (the
+# Usage: scripts/mx-numerics.sh [moetrain binary]. The seven runs share the GPU concurrently (the
 # model is small and launch-bound: together they finish sooner than one after another).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -16,8 +17,11 @@ declare -A runs=(
   [mxfp8_wgrad_with_hp]="model.expert_recipe=mxfp8_wgrad_with_hp"
   [mxfp8_wgrad_with_hp__mxfp8_dispatch]="model.expert_recipe=mxfp8_wgrad_with_hp parallel.ep_dispatch_dtype=mxfp8"
   [mxfp8__mxfp8_dispatch__requant_dim1]="model.expert_recipe=mxfp8 parallel.ep_dispatch_dtype=mxfp8 model.requant_dim1=true"
+  [fp8_blockwise]="model.expert_recipe=fp8_blockwise"
+  [fp8_wgrad_with_hp]="model.expert_recipe=fp8_wgrad_with_hp"
 )
-names=(bf16 mxfp8 mxfp8_wgrad_with_hp mxfp8_wgrad_with_hp__mxfp8_dispatch mxfp8__mxfp8_dispatch__requant_dim1)
+names=(bf16 mxfp8 mxfp8_wgrad_with_hp mxfp8_wgrad_with_hp__mxfp8_dispatch mxfp8__mxfp8_dispatch__requant_dim1
+  fp8_blockwise fp8_wgrad_with_hp)
 start=$(date +%s)
 for name in "${names[@]}"; do
   sets=()

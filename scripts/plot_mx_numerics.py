@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Draws the MXFP8 numerics study's loss curves (scripts/mx-numerics.sh) into one PNG and prints
+"""Draws the quantized recipes' numerics study's loss curves (scripts/mx-numerics.sh) into one PNG and prints
 each recipe's final loss and its gap to bf16 (the mean of the last 100 steps, to smooth the
 batch noise). Needs matplotlib.
 
@@ -15,7 +15,7 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 RUNS = ["bf16", "mxfp8", "mxfp8_wgrad_with_hp", "mxfp8_wgrad_with_hp__mxfp8_dispatch",
-        "mxfp8__mxfp8_dispatch__requant_dim1"]
+        "mxfp8__mxfp8_dispatch__requant_dim1", "fp8_blockwise", "fp8_wgrad_with_hp"]
 
 
 def smooth(values, window=25):
