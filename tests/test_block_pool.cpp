@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "core/block_pool.h"
+#include "core/error.h"
 
 namespace mt {
 namespace {
@@ -105,6 +106,16 @@ TEST(BlockPool, RefusesWhatTheBackendCannotHoldAndServesItOnceFreed) {
   EXPECT_NE(b, nullptr);
   EXPECT_EQ(dev.allocations, 1);
   pool.release(b);
+}
+
+TEST(BlockPool, RefusesAReleaseOfWhatItDidNotHandOut) {
+  FakeDevice dev(64 * kMiB);
+  BlockPool pool(dev.backend());
+  void* a = pool.allocate(3 * kMiB);
+  pool.release(a);
+  EXPECT_THROW(pool.release(a), Error);  // twice
+  int local = 0;
+  EXPECT_THROW(pool.release(&local), Error);
 }
 
 TEST(BlockPool, RandomSequencesNeverOverlapAndReturnEverything) {

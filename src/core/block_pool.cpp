@@ -2,6 +2,8 @@
 
 #include <iterator>
 
+#include "core/error.h"
+
 namespace mt {
 
 namespace {
@@ -49,6 +51,8 @@ void* BlockPool::allocate(size_t bytes) {
 
 void BlockPool::release(void* p) {
   auto it = blocks_.find(reinterpret_cast<uintptr_t>(p));
+  MT_CHECK(it != blocks_.end() && !it->second.free,
+           "BlockPool::release of {} that the pool did not hand out, or released twice", p);
   Block b = it->second;
   b.free = true;
   uintptr_t at = it->first;
