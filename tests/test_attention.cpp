@@ -99,6 +99,106 @@ TEST(Attention, Gradients) {
   EXPECT_LT(gradcheck(loss, c.v, dv), kGradTol);
 }
 
+// Context parallelism's chunks: rank r holds chunks r and 2 cp - 1 - r of 2 cp; together the
+// ranks hold the row once, and over one document every rank's causal work is the same.
+TEST(ContextParallel, RanksPairAHeadChunkWithATailChunk) {
+  const int64_t n = 24, cp = 3;
+  std::vector<int> seen(n, 0);
+  for (int64_t r = 0; r < cp; ++r) {
+    const Tensor rows = ops::context_parallel_rows(n, cp, r);
+    ASSERT_EQ(rows.numel(), n / cp);
+    const int32_t* p = rows.data<int32_t>();
+    EXPECT_EQ(p[0], r * 4);                 // chunk r
+    EXPECT_EQ(p[4], (2 * cp - 1 - r) * 4);  // chunk 2 cp - 1 - r
+    int64_t work = 0;                       // keys each query attends to, causal over one document
+    for (int64_t a = 0; a < rows.numel(); ++a) {
+      ++seen[p[a]];
+      work += p[a] + 1;
+      if (a > 0) {
+        EXPECT_GT(p[a], p[a - 1]);
+      }
+    }
+    EXPECT_EQ(work, 100) << "rank " << r;  // (1 + ... + 24) / 3
+  }
+  for (int64_t i = 0; i < n; ++i) EXPECT_EQ(seen[i], 1) << "position " << i;
+  const std::string odd = testing::error_of([] { ops::context_parallel_rows(30, 4, 0); });
+  EXPECT_NE(odd.find("train.seq_len must be a multiple of 8"), std::string::npos) << odd;
+}
+
+// The CP ranks' attention against the gathered keys and values gives the whole row's: each
+// rank's outputs, log-sum-exps and query gradients are the row's at its positions, and the key
+// and value gradients summed over the ranks (the reduce-scatter) are the row's, with documents
+// crossing chunk boundaries.
+TEST(ContextParallel, RanksTogetherComputeTheWholeRowsAttention) {
+  const int64_t n = 48, h = 4, kv = 2, dqk = 8, dvw = 6;
+  const Tensor q = randn({n, h, dqk}, 11, 0.7), k = randn({n, kv, dqk}, 12, 0.7),
+               v = randn({n, kv, dvw}, 13), dout = randn({n, h, dvw}, 14);
+  const ops::Documents docs{i32({0, 5, 19, 30, 48}), 18};
+  const double scale = 1.0 / std::sqrt(8.0);
+  Tensor out = Tensor::poisoned({n, h, dvw}, DType::kF64),
+         lse = Tensor::poisoned({n, h}, DType::kF64);
+  ops::attention_forward(q, k, v, docs, scale, out, lse);
+  Tensor dq = like(q), dk = like(k), dv = like(v);
+  ops::attention_backward(q, k, v, out, lse, dout, docs, scale, dq, dk, dv);
+  for (int64_t cp : {2, 3, 4}) {
+    Tensor dk_sum = Tensor::zeros(k.shape(), DType::kF64),
+           dv_sum = Tensor::zeros(v.shape(), DType::kF64);
+    for (int64_t r = 0; r < cp; ++r) {
+      const Tensor rows = ops::context_parallel_rows(n, cp, r);
+      const int64_t nq = rows.numel();
+      auto take = [&](const Tensor& t) {  // the rank's positions of a whole-row tensor
+        const int64_t w = t.numel() / n;
+        Tensor out_rows = t.ndim() == 3 ? Tensor::empty({nq, t.dim(1), t.dim(2)}, DType::kF64)
+                                        : Tensor::empty({nq, t.dim(1)}, DType::kF64);
+        for (int64_t a = 0; a < nq; ++a)
+          for (int64_t c = 0; c < w; ++c)
+            out_rows.set_item(a * w + c, t.item(rows.data<int32_t>()[a] * w + c));
+        return out_rows;
+      };
+      const Tensor qr = take(q), dout_r = take(dout);
+      Tensor o = Tensor::poisoned({nq, h, dvw}, DType::kF64),
+             l = Tensor::poisoned({nq, h}, DType::kF64);
+      ops::attention_forward_rows(qr, rows, k, v, docs, scale, o, l);
+      EXPECT_LT(relative_error(o, take(out)), 1e-13) << "cp " << cp << " rank " << r;
+      EXPECT_LT(relative_error(l, take(lse)), 1e-13) << "cp " << cp << " rank " << r;
+      Tensor dqr = Tensor::poisoned(qr.shape(), DType::kF64),
+             dkr = Tensor::poisoned(k.shape(), DType::kF64),
+             dvr = Tensor::poisoned(v.shape(), DType::kF64);
+      ops::attention_backward_rows(qr, rows, k, v, o, l, dout_r, docs, scale, dqr, dkr, dvr);
+      EXPECT_LT(relative_error(dqr, take(dq)), 1e-12) << "cp " << cp << " rank " << r;
+      for (int64_t i = 0; i < dk.numel(); ++i) dk_sum.set_item(i, dk_sum.item(i) + dkr.item(i));
+      for (int64_t i = 0; i < dv.numel(); ++i) dv_sum.set_item(i, dv_sum.item(i) + dvr.item(i));
+    }
+    EXPECT_LT(relative_error(dk_sum, dk), 1e-12) << "cp " << cp;
+    EXPECT_LT(relative_error(dv_sum, dv), 1e-12) << "cp " << cp;
+  }
+}
+
+TEST(ContextParallel, RowsGradients) {
+  const int64_t n = 16, h = 4, kv = 2;
+  Tensor k = randn({n, kv, 8}, 21, 0.7), v = randn({n, kv, 6}, 22);
+  const ops::Documents docs{i32({0, 3, 11, 16}), 8};
+  const Tensor rows = ops::context_parallel_rows(n, 2, 1);  // chunks 1 and 2: positions 4..11
+  Tensor q = randn({rows.numel(), h, 8}, 23, 0.7), g = randn({rows.numel(), h, 6}, 24);
+  const double scale = 1.0 / std::sqrt(8.0);
+  Tensor out = Tensor::poisoned({rows.numel(), h, 6}, DType::kF64),
+         lse = Tensor::poisoned({rows.numel(), h}, DType::kF64);
+  auto loss = [&] {
+    ops::attention_forward_rows(q, rows, k, v, docs, scale, out, lse);
+    return dot(out, g);
+  };
+  loss();
+  Tensor dq = like(q), dk = like(k), dv = like(v);
+  ops::attention_backward_rows(q, rows, k, v, out, lse, g, docs, scale, dq, dk, dv);
+  EXPECT_LT(gradcheck(loss, q, dq), kGradTol);
+  EXPECT_LT(gradcheck(loss, k, dk), kGradTol);
+  EXPECT_LT(gradcheck(loss, v, dv), kGradTol);
+  const std::string unordered = testing::error_of([&] {
+    ops::attention_forward_rows(q, i32({5, 4, 6, 7, 8, 9, 10, 11}), k, v, docs, scale, out, lse);
+  });
+  EXPECT_NE(unordered.find("must increase"), std::string::npos) << unordered;
+}
+
 TEST(Attention, PlannedDocumentsRoundUpToPowersOfTwoWithinTheTokens) {
   const ops::PlannedDocuments a = ops::planned_documents(5, 300, 4096);
   EXPECT_EQ(a.count, 8);

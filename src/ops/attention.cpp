@@ -26,26 +26,53 @@ struct AttnDims {
   int64_t n, h, kv, dqk, dv, docs;
 };
 
-AttnDims check_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Documents& docs) {
+// The documents of n tokens on the activations' device; on the CPU also their boundaries.
+void check_documents(const Documents& docs, int64_t n, Device device) {
   const Tensor& cu_seqlens = docs.cu_seqlens;
-  MT_CHECK(q.ndim() == 3 && k.ndim() == 3 && v.ndim() == 3, "attention needs (N, heads, dim)");
-  AttnDims d{q.dim(0), q.dim(1), k.dim(1), q.dim(2), v.dim(2), cu_seqlens.numel() - 1};
-  expect_shape(k, {d.n, d.kv, d.dqk}, "attention k");
-  expect_shape(v, {d.n, d.kv, d.dv}, "attention v");
-  MT_CHECK(d.kv > 0 && d.h % d.kv == 0, "query heads {} not a multiple of kv heads {}", d.h, d.kv);
+  const int64_t count = cu_seqlens.numel() - 1;
   expect_dtype(cu_seqlens, DType::kI32, "cu_seqlens");
-  MT_CHECK(cu_seqlens.ndim() == 1 && d.docs >= 1, "cu_seqlens must hold S + 1 >= 2 boundaries");
-  MT_CHECK(cu_seqlens.device() == q.device(), "cu_seqlens must be on the activations' device");
-  if (on_gpu(q)) return d;  // the loader checked the boundaries it sends to the GPU
+  MT_CHECK(cu_seqlens.ndim() == 1 && count >= 1, "cu_seqlens must hold S + 1 >= 2 boundaries");
+  MT_CHECK(cu_seqlens.device() == device, "cu_seqlens must be on the activations' device");
+  if (device != Device::kCPU) return;  // the loader checked the boundaries it sends to the GPU
   const int32_t* cu = cu_seqlens.data<int32_t>();
-  MT_CHECK(d.docs >= 1 && cu[0] == 0 && cu[d.docs] == d.n, "cu_seqlens must run from 0 to {}", d.n);
-  for (int64_t s = 0; s < d.docs; ++s) {
+  MT_CHECK(cu[0] == 0 && cu[count] == n, "cu_seqlens must run from 0 to {}", n);
+  for (int64_t s = 0; s < count; ++s) {
     MT_CHECK(cu[s] <= cu[s + 1], "cu_seqlens decreases at {}", s);
     MT_CHECK(cu[s + 1] - cu[s] <= docs.max_length,
              "document {} has {} tokens, more than the "
              "stated longest {}",
              s, cu[s + 1] - cu[s], docs.max_length);
   }
+}
+
+AttnDims check_attention(const Tensor& q, const Tensor& k, const Tensor& v, const Documents& docs) {
+  MT_CHECK(q.ndim() == 3 && k.ndim() == 3 && v.ndim() == 3, "attention needs (N, heads, dim)");
+  AttnDims d{q.dim(0), q.dim(1), k.dim(1), q.dim(2), v.dim(2), docs.cu_seqlens.numel() - 1};
+  expect_shape(k, {d.n, d.kv, d.dqk}, "attention k");
+  expect_shape(v, {d.n, d.kv, d.dv}, "attention v");
+  MT_CHECK(d.kv > 0 && d.h % d.kv == 0, "query heads {} not a multiple of kv heads {}", d.h, d.kv);
+  check_documents(docs, d.n, q.device());
+  return d;
+}
+
+// A context-parallel rank's operands: q (Nq, H, Dqk) at `rows` (i32 (Nq), increasing, within
+// the row), the whole row's k, v and documents. CPU only so far.
+AttnDims check_rows(const Tensor& q, const Tensor& rows, const Tensor& k, const Tensor& v,
+                    const Documents& docs) {
+  MT_CHECK(!on_gpu(q), "context-parallel attention runs on the CPU so far (issue 35)");
+  MT_CHECK(q.ndim() == 3 && k.ndim() == 3 && v.ndim() == 3, "attention needs (N, heads, dim)");
+  AttnDims d{k.dim(0), q.dim(1), k.dim(1), q.dim(2), v.dim(2), docs.cu_seqlens.numel() - 1};
+  expect_shape(k, {d.n, d.kv, d.dqk}, "attention k");
+  expect_shape(v, {d.n, d.kv, d.dv}, "attention v");
+  MT_CHECK(d.kv > 0 && d.h % d.kv == 0, "query heads {} not a multiple of kv heads {}", d.h, d.kv);
+  expect_shape(rows, {q.dim(0)}, "context-parallel rows");
+  expect_dtype(rows, DType::kI32, "context-parallel rows");
+  const int32_t* r = rows.data<int32_t>();
+  for (int64_t a = 0; a < rows.numel(); ++a)
+    MT_CHECK(r[a] >= 0 && r[a] < d.n && (a == 0 || r[a] > r[a - 1]),
+             "context-parallel rows must increase within the row's {} tokens; row {} is {}", d.n, a,
+             r[a]);
+  check_documents(docs, d.n, q.device());
   return d;
 }
 
@@ -182,6 +209,50 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
 #endif
   (void)gpu;
   cpu::attention_backward(q, k, v, out, lse, dout, docs, scale, dq, dk, dv);
+}
+
+}  // namespace mt::ops
+
+namespace mt::ops {
+
+Tensor context_parallel_rows(int64_t tokens, int64_t cp, int64_t rank) {
+  MT_CHECK(cp >= 1 && rank >= 0 && rank < cp, "context-parallel rank {} of {}", rank, cp);
+  MT_CHECK(tokens % (2 * cp) == 0,
+           "a row of {} tokens cannot be dealt to {} context-parallel ranks in 2 x {} = {} equal "
+           "chunks: train.seq_len must be a multiple of {}",
+           tokens, cp, cp, 2 * cp, 2 * cp);
+  const int64_t chunk = tokens / (2 * cp);
+  Tensor rows = Tensor::empty({2 * chunk}, DType::kI32);
+  int32_t* r = rows.data<int32_t>();
+  for (int64_t i = 0; i < chunk; ++i) {
+    r[i] = static_cast<int32_t>(rank * chunk + i);                         // chunk r
+    r[chunk + i] = static_cast<int32_t>((2 * cp - 1 - rank) * chunk + i);  // chunk 2 cp - 1 - r
+  }
+  return rows;
+}
+
+void attention_forward_rows(const Tensor& q, const Tensor& rows, const Tensor& k, const Tensor& v,
+                            const Documents& docs, double scale, Tensor& out, Tensor& lse) {
+  const AttnDims d = check_rows(q, rows, k, v, docs);
+  expect_shape(out, {q.dim(0), d.h, d.dv}, "attention out");
+  expect_shape(lse, {q.dim(0), d.h}, "attention lse");
+  cpu::attention_forward_rows(q, rows.data<int32_t>(), k, v, docs, scale, out, lse);
+}
+
+void attention_backward_rows(const Tensor& q, const Tensor& rows, const Tensor& k, const Tensor& v,
+                             const Tensor& out, const Tensor& lse, const Tensor& dout,
+                             const Documents& docs, double scale, Tensor& dq, Tensor& dk,
+                             Tensor& dv) {
+  const AttnDims d = check_rows(q, rows, k, v, docs);
+  for (const auto& [t, name] :
+       {std::pair{&out, "attention out"}, std::pair{&dout, "attention dout"}})
+    expect_shape(*t, {q.dim(0), d.h, d.dv}, name);
+  expect_shape(lse, {q.dim(0), d.h}, "attention lse");
+  expect_shape(dq, q.shape(), "attention dq");
+  expect_shape(dk, k.shape(), "attention dk");
+  expect_shape(dv, v.shape(), "attention dv");
+  cpu::attention_backward_rows(q, rows.data<int32_t>(), k, v, out, lse, dout, docs, scale, dq, dk,
+                               dv);
 }
 
 }  // namespace mt::ops

@@ -72,4 +72,25 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
                         const Tensor& lse, const Tensor& dout, const Documents& docs, double scale,
                         Tensor& dq, Tensor& dk, Tensor& dv, const AttentionGpu& gpu = {});
 
+// Context parallelism (issue 35; the CPU reference so far). A packed row of N tokens is dealt to
+// cp ranks in 2 cp equal chunks, rank r holding chunks r and 2 cp - 1 - r: each rank pairs an
+// early chunk (little causal work) with a late one (much), so every rank's causal work is the
+// same when the row is one document. The row positions rank r holds, increasing (i32 (N / cp));
+// N must be a multiple of 2 cp (an mt::Error names the sizes).
+Tensor context_parallel_rows(int64_t tokens, int64_t cp, int64_t rank);
+
+// A context-parallel rank's attention: its tokens' queries against the whole row's keys and
+// values (all-gathered from the CP group). q (Nq, H, Dqk) holds the queries of the row positions
+// `rows` (i32 (Nq), increasing, as context_parallel_rows gives them); k (N, KV, Dqk), v (N, KV,
+// Dv) and docs are the whole row's. out (Nq, H, Dv) and lse (Nq, H) are the whole row's attention
+// at those positions: documents crossing chunk boundaries are kept whole.
+void attention_forward_rows(const Tensor& q, const Tensor& rows, const Tensor& k, const Tensor& v,
+                            const Documents& docs, double scale, Tensor& out, Tensor& lse);
+// dq (Nq) overwritten; dk and dv (N, the whole row) overwritten with this rank's share of the row's
+// key and value gradients: summed over the CP group (the reduce-scatter) they are the row's.
+void attention_backward_rows(const Tensor& q, const Tensor& rows, const Tensor& k, const Tensor& v,
+                             const Tensor& out, const Tensor& lse, const Tensor& dout,
+                             const Documents& docs, double scale, Tensor& dq, Tensor& dk,
+                             Tensor& dv);
+
 }  // namespace mt::ops
