@@ -122,6 +122,19 @@ LoopProducts loop_products(const Layout& l, const Tensor& xq, const Tensor& wk, 
   return r;
 }
 
+// The recipe's three products over the layout's rows (f64), as ops/expert_gemm.h computes them
+// (the default precision: the unquantized products).
+LoopProducts recipe_products(const Layout& l, const Tensor& x, const Tensor& w, const Tensor& dy,
+                             const ops::ExpertPrecision& p) {
+  LoopProducts r{Tensor::poisoned({l.rows, w.dim(2)}, DType::kF64),
+                 Tensor::poisoned({l.rows, w.dim(1)}, DType::kF64),
+                 Tensor::poisoned(w.shape(), DType::kF64)};
+  ops::expert_gemm_forward(x, w, l.expert_rows(), p, r.out);
+  ops::expert_gemm_backward_input(dy, w, l.expert_rows(), p, r.dx);
+  ops::expert_gemm_backward_weight(x, dy, l.expert_rows(), p, r.dw, ops::Accumulate::kNo);
+  return r;
+}
+
 class Recipes : public ::testing::TestWithParam<ops::ExpertRecipe> {};
 
 TEST_P(Recipes, ProductsEqualFp64MathOnTheQuantizedOperands) {
@@ -138,12 +151,8 @@ TEST_P(Recipes, ProductsEqualFp64MathOnTheQuantizedOperands) {
   const Tensor dyq = mx ? round_tripped(dy, QuantAxis::kDim0) : dy;  // along N
   const Tensor wn = mx ? round_tripped(w, QuantAxis::kDim0) : w;     // along N
 
-  Tensor out = Tensor::poisoned({l.rows, n}, DType::kF64);
-  Tensor dx = Tensor::poisoned({l.rows, k}, DType::kF64);
-  Tensor dw = Tensor::poisoned({experts, k, n}, DType::kF64);
-  ops::expert_gemm_forward(x, w, l.expert_rows(), p, out);
-  ops::expert_gemm_backward_input(dy, w, l.expert_rows(), p, dx);
-  ops::expert_gemm_backward_weight(x, dy, l.expert_rows(), p, dw, ops::Accumulate::kNo);
+  const LoopProducts got = recipe_products(l, x, w, dy, p);
+  const Tensor &out = got.out, &dx = got.dx, &dw = got.dw;
   std::vector<Tensor> xe, dye;
   for (int e = 0; e < experts; ++e) {
     xe.push_back(p.mx_weight_gradient() ? expert_rows_round_tripped(x, l, e)
@@ -159,10 +168,8 @@ TEST_P(Recipes, ProductsEqualFp64MathOnTheQuantizedOperands) {
 
   // The quantization is there, and only where the recipe puts it: against the unquantized
   // products, MX operands move each product by about E4M3's half step (2^-4) over sqrt(k) terms.
-  Tensor plain_out = Tensor::poisoned({l.rows, n}, DType::kF64);
-  Tensor plain_dw = Tensor::poisoned({experts, k, n}, DType::kF64);
-  ops::grouped_gemm_forward(x, w, l.expert_rows(), plain_out);
-  ops::grouped_gemm_backward_weight(x, dy, l.expert_rows(), plain_dw, ops::Accumulate::kNo);
+  const LoopProducts plain = recipe_products(l, x, w, dy, {});
+  const Tensor &plain_out = plain.out, &plain_dw = plain.dw;
   if (mx)
     EXPECT_GT(rel(out, plain_out, l, n), 1e-3);
   else
@@ -203,12 +210,8 @@ TEST_P(Fp8Recipes, ProductsEqualFp64MathOnTheQuantizedOperands) {
   const Tensor xq = fp8_values(x, QuantBlock::kRow128, QuantAxis::kDim0, p.fp8_scale);
   const Tensor dyq = fp8_values(dy, QuantBlock::kRow128, QuantAxis::kDim0, p.fp8_scale);
   const Tensor wq = fp8_values(w, QuantBlock::kTile128, QuantAxis::kDim0, p.fp8_scale);
-  Tensor out = Tensor::poisoned({l.rows, n}, DType::kF64);
-  Tensor dx = Tensor::poisoned({l.rows, k}, DType::kF64);
-  Tensor dw = Tensor::poisoned({experts, k, n}, DType::kF64);
-  ops::expert_gemm_forward(x, w, l.expert_rows(), p, out);
-  ops::expert_gemm_backward_input(dy, w, l.expert_rows(), p, dx);
-  ops::expert_gemm_backward_weight(x, dy, l.expert_rows(), p, dw, ops::Accumulate::kNo);
+  const LoopProducts got = recipe_products(l, x, w, dy, p);
+  const Tensor &out = got.out, &dx = got.dx, &dw = got.dw;
   // Each expert's rows, zero-padded to whole 128-row blocks, quantized down the columns.
   const auto along_tokens = [&](const Tensor& t, int e) {
     const Tensor rows = expert_slice(t, l, e);
@@ -231,10 +234,8 @@ TEST_P(Fp8Recipes, ProductsEqualFp64MathOnTheQuantizedOperands) {
   EXPECT_LT(relative_error(dw, want_dw), 1e-12);
   // Quantized, and only where the recipe says: the forward moves by FP8's error, the weight
   // gradient of fp8_wgrad_with_hp does not move at all.
-  Tensor plain_out = Tensor::poisoned({l.rows, n}, DType::kF64);
-  Tensor plain_dw = Tensor::poisoned({experts, k, n}, DType::kF64);
-  ops::grouped_gemm_forward(x, w, l.expert_rows(), plain_out);
-  ops::grouped_gemm_backward_weight(x, dy, l.expert_rows(), plain_dw, ops::Accumulate::kNo);
+  const LoopProducts plain = recipe_products(l, x, w, dy, {});
+  const Tensor &plain_out = plain.out, &plain_dw = plain.dw;
   EXPECT_GT(rel(out, plain_out, l, n), 1e-3);
   EXPECT_LT(rel(out, plain_out, l, n), 0.1);
   if (p.fp8_weight_gradient())

@@ -47,6 +47,11 @@ bool parse_fp8_scale_rule(std::string_view name, Fp8ScaleRule* out) {
   return parse_enum(kFp8ScaleRules, name, out);
 }
 
+void check_unquantized(const char* op, const char* role, const Tensor& t) {
+  MT_CHECK(t.dtype() == DType::kF32 || t.dtype() == DType::kBF16 || t.dtype() == DType::kF64,
+           "{}: {} must be f32, bf16 or f64, got {}", op, role, dtype_name(t.dtype()));
+}
+
 Shape QuantTensor::data_shape(const Shape& shape, QuantBlock block, QuantAxis axis) {
   MT_CHECK(shape.size() >= 2, "a quantized tensor needs at least 2 dimensions, got {}",
            shape_str(shape));

@@ -28,6 +28,10 @@
 
 namespace mt {
 
+// The unquantized side of a conversion (quantize's input, dequantize's output) is f32, bf16 or
+// f64: an mt::Error naming op and role otherwise.
+void check_unquantized(const char* op, const char* role, const Tensor& t);
+
 class QuantTensor {
  public:
   QuantTensor() = default;

@@ -64,8 +64,7 @@ double sum_of_squares(const Tensor& a) {
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(a)) {
     const profile::Phase phase("gpu.sum_of_squares");
-    Tensor ws = cuda::gpu_empty({static_cast<int64_t>(cuda::kernels::sum_of_squares_workspace())},
-                                DType::kU8);
+    Tensor ws = cuda::gpu_workspace(cuda::kernels::sum_of_squares_workspace());
     double result = 0;
     MT_CUDA_CHECK(cuda::kernels::sum_of_squares(cuda::storage_of(a), a.raw(), a.numel(), ws.raw(),
                                                 &result, cuda::stream()));

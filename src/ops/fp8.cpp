@@ -14,11 +14,6 @@ namespace mt::ops {
 
 namespace {
 
-void check_unquantized(const char* op, const char* role, const Tensor& t) {
-  MT_CHECK(t.dtype() == DType::kF32 || t.dtype() == DType::kBF16 || t.dtype() == DType::kF64,
-           "{}: {} must be f32, bf16 or f64, got {}", op, role, dtype_name(t.dtype()));
-}
-
 void check_fp8(const char* op, const char* role, const Tensor& t, const QuantTensor& q) {
   MT_CHECK(q.defined(), "{}: the FP8 tensor is not allocated", op);
   MT_CHECK(q.block() == QuantBlock::kRow128 || q.block() == QuantBlock::kTile128,
@@ -153,8 +148,7 @@ void fp8_quantize_expert_rows(const Tensor& x, const ExpertRows& rows, Fp8ScaleR
              "fp8_quantize_expert_rows on the GPU reads 16-byte packs: a width of a multiple of 8 "
              "(got {}) and 16-byte aligned rows",
              x.dim(1));
-    const cuda::kernels::ExpertSegments layout{rows.offsets.data<int64_t>(),
-                                               rows.segments.data<int64_t>()};
+    const cuda::kernels::ExpertSegments layout = cuda::device_segments(rows);
     MT_CUDA_CHECK(cuda::kernels::fp8_quantize_columns(
         in, x.raw(), m, x.dim(1), &layout, static_cast<int>(experts), rule,
         static_cast<uint8_t*>(out.data().raw()), out.scales().data<float>(), cuda::stream()));

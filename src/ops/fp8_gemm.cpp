@@ -37,15 +37,6 @@ void write_result(const Tensor& f64, Tensor& out) {
   for (int64_t i = 0; i < out.numel(); ++i) out.set_item(i, f64.item(i));
 }
 
-#if MOETRAIN_HAS_CUDA
-cuda::kernels::ExpertSegments device_layout(const ExpertRows& rows) {
-  return {rows.offsets.data<int64_t>(), rows.segments.data<int64_t>()};
-}
-Tensor workspace(size_t bytes) {
-  return cuda::gpu_empty({static_cast<int64_t>(bytes)}, DType::kU8);
-}
-#endif
-
 }  // namespace
 
 void fp8_grouped_gemm(const QuantTensor& a, const QuantTensor& b, const ExpertRows& rows,
@@ -69,16 +60,16 @@ void fp8_grouped_gemm(const QuantTensor& a, const QuantTensor& b, const ExpertRo
     const profile::Phase phase("gpu.fp8_grouped_gemm");
     expect_dtype(out, DType::kBF16, "fp8_grouped_gemm out (the GPU writes bf16)");
     const int e = static_cast<int>(experts);
-    Tensor ws = workspace(cuda::kernels::fp8_gemm_rows_workspace(e));
+    Tensor ws = cuda::gpu_workspace(cuda::kernels::fp8_gemm_rows_workspace(e));
     const cuda::kernels::Fp8Operands ops{a.data().raw(), a.scales().data<float>(), b.data().raw(),
                                          b.scales().data<float>(), out.raw()};
     // b's scales are (K / 128, N / 128) of the weight: along b's rows for w^T (dim1), along its
     // contraction for w (dim0).
     const auto b_scales = b.axis() == QuantAxis::kDim1 ? cuda::kernels::Fp8WeightScales::kMnMajor
                                                        : cuda::kernels::Fp8WeightScales::kKMajor;
-    MT_CUDA_CHECK(cuda::kernels::fp8_gemm_rows(device_layout(rows), e, ops, b_scales, m, p, q,
-                                               cuda::kernels::Fp8Schedule::kCooperative, ws.raw(),
-                                               ws.nbytes(), cuda::stream()));
+    MT_CUDA_CHECK(cuda::kernels::fp8_gemm_rows(cuda::device_segments(rows), e, ops, b_scales, m, p,
+                                               q, cuda::kernels::Fp8Schedule::kCooperative,
+                                               ws.raw(), ws.nbytes(), cuda::stream()));
     return;
 #else
     MT_CHECK(false, "fp8_grouped_gemm on the GPU needs the CUTLASS build (MOETRAIN_HAS_CUTLASS)");
@@ -121,10 +112,10 @@ void fp8_grouped_gemm_weight(const QuantTensor& x, const QuantTensor& dy, const 
     if (!acc)  // the GEMM writes only experts with rows
       MT_CUDA_CHECK(cuda::kernels::zero_empty_groups(rows.offsets.data<int64_t>(), e, dw.raw(),
                                                      k * n, true, cuda::stream()));
-    Tensor ws = workspace(cuda::kernels::fp8_gemm_weight_workspace(e));
+    Tensor ws = cuda::gpu_workspace(cuda::kernels::fp8_gemm_weight_workspace(e));
     const cuda::kernels::Fp8Operands ops{x.data().raw(), x.scales().data<float>(), dy.data().raw(),
                                          dy.scales().data<float>(), dw.raw()};
-    MT_CUDA_CHECK(cuda::kernels::fp8_gemm_weight(device_layout(rows), e, ops, m, k, n, acc,
+    MT_CUDA_CHECK(cuda::kernels::fp8_gemm_weight(cuda::device_segments(rows), e, ops, m, k, n, acc,
                                                  cuda::kernels::Fp8Schedule::kCooperative, ws.raw(),
                                                  ws.nbytes(), cuda::stream()));
     return;

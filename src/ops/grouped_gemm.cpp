@@ -61,11 +61,7 @@ cuda::kernels::ExpertSegments gpu_layout(std::initializer_list<const Tensor*> bf
       "grouped gemm output must be bf16 or f32 on the GPU");
   MT_CHECK(g.k % 8 == 0 && g.n % 8 == 0, "grouped gemm dims {} x {} must be multiples of 8", g.k,
            g.n);
-  return {rows.offsets.data<int64_t>(), rows.segments.data<int64_t>()};
-}
-
-Tensor workspace(size_t bytes) {
-  return cuda::gpu_empty({static_cast<int64_t>(bytes)}, DType::kU8);
+  return cuda::device_segments(rows);
 }
 
 void gpu_grouped_gemm(const Tensor& a, const Tensor& w, Transpose tw, const ExpertRows& rows,
@@ -81,8 +77,9 @@ void gpu_grouped_gemm(const Tensor& a, const Tensor& w, Transpose tw, const Expe
   const bool whole_tiles = rows.align % cuda::kernels::kFixedRowTile == 0;
   if (out.dtype() == DType::kBF16 && whole_tiles &&
       (!forward || k <= cuda::kernels::kCutlassShortK)) {
-    Tensor ws = workspace(forward ? cuda::kernels::cutlass_fixed_forward_workspace(m, n)
-                                  : cuda::kernels::cutlass_fixed_input_gradient_workspace(m, k));
+    Tensor ws =
+        cuda::gpu_workspace(forward ? cuda::kernels::cutlass_fixed_forward_workspace(m, n)
+                                    : cuda::kernels::cutlass_fixed_input_gradient_workspace(m, k));
     MT_CUDA_CHECK(forward ? cuda::kernels::cutlass_fixed_forward(
                                 layout.segments, experts, a.raw(), w.raw(), out.raw(), m, k, n,
                                 ws.raw(), ws.nbytes(), cuda::stream())
@@ -92,9 +89,9 @@ void gpu_grouped_gemm(const Tensor& a, const Tensor& w, Transpose tw, const Expe
     return;
   }
   if (out.dtype() == DType::kBF16) {
-    Tensor ws =
-        workspace(forward ? cuda::kernels::cutlass_grouped_forward_workspace(experts)
-                          : cuda::kernels::cutlass_grouped_input_gradient_workspace(experts));
+    Tensor ws = cuda::gpu_workspace(
+        forward ? cuda::kernels::cutlass_grouped_forward_workspace(experts)
+                : cuda::kernels::cutlass_grouped_input_gradient_workspace(experts));
     MT_CUDA_CHECK(forward ? cuda::kernels::cutlass_grouped_forward(
                                 layout, experts, a.raw(), w.raw(), out.raw(), m, k, n, ws.raw(),
                                 ws.nbytes(), cuda::stream())
@@ -153,7 +150,8 @@ void grouped_gemm_backward_weight(const Tensor& x, const Tensor& dy, const Exper
                                                      dw.dtype() == DType::kF32, cuda::stream()));
 #if MOETRAIN_HAS_CUTLASS
     if (dw.dtype() == DType::kF32) {  // CUTLASS's weight gradient is instantiated for f32
-      Tensor ws = workspace(cuda::kernels::cutlass_grouped_weight_gradient_workspace(experts));
+      Tensor ws =
+          cuda::gpu_workspace(cuda::kernels::cutlass_grouped_weight_gradient_workspace(experts));
       MT_CUDA_CHECK(cuda::kernels::cutlass_grouped_weight_gradient(
           layout, experts, x.raw(), dy.raw(), dw.raw(), g.m, g.k, g.n, ws.raw(), ws.nbytes(), acc,
           cuda::stream()));

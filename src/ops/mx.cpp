@@ -18,12 +18,6 @@ namespace mt::ops {
 
 namespace {
 
-// The unquantized side of a conversion is f32, bf16 or f64.
-void check_unquantized_dtype(const char* op, const char* role, const Tensor& t) {
-  MT_CHECK(t.dtype() == DType::kF32 || t.dtype() == DType::kBF16 || t.dtype() == DType::kF64,
-           "{}: {} must be f32, bf16 or f64, got {}", op, role, dtype_name(t.dtype()));
-}
-
 // ... of the MX tensor's logical shape, on its device.
 void check_operands(const char* op, const char* role, const Tensor& t, const QuantTensor& q) {
   MT_CHECK(q.defined(), "{}: the MX tensor is not allocated", op);
@@ -31,7 +25,7 @@ void check_operands(const char* op, const char* role, const Tensor& t, const Qua
            quant_block_name(q.block()));
   MT_CHECK(t.shape() == q.shape(), "{}: {} {} does not match the MX tensor's {}", op, role,
            shape_str(t.shape()), shape_str(q.shape()));
-  check_unquantized_dtype(op, role, t);
+  check_unquantized(op, role, t);
   MT_CHECK(t.device() == q.device(), "{}: {} and MX tensor on different devices", op, role);
 }
 
@@ -120,8 +114,8 @@ void mx_round_trip(const Tensor& x, QuantAxis axis, MxScaleRule rule, Tensor& ou
   MT_CHECK(out.shape() == x.shape() && out.device() == x.device(),
            "mx_round_trip: output {} {} must have the input's shape {} and device",
            dtype_name(out.dtype()), shape_str(out.shape()), shape_str(x.shape()));
-  check_unquantized_dtype("mx_round_trip", "x", x);
-  check_unquantized_dtype("mx_round_trip", "output", out);
+  check_unquantized("mx_round_trip", "x", x);
+  check_unquantized("mx_round_trip", "output", out);
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(x) && axis == QuantAxis::kDim0) {
     MT_CHECK(x.ndim() >= 1 && x.dim(x.ndim() - 1) % kMxBlock == 0,
@@ -141,8 +135,8 @@ void mx_round_trip_transposed(const Tensor& x, MxScaleRule rule, Tensor& out) {
            "{}",
            shape_str(x.shape()));
   expect_shape(out, transposed_shape(x.shape()), "mx_round_trip_transposed output");
-  check_unquantized_dtype("mx_round_trip_transposed", "x", x);
-  check_unquantized_dtype("mx_round_trip_transposed", "output", out);
+  check_unquantized("mx_round_trip_transposed", "x", x);
+  check_unquantized("mx_round_trip_transposed", "output", out);
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(x)) {
     MT_CHECK(x.dim(x.ndim() - 2) % kMxBlock == 0,
@@ -169,8 +163,8 @@ void mx_round_trip_both_axes(const Tensor& x, MxScaleRule rule, Tensor& dim0, Te
                "mx_round_trip_both_axes transposed output");
   MT_CHECK(dim0.device() == x.device() && transposed.device() == x.device(),
            "mx_round_trip_both_axes: the outputs must be on the input's device");
-  check_unquantized_dtype("mx_round_trip_both_axes", "x", x);
-  check_unquantized_dtype("mx_round_trip_both_axes", "output", dim0);
+  check_unquantized("mx_round_trip_both_axes", "x", x);
+  check_unquantized("mx_round_trip_both_axes", "output", dim0);
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(x)) {
     const profile::Phase phase("gpu.mx_round_trip_both_axes");
@@ -212,7 +206,7 @@ void mx_round_trip_expert_rows(const Tensor& x, const ExpertRows& rows, MxScaleR
            "mx_round_trip_expert_rows: x must be a matrix and out alike; got {} {} and {} {}",
            dtype_name(x.dtype()), shape_str(x.shape()), dtype_name(out.dtype()),
            shape_str(out.shape()));
-  check_unquantized_dtype("mx_round_trip_expert_rows", "x", x);
+  check_unquantized("mx_round_trip_expert_rows", "x", x);
   const int64_t experts = rows.offsets.numel() - 1;
   for (const Tensor* t : {&rows.offsets, &rows.segments}) {
     expect_dtype(*t, DType::kI64, "expert rows");
@@ -225,8 +219,7 @@ void mx_round_trip_expert_rows(const Tensor& x, const ExpertRows& rows, MxScaleR
     const DType dt = cuda::storage_of(x, "mx_round_trip_expert_rows input");
     Tensor prefix = cuda::gpu_empty({experts + 1}, DType::kI64);
     MT_CUDA_CHECK(cuda::kernels::mx_round_trip_expert_rows(
-        dt, x.raw(), x.dim(0), x.dim(1),
-        {rows.offsets.data<int64_t>(), rows.segments.data<int64_t>()}, static_cast<int>(experts),
+        dt, x.raw(), x.dim(0), x.dim(1), cuda::device_segments(rows), static_cast<int>(experts),
         prefix.data<int64_t>(), rule, out.raw(), cuda::stream()));
     return;
   }

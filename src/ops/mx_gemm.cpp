@@ -37,8 +37,7 @@ void mx_grouped_gemm(const QuantTensor& a, const Tensor& b, const ExpertRows& ro
       expect_dtype(rows.segments, DType::kI64, "expert segments");
       MT_CHECK(rows.segments.device() == Device::kCUDA && rows.segments.numel() == experts + 1,
                "expert segments must be {} i64 on the GPU", experts + 1);
-      Tensor ws = cuda::gpu_empty({static_cast<int64_t>(cuda::kernels::mx_gemm_workspace(m, p))},
-                                  DType::kU8);
+      Tensor ws = cuda::gpu_workspace(cuda::kernels::mx_gemm_workspace(m, p));
       MT_CUDA_CHECK(cuda::kernels::mx_gemm(rows.segments.data<int64_t>(), static_cast<int>(experts),
                                            static_cast<const uint8_t*>(a.data().raw()),
                                            static_cast<const uint8_t*>(a.scales().raw()), b.raw(),

@@ -59,7 +59,7 @@ void make_expert_permutation(const Tensor& expert_index, int64_t num_experts,
     out.segments = align > 1 ? cuda::gpu_empty({num_experts + 1}, DType::kI64) : out.expert_offsets;
     out.align = align;
     const size_t bytes = cuda::kernels::permutation_workspace(m, static_cast<int>(num_experts));
-    Tensor ws = cuda::gpu_empty({static_cast<int64_t>(bytes)}, DType::kU8);
+    Tensor ws = cuda::gpu_workspace(bytes);
     MT_CUDA_CHECK(cuda::kernels::expert_permutation(
         expert_index.data<int32_t>(), m, static_cast<int>(k), static_cast<int>(num_experts), align,
         routed >= 0, ws.raw(), bytes, out.rows(), out.source_token.data<int32_t>(),

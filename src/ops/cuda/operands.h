@@ -44,6 +44,16 @@ inline Tensor gpu_empty(const Shape& s, DType d) {
   return Tensor::empty(s, d, Device::kCUDA);
 }
 
+// A kernel's device scratch of `bytes`.
+inline Tensor gpu_workspace(size_t bytes) {
+  return gpu_empty({static_cast<int64_t>(bytes)}, DType::kU8);
+}
+
+// Where the experts' rows are, as the kernels read it (the layout's tensors on the GPU).
+inline kernels::ExpertSegments device_segments(const ops::ExpertRows& rows) {
+  return {rows.offsets.data<int64_t>(), rows.segments.data<int64_t>()};
+}
+
 // t itself when it is on the GPU, else a device copy (statistics a caller may hold on the host).
 inline Tensor on_device(const Tensor& t) {
   return t.device() == Device::kCUDA ? t : t.to(Device::kCUDA);

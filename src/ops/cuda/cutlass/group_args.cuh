@@ -2,10 +2,13 @@
 // in building their arguments: one device allocation carved into the per-group arrays, the
 // plain epilogue (D = alpha acc + beta C, alpha 1, beta 0 or 1), and the SM count.
 #pragma once
+#include <cuda_runtime_api.h>
+
 #include <cstddef>
 #include <type_traits>
 
 #include "cute/tensor.hpp"
+#include "cutlass/cutlass.h"
 #include "cutlass/kernel_hardware_info.h"
 
 namespace mt::cuda::cutlass_groups {
@@ -46,6 +49,17 @@ const cutlass::KernelHardwareInfo& hardware_info() {
   static const cutlass::KernelHardwareInfo hw =
       cutlass::KernelHardwareInfo::make_kernel_hardware_info<Kernel>(0);
   return hw;
+}
+
+// Checks, initialises (its own workspace after the group arrays) and launches a grouped GEMM.
+template <class Gemm>
+cudaError_t launch(const typename Gemm::Arguments& args, void* workspace, cudaStream_t stream) {
+  Gemm gemm;
+  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
+  if (gemm.initialize(args, workspace, stream) != cutlass::Status::kSuccess)
+    return cudaErrorInvalidValue;
+  if (gemm.run(stream) != cutlass::Status::kSuccess) return cudaErrorLaunchFailure;
+  return cudaGetLastError();
 }
 
 }  // namespace mt::cuda::cutlass_groups

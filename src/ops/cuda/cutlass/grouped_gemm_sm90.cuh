@@ -207,12 +207,7 @@ cudaError_t run(kernels::ExpertSegments layout, int experts, const void* lhs, co
   fill_group_arrays<P, C><<<(experts + 127) / 128, 128, 0, stream>>>(g, layout, experts, lhs, rhs,
                                                                      out, k, n, sa, sb, sc);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
-  typename C::Gemm gemm;
-  if (gemm.can_implement(args) != cutlass::Status::kSuccess) return cudaErrorInvalidValue;
-  if (gemm.initialize(args, base + array_bytes<C>(experts), stream) != cutlass::Status::kSuccess)
-    return cudaErrorInvalidValue;
-  if (gemm.run(stream) != cutlass::Status::kSuccess) return cudaErrorLaunchFailure;
-  return cudaGetLastError();
+  return cutlass_groups::launch<typename C::Gemm>(args, base + array_bytes<C>(experts), stream);
 }
 
 }  // namespace mt::cuda::grouped_sm90
