@@ -39,7 +39,7 @@ grep -E "^\[ *(OK|FAILED) *\]|Failure|error|seed" "$out/gpu_tests.log" | grep -v
 tail -2 "$out/tiny_gpu.log"
 # Benchmarks: GPU_CHECK_BENCH lists which (default all but scaling; 0 for none),
 # GPU_CHECK_LAYERS the layer counts of the full-model step.
-benches=",${GPU_CHECK_BENCH:-gemm,mx,fp8,activation,attention,exchange,moe,model},"
+benches=",${GPU_CHECK_BENCH:-gemm,mx,fp8,activation,attention,cp,exchange,moe,model},"
 run_bench() {  # name, command...: JSON lines to bench.jsonl, failures named on stdout
   local name=$1
   shift
@@ -65,6 +65,9 @@ fi
 if [[ $benches == *,attention,* ]]; then
   run_bench bench_attention "$bundle/bench_attention"
   run_bench attention_torch python3 bench/attention_torch.py
+fi
+if [[ $benches == *,cp,* ]]; then
+  run_bench bench_context_parallel "$bundle/bench_context_parallel"
 fi
 if [[ $benches == *,exchange,* ]]; then  # two or more GPUs
   run_bench bench_expert_exchange timeout 300 "$bundle/bench_expert_exchange"

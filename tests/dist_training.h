@@ -106,8 +106,12 @@ inline Snapshot train(int world, int ep, int64_t steps, const std::vector<std::s
   }
   sets.push_back("parallel.world=" + std::to_string(world));
   sets.push_back("parallel.ep=" + std::to_string(ep));
-  // Every world covers the same 4-rank global batch: fewer ranks take more rows each.
-  sets.push_back("train.batch_rows=" + std::to_string(rows * 4 / world));
+  // Every world covers the same 4-rank global batch: fewer data-parallel ranks (world / cp, with
+  // "parallel.cp=N" among `extra`) take more rows each.
+  int cp = 1;
+  for (const std::string& e : extra)
+    if (e.rfind("parallel.cp=", 0) == 0) cp = std::stoi(e.substr(12));
+  sets.push_back("train.batch_rows=" + std::to_string(rows * 4 * cp / world));
   const Config c = parse_config_string("", sets);
   run_in_process(world, [&](Communicator& comm) {
     Trainer t(c, &comm);

@@ -382,6 +382,38 @@ TEST(Launch, ProcessesGiveTheSameLossesAsInProcessRanks) {
   EXPECT_EQ(la, lb);  // the hub sums in rank order, as the in-process backend
 }
 
+// Context parallelism in processes: two ranks splitting every row (cp = 2) give the in-process
+// ranks' losses bit for bit and one rank's holding the rows whole to f32 rounding.
+TEST(Launch, ContextParallelProcessesMatchOneRank) {
+  const auto tmp = std::filesystem::temp_directory_path();
+  const std::string a = (tmp / "mt_launch_cp_a.jsonl").string(),
+                    b = (tmp / "mt_launch_cp_b.jsonl").string(),
+                    one = (tmp / "mt_launch_cp_one.jsonl").string();
+  for (const std::string& f : {a, b, one}) std::filesystem::remove(f);
+  const std::string args = std::string(" train --config ") + MOETRAIN_SOURCE_DIR +
+                           "/configs/tiny.toml --set train.batch_rows=2 --set train.seq_len=64"
+                           " --steps 4";
+  const Proc launched = run_cmd(std::string(MOETRAIN_BINARY) + " launch -n 2 --" + args +
+                                " --set parallel.cp=2 --metrics " + a);
+  ASSERT_EQ(launched.code, 0) << launched.output;
+  const Proc threads = run_cmd(std::string(MOETRAIN_BINARY) + args +
+                               " --set parallel.world=2 --set parallel.cp=2 --metrics " + b);
+  ASSERT_EQ(threads.code, 0) << threads.output;
+  const Proc alone = run_cmd(std::string(MOETRAIN_BINARY) + args + " --metrics " + one);
+  ASSERT_EQ(alone.code, 0) << alone.output;
+  const auto la = losses(a), lb = losses(b), lo = losses(one);
+  ASSERT_EQ(la.size(), 4u);
+  EXPECT_EQ(la, lb);
+  ASSERT_EQ(lo.size(), 4u);
+  for (size_t i = 0; i < 4; ++i) EXPECT_NEAR(la[i], lo[i], 1e-5 * lo[i]) << "step " << i + 1;
+  const Proc odd = run_cmd(std::string(MOETRAIN_BINARY) + args +
+                           " --set parallel.world=2 --set parallel.cp=2 --set train.seq_len=66");
+  EXPECT_EQ(odd.code, 2) << odd.output;
+  EXPECT_NE(odd.output.find("train.seq_len = 66 must be a multiple of 2 x parallel.cp = 4"),
+            std::string::npos)
+      << odd.output;
+}
+
 TEST(Launch, ADeadRankStopsTheJobWithItsName) {
   const Proc p = run_cmd("MOETRAIN_FAULT_EXIT=1:2 MOETRAIN_TIMEOUT_S=60 timeout 120 " +
                          std::string(MOETRAIN_BINARY) + " launch -n 2 --" + kLaunchArgs);

@@ -343,6 +343,24 @@ TEST(ParallelConfig, EveryParallelKeyIsItsAndTheMeshIsValidatedOnce) {
   });
   EXPECT_NE(experts.find("parallel.ep = 3 must divide model.n_experts = 8"), std::string::npos)
       << experts;
+  // Context parallelism: cp divides the world, and the rows split into 2 cp equal chunks.
+  EXPECT_EQ(load_config(tiny, {"parallel.world=4", "parallel.cp=2"}).parallel.dp(), 2);
+  const std::string cp = testing::error_of([&] {
+    load_config(tiny, {"parallel.world=4", "parallel.cp=3"});
+  });
+  EXPECT_NE(cp.find("parallel.cp = 3 must divide parallel.world = 4"), std::string::npos) << cp;
+  const std::string big = testing::error_of([&] {
+    load_config(tiny, {"parallel.world=2", "parallel.cp=4"});
+  });
+  EXPECT_NE(big.find("parallel.cp = 4 must be in [1, parallel.world = 2]"), std::string::npos)
+      << big;
+  const std::string row = testing::error_of([&] {
+    load_config(tiny, {"parallel.world=4", "parallel.cp=4", "train.seq_len=20"});
+  });
+  EXPECT_NE(row.find("train.seq_len = 20 must be a multiple of 2 x parallel.cp = 8"),
+            std::string::npos)
+      << row;
+  EXPECT_NE(row.find("nearest valid: 16 or 24"), std::string::npos) << row;
 }
 
 // The precision plan: MX copies of the expert weights under an MX recipe only, both passes' in
@@ -388,6 +406,31 @@ TEST(MemoryEstimate, TheDeviceExchangeCostsItsOwnWindow) {
   EXPECT_DOUBLE_EQ(device.workspaces - host.workspaces, window);
   EXPECT_EQ(device.states, host.states);
   EXPECT_GT(device.activations, host.activations);  // ep times a balanced share of expert rows
+}
+
+// Context parallelism: a rank's activations are its tokens' (a cp-th of the rows'), plus the
+// rows' gathered keys and values and their gradients; its exchange window is its tokens'.
+TEST(MemoryEstimate, ContextParallelRanksHoldTheirShareOfTheRows) {
+  ModelConfig m;
+  m.device = Device::kCUDA;
+  ParallelConfig p;
+  p.world = 4;
+  p.ep = 2;
+  const int64_t tokens = 4096;
+  const MemoryEstimate whole = estimate_memory(m, p, tokens);
+  p.cp = 2;
+  const MemoryEstimate half = estimate_memory(m, p, tokens);
+  const double kv = 5.0 * static_cast<double>(tokens * m.kv_dim() * 2);  // bf16
+  EXPECT_DOUBLE_EQ(half.activations, activation_bytes(m, tokens / 2, 2.0) + kv);
+  EXPECT_LT(half.activations, whole.activations);
+  EXPECT_EQ(half.states, whole.states);
+  EXPECT_DOUBLE_EQ(
+      whole.workspaces - half.workspaces,
+      static_cast<double>(
+          moe::ExpertExchange::window_bytes(2, tokens, m.top_k, m.n_experts, m.dim, DType::kBF16,
+                                            plan_precision(m, p).experts) -
+          moe::ExpertExchange::window_bytes(2, tokens / 2, m.top_k, m.n_experts, m.dim,
+                                            DType::kBF16, plan_precision(m, p).experts)));
 }
 
 }  // namespace

@@ -85,6 +85,55 @@ TEST(DistCheckpoint, ShardedResumeIsBitIdenticalAndAnotherEpIsResharded) {
   expect_same(resharded.params, straight.params, 1e-10, "parameter after resharding");
 }
 
+// Context parallelism: a run at (W 4, cp 2, ep 2) resumed from its step-2 checkpoint at the same
+// mesh repeats itself bit for bit; resumed at (W 2, cp 1) and (W 4, cp 4, ep 4), the same global
+// batches (dp x rows), it reaches the same parameters to the rounding of another summation order.
+TEST(DistCheckpoint, ContextParallelRunsResumeAtAnyCp) {
+  const std::string dir = testing::unique_temp_path("cp_ckpt");
+  auto config = [&](int world, int cp, int ep) {
+    const int dp = world / cp;
+    std::vector<std::string> sets = small_model(4 / dp);  // 4 rows per micro-batch in all
+    sets.push_back("parallel.world=" + std::to_string(world));
+    sets.push_back("parallel.cp=" + std::to_string(cp));
+    sets.push_back("parallel.ep=" + std::to_string(ep));
+    sets.push_back("train.steps=4");
+    sets.push_back("checkpoint.dir=\"" + dir + "\"");
+    sets.push_back("checkpoint.every=2");
+    return parse_config_string("", sets);
+  };
+  std::mutex mu;
+  auto run = [&](int world, int cp, int ep, bool resume) {
+    Snapshot snap;
+    const Config c = config(world, cp, ep);
+    run_in_process(world, [&](Communicator& comm) {
+      Trainer t(c, &comm);
+      RunOptions o;
+      if (resume) {
+        o.resume = dir + "/step_00000002";
+        o.existing = ExistingCheckpoints::kOverwrite;
+      }
+      const auto m = t.run(o);
+      collect(t.model(), 8, snap, mu);
+      if (comm.rank() == 0) snap.metrics = m;
+    });
+    return snap;
+  };
+  const Snapshot straight = run(4, 2, 2, false);
+  ASSERT_EQ(straight.metrics.size(), 4u);
+  const Snapshot same = run(4, 2, 2, true);
+  ASSERT_EQ(same.metrics.size(), 2u);
+  EXPECT_EQ(same.metrics.back().loss, straight.metrics.back().loss);
+  expect_same(same.params, straight.params, 0.0, "parameter");  // bit-identical
+  for (const auto& [world, cp, ep] : {std::tuple{2, 1, 2}, std::tuple{4, 4, 4}}) {
+    SCOPED_TRACE(fmt::format("resumed at world {} cp {} ep {}", world, cp, ep));
+    const Snapshot other = run(world, cp, ep, true);
+    EXPECT_NEAR(other.metrics.back().loss, straight.metrics.back().loss,
+                1e-10 * straight.metrics.back().loss);
+    expect_same(other.params, straight.params, 1e-10, "parameter");
+  }
+  std::filesystem::remove_all(dir);
+}
+
 // Rank files that disagree (two steps in one directory, or rank 0's file copied as rank 1's)
 // stop every rank at load with the same error, before any collective of training (issue 17:
 // rank 0 finished and rank 1 waited 300 s).

@@ -1,5 +1,6 @@
-// Any (world, ep) on in-process ranks reproduces one rank holding the global batch: the loss,
-// every gradient and, after three steps, every parameter (bf16 and MX recipes, whole packing).
+// Any (world, ep, cp) on in-process ranks reproduces one rank holding the global batch: the loss,
+// every gradient and, after three steps, every parameter (bf16 and MX recipes, whole packing,
+// context parallelism).
 #include <gtest/gtest.h>
 #include <netinet/in.h>
 #include <signal.h>
@@ -95,6 +96,43 @@ TEST_P(Equivalence, OneStepLossAndGradientsThenThreeStepsParameters) {
   expect_same(got3.params, ref3.params, 1e-10, "parameter");
 }
 
+// Context parallelism: (W, cp, ep) against one rank holding the global batch. Rows of 16 tokens
+// in 2 cp chunks (cp = 4: chunks of 2) under documents of 4 to 12 tokens, so documents cross
+// chunk and rank boundaries; the experts borrowed from the whole mesh (ep across CP ranks too).
+struct CpCase {
+  int world, cp, ep;
+  const char* checkpoint = "none";  // model.checkpoint: the attention's K/V gathered again
+};
+class EquivalenceCp : public ::testing::TestWithParam<CpCase> {};
+
+TEST_P(EquivalenceCp, OneStepLossAndGradientsThenThreeStepsParameters) {
+  const CpCase k = GetParam();
+  const std::vector<std::string> sets = {std::string("model.checkpoint=") + k.checkpoint};
+  std::vector<std::string> mesh_sets = sets;
+  mesh_sets.push_back("parallel.cp=" + std::to_string(k.cp));
+  const Snapshot ref1 = train(0, 1, 1, sets), got1 = train(k.world, k.ep, 1, mesh_sets);
+  EXPECT_NEAR(got1.metrics[0].loss, ref1.metrics[0].loss, 1e-10 * ref1.metrics[0].loss);
+  EXPECT_NEAR(got1.metrics[0].aux_loss, ref1.metrics[0].aux_loss, 1e-10 * ref1.metrics[0].aux_loss);
+  EXPECT_NEAR(got1.metrics[0].grad_norm, ref1.metrics[0].grad_norm,
+              1e-10 * ref1.metrics[0].grad_norm);
+  EXPECT_EQ(got1.metrics[0].expert_load_max_over_mean, ref1.metrics[0].expert_load_max_over_mean);
+  expect_same(got1.grads, ref1.grads, 1e-10, "gradient");
+  const Snapshot ref3 = train(0, 1, 3, sets), got3 = train(k.world, k.ep, 3, mesh_sets);
+  for (int s = 0; s < 3; ++s)
+    EXPECT_NEAR(got3.metrics[s].loss, ref3.metrics[s].loss, 1e-10 * ref3.metrics[s].loss);
+  expect_same(got3.params, ref3.params, 1e-10, "parameter");
+}
+
+INSTANTIATE_TEST_SUITE_P(WorldCpEp, EquivalenceCp,
+                         ::testing::Values(CpCase{2, 2, 1}, CpCase{4, 2, 1}, CpCase{4, 2, 2},
+                                           CpCase{4, 4, 1}, CpCase{4, 4, 4},
+                                           CpCase{4, 2, 4, "selective"}, CpCase{2, 2, 2, "full"}),
+                         [](const auto& info) {
+                           return "W" + std::to_string(info.param.world) + "_cp" +
+                                  std::to_string(info.param.cp) + "_ep" +
+                                  std::to_string(info.param.ep) + "_" + info.param.checkpoint;
+                         });
+
 // Whole packing of an SFT file (documents of 2 to 20 tokens in rows of 17: some fill a row, some
 // are truncated, the rest padded) with a blend of two files: any (W, ep) gives the single rank's
 // loss, gradients, routing statistics and, after three steps, parameters; the padding is reported.
@@ -119,8 +157,14 @@ TEST(EquivalenceWhole, SftBlendMatchesOneRank) {
       "data.source=sft",
       "data.mix=[{path=\"" + paths[0] + "\", weight=2}, {path=\"" + paths[1] + "\", weight=1}]",
       "data.pack_window=6"};
-  for (const auto& [world, ep] : {std::pair{2, 1}, std::pair{2, 2}, std::pair{4, 2}}) {
-    const Snapshot ref1 = train(0, 1, 1, sets), got1 = train(world, ep, 1, sets);
+  // (W, ep, cp): the context-parallel ones with padding and SFT masks in the chunks.
+  for (const auto& [world, ep, cp] :
+       {std::tuple{2, 1, 1}, std::tuple{2, 2, 1}, std::tuple{4, 2, 1}, std::tuple{2, 1, 2},
+        std::tuple{4, 2, 2}, std::tuple{4, 4, 4}}) {
+    SCOPED_TRACE(fmt::format("world {} ep {} cp {}", world, ep, cp));
+    std::vector<std::string> mesh_sets = sets;
+    mesh_sets.push_back("parallel.cp=" + std::to_string(cp));
+    const Snapshot ref1 = train(0, 1, 1, sets), got1 = train(world, ep, 1, mesh_sets);
     const StepMetrics &r = ref1.metrics[0], &g = got1.metrics[0];
     EXPECT_NEAR(g.loss, r.loss, 1e-10 * r.loss);
     EXPECT_NEAR(g.aux_loss, r.aux_loss, 1e-10 * r.aux_loss);
@@ -131,7 +175,7 @@ TEST(EquivalenceWhole, SftBlendMatchesOneRank) {
     ASSERT_EQ(r.expert_load_max_over_mean.size(), 2u);
     EXPECT_GE(r.expert_load_max_over_mean[0], 1.0);
     expect_same(got1.grads, ref1.grads, 1e-10, "gradient");
-    const Snapshot ref3 = train(0, 1, 3, sets), got3 = train(world, ep, 3, sets);
+    const Snapshot ref3 = train(0, 1, 3, sets), got3 = train(world, ep, 3, mesh_sets);
     expect_same(got3.params, ref3.params, 1e-10, "parameter");
   }
   for (const std::string& p : paths) std::filesystem::remove(p);

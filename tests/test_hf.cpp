@@ -707,19 +707,26 @@ TEST(Eval, EachDocumentsLossesAreItsOwnAlone) {
     }
   }
   EXPECT_EQ(checked, all.tokens);
-  // Two ranks (ep 2): the same values.
-  run_in_process(2, [&](dist::Communicator& comm) {
-    dist::DeviceMesh mesh(comm, {2, 2}, c.n_experts);
-    Qwen3Moe m2(c, 1, &mesh);
-    load_hf_weights(dir, m2);
-    std::vector<std::pair<int64_t, double>> two;
-    const TokenLossSink sink = [&](int64_t t, double l) { two.push_back({t, l}); };
-    (void)evaluate_tokens(m2, docs.view(), rows, seq_len, &comm, &sink);
-    if (comm.rank() != 0) return;
-    ASSERT_EQ(two.size(), together.size());
-    for (const auto& [t, l] : two)
-      EXPECT_NEAR(together.at(t), l, 1e-6 * std::max(1.0, std::abs(l))) << "target " << t;
-  });
+  // Two ranks (ep 2), and context parallelism (each micro-batch over a CP group, each rank its
+  // chunks of it: world 2 with cp 2, world 4 with cp 2 and ep 2): the same values.
+  for (const dist::MeshShape shape :
+       {dist::MeshShape{2, 2, 1}, dist::MeshShape{2, 1, 2}, dist::MeshShape{4, 2, 2}}) {
+    SCOPED_TRACE(fmt::format("world {} ep {} cp {}", shape.world, shape.ep, shape.cp));
+    run_in_process(shape.world, [&](dist::Communicator& comm) {
+      dist::DeviceMesh mesh(comm, shape, c.n_experts);
+      Qwen3Moe m2(c, 1, &mesh);
+      load_hf_weights(dir, m2);
+      std::vector<std::pair<int64_t, double>> two;
+      const TokenLossSink sink = [&](int64_t t, double l) { two.push_back({t, l}); };
+      const EvalResult e = evaluate_tokens(m2, docs.view(), rows, seq_len, &comm, &sink);
+      EXPECT_EQ(e.tokens, all.tokens);
+      EXPECT_NEAR(e.loss_sum, all.loss_sum, 1e-6 * all.loss_sum);
+      if (comm.rank() != 0) return;
+      ASSERT_EQ(two.size(), together.size());
+      for (const auto& [t, l] : two)
+        EXPECT_NEAR(together.at(t), l, 1e-6 * std::max(1.0, std::abs(l))) << "target " << t;
+    });
+  }
 }
 
 // Validation during training: eval.every steps (and the last) the metrics carry eval_loss, a

@@ -10,6 +10,10 @@ void MeshShape::validate(int64_t n_experts) const {
     throw ConfigError(fmt::format(
         "config: parallel.ep = {} must divide parallel.world = {} (valid: divisors of {})", ep,
         world, world));
+  if (cp < 1 || world % cp != 0)
+    throw ConfigError(fmt::format(
+        "config: parallel.cp = {} must divide parallel.world = {} (valid: divisors of {})", cp,
+        world, world));
   if (n_experts % ep != 0)
     throw ConfigError(
         fmt::format("config: parallel.ep = {} must divide model.n_experts = {}", ep, n_experts));
@@ -23,6 +27,7 @@ DeviceMesh::DeviceMesh(Communicator& world, const MeshShape& shape, int64_t n_ex
   const int r = world.rank();
   ep_ = world.split(/*color=*/r / shape.ep, /*key=*/r);
   dp_mod_ep_ = world.split(/*color=*/r % shape.ep, /*key=*/r);
+  if (shape.cp > 1) cp_ = world.split(/*color=*/r / shape.cp, /*key=*/r);
 }
 
 }  // namespace mt::dist

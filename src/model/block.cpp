@@ -4,6 +4,7 @@
 #include <optional>
 
 #include "core/profile.h"
+#include "model/context_parallel.h"
 #include "ops/attention.h"
 #include "ops/elementwise.h"
 #include "ops/gemm.h"
@@ -53,6 +54,10 @@ void drop_for_policy(BlockActivations& a, CheckpointPolicy policy) {
   a.moe = moe::MoeActivations();
 }
 
+double attention_scale(const ModelConfig& c) {
+  return 1.0 / std::sqrt(static_cast<double>(c.head_dim));
+}
+
 Tensor new_like(const Tensor& t) {
   return Tensor::empty(t.shape(), t.dtype(), t.device());
 }
@@ -77,6 +82,11 @@ void block_fill(const BlockParams& p, const ModelConfig& c, const BlockInputs& i
     ops::linear_forward(a.xn, p.wk, a.k);
     ops::linear_forward(a.xn, p.wv, a.v);
   }
+  // Context parallelism: the rows' V gathered while this rank's norms and RoPE run, then K.
+  const bool attend = !a.attn.defined();
+  std::optional<ContextRowsGather> v_rows, k_rows;
+  if (in.cp && attend)
+    v_rows.emplace(*in.cp, in.batch->context, a.v.reshape({n, c.n_kv_heads, c.head_dim}));
   if (!a.qn.defined()) {
     a.qn = Tensor::empty({n * c.n_heads, c.head_dim}, dt, dev);
     a.kn = Tensor::empty({n * c.n_kv_heads, c.head_dim}, dt, dev);
@@ -88,16 +98,30 @@ void block_fill(const BlockParams& p, const ModelConfig& c, const BlockInputs& i
   if (!a.qr.defined()) {
     a.qr = Tensor::empty({n, c.n_heads, c.head_dim}, dt, dev);
     a.kr = Tensor::empty({n, c.n_kv_heads, c.head_dim}, dt, dev);
-    ops::rope_forward(a.qn.reshape(a.qr.shape()), in.batch->positions, c.rope_theta, a.qr);
     ops::rope_forward(a.kn.reshape(a.kr.shape()), in.batch->positions, c.rope_theta, a.kr);
+    if (in.cp && attend) k_rows.emplace(*in.cp, in.batch->context, a.kr);
+    ops::rope_forward(a.qn.reshape(a.qr.shape()), in.batch->positions, c.rope_theta, a.qr);
   }
-  if (!a.attn.defined()) {
+  if (in.cp && attend && !k_rows) k_rows.emplace(*in.cp, in.batch->context, a.kr);
+  if (attend) {
     a.attn = Tensor::empty({n, c.n_heads, c.head_dim}, dt, dev);
     a.lse = Tensor::empty({n, c.n_heads}, st, dev);
-    const profile::Phase sdpa("sdpa.forward");
-    ops::attention_forward(a.qr, a.kr, a.v.reshape({n, c.n_kv_heads, c.head_dim}),
-                           in.batch->documents(), 1.0 / std::sqrt(static_cast<double>(c.head_dim)),
-                           a.attn, a.lse);
+    const Tensor v = a.v.reshape({n, c.n_kv_heads, c.head_dim});
+    if (in.cp) {  // this rank's queries against the rows' keys and values
+      Tensor keys, values;
+      {
+        const profile::Phase gather("cp.gather_kv");
+        keys = k_rows->rows();
+        values = v_rows->rows();
+      }
+      const profile::Phase sdpa("sdpa.forward");
+      ops::attention_forward_rows(a.qr, in.batch->context.chunks, keys, values,
+                                  in.batch->documents(), attention_scale(c), a.attn, a.lse);
+    } else {
+      const profile::Phase sdpa("sdpa.forward");
+      ops::attention_forward(a.qr, a.kr, v, in.batch->documents(), attention_scale(c), a.attn,
+                             a.lse);
+    }
   }
   if (!a.h.defined()) {  // h = x + attn wo: the residual added in the GEMM's epilogue
     a.h = new_like(a.x);
@@ -177,6 +201,14 @@ Tensor block_backward(const BlockParams& p, BlockParams& g, const ModelConfig& c
   const DType dt = a.x.dtype();
   const Device dev = a.x.device();
 
+  // Context parallelism: the rows' keys and values gathered again, crossing while the MoE half's
+  // backward runs.
+  std::optional<ContextRowsGather> k_rows, v_rows;
+  if (in.cp) {
+    k_rows.emplace(*in.cp, in.batch->context, a.kr);
+    v_rows.emplace(*in.cp, in.batch->context, a.v.reshape({n, c.n_kv_heads, c.head_dim}));
+  }
+
   // MoE half: out = h + moe(rmsnorm(h)).
   std::optional<profile::Phase> phase(std::in_place, "moe.backward");
   Tensor dh = dout.clone();
@@ -193,11 +225,29 @@ Tensor block_backward(const BlockParams& p, BlockParams& g, const ModelConfig& c
   ops::linear_backward(a.attn.reshape({n, c.q_dim()}), p.wo, dh, dattn, g.wo);
   Tensor dqr = new_like(a.qr), dkr = new_like(a.kr);
   Tensor dv = Tensor::empty({n, c.n_kv_heads, c.head_dim}, dt, dev);
-  {
+  if (in.cp) {  // the rows' keys and values again; this rank's share of their gradients
+    const ContextShard& shard = in.batch->context;
+    Tensor keys, values;
+    {
+      const profile::Phase gather("cp.gather_kv");
+      keys = k_rows->rows();
+      values = v_rows->rows();
+    }
+    Tensor dk_rows = new_like(keys), dv_rows = new_like(values);
+    {
+      const profile::Phase sdpa("sdpa.backward");
+      ops::attention_backward_rows(a.qr, shard.chunks, keys, values, a.attn, a.lse,
+                                   dattn.reshape(a.attn.shape()), in.batch->documents(),
+                                   attention_scale(c), dqr, dk_rows, dv_rows);
+    }
+    const profile::Phase reduce("cp.reduce_scatter_dkv");
+    reduce_scatter_context_rows(*in.cp, shard, dk_rows, dkr);
+    reduce_scatter_context_rows(*in.cp, shard, dv_rows, dv);
+  } else {
     const profile::Phase sdpa("sdpa.backward");
     ops::attention_backward(a.qr, a.kr, a.v.reshape(dv.shape()), a.attn, a.lse,
                             dattn.reshape(a.attn.shape()), in.batch->documents(),
-                            1.0 / std::sqrt(static_cast<double>(c.head_dim)), dqr, dkr, dv);
+                            attention_scale(c), dqr, dkr, dv);
   }
   Tensor dqn = new_like(a.qn), dkn = new_like(a.kn);
   Tensor dqn_heads = dqn.reshape(dqr.shape()), dkn_heads = dkn.reshape(dkr.shape());

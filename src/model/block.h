@@ -58,6 +58,8 @@ struct BlockInputs {
   const Batch* batch = nullptr;  // positions and cu_seqlens
   Tensor router_bias;            // (E) or undefined
   moe::MoeComms comms;           // EP and batch groups (null on one rank)
+  // Context parallelism: the CP group (batch->context names this rank's tokens), else null.
+  dist::Communicator* cp = nullptr;
 };
 
 // out (N, D). Keeps in `a` what the policy saves.

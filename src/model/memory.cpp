@@ -14,7 +14,13 @@ MemoryEstimate estimate_memory(const ModelConfig& m, const ParallelConfig& p, in
   const double world = static_cast<double>(p.world);
   // The device exchange's expert rows are sized for ep times a balanced share.
   const double rows_factor = p.device_exchange() ? static_cast<double>(p.ep) : 1.0;
-  e.activations = activation_bytes(m, tokens, rows_factor);
+  // Context parallelism: a rank holds tokens / cp of the rows; its attention holds the rows' keys
+  // and values (gathered) and, in the backward, their gradients and the reduce-scatter's staging.
+  const int64_t local = tokens / p.cp;
+  e.activations = activation_bytes(m, local, rows_factor);
+  if (p.cp > 1)
+    e.activations += 5.0 * static_cast<double>(tokens * m.kv_dim()) *
+                     static_cast<double>(dtype_size(m.activation_dtype()));
   if (!m.on_gpu()) {
     // Weights, gradients and two AdamW moments in the compute dtype; CPU ranks share one host.
     e.states = params * 4 * static_cast<double>(dtype_size(m.compute_dtype));
@@ -52,7 +58,7 @@ MemoryEstimate estimate_memory(const ModelConfig& m, const ParallelConfig& p, in
   }
   if (p.device_exchange())
     e.workspaces += static_cast<double>(
-        moe::ExpertExchange::window_bytes(static_cast<int>(p.ep), tokens, m.top_k, m.n_experts,
+        moe::ExpertExchange::window_bytes(static_cast<int>(p.ep), local, m.top_k, m.n_experts,
                                           m.dim, m.activation_dtype(), plan.experts));
   return e;
 }

@@ -19,8 +19,9 @@ struct MemoryEstimate {
   double total() const { return states + activations + workspaces; }
 };
 
-// m.device says where the model runs; `tokens` is one micro-batch's. On the CPU every rank is a
-// thread or process of one host, so the estimate is the host's for all `p.world` ranks.
+// m.device says where the model runs; `tokens` is one micro-batch's rows (batch_rows x seq_len),
+// of which a rank holds tokens / p.cp. On the CPU every rank is a thread or process of one host,
+// so the estimate is the host's for all `p.world` ranks.
 MemoryEstimate estimate_memory(const ModelConfig& m, const ParallelConfig& p, int64_t tokens);
 
 }  // namespace mt

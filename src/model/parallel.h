@@ -15,6 +15,9 @@ namespace mt {
 struct ParallelConfig {
   int64_t world = 1;  // ranks; dense parameters shard over all of them
   int64_t ep = 1;     // ranks the experts are split over (dist/mesh.h)
+  // Context parallelism: ranks each packed row is split over along its tokens (dist/mesh.h; the
+  // chunks: ops::context_parallel_rows). train.seq_len must be a multiple of 2 cp.
+  int64_t cp = 1;
   // How the expert exchange sizes its rows (moe/exchange/expert_exchange.h): "device" (fixed
   // capacity, counts on the device, graph-capturable) or "host" (counts read on the host).
   moe::ExchangeMode ep_exchange = moe::ExchangeMode::kDeviceCounts;
@@ -34,7 +37,11 @@ struct ParallelConfig {
   // they are, or MXFP8 (RowWire); part of the experts' precision (ops::ExpertPrecision).
   RowWire ep_dispatch_dtype = RowWire::kAsIs;
 
-  dist::MeshShape mesh() const { return {static_cast<int>(world), static_cast<int>(ep)}; }
+  dist::MeshShape mesh() const {
+    return {static_cast<int>(world), static_cast<int>(ep), static_cast<int>(cp)};
+  }
+  // Ranks that read different rows (world / cp).
+  int64_t dp() const { return world / cp; }
   // The exchange through a device path with fixed capacity: its window is reserved up front.
   bool device_exchange() const { return ep > 1 && ep_exchange == moe::ExchangeMode::kDeviceCounts; }
   // Throws ConfigError naming the first impossible key ("parallel.<key>"), the mesh against the

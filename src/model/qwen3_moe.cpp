@@ -25,21 +25,6 @@
 
 namespace mt {
 
-int64_t Batch::masked_tokens() const {
-  const Tensor mask = loss_mask.device() == Device::kCPU ? loss_mask : loss_mask.to(Device::kCPU);
-  int64_t n = 0;
-  for (int64_t i = 0; i < mask.numel(); ++i) n += mask.data<uint8_t>()[i] != 0;
-  return n;
-}
-
-Batch Batch::to(Device device) const {
-  Batch out = *this;
-  for (Tensor* t :
-       {&out.tokens, &out.targets, &out.loss_mask, &out.positions, &out.cu_seqlens, &out.padding})
-    if (t->defined()) *t = t->to(device);
-  return out;
-}
-
 namespace {
 // The loss is normalised by the global count of counted tokens (the trainer all-reduces it), so
 // summing the ranks' gradients gives the gradient of the global batch: no further division.
@@ -52,7 +37,9 @@ constexpr double kGradDivideFactor = 1.0;
 Batch padded_documents(const Batch& b) {
   const Tensor cu = b.cu_seqlens.to(Device::kCPU);
   const int64_t docs = cu.numel() - 1;
-  const ops::PlannedDocuments planned = ops::planned_documents(docs, b.max_seqlen, b.size());
+  // The documents span the whole rows (a context-parallel rank holds a cp-th of their tokens).
+  const ops::PlannedDocuments planned =
+      ops::planned_documents(docs, b.max_seqlen, b.size() * b.context.cp());
   Batch out = b;
   out.cu_seqlens = Tensor::empty({planned.count + 1}, DType::kI32);
   for (int64_t i = 0; i <= planned.count; ++i)
@@ -128,6 +115,7 @@ Qwen3Moe::Qwen3Moe(const ModelConfig& c, uint64_t seed, dist::DeviceMesh* mesh,
       comms_.lane = lane_.get();
     }
     if (mesh->world().size() > 1) comms_.batch = &mesh->world();
+    cp_ = mesh->cp();
   }
   const DType dt = cfg_.master_dtype();
   ParamUnit embed{"embed", {}, {}};
@@ -236,6 +224,7 @@ std::vector<dist::Communicator*> Qwen3Moe::pass_communicators() const {
     if (c && std::find(out.begin(), out.end(), c) == out.end()) out.push_back(c);
   };
   add(comms_.batch);
+  add(cp_);
   for (const auto& u : units_)
     for (const auto& g : u.groups) add(g.comm);
   return out;
@@ -329,6 +318,10 @@ void Qwen3Moe::pass(const Batch& b, const LossScale* scale, Tensor* token_losses
   const DType dt = c.activation_dtype(), st = c.stat_dtype();
   const Device dev = c.device;
   const bool tied = c.tie_word_embeddings;
+  const int64_t cp = mesh_ ? mesh_->cp_size() : 1;
+  MT_CHECK(b.context.cp() == cp,
+           "a batch dealt to {} context-parallel ranks for a model on a mesh with cp = {}",
+           b.context.cp(), cp);
   ParamUnit& embed = units_.front();
   ParamUnit& head = units_.back();
   losses_.zero_();
@@ -355,6 +348,7 @@ void Qwen3Moe::pass(const Batch& b, const LossScale* scale, Tensor* token_losses
     ParamUnit& unit = units_[l + 1];
     inputs[l].batch = &b;
     inputs[l].comms = comms_;
+    inputs[l].cp = cp_;
     if (c.bias_update_rate > 0) inputs[l].router_bias = router_bias_[l];
     {
       const profile::Phase phase("fsdp.gather");

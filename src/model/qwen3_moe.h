@@ -2,7 +2,8 @@
 // Parameter units: "embed" (table), "layers.i" (dense + expert groups), "head" (final norm and,
 // unless tied, the LM head).
 //
-// On a device mesh every rank holds its part of the batch; dense groups are sharded over the
+// On a device mesh every rank holds its part of the batch (under context parallelism its chunks
+// of its group's rows: model/context_parallel.h); dense groups are sharded over the
 // world, expert groups hold this EP rank's experts sharded over dp_shard_mod_ep, and a unit is
 // gathered just before it runs and released right after (forward and backward alike).
 #pragma once
@@ -105,6 +106,7 @@ class Qwen3Moe {
   PrecisionPlan precision_;
   dist::DeviceMesh* mesh_ = nullptr;
   moe::MoeComms comms_;
+  dist::Communicator* cp_ = nullptr;         // the CP group (parallel.cp > 1)
   std::unique_ptr<moe::ExchangeLane> lane_;  // with ep > 1: where the exchanges run
   std::vector<ParamUnit> units_;             // [0] embed, [1..L] layers, [L+1] head
   std::vector<Tensor> router_bias_;

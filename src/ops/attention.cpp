@@ -9,6 +9,7 @@
 
 #include "ops/cpu/attention.h"
 #include "ops/dispatch.h"
+#include "ops/elementwise.h"
 #if MOETRAIN_HAS_CUDA
 #include "core/profile.h"
 #include "ops/cuda/attention.h"
@@ -55,25 +56,41 @@ AttnDims check_attention(const Tensor& q, const Tensor& k, const Tensor& v, cons
   return d;
 }
 
-// A context-parallel rank's operands: q (Nq, H, Dqk) at `rows` (i32 (Nq), increasing, within
-// the row), the whole row's k, v and documents. CPU only so far.
-AttnDims check_rows(const Tensor& q, const Tensor& rows, const Tensor& k, const Tensor& v,
+// A context-parallel rank's operands: q (Nq, H, Dqk) its queries (its two chunks of each row),
+// the whole rows' k, v and documents.
+AttnDims check_rows(const Tensor& q, const ContextChunks& c, const Tensor& k, const Tensor& v,
                     const Documents& docs) {
-  MT_CHECK(!on_gpu(q), "context-parallel attention runs on the CPU so far (issue 35)");
   MT_CHECK(q.ndim() == 3 && k.ndim() == 3 && v.ndim() == 3, "attention needs (N, heads, dim)");
   AttnDims d{k.dim(0), q.dim(1), k.dim(1), q.dim(2), v.dim(2), docs.cu_seqlens.numel() - 1};
   expect_shape(k, {d.n, d.kv, d.dqk}, "attention k");
   expect_shape(v, {d.n, d.kv, d.dv}, "attention v");
   MT_CHECK(d.kv > 0 && d.h % d.kv == 0, "query heads {} not a multiple of kv heads {}", d.h, d.kv);
-  expect_shape(rows, {q.dim(0)}, "context-parallel rows");
-  expect_dtype(rows, DType::kI32, "context-parallel rows");
-  const int32_t* r = rows.data<int32_t>();
-  for (int64_t a = 0; a < rows.numel(); ++a)
-    MT_CHECK(r[a] >= 0 && r[a] < d.n && (a == 0 || r[a] > r[a - 1]),
-             "context-parallel rows must increase within the row's {} tokens; row {} is {}", d.n, a,
-             r[a]);
+  MT_CHECK(c.cp >= 1 && c.rank >= 0 && c.rank < c.cp && c.row_tokens > 0 &&
+               c.row_tokens % (2 * c.cp) == 0 && d.n % c.row_tokens == 0 && q.dim(0) * c.cp == d.n,
+           "context-parallel rank {} of {} with rows of {}: {} queries against {} keys (a rank "
+           "holds a cp-th of whole rows, in 2 cp equal chunks each)",
+           c.rank, c.cp, c.row_tokens, q.dim(0), d.n);
   check_documents(docs, d.n, q.device());
   return d;
+}
+
+// Whether a context-parallel rank's attention runs on the GPU, where only cuDNN's does (the
+// operands checked for it).
+bool rows_on_gpu(const Tensor& q, const Tensor& v, const Tensor& lse, const AttnDims& d) {
+  if (!on_gpu(q)) return false;
+  expect_dtype(lse, DType::kF32, "attention lse (GPU)");
+#if MOETRAIN_HAS_CUDNN
+  MT_CHECK(cuda::cudnn_attention_supports(q, v),
+           "context-parallel attention on the GPU runs through cuDNN: bf16 with head dims "
+           "multiples of 8 up to 256, got {} {}/{}",
+           dtype_name(q.dtype()), d.dqk, d.dv);
+  return true;
+#else
+  (void)v;
+  (void)d;
+  MT_CHECK(false, "context-parallel attention on the GPU needs cuDNN (this build has none)");
+  return false;
+#endif
 }
 
 }  // namespace
@@ -215,35 +232,48 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
 
 namespace mt::ops {
 
-Tensor context_parallel_rows(int64_t tokens, int64_t cp, int64_t rank) {
-  MT_CHECK(cp >= 1 && rank >= 0 && rank < cp, "context-parallel rank {} of {}", rank, cp);
-  MT_CHECK(tokens % (2 * cp) == 0,
+Tensor context_parallel_rows(const ContextChunks& c, int64_t rows) {
+  MT_CHECK(c.cp >= 1 && c.rank >= 0 && c.rank < c.cp && rows >= 0,
+           "context-parallel rank {} of {} over {} rows", c.rank, c.cp, rows);
+  MT_CHECK(c.row_tokens % (2 * c.cp) == 0,
            "a row of {} tokens cannot be dealt to {} context-parallel ranks in 2 x {} = {} equal "
            "chunks: train.seq_len must be a multiple of {}",
-           tokens, cp, cp, 2 * cp, 2 * cp);
-  const int64_t chunk = tokens / (2 * cp);
-  Tensor rows = Tensor::empty({2 * chunk}, DType::kI32);
-  int32_t* r = rows.data<int32_t>();
-  for (int64_t i = 0; i < chunk; ++i) {
-    r[i] = static_cast<int32_t>(rank * chunk + i);                         // chunk r
-    r[chunk + i] = static_cast<int32_t>((2 * cp - 1 - rank) * chunk + i);  // chunk 2 cp - 1 - r
-  }
-  return rows;
+           c.row_tokens, c.cp, c.cp, 2 * c.cp, 2 * c.cp);
+  const int64_t chunk = c.chunk();
+  Tensor out = Tensor::empty({rows * 2 * chunk}, DType::kI32);
+  int32_t* r = out.data<int32_t>();
+  for (int64_t b = 0; b < rows; ++b)
+    for (int64_t i = 0; i < chunk; ++i) {
+      const int64_t row = b * c.row_tokens;
+      r[b * 2 * chunk + i] = static_cast<int32_t>(row + c.rank * chunk + i);  // chunk r
+      r[b * 2 * chunk + chunk + i] =
+          static_cast<int32_t>(row + (2 * c.cp - 1 - c.rank) * chunk + i);  // chunk 2 cp - 1 - r
+    }
+  return out;
 }
 
-void attention_forward_rows(const Tensor& q, const Tensor& rows, const Tensor& k, const Tensor& v,
-                            const Documents& docs, double scale, Tensor& out, Tensor& lse) {
-  const AttnDims d = check_rows(q, rows, k, v, docs);
+void attention_forward_rows(const Tensor& q, const ContextChunks& chunks, const Tensor& k,
+                            const Tensor& v, const Documents& docs, double scale, Tensor& out,
+                            Tensor& lse, const AttentionGpu& gpu) {
+  const AttnDims d = check_rows(q, chunks, k, v, docs);
   expect_shape(out, {q.dim(0), d.h, d.dv}, "attention out");
   expect_shape(lse, {q.dim(0), d.h}, "attention lse");
+#if MOETRAIN_HAS_CUDNN
+  if (rows_on_gpu(q, v, lse, d))
+    return cuda::cudnn_attention_forward_chunks(q, chunks, k, v, docs, scale, out, lse);
+#else
+  rows_on_gpu(q, v, lse, d);
+#endif
+  (void)gpu;
+  const Tensor rows = context_parallel_rows(chunks, d.n / chunks.row_tokens);
   cpu::attention_forward_rows(q, rows.data<int32_t>(), k, v, docs, scale, out, lse);
 }
 
-void attention_backward_rows(const Tensor& q, const Tensor& rows, const Tensor& k, const Tensor& v,
-                             const Tensor& out, const Tensor& lse, const Tensor& dout,
-                             const Documents& docs, double scale, Tensor& dq, Tensor& dk,
-                             Tensor& dv) {
-  const AttnDims d = check_rows(q, rows, k, v, docs);
+void attention_backward_rows(const Tensor& q, const ContextChunks& chunks, const Tensor& k,
+                             const Tensor& v, const Tensor& out, const Tensor& lse,
+                             const Tensor& dout, const Documents& docs, double scale, Tensor& dq,
+                             Tensor& dk, Tensor& dv, const AttentionGpu& gpu) {
+  const AttnDims d = check_rows(q, chunks, k, v, docs);
   for (const auto& [t, name] :
        {std::pair{&out, "attention out"}, std::pair{&dout, "attention dout"}})
     expect_shape(*t, {q.dim(0), d.h, d.dv}, name);
@@ -251,6 +281,29 @@ void attention_backward_rows(const Tensor& q, const Tensor& rows, const Tensor& 
   expect_shape(dq, q.shape(), "attention dq");
   expect_shape(dk, k.shape(), "attention dk");
   expect_shape(dv, v.shape(), "attention dv");
+#if MOETRAIN_HAS_CUDNN
+  if (rows_on_gpu(q, v, lse, d)) {
+    // Each pass covers one chunk of every row: the two chunks' key ranges overlap where a document
+    // crosses both, so the second chunk's key and value gradients land apart and are added.
+    dk.zero_();
+    dv.zero_();
+    cuda::cudnn_attention_backward_chunks(q, chunks, k, v, out, lse, dout, docs, scale,
+                                          gpu.backward, /*slot=*/0, dq, dk, dv,
+                                          gpu.workspace_budget_bytes);
+    Tensor dk_late = Tensor::zeros(dk.shape(), dk.dtype(), Device::kCUDA),
+           dv_late = Tensor::zeros(dv.shape(), dv.dtype(), Device::kCUDA);
+    cuda::cudnn_attention_backward_chunks(q, chunks, k, v, out, lse, dout, docs, scale,
+                                          gpu.backward, /*slot=*/1, dq, dk_late, dv_late,
+                                          gpu.workspace_budget_bytes);
+    add_(dk, dk_late);
+    add_(dv, dv_late);
+    return;
+  }
+#else
+  rows_on_gpu(q, v, lse, d);
+#endif
+  (void)gpu;
+  const Tensor rows = context_parallel_rows(chunks, d.n / chunks.row_tokens);
   cpu::attention_backward_rows(q, rows.data<int32_t>(), k, v, out, lse, dout, docs, scale, dq, dk,
                                dv);
 }

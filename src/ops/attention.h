@@ -72,25 +72,36 @@ void attention_backward(const Tensor& q, const Tensor& k, const Tensor& v, const
                         const Tensor& lse, const Tensor& dout, const Documents& docs, double scale,
                         Tensor& dq, Tensor& dk, Tensor& dv, const AttentionGpu& gpu = {});
 
-// Context parallelism (issue 35; the CPU reference so far). A packed row of N tokens is dealt to
-// cp ranks in 2 cp equal chunks, rank r holding chunks r and 2 cp - 1 - r: each rank pairs an
-// early chunk (little causal work) with a late one (much), so every rank's causal work is the
-// same when the row is one document. The row positions rank r holds, increasing (i32 (N / cp));
-// N must be a multiple of 2 cp (an mt::Error names the sizes).
-Tensor context_parallel_rows(int64_t tokens, int64_t cp, int64_t rank);
+// Context parallelism. A packed row of `row_tokens` tokens is dealt to cp ranks in 2 cp equal
+// chunks, rank r holding chunks r and 2 cp - 1 - r: each rank pairs an early chunk (little causal
+// work) with a late one (much), so every rank's causal work is the same when the row is one
+// document. Several rows lie end to end; a rank holds its two chunks of each, row by row.
+struct ContextChunks {
+  int64_t row_tokens = 0;
+  int64_t cp = 1;
+  int64_t rank = 0;
+  int64_t chunk() const { return row_tokens / (2 * cp); }
+};
+// The row positions rank `c.rank` holds over `rows` rows laid end to end, increasing (i32
+// (rows x row_tokens / cp), on the host). row_tokens must be a multiple of 2 cp (an mt::Error
+// names the sizes and train.seq_len).
+Tensor context_parallel_rows(const ContextChunks& c, int64_t rows = 1);
 
-// A context-parallel rank's attention: its tokens' queries against the whole row's keys and
-// values (all-gathered from the CP group). q (Nq, H, Dqk) holds the queries of the row positions
-// `rows` (i32 (Nq), increasing, as context_parallel_rows gives them); k (N, KV, Dqk), v (N, KV,
-// Dv) and docs are the whole row's. out (Nq, H, Dv) and lse (Nq, H) are the whole row's attention
-// at those positions: documents crossing chunk boundaries are kept whole.
-void attention_forward_rows(const Tensor& q, const Tensor& rows, const Tensor& k, const Tensor& v,
-                            const Documents& docs, double scale, Tensor& out, Tensor& lse);
-// dq (Nq) overwritten; dk and dv (N, the whole row) overwritten with this rank's share of the row's
-// key and value gradients: summed over the CP group (the reduce-scatter) they are the row's.
-void attention_backward_rows(const Tensor& q, const Tensor& rows, const Tensor& k, const Tensor& v,
-                             const Tensor& out, const Tensor& lse, const Tensor& dout,
-                             const Documents& docs, double scale, Tensor& dq, Tensor& dk,
-                             Tensor& dv);
+// A context-parallel rank's attention: its tokens' queries against the whole rows' keys and
+// values (all-gathered from the CP group). q (Nq, H, Dqk) holds the rank's queries (Nq = rows x
+// row_tokens / cp, context_parallel_rows' positions); k (N, KV, Dqk), v (N, KV, Dv) and docs are
+// the whole rows' (N = rows x row_tokens). out (Nq, H, Dv) and lse (Nq, H) are the whole rows'
+// attention at the rank's positions: documents crossing chunk boundaries are kept whole. On the
+// GPU through cuDNN's SDPA (bf16; each chunk's part of each document is a ragged sequence whose
+// queries end its keys: a bottom-right causal mask).
+void attention_forward_rows(const Tensor& q, const ContextChunks& chunks, const Tensor& k,
+                            const Tensor& v, const Documents& docs, double scale, Tensor& out,
+                            Tensor& lse, const AttentionGpu& gpu = {});
+// dq (Nq) overwritten; dk and dv (N, the whole rows) overwritten with this rank's share of the
+// rows' key and value gradients: summed over the CP group (the reduce-scatter) they are the rows'.
+void attention_backward_rows(const Tensor& q, const ContextChunks& chunks, const Tensor& k,
+                             const Tensor& v, const Tensor& out, const Tensor& lse,
+                             const Tensor& dout, const Documents& docs, double scale, Tensor& dq,
+                             Tensor& dk, Tensor& dv, const AttentionGpu& gpu = {});
 
 }  // namespace mt::ops

@@ -261,6 +261,7 @@ const std::vector<Field>& fields() {
       member("eval", "every", &Config::eval, &EvalConfig::every),
       member("parallel", "world", &Config::parallel, &ParallelConfig::world),
       member("parallel", "ep", &Config::parallel, &ParallelConfig::ep),
+      member("parallel", "cp", &Config::parallel, &ParallelConfig::cp),
       member("parallel", "ep_exchange_ctas", &Config::parallel, &ParallelConfig::ep_exchange_ctas),
       member("hardware", "device", &Config::hardware, &HardwareConfig::device),
       member("hardware", "peak_tflops", &Config::hardware, &HardwareConfig::peak_tflops),
@@ -474,6 +475,14 @@ void validate_config(const Config& c) {
     throw ConfigError(
         fmt::format("config: data.pack_window = {} must be >= 1 (documents)", d.pack_window));
   c.parallel.validate(c.model.n_experts);
+  if (const int64_t chunks = 2 * c.parallel.cp; t.seq_len % chunks != 0) {
+    const int64_t below = t.seq_len / chunks * chunks;
+    throw ConfigError(fmt::format(
+        "config: train.seq_len = {} must be a multiple of 2 x parallel.cp = {} (each row is dealt "
+        "to the cp ranks in 2 cp equal chunks; nearest valid: {})",
+        t.seq_len, chunks,
+        below > 0 ? fmt::format("{} or {}", below, below + chunks) : std::to_string(chunks)));
+  }
   plan_precision(c.model, c.parallel);  // the experts' recipe against the dispatch dtype
   if (c.checkpoint.every < 0) throw ConfigError("config: checkpoint.every must be >= 0");
   if (c.checkpoint.keep < 0)

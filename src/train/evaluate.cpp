@@ -3,6 +3,8 @@
 #include <algorithm>
 
 #include "core/error.h"
+#include "model/context_parallel.h"
+#include "ops/attention.h"
 #include "train/data_loader.h"
 #include "train/packing.h"
 
@@ -54,21 +56,32 @@ EvalResult evaluate_tokens(Qwen3Moe& model, const TokenView& docs, int64_t rows,
                            dist::Communicator* world, const TokenLossSink* per_token,
                            const std::string& name) {
   const int64_t ranks = world ? world->size() : 1, rank = world ? world->rank() : 0;
+  // Context parallelism: the cp ranks of a group share a micro-batch, each its chunks of it.
+  const int64_t cp = model.mesh() ? model.mesh()->cp_size() : 1, groups = ranks / cp;
   const int64_t n = rows * seq_len;  // inputs per micro-batch
   const Bins bins = pack_documents(docs, n + 1, name);
-  const int64_t batches = (static_cast<int64_t>(bins.size()) + ranks - 1) / ranks;
+  const int64_t batches = (static_cast<int64_t>(bins.size()) + groups - 1) / groups;
   static const std::vector<int64_t> kNone;
   std::vector<std::pair<int64_t, double>>
       token_losses;  // rank 0, with per_token: sorted at the end
   double loss_sum = 0;
   int64_t tokens = 0;
   const ModelConfig& c = model.config();
+  // Each gathered token loss's place in the groups' micro-batches laid end to end (rank 0).
+  std::vector<int64_t> place;
+  if (per_token && rank == 0)
+    for (int64_t r = 0; r < ranks; ++r) {
+      const Tensor mine = cp > 1 ? ops::context_parallel_rows({n, cp, r % cp}) : Tensor();
+      for (int64_t j = 0; j < n / cp; ++j)
+        place.push_back((r / cp) * n + (cp > 1 ? mine.data<int32_t>()[j] : j));
+    }
   for (int64_t b = 0; b < batches; ++b) {
-    auto bin_of = [&](int64_t r) -> const std::vector<int64_t>& {
-      const int64_t i = b * ranks + r;
+    auto bin_of = [&](int64_t g) -> const std::vector<int64_t>& {
+      const int64_t i = b * groups + g;
       return i < static_cast<int64_t>(bins.size()) ? bins[i] : kNone;
     };
-    Batch batch = pack_rows({bin_row(docs, bin_of(rank), n + 1)}, n);
+    Batch batch = pack_rows({bin_row(docs, bin_of(rank / cp), n + 1)}, n);
+    if (cp > 1) batch = context_shard(batch, n, cp, rank % cp);
     tokens += batch.masked_tokens();
     if (c.device != Device::kCPU) batch = batch.to(c.device);
     if (!per_token) {
@@ -85,13 +98,15 @@ EvalResult evaluate_tokens(Qwen3Moe& model, const TokenView& docs, int64_t rows,
       world->all_gather(mine, all);
     }
     if (rank != 0) continue;
-    for (int64_t r = 0; r < ranks; ++r) {
+    std::vector<double> batch_losses(groups * n);
+    for (int64_t i = 0; i < all.numel(); ++i) batch_losses[place[i]] = all.data<double>()[i];
+    for (int64_t g = 0; g < groups; ++g) {
       int64_t at = 0;  // the document's first token in the micro-batch
-      for (const int64_t d : bin_of(r)) {
+      for (const int64_t d : bin_of(g)) {
         const int64_t first = static_cast<int64_t>(docs.doc_offsets[d]), len = doc_length(docs, d);
         for (int64_t i = 1; i < len; ++i)  // target i of the document is input at + i - 1's
           if (!docs.loss_mask || docs.loss_mask[first + i])
-            token_losses.emplace_back(first + i, all.data<double>()[r * n + at + i - 1]);
+            token_losses.emplace_back(first + i, batch_losses[g * n + at + i - 1]);
         at += len;
       }
     }

@@ -3,7 +3,8 @@
 // transformers computes them). The documents are packed by first-fit decreasing into micro-batches
 // of batch_rows x seq_len inputs, each one packed sequence (the row split is a training matter), so
 // any document of up to batch_rows x seq_len + 1 tokens is evaluated whole; a longer one is a
-// DataError naming it. Ranks take consecutive micro-batches; every rank runs the same number of
+// DataError naming it. Data-parallel ranks take consecutive micro-batches (the cp ranks of a
+// context-parallel group one micro-batch, each its chunks); every rank runs the same number of
 // them (missing ones are all padding), and the sums are all-reduced.
 #pragma once
 #include <cstdint>

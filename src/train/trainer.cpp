@@ -18,6 +18,7 @@
 #include "core/atomic_file.h"
 #include "core/log.h"
 #include "core/profile.h"
+#include "model/context_parallel.h"
 #include "model/flops.h"
 #include "model/precision.h"
 #include "moe/exchange/lane.h"
@@ -197,7 +198,7 @@ void Trainer::draw_run_id() {
 // every EP rank with their choices, counts and routing weights), registered now, before any pass
 // is captured.
 void Trainer::reserve_exchange(const Config& c) {
-  const int64_t tokens = c.train.batch_rows * c.train.seq_len;
+  const int64_t tokens = c.train.batch_rows * c.train.seq_len / c.parallel.cp;  // this rank's
   const size_t bytes = moe::ExpertExchange::window_bytes(
       static_cast<int>(c.parallel.ep), tokens, c.model.top_k, c.model.n_experts, c.model.dim,
       cfg_.model.activation_dtype(), plan_precision(c.model, c.parallel).experts);
@@ -215,14 +216,18 @@ void Trainer::reserve_exchange(const Config& c) {
     log::info("expert exchange: counts on the device, rows through all-to-all ({})", why);
 }
 
-// Rank r takes rows [r * rows, (r + 1) * rows) of each global micro-batch of world * rows rows,
-// so any world size sees the same global batches as one rank with world * rows rows.
+// Data-parallel rank d (world rank / cp) takes rows [d * rows, (d + 1) * rows) of each global
+// micro-batch of dp * rows rows, so any mesh sees the same global batches as one rank with
+// dp * rows rows; under context parallelism the cp ranks of a group share those rows, each
+// holding its chunks of every row (context_shard).
 Batch Trainer::next_local_batch() {
   const TrainConfig& t = cfg_.train;
-  const int r = world_ ? world_->rank() : 0;
-  data_->skip(r * t.batch_rows, t.seq_len);
+  const int d = mesh_ ? mesh_->dp_rank() : 0;
+  data_->skip(d * t.batch_rows, t.seq_len);
   Batch b = data_->next(t.batch_rows, t.seq_len);
-  data_->skip((world_size() - 1 - r) * t.batch_rows, t.seq_len);
+  data_->skip((dp_size() - 1 - d) * t.batch_rows, t.seq_len);
+  if (mesh_ && mesh_->cp_size() > 1)
+    b = context_shard(b, t.seq_len, mesh_->cp_size(), mesh_->cp_rank());
   return cfg_.model.on_gpu() ? b.to(Device::kCUDA) : b;
 }
 
@@ -293,7 +298,7 @@ std::optional<StepMetrics> Trainer::train_step() {
   maybe_inject_fault(world_ ? world_->rank() : 0, m.step, FaultPoint::kBeforePass);
   const int64_t counted = counted_all.data<int64_t>()[0];
   m.pad_fraction = static_cast<double>(counted_all.data<int64_t>()[1]) /
-                   static_cast<double>(t.tokens_per_step() * world_size());
+                   static_cast<double>(t.tokens_per_step() * dp_size());
   const LossScale scale{1.0 / std::max<int64_t>(counted, 1),
                         cfg_.model.aux_loss_coef / static_cast<double>(t.grad_accum)};
   Tensor ce = Tensor::zeros({1}, DType::kF64);
@@ -339,7 +344,7 @@ std::optional<StepMetrics> Trainer::train_step() {
 
   const double seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  m.tokens_per_s = static_cast<double>(t.tokens_per_step() * world_size()) / seconds;
+  m.tokens_per_s = static_cast<double>(t.tokens_per_step() * dp_size()) / seconds;
   m.mfu = flops_per_token_ * m.tokens_per_s / (peak_flops_ * world_size());
   const MemoryStats memory_after = memory_stats(cfg_.model.device);
   m.peak_bytes = memory_after.peak_bytes;
@@ -562,7 +567,7 @@ std::vector<StepMetrics> Trainer::run(const RunOptions& opt) {
         "model: {} layers, dim {}, {} experts top-{}; {:.2f}M params ({:.2f}M active); "
         "{} tokens/step; data{} unigram entropy {:.4f} nats",
         cfg_.model.n_layers, cfg_.model.dim, cfg_.model.n_experts, cfg_.model.top_k, pc.total / 1e6,
-        pc.active / 1e6, t.tokens_per_step() * world_size(),
+        pc.active / 1e6, t.tokens_per_step() * dp_size(),
         std::isfinite(stats_.loss_floor) ? fmt::format(" floor {:.4f} nats,", stats_.loss_floor)
                                          : std::string(":"),
         stats_.unigram_entropy);

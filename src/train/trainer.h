@@ -67,7 +67,8 @@ struct RunOptions {
 class Trainer {
  public:
   // world: this rank's communicator when parallel.world > 1 (its size must match); null on one
-  // rank. Every rank holds batch_rows rows of each micro-batch.
+  // rank. Every data-parallel rank holds batch_rows rows of each micro-batch (the cp ranks of a
+  // context-parallel group each their chunks of them).
   explicit Trainer(const Config& c, dist::Communicator* world = nullptr);
   // Runs until the configured (or overridden) step; returns the metrics of every step run.
   std::vector<StepMetrics> run(const RunOptions& opt);
@@ -91,6 +92,8 @@ class Trainer {
   void export_or_rescue(const std::string& out);
   bool is_rank0() const { return !world_ || world_->rank() == 0; }
   int world_size() const { return world_ ? world_->size() : 1; }
+  // Ranks reading different rows (world / parallel.cp).
+  int dp_size() const { return mesh_ ? mesh_->dp_size() : 1; }
   Batch next_local_batch();
   void reserve_exchange(const Config& c);
   void draw_run_id();

@@ -4,7 +4,6 @@
 // Backward: dq per (query, head) warp; dk and dv per (key, kv head) warp looping over the
 // queries and heads that read it, so every output has one writer (deterministic, no atomics).
 #include "ops/cuda/attention.h"
-
 #include "ops/cuda/common.cuh"
 
 namespace mt::cuda {
@@ -157,6 +156,39 @@ __global__ void ragged_layout_kernel(const int32_t* cu, int docs, int padded_doc
   if (b < padded_docs) out.seq_len[b] = b < docs ? cu[b + 1] - start : 0;
 }
 
+__global__ void chunk_layout_kernel(const int32_t* cu, int docs, int padded_docs,
+                                    kernels::ContextGeometry g, int slot_begin, int slots,
+                                    kernels::RaggedStrides st, kernels::RaggedLayout out) {
+  const int entries = g.rows * slots * padded_docs;
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i > entries) return;
+  if (i == entries) {  // the ends: the rank's queries, the rows' keys
+    const int32_t queries = g.rows * 2 * g.chunk, keys = g.rows * g.row_tokens;
+    out.q[i] = queries * st.q;
+    out.o[i] = queries * st.o;
+    out.stats[i] = queries * st.stats;
+    out.k[i] = keys * st.k;
+    out.v[i] = keys * st.v;
+    return;
+  }
+  const int c = i / padded_docs, d = i % padded_docs;
+  const int row = c / slots, slot = slot_begin + c % slots;
+  const int which = slot == 0 ? g.rank : 2 * g.cp - 1 - g.rank;
+  const int32_t first = row * g.row_tokens + which * g.chunk;  // the chunk in the rows
+  const int32_t local = row * 2 * g.chunk + slot * g.chunk;    // and in the rank's queries
+  const int32_t start = cu[d < docs ? d : docs], end = cu[d < docs ? d + 1 : docs];
+  const int32_t q0 = min(max(start, first), first + g.chunk);
+  const int32_t q1 = min(max(end, first), first + g.chunk);
+  const int32_t at = local + q0 - first;
+  out.q[i] = at * st.q;
+  out.o[i] = at * st.o;
+  out.stats[i] = at * st.stats;
+  out.k[i] = (q1 > q0 ? start : q0) * st.k;
+  out.v[i] = (q1 > q0 ? start : q0) * st.v;
+  out.seq_len[i] = q1 - q0;
+  out.seq_len_kv[i] = q1 > q0 ? q1 - start : 0;
+}
+
 // Entry `at` of a layout of `count` documents: its offsets, and its length below `count` (the
 // offsets have count + 1 entries, the lengths count).
 __device__ void write_layout_entry(const kernels::RaggedLayout& out, int at, int count,
@@ -263,6 +295,17 @@ cudaError_t attention_backward(DType s, const void* q, const void* k, const void
         tq, tk, tv, tdo, lse, delta, cu_seqlens, docs, g, static_cast<T*>(dk),
         static_cast<T*>(dvv));
   });
+  return cudaGetLastError();
+}
+
+cudaError_t attention_chunk_layout(const int32_t* cu_seqlens, int docs, int padded_docs,
+                                   ContextGeometry g, int slot_begin, int slots,
+                                   RaggedStrides strides, RaggedLayout out, cudaStream_t stream) {
+  if (docs < 0 || padded_docs < docs || slots < 1 || slot_begin < 0 || slot_begin + slots > 2)
+    return cudaErrorInvalidValue;
+  const int entries = g.rows * slots * padded_docs, threads = 256;
+  chunk_layout_kernel<<<(entries + threads) / threads, threads, 0, stream>>>(
+      cu_seqlens, docs, padded_docs, g, slot_begin, slots, strides, out);
   return cudaGetLastError();
 }
 

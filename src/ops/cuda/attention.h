@@ -32,6 +32,7 @@ struct RaggedStrides {
 };
 struct RaggedLayout {
   int32_t *q, *k, *v, *o, *stats, *seq_len;
+  int32_t* seq_len_kv;  // the keys' lengths: seq_len itself except for a context-parallel rank's
 };
 cudaError_t attention_ragged_layout(const int32_t* cu_seqlens, int docs, int padded_docs,
                                     RaggedStrides strides, RaggedLayout out, cudaStream_t stream);
@@ -42,5 +43,19 @@ cudaError_t attention_ragged_layout_split(const int32_t* cu_seqlens, int docs, i
                                           int longer_docs, int rest_docs, RaggedStrides strides,
                                           RaggedLayout longer, RaggedLayout rest,
                                           cudaStream_t stream);
+
+// A context-parallel rank's sequences (ops::attention_forward_rows): for each of `rows` rows
+// and each of its chunks slot_begin .. slot_begin + slots - 1 (slot 0: chunk rank, 1: chunk
+// 2 cp - 1 - rank of 2 cp of `chunk` tokens) and each of padded_docs documents (those past `docs`
+// empty), in that order: the queries of the document inside the chunk (offsets into the rank's
+// q, out and lse, which hold its chunks row by row) and the document's keys from its start to the
+// chunk's end (offsets into the whole rows' k and v), seq_len and seq_len_kv their counts (0 and
+// 0 where the document misses the chunk). The offsets' last entries are the ends.
+struct ContextGeometry {
+  int32_t row_tokens, chunk, cp, rank, rows;
+};
+cudaError_t attention_chunk_layout(const int32_t* cu_seqlens, int docs, int padded_docs,
+                                   ContextGeometry g, int slot_begin, int slots,
+                                   RaggedStrides strides, RaggedLayout out, cudaStream_t stream);
 
 }  // namespace mt::cuda::kernels

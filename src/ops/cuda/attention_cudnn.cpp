@@ -57,14 +57,19 @@ enum Uid : int64_t {
 // heads and kv_heads are the packed tensors' (their row strides); a graph covers one of
 // head_groups equal slices of them (the backward's deterministic workspace grows with the heads
 // it covers: cudnn_attention_backward).
+// docs counts the ragged sequences; tokens and max_len are the keys' (the whole rows'), q_tokens
+// and max_len_q the queries' (the same but for a context-parallel rank, whose sequences are its
+// chunks' parts of the documents, their queries ending their keys: bottom_right).
 struct SdpaShape {
   int64_t docs, max_len, tokens, heads, kv_heads, dqk, dv;
   float scale;
   bool backward, deterministic;
   int64_t head_groups = 1;
+  int64_t q_tokens = 0, max_len_q = 0;
+  bool bottom_right = false;
   auto key() const {
     return std::tuple(docs, max_len, tokens, heads, kv_heads, dqk, dv, scale, backward,
-                      deterministic, head_groups);
+                      deterministic, head_groups, q_tokens, max_len_q, bottom_right);
   }
 };
 
@@ -85,27 +90,28 @@ cudnnHandle_t handle() {
   return h;
 }
 
-// A packed (tokens, heads, dim) tensor seen as cuDNN's (docs, heads / head_groups, max_len, dim)
-// with ragged per-document offsets: one group's heads, at the whole tensor's strides.
+// A packed (tokens, heads, dim) tensor seen as cuDNN's (docs, heads / head_groups, len, dim) with
+// ragged per-sequence offsets: one group's heads, at the whole tensor's strides. len: the longest
+// sequence of its side (max_len_q for q, out and their gradients; max_len for k and v).
 fe::graph::Tensor_attributes& describe_packed(fe::graph::Tensor_attributes& t, Uid uid,
                                               const TensorAttr& offsets, const SdpaShape& s,
-                                              int64_t heads, int64_t dim) {
+                                              int64_t heads, int64_t dim, int64_t len) {
   return t.set_uid(uid)
-      .set_dim({s.docs, heads / s.head_groups, s.max_len, dim})
-      .set_stride({s.max_len * heads * dim, dim, heads * dim, 1})
+      .set_dim({s.docs, heads / s.head_groups, len, dim})
+      .set_stride({len * heads * dim, dim, heads * dim, 1})
       .set_ragged_offset(offsets);
 }
 
 TensorAttr packed(fe::graph::Graph& g, const char* name, Uid uid, const TensorAttr& offsets,
-                  const SdpaShape& s, int64_t heads, int64_t dim) {
+                  const SdpaShape& s, int64_t heads, int64_t dim, int64_t len) {
   fe::graph::Tensor_attributes t;
   t.set_name(name);
-  return g.tensor(describe_packed(t, uid, offsets, s, heads, dim));
+  return g.tensor(describe_packed(t, uid, offsets, s, heads, dim, len));
 }
 
 void as_packed(const TensorAttr& t, Uid uid, const TensorAttr& offsets, const SdpaShape& s,
-               int64_t heads, int64_t dim) {
-  describe_packed(t->set_output(true), uid, offsets, s, heads, dim);
+               int64_t heads, int64_t dim, int64_t len) {
+  describe_packed(t->set_output(true), uid, offsets, s, heads, dim, len);
 }
 
 TensorAttr int_vector(fe::graph::Graph& g, const char* name, Uid uid, int64_t len) {
@@ -130,9 +136,9 @@ GraphInputs declare_inputs(fe::graph::Graph& g, const SdpaShape& s) {
   in.off_stats = int_vector(g, "off_stats", kOffStats, s.docs + 1);
   in.seq_q = int_vector(g, "seq_q", kSeqLenQ, s.docs);
   in.seq_kv = int_vector(g, "seq_kv", kSeqLenKV, s.docs);
-  in.q = packed(g, "q", kQ, in.off_q, s, s.heads, s.dqk);
-  in.k = packed(g, "k", kK, in.off_k, s, s.kv_heads, s.dqk);
-  in.v = packed(g, "v", kV, in.off_v, s, s.kv_heads, s.dv);
+  in.q = packed(g, "q", kQ, in.off_q, s, s.heads, s.dqk, s.max_len_q);
+  in.k = packed(g, "k", kK, in.off_k, s, s.kv_heads, s.dqk, s.max_len);
+  in.v = packed(g, "v", kV, in.off_v, s, s.kv_heads, s.dv, s.max_len);
   return in;
 }
 
@@ -140,8 +146,8 @@ GraphInputs declare_inputs(fe::graph::Graph& g, const SdpaShape& s) {
 void describe_stats(fe::graph::Tensor_attributes& t, const GraphInputs& in, const SdpaShape& s) {
   t.set_uid(kStats)
       .set_data_type(fe::DataType_t::FLOAT)
-      .set_dim({s.docs, s.heads / s.head_groups, s.max_len, 1})
-      .set_stride({s.max_len * s.heads, 1, s.heads, 1})
+      .set_dim({s.docs, s.heads / s.head_groups, s.max_len_q, 1})
+      .set_stride({s.max_len_q * s.heads, 1, s.heads, 1})
       .set_ragged_offset(in.off_stats);
 }
 
@@ -155,36 +161,38 @@ std::shared_ptr<fe::graph::Graph> build(const SdpaShape& s) {
     auto options = fe::graph::SDPA_attributes()
                        .set_name("sdpa")
                        .set_generate_stats(true)
-                       .set_causal_mask(true)
+                       .set_causal_mask(!s.bottom_right)
+                       .set_causal_mask_bottom_right(s.bottom_right)
                        .set_attn_scale(s.scale)
                        .set_padding_mask(true)
                        .set_seq_len_q(in.seq_q)
                        .set_seq_len_kv(in.seq_kv);
     auto [o, stats] = g->sdpa(in.q, in.k, in.v, options);
-    as_packed(o, kO, in.off_o, s, s.heads, s.dv);
+    as_packed(o, kO, in.off_o, s, s.heads, s.dv, s.max_len_q);
     stats->set_output(true);
     describe_stats(*stats, in, s);
   } else {
-    const TensorAttr o = packed(*g, "o", kO, in.off_o, s, s.heads, s.dv);
-    const TensorAttr dout = packed(*g, "dO", kDO, in.off_o, s, s.heads, s.dv);
+    const TensorAttr o = packed(*g, "o", kO, in.off_o, s, s.heads, s.dv, s.max_len_q);
+    const TensorAttr dout = packed(*g, "dO", kDO, in.off_o, s, s.heads, s.dv, s.max_len_q);
     fe::graph::Tensor_attributes stats_desc;
     stats_desc.set_name("stats");
     describe_stats(stats_desc, in, s);
     const TensorAttr stats = g->tensor(stats_desc);
     auto options = fe::graph::SDPA_backward_attributes()
                        .set_name("sdpa_backward")
-                       .set_causal_mask(true)
+                       .set_causal_mask(!s.bottom_right)
+                       .set_causal_mask_bottom_right(s.bottom_right)
                        .set_attn_scale(s.scale)
                        .set_padding_mask(true)
                        .set_seq_len_q(in.seq_q)
                        .set_seq_len_kv(in.seq_kv)
-                       .set_max_total_seq_len_q(s.tokens)
+                       .set_max_total_seq_len_q(s.q_tokens)
                        .set_max_total_seq_len_kv(s.tokens)
                        .set_deterministic_algorithm(s.deterministic);
     auto [dq, dk, dv] = g->sdpa_backward(in.q, in.k, in.v, o, dout, stats, options);
-    as_packed(dq, kDQ, in.off_q, s, s.heads, s.dqk);
-    as_packed(dk, kDK, in.off_k, s, s.kv_heads, s.dqk);
-    as_packed(dv, kDV, in.off_v, s, s.kv_heads, s.dv);
+    as_packed(dq, kDQ, in.off_q, s, s.heads, s.dqk, s.max_len_q);
+    as_packed(dk, kDK, in.off_k, s, s.kv_heads, s.dqk, s.max_len);
+    as_packed(dv, kDV, in.off_v, s, s.kv_heads, s.dv, s.max_len);
   }
   check(g->validate(), s, "validate");
   check(g->build_operation_graph(handle()), s, "operation graph");
@@ -214,29 +222,37 @@ SdpaShape shape_of(const Tensor& q, const Tensor& k, const Tensor& v, const ops:
            q.dim(1));
   const ops::PlannedDocuments planned =
       ops::planned_documents(docs.cu_seqlens.numel() - 1, docs.max_length, q.dim(0));
-  return {planned.count, planned.longest,
-          q.dim(0),      q.dim(1),
-          k.dim(1),      q.dim(2),
-          v.dim(2),      static_cast<float>(scale),
-          backward,      determinism == ops::Determinism::kDeterministic};
+  SdpaShape s{planned.count, planned.longest,
+              q.dim(0),      q.dim(1),
+              k.dim(1),      q.dim(2),
+              v.dim(2),      static_cast<float>(scale),
+              backward,      determinism == ops::Determinism::kDeterministic};
+  s.q_tokens = s.tokens;
+  s.max_len_q = s.max_len;
+  return s;
 }
 
-// Offsets and lengths on the device, the (padded_docs + 1) x 5 offsets then padded_docs lengths.
+// Offsets and lengths on the device, the (padded_docs + 1) x 5 offsets then padded_docs lengths
+// (twice where the keys' lengths differ from the queries').
 struct Ragged {
   Tensor buffer;
   kernels::RaggedLayout at;
 };
 
-// A layout buffer for `b` documents (its arrays pointed at; the kernels fill them).
-Ragged ragged_buffer(int64_t b) {
-  Ragged r{Tensor::empty({5 * (b + 1) + b}, DType::kI32, Device::kCUDA), {}};
+enum class KeyLengths : uint8_t { kQueries, kOwn };
+
+// A layout buffer for `b` sequences (its arrays pointed at; the kernels fill them).
+Ragged ragged_buffer(int64_t b, KeyLengths keys = KeyLengths::kQueries) {
+  const int64_t lengths = keys == KeyLengths::kOwn ? 2 * b : b;
+  Ragged r{Tensor::empty({5 * (b + 1) + lengths}, DType::kI32, Device::kCUDA), {}};
   int32_t* base = r.buffer.data<int32_t>();
   r.at = {base,
           base + (b + 1),
           base + 2 * (b + 1),
           base + 3 * (b + 1),
           base + 4 * (b + 1),
-          base + 5 * (b + 1)};
+          base + 5 * (b + 1),
+          base + 5 * (b + 1) + (keys == KeyLengths::kOwn ? b : 0)};
   return r;
 }
 
@@ -290,7 +306,7 @@ void run(const fe::graph::Graph& g, std::unordered_map<int64_t, void*>& pack, co
   pack[kOffO] = r.at.o;
   pack[kOffStats] = r.at.stats;
   pack[kSeqLenQ] = r.at.seq_len;
-  pack[kSeqLenKV] = r.at.seq_len;
+  pack[kSeqLenKV] = r.at.seq_len_kv;
   Tensor workspace =
       Tensor::empty({std::max<int64_t>(workspace_bytes(g), 1)}, DType::kU8, Device::kCUDA);
   // The handle is shared; the stream is the calling thread's (set on every call).
@@ -396,6 +412,71 @@ void cudnn_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
       rest_layout.at, stream()));
   if (docs.long_count > 0) backward_over(t, longer, long_layout, workspace_budget_bytes);
   if (docs.long_count < count) backward_over(t, rest, rest_layout, workspace_budget_bytes);
+}
+
+namespace {
+
+// A context-parallel rank's shape: slots of its chunks per row in one pass, each chunk's part of
+// each (planned) document one sequence; the queries' longest is a chunk (or the longest document).
+SdpaShape chunks_shape(const Tensor& q, const ops::ContextChunks& c, const Tensor& k,
+                       const Tensor& v, const ops::Documents& docs, double scale, bool backward,
+                       ops::Determinism determinism, int64_t slots) {
+  SdpaShape s = shape_of(k, k, v, docs, scale, backward, determinism);  // the keys' side
+  MT_CHECK(q.dim(0) * q.dim(1) * std::max(q.dim(2), v.dim(2)) < (int64_t{1} << 31),
+           "cuDNN attention: {} queries x {} heads overflow its 32-bit ragged offsets", q.dim(0),
+           q.dim(1));
+  s.heads = q.dim(1);
+  const int64_t rows = k.dim(0) / c.row_tokens;
+  MT_CHECK(rows * slots * s.docs < (int64_t{1} << 31), "{} rows x {} documents: too many sequences",
+           rows, s.docs);
+  s.docs *= rows * slots;
+  s.q_tokens = q.dim(0);
+  s.max_len_q = std::min(c.chunk(), s.max_len);
+  s.bottom_right = true;
+  return s;
+}
+
+Ragged chunk_layout(const ops::ContextChunks& c, const ops::Documents& docs, const SdpaShape& s,
+                    int64_t rows, int slot_begin, int slots) {
+  const int64_t planned = s.docs / (rows * slots);
+  Ragged r = ragged_buffer(s.docs, KeyLengths::kOwn);
+  const auto i32 = [](int64_t x) { return static_cast<int32_t>(x); };
+  const kernels::ContextGeometry g{i32(c.row_tokens), i32(c.chunk()), i32(c.cp), i32(c.rank),
+                                   i32(rows)};
+  MT_CUDA_CHECK(kernels::attention_chunk_layout(
+      docs.cu_seqlens.data<int32_t>(), static_cast<int>(docs.cu_seqlens.numel() - 1),
+      static_cast<int>(planned), g, slot_begin, slots, ragged_strides(s), r.at, stream()));
+  return r;
+}
+
+}  // namespace
+
+void cudnn_attention_forward_chunks(const Tensor& q, const ops::ContextChunks& chunks,
+                                    const Tensor& k, const Tensor& v, const ops::Documents& docs,
+                                    double scale, Tensor& out, Tensor& lse) {
+  const profile::Phase phase("gpu.cudnn_attention_forward_chunks");
+  check_operands({&q, &k, &v, &out});
+  const SdpaShape s =
+      chunks_shape(q, chunks, k, v, docs, scale, false, ops::Determinism::kFast, /*slots=*/2);
+  const fe::graph::Graph& g = cached_graph(s);
+  const Ragged r = chunk_layout(chunks, docs, s, k.dim(0) / chunks.row_tokens, 0, 2);
+  std::unordered_map<int64_t, void*> pack{
+      {kQ, ptr(q)}, {kK, ptr(k)}, {kV, ptr(v)}, {kO, out.raw()}, {kStats, lse.raw()}};
+  run(g, pack, r);
+}
+
+void cudnn_attention_backward_chunks(const Tensor& q, const ops::ContextChunks& chunks,
+                                     const Tensor& k, const Tensor& v, const Tensor& out,
+                                     const Tensor& lse, const Tensor& dout,
+                                     const ops::Documents& docs, double scale,
+                                     ops::Determinism determinism, int slot, Tensor& dq, Tensor& dk,
+                                     Tensor& dv, int64_t workspace_budget_bytes) {
+  const profile::Phase phase("gpu.cudnn_attention_backward_chunks");
+  check_operands({&q, &k, &v, &out, &dout, &dq, &dk, &dv});
+  MT_CHECK(slot == 0 || slot == 1, "a rank's chunk slot is 0 or 1, got {}", slot);
+  const SdpaShape s = chunks_shape(q, chunks, k, v, docs, scale, true, determinism, /*slots=*/1);
+  const Ragged r = chunk_layout(chunks, docs, s, k.dim(0) / chunks.row_tokens, slot, 1);
+  backward_over({q, k, v, out, lse, dout, dq, dk, dv}, s, r, workspace_budget_bytes);
 }
 
 }  // namespace mt::cuda

@@ -19,4 +19,20 @@ void cudnn_attention_backward(const Tensor& q, const Tensor& k, const Tensor& v,
                               double scale, ops::Determinism determinism, Tensor& dq, Tensor& dk,
                               Tensor& dv, int64_t workspace_budget_bytes);
 
+// A context-parallel rank's queries (ops::attention_forward_rows): each of its chunks' part of
+// each document is one ragged sequence of queries over the document's keys up to the chunk's
+// end, under a bottom-right causal mask; both chunks of every row in one pass.
+void cudnn_attention_forward_chunks(const Tensor& q, const ops::ContextChunks& chunks,
+                                    const Tensor& k, const Tensor& v, const ops::Documents& docs,
+                                    double scale, Tensor& out, Tensor& lse);
+// The backward of the rank's chunk `slot` (0: chunk rank, 1: chunk 2 cp - 1 - rank) of every row:
+// dq written at that chunk's queries, dk and dv at the keys its sequences read (the rest left as
+// they are: the two slots' key ranges overlap, so the front door zeroes and adds).
+void cudnn_attention_backward_chunks(const Tensor& q, const ops::ContextChunks& chunks,
+                                     const Tensor& k, const Tensor& v, const Tensor& out,
+                                     const Tensor& lse, const Tensor& dout,
+                                     const ops::Documents& docs, double scale,
+                                     ops::Determinism determinism, int slot, Tensor& dq, Tensor& dk,
+                                     Tensor& dv, int64_t workspace_budget_bytes);
+
 }  // namespace mt::cuda
