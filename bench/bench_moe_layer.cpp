@@ -180,35 +180,53 @@ int main() {
                               {ExpertRecipe::kFp8WgradWithHp, RowWire::kAsIs},
                               {ExpertRecipe::kFp8Blockwise, RowWire::kAsIs}};
     constexpr int kRecipes = 6;
-    // The weights' MX copies, made in training by each gather for its pass (fsdp::gather: the
-    // forward's and the input gradient's once per step each): made here once, outside the layer,
-    // and timed on their own.
-    // From fp32 masters (each value rounded to bf16 first), as a gather makes them.
-    mt::ops::MxWeightCopies gate_up_mx, down_mx;
+    // The weights' quantized copies (MX values, FP8 tiles), made in training by each gather for
+    // its pass (fsdp::gather: the forward's and the input gradient's once per step each): made
+    // here once per family, outside the layer, and timed on their own. As a gather makes them: MX
+    // values from the fp32 masters (each value rounded to bf16 first), FP8 tiles from the bf16
+    // compute copy.
+    struct Copies {
+      mt::ops::WeightCopies gate_up, down;
+      double ms = 0, held_ms = 0;  // per step: at each pass's gather / both at the forward's
+    };
+    Copies mx_copies, fp8_copies;
     Tensor gate_up32 = Tensor::empty(w.w_gate_up.shape(), DType::kF32, Device::kCUDA);
     Tensor down32 = Tensor::empty(w.w_down.shape(), DType::kF32, Device::kCUDA);
     mt::ops::convert(w.w_gate_up, gate_up32);
     mt::ops::convert(w.w_down, down32);
     // Per step, the default makes each pass's copies at its gather (two reads of the masters);
     // parallel.reshard_after_forward = false makes both at the forward's (one read).
-    const auto make_copies = [&](std::initializer_list<mt::ops::MxCopyUse> uses) {
-      for (const mt::ops::MxCopyUse use : uses) {
-        mt::ops::make_mx_weight_copies(gate_up32, c.expert_precision.rule, DType::kBF16, use,
-                                       gate_up_mx);
-        mt::ops::make_mx_weight_copies(down32, c.expert_precision.rule, DType::kBF16, use, down_mx);
-      }
+    for (const ExpertRecipe family :
+         {ExpertRecipe::kMxfp8WgradWithHp, ExpertRecipe::kFp8WgradWithHp}) {
+      mt::ops::ExpertPrecision p = c.expert_precision;
+      p.recipe = family;
+      Copies& made = family == ExpertRecipe::kMxfp8WgradWithHp ? mx_copies : fp8_copies;
+      const auto make_copies = [&](std::initializer_list<mt::ops::CopyUse> uses) {
+        for (const mt::ops::CopyUse use : uses) {
+          const bool fp8 = p.fp8_forward_and_input();
+          mt::ops::make_weight_copies(fp8 ? w.w_gate_up : gate_up32, p, DType::kBF16, use,
+                                      made.gate_up);
+          mt::ops::make_weight_copies(fp8 ? w.w_down : down32, p, DType::kBF16, use, made.down);
+        }
+      };
+      made.ms = mt::bench::median_ms([&] {
+        make_copies({mt::ops::CopyUse::kForward, mt::ops::CopyUse::kBackward});
+      });
+      made.held_ms = mt::bench::median_ms([&] { make_copies({mt::ops::CopyUse::kBoth}); });
+    }
+    const auto copies_of = [&](const Recipe& r) -> const Copies* {
+      mt::ops::ExpertPrecision p = c.expert_precision;
+      p.recipe = r.recipe;
+      return p.mx_forward_and_input()    ? &mx_copies
+             : p.fp8_forward_and_input() ? &fp8_copies
+                                         : nullptr;
     };
-    const double copies_ms = mt::bench::median_ms([&] {
-      make_copies({mt::ops::MxCopyUse::kForward, mt::ops::MxCopyUse::kBackward});
-    });
-    const double held_copies_ms =
-        mt::bench::median_ms([&] { make_copies({mt::ops::MxCopyUse::kBoth}); });
     const auto use_recipe = [&](const Recipe& r) {
       c.expert_precision.recipe = r.recipe;
       c.expert_precision.dispatch = r.dispatch;
-      const bool mx = c.expert_precision.mx_forward_and_input();
-      w.gate_up_mx = mx ? &gate_up_mx : nullptr;
-      w.down_mx = mx ? &down_mx : nullptr;
+      const Copies* made = copies_of(r);
+      w.gate_up_copies = made ? &made->gate_up : nullptr;
+      w.down_copies = made ? &made->down : nullptr;
     };
     constexpr int kRounds = 7;
     std::vector<double> recipe_ms[kRecipes];
@@ -234,15 +252,15 @@ int main() {
           "\"routing\": \"balanced\", \"ms\": %.3f, \"ratio_to_bf16\": %.2f, "
           "\"paired_ratio\": %.3f, \"paired_ratios\": \"%s\", "
           "\"layer_peak_gib\": %.2f, \"rounds_ms\": \"%s\", "
-          "\"weight_mx_copies_ms_per_step\": %.3f, \"held_copies_ms_per_step\": %.3f}\n",
+          "\"weight_copies_ms_per_step\": %.3f, \"held_copies_ms_per_step\": %.3f}\n",
           std::string(mt::ops::expert_recipe_name(recipes[r].recipe)).c_str(),
           std::string(mt::ops::dispatch_dtype_name(recipes[r].dispatch)).c_str(),
           mt::bench::median(recipe_ms[r]),
           mt::bench::median(recipe_ms[r]) / mt::bench::median(recipe_ms[0]),
           mt::bench::median(paired), mt::bench::join(paired).c_str(), peak_gib,
           mt::bench::join(recipe_ms[r]).c_str(),
-          recipes[r].recipe == ExpertRecipe::kBf16 ? 0.0 : copies_ms,
-          recipes[r].recipe == ExpertRecipe::kBf16 ? 0.0 : held_copies_ms);
+          copies_of(recipes[r]) ? copies_of(recipes[r])->ms : 0.0,
+          copies_of(recipes[r]) ? copies_of(recipes[r])->held_ms : 0.0);
     }
     use_recipe(recipes[0]);
     std::fflush(stdout);

@@ -370,20 +370,29 @@ TEST(PrecisionPlan, CopiesFollowTheRecipeAndTheCheckpointPolicy) {
   ModelConfig m;
   ParallelConfig p;
   PrecisionPlan plan = plan_precision(m, p);
-  EXPECT_FALSE(plan.expert_mx_copies);
+  EXPECT_FALSE(plan.expert_weight_copies);
   EXPECT_EQ(plan.copies_in_use(), 0);
   m.expert_precision.recipe = ops::ExpertRecipe::kMxfp8;
   plan = plan_precision(m, p);
-  EXPECT_TRUE(plan.expert_mx_copies);
-  EXPECT_EQ(plan.backward_copies, ops::MxCopyUse::kBackward);
+  EXPECT_TRUE(plan.expert_weight_copies);
+  EXPECT_EQ(plan.backward_copies, ops::CopyUse::kBackward);
   EXPECT_EQ(plan.copies_in_use(), 1);
   m.checkpoint = CheckpointPolicy::kFull;
   plan = plan_precision(m, p);
-  EXPECT_EQ(plan.backward_copies, ops::MxCopyUse::kBoth);
+  EXPECT_EQ(plan.backward_copies, ops::CopyUse::kBoth);
   EXPECT_EQ(plan.copies_in_use(), 2);
   p.ep_dispatch_dtype = RowWire::kMxfp8;  // with mxfp8 it needs requant_dim1
   EXPECT_NE(testing::error_of([&] { plan_precision(m, p); }).find("model.requant_dim1"),
             std::string::npos);
+  // The FP8 recipes keep their weights' FP8 tiles as the MX recipes keep their MX values.
+  p.ep_dispatch_dtype = RowWire::kAsIs;
+  m.checkpoint = CheckpointPolicy::kNone;
+  for (const auto recipe : {ops::ExpertRecipe::kFp8Blockwise, ops::ExpertRecipe::kFp8WgradWithHp}) {
+    m.expert_precision.recipe = recipe;
+    plan = plan_precision(m, p);
+    EXPECT_TRUE(plan.expert_weight_copies);
+    EXPECT_EQ(plan.copies_in_use(), 1);
+  }
 }
 
 // The memory estimate counts the expert exchange's window as the exchange sizes it

@@ -397,26 +397,36 @@ TEST(ExpertRecipeTraining, Fp8RecipesLearnTheTinyLanguages) {
   EXPECT_NE(final_loss[1], final_loss[2]);  // the weight gradient's quantization counts
 }
 
-// The MX copies FSDP makes for a pass (ParamGroup::mx, fsdp::gather) are those of the weights
-// the optimizer just wrote: training with them equals, bit for bit and step after step, training
-// where each product quantizes the current weights itself (the same model with the groups' MX
-// copies switched off). Copies left from an earlier step would part the two from the second
-// step on. None outlive the pass, and the expert matrices keep no compute copy. With a full
-// checkpointing policy the backward reruns the forward's products, and its gather makes the
-// forward's copies too.
-class MxCopies : public ::testing::TestWithParam<const char*> {};
+// The quantized copies FSDP makes for a pass (ParamGroup::copies, fsdp::gather: MX values, or
+// FP8 tiles) are those of the weights the optimizer just wrote: training with them equals, bit for
+// bit and step after step, training where each product quantizes the current weights itself (the
+// same model with the groups' copies switched off). Copies left from an earlier step would part
+// the two from the second step on. None outlive the pass, and the expert matrices keep no compute
+// copy under an MX recipe (FP8 tiles are made from it). With a full checkpointing policy the
+// backward reruns the forward's products, and its gather makes the forward's copies too.
+struct CopiesCase {
+  const char* recipe;
+  const char* checkpoint;
+};
+class QuantCopies : public ::testing::TestWithParam<CopiesCase> {};
 
-TEST_P(MxCopies, AreMadeFromEachStepsWeights) {
+TEST_P(QuantCopies, AreMadeFromEachStepsWeights) {
   const std::string tiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
-  const Config cfg = load_config(tiny, {"model.expert_recipe=mxfp8_wgrad_with_hp",
-                                        std::string("model.checkpoint=\"") + GetParam() + "\""});
+  std::vector<std::string> sets = {
+      std::string("model.expert_recipe=") + GetParam().recipe,
+      std::string("model.checkpoint=\"") + GetParam().checkpoint + "\""};
+  if (std::string(GetParam().recipe).rfind("fp8", 0) == 0) {  // 128 x 128 tiles
+    sets.push_back("model.dim=128");
+    sets.push_back("model.moe_dim=128");
+  }
+  const Config cfg = load_config(tiny, sets);
   Qwen3Moe with_copies(cfg.model, 3), own_copies(cfg.model, 3);
   int switched_off = 0;
   for (auto& u : own_copies.units())
     for (auto& g : u.groups)
       for (ParamSpec& spec : g.specs) {
-        switched_off += spec.mx_copies ? 1 : 0;
-        spec.mx_copies = false;
+        switched_off += spec.quant_copies ? 1 : 0;
+        spec.quant_copies = false;
       }
   EXPECT_EQ(switched_off, 2 * cfg.model.n_layers);
   AdamW opt_a(with_copies.units(), cfg.train), opt_b(own_copies.units(), cfg.train);
@@ -439,8 +449,10 @@ TEST_P(MxCopies, AreMadeFromEachStepsWeights) {
         const ParamGroup& g = with_copies.units()[u].groups[k];
         EXPECT_TRUE(testing::same_bytes(g.grad_shard, own_copies.units()[u].groups[k].grad_shard))
             << g.specs.front().name;
-        EXPECT_TRUE(g.mx.empty()) << g.specs.front().name << ": MX copies outlive the pass";
-        if (g.wants_mx_copies()) {
+        EXPECT_TRUE(g.copies.empty()) << g.specs.front().name << ": copies outlive the pass";
+        // MX values are made from the masters (FP8 tiles from the compute copy, where the
+        // compute dtype is not the masters').
+        if (g.wants_quant_copies() && !g.precision.fp8_forward_and_input()) {
           EXPECT_FALSE(g.compute.defined()) << g.specs.front().name;
         }
       }
@@ -451,7 +463,14 @@ TEST_P(MxCopies, AreMadeFromEachStepsWeights) {
   EXPECT_NE(losses[2], losses[1]);
 }
 
-INSTANTIATE_TEST_SUITE_P(Checkpoint, MxCopies, ::testing::Values("none", "full"));
+INSTANTIATE_TEST_SUITE_P(RecipeCheckpoint, QuantCopies,
+                         ::testing::Values(CopiesCase{"mxfp8_wgrad_with_hp", "none"},
+                                           CopiesCase{"mxfp8_wgrad_with_hp", "full"},
+                                           CopiesCase{"fp8_wgrad_with_hp", "none"},
+                                           CopiesCase{"fp8_blockwise", "full"}),
+                         [](const auto& info) {
+                           return std::string(info.param.recipe) + "_" + info.param.checkpoint;
+                         });
 
 // Under each MX recipe the checkpointing policies give the same gradients bit for bit: a forward
 // whose rows the backward makes again writes only their MX values, in place (ForwardRows); the
@@ -494,11 +513,11 @@ TEST(ExpertRecipeTraining, CheckpointPoliciesGiveIdenticalGradientsUnderMxRecipe
 
 // A product given the weight's copies without the one it reads (a gather made them for the other
 // pass) says so, rather than reading an empty tensor.
-TEST(ExpertGemm, AMissingMxCopyIsNamed) {
+TEST(ExpertGemm, AMissingCopyIsNamed) {
   const Tensor w = testing::randn({2, 64, 32}, 3, 0.1, DType::kF64);
-  ops::MxWeightCopies backward_only;
-  ops::make_mx_weight_copies(w, MxScaleRule::kRceil, DType::kF64, ops::MxCopyUse::kBackward,
-                             backward_only);
+  const ops::ExpertPrecision prec{ops::ExpertRecipe::kMxfp8WgradWithHp, MxScaleRule::kRceil};
+  ops::WeightCopies backward_only;
+  ops::make_weight_copies(w, prec, DType::kF64, ops::CopyUse::kBackward, backward_only);
   EXPECT_FALSE(backward_only.along_k.defined());
   ASSERT_TRUE(backward_only.along_n.defined());
   ops::ExpertPermutation p;
@@ -507,11 +526,24 @@ TEST(ExpertGemm, AMissingMxCopyIsNamed) {
   ops::make_expert_permutation(index, 2, p);
   const Tensor x = testing::randn({4, 64}, 4, 1.0, DType::kF64);
   Tensor out = Tensor::zeros({4, 32}, DType::kF64);
-  const ops::ExpertPrecision prec{ops::ExpertRecipe::kMxfp8WgradWithHp, MxScaleRule::kRceil};
   const std::string e = testing::error_of(
       [&] { ops::expert_gemm_forward(x, w, p.expert_rows(), prec, out, {&backward_only}); });
   EXPECT_NE(e.find("forward MX product"), std::string::npos) << e;
   EXPECT_NE(e.find("fsdp::gather's use"), std::string::npos) << e;
+  // The FP8 recipes' tiles likewise.
+  ops::ExpertPrecision fp8 = prec;
+  fp8.recipe = ops::ExpertRecipe::kFp8WgradWithHp;
+  const Tensor w8 = testing::randn({2, 128, 128}, 5, 0.1, DType::kF64);
+  ops::WeightCopies forward_only;
+  ops::make_weight_copies(w8, fp8, DType::kF64, ops::CopyUse::kForward, forward_only);
+  EXPECT_TRUE(forward_only.fp8_forward.defined());
+  EXPECT_FALSE(forward_only.fp8_input.defined());
+  EXPECT_FALSE(forward_only.along_k.defined());
+  const Tensor dy = testing::randn({4, 128}, 6, 1.0, DType::kF64);
+  Tensor dx = Tensor::zeros({4, 128}, DType::kF64);
+  const std::string e8 = testing::error_of(
+      [&] { ops::expert_gemm_backward_input(dy, w8, p.expert_rows(), fp8, dx, {&forward_only}); });
+  EXPECT_NE(e8.find("input-gradient FP8 product"), std::string::npos) << e8;
 }
 
 // The weight-gradient tap (bench_mx_wgrad_error's) sees every expert weight gradient's operands,

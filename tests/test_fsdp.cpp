@@ -154,8 +154,9 @@ TEST(Fsdp, ReshardAfterBackwardGathersEachUnitOncePerPass) {
       std::vector<ParamUnit> units(4);
       for (size_t u = 0; u < units.size(); ++u) {
         std::vector<ParamSpec> specs = {{"w" + std::to_string(u), {32, 64}}};
-        specs[0].mx_copies = u >= 2;
+        specs[0].quant_copies = u >= 2;
         ParamGroup g = make_param_group(ParamKind::kDense, specs, DType::kF32);
+        g.precision.recipe = ops::ExpertRecipe::kMxfp8WgradWithHp;  // units 2, 3: MX copies
         allocate_group(g);
         init_params(g, 5 + u, 0.3);
         place_group(g, Device::kCPU, DType::kBF16);
@@ -165,11 +166,10 @@ TEST(Fsdp, ReshardAfterBackwardGathersEachUnitOncePerPass) {
       }
       auto weights_held = [&](size_t u) {
         const ParamGroup& g = units[u].groups[0];
-        return g.sharded() ? g.compute.defined() || g.params.defined() || !g.mx.empty()
-                           : !g.mx.empty();
+        return g.sharded() ? g.compute.defined() || g.params.defined() || !g.copies.empty()
+                           : !g.copies.empty();
       };
-      fsdp::UnitSchedule s(units, 1.0, {false, true, true, true}, ops::MxCopyUse::kBackward,
-                           reshard);
+      fsdp::UnitSchedule s(units, 1.0, {false, true, true, true}, ops::CopyUse::kBackward, reshard);
       for (size_t u = 0; u < units.size(); ++u) {
         s.forward_begin(u);
         s.forward_end(u);
@@ -185,7 +185,7 @@ TEST(Fsdp, ReshardAfterBackwardGathersEachUnitOncePerPass) {
         EXPECT_FALSE(weights_held(3));
         const ParamGroup& mx = units[2].groups[0];
         if (hold) {  // the MX copies of both passes, the gathered weights dropped
-          EXPECT_TRUE(mx.mx[0].along_k.defined() && mx.mx[0].along_n.defined());
+          EXPECT_TRUE(mx.copies[0].along_k.defined() && mx.copies[0].along_n.defined());
           EXPECT_FALSE(mx.compute.defined() || mx.params.defined());
         }
       }
@@ -195,7 +195,7 @@ TEST(Fsdp, ReshardAfterBackwardGathersEachUnitOncePerPass) {
           std::lock_guard<std::mutex> lock(mu);
           EXPECT_EQ(weights_held(u), u > 0) << "unit " << u;
           if (u >= 2 && c.rank() == 0)
-            backward_copy[{reshard, u}] = units[u].groups[0].mx[0].along_n.clone();
+            backward_copy[{reshard, u}] = units[u].groups[0].copies[0].along_n.clone();
         }
         s.backward_end(u);
       }

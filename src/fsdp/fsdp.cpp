@@ -44,15 +44,15 @@ void prefetch(ParamGroup& g) {
 }
 
 namespace {
-// The MX copies `use` needs, from the weights the ops would read (the gathered compute copy, or
-// the params rounded to the compute dtype); each copy tensor kept from an earlier gather of this
+// The quantized copies `use` needs, from the weights the ops would read (the gathered compute copy,
+// or the params rounded to the compute dtype); each copy tensor kept from an earlier gather of this
 // pass is rewritten in place.
-void make_mx_copies(ParamGroup& g, ops::MxCopyUse use) {
-  if (!g.wants_mx_copies()) return;
-  g.mx.resize(g.specs.size());
+void make_quant_copies(ParamGroup& g, ops::CopyUse use) {
+  if (!g.wants_quant_copies()) return;
+  g.copies.resize(g.specs.size());
   for (size_t i = 0; i < g.specs.size(); ++i)
-    if (g.specs[i].mx_copies)
-      ops::make_mx_weight_copies(g.weight(i), g.mx_rule, g.compute_dtype, use, g.mx[i]);
+    if (g.specs[i].quant_copies)
+      ops::make_weight_copies(g.weight(i), g.precision, g.compute_dtype, use, g.copies[i]);
 }
 }  // namespace
 
@@ -64,10 +64,10 @@ void make_persistent_copies(ParamGroup& g) {
   ops::convert(g.params, g.compute);  // the ops read a cast copy
 }
 
-void gather(ParamGroup& g, ops::MxCopyUse use) {
+void gather(ParamGroup& g, ops::CopyUse use) {
   if (!g.sharded()) {
     make_persistent_copies(g);
-    return make_mx_copies(g, use);
+    return make_quant_copies(g, use);
   }
   if (!g.gathering) g.gathering = start_gather(g);
   g.gathering->wait();
@@ -77,9 +77,10 @@ void gather(ParamGroup& g, ops::MxCopyUse use) {
     g.compute = Tensor::empty(g.params.shape(), g.compute_dtype, g.params.device());
     ops::convert(g.params, g.compute);
   }
-  make_mx_copies(g, use);
-  // Nothing else reads the gathered weights of a group of MX copies only: free them now.
-  if (g.wants_mx_copies() && !g.reads_compute() && !g.reads_master()) {
+  make_quant_copies(g, use);
+  // Nothing else reads the gathered weights of a group of quantized copies only (MX): free them
+  // now.
+  if (g.wants_quant_copies() && !g.reads_compute() && !g.reads_master()) {
     g.compute = Tensor();
     g.params = Tensor();
   }
@@ -87,11 +88,11 @@ void gather(ParamGroup& g, ops::MxCopyUse use) {
 
 void drop_compute_copies(ParamGroup& g) {
   g.compute = Tensor();
-  g.mx.clear();
+  g.copies.clear();
 }
 
 void release(ParamGroup& g) {
-  g.mx.clear();
+  g.copies.clear();
   if (!g.sharded()) return;              // the unsharded cast copy stays: AdamW keeps it current
   if (g.gathering) g.gathering->wait();  // never free what a collective may still write
   g.gathering.reset();
@@ -143,7 +144,7 @@ void abandon_in_flight(ParamGroup& g) {
 void await_update(ParamUnit& u) {
   if (u.await_update) u.await_update();
 }
-void gather(ParamUnit& u, ops::MxCopyUse use) {
+void gather(ParamUnit& u, ops::CopyUse use) {
   await_update(u);
   for (auto& g : u.groups) gather(g, use);
 }
@@ -171,7 +172,7 @@ void finish_reduction(ParamUnit& u) {
 }
 
 UnitSchedule::UnitSchedule(std::vector<ParamUnit>& units, double grad_divide_factor,
-                           std::vector<bool> backward_reads_params, ops::MxCopyUse backward_copies,
+                           std::vector<bool> backward_reads_params, ops::CopyUse backward_copies,
                            Reshard reshard)
     : units_(&units),
       divide_(grad_divide_factor),
@@ -195,12 +196,12 @@ void UnitSchedule::release_unit(size_t i) {
 
 void UnitSchedule::forward_begin(size_t i) {
   ParamUnit& u = (*units_)[i];
-  // Held for the backward, a sharded group makes the backward's MX copies now, from the same
+  // Held for the backward, a sharded group makes the backward's quantized copies now, from the same
   // gather; an unsharded one has nothing to gather again and makes them at its backward.
   const bool hold = holds_for_backward(i);
   await_update(u);
   for (ParamGroup& g : u.groups)
-    gather(g, hold && g.sharded() ? ops::MxCopyUse::kBoth : ops::MxCopyUse::kForward);
+    gather(g, hold && g.sharded() ? ops::CopyUse::kBoth : ops::CopyUse::kForward);
   held_[i] = hold ? Held::kForBackward : Held::kForForward;
   if (i + 1 < units_->size()) prefetch((*units_)[i + 1]);
 }
@@ -208,7 +209,7 @@ void UnitSchedule::forward_begin(size_t i) {
 void UnitSchedule::forward_end(size_t i) {
   if (!holds_for_backward(i)) return release_unit(i);
   for (ParamGroup& g : (*units_)[i].groups)
-    if (!g.sharded()) release(g);  // its forward's MX copies
+    if (!g.sharded()) release(g);  // its forward's quantized copies
 }
 
 void UnitSchedule::begin_gradients(size_t i) {
@@ -227,10 +228,10 @@ void UnitSchedule::backward_begin(size_t i) {
       if (!g.sharded()) gather(g, backward_copies_);  // the sharded ones are held
   } else if (reads_[i]) {
     // Held from its forward by the model (the head, the tied embedding): its forward's gather
-    // serves, which made no backward MX copies.
+    // serves, which made no backward quantized copies.
     for (const ParamGroup& g : u.groups)
-      MT_CHECK(!g.wants_mx_copies(), "unit {} holds MX copies from its forward into its backward",
-               u.name);
+      MT_CHECK(!g.wants_quant_copies(),
+               "unit {} holds quantized copies from its forward into its backward", u.name);
   }
   begin_gradients(i);
   if (i > 0 && reads_[i - 1] && held_[i - 1] == Held::kNothing) prefetch((*units_)[i - 1]);

@@ -14,21 +14,22 @@ namespace mt::fsdp {
 void shard_group(ParamGroup& g, dist::Communicator& comm);
 
 // params (padded) = all-gather of the shards (collective over the group's comm); then, in mixed
-// precision, the compute copy, and the MX copies `use` needs (ParamSpec::mx_copies; the copies
-// of a unit gathered again for its backward are made again, as its gathered weights are). Call
-// before the unit runs, sharded or not.
-void gather(ParamGroup& g, ops::MxCopyUse use = ops::MxCopyUse::kBoth);
+// precision, the compute copy, and the quantized copies `use` needs (ParamSpec::quant_copies; the
+// copies of a unit gathered again for its backward are made again, as its gathered weights are).
+// Call before the unit runs, sharded or not.
+void gather(ParamGroup& g, ops::CopyUse use = ops::CopyUse::kBoth);
 // Starts gather(g)'s all-gather in the background (NCCL: on the communicator's stream, so it
 // overlaps the compute queued until gather(g), which then waits for it instead of gathering).
 // Sharded groups only; a no-op otherwise or when one is already under way.
 void prefetch(ParamGroup& g);
-// Drops the MX copies, and on a sharded group the gathered params and the compute copy (reshard
-// after forward, and after backward). An unsharded group's compute copy stays: AdamW keeps it.
+// Drops the quantized copies, and on a sharded group the gathered params and the compute copy
+// (reshard after forward, and after backward). An unsharded group's compute copy stays: AdamW keeps
+// it.
 void release(ParamGroup& g);
 // An unsharded group's persistent compute copy, made now when missing (gather makes it too): what
 // must exist before a CUDA graph is captured, outside its memory pool.
 void make_persistent_copies(ParamGroup& g);
-// Drops the compute copy and the MX copies: after something else wrote the parameters (a
+// Drops the compute copy and the quantized copies: after something else wrote the parameters (a
 // checkpoint load); the next gather makes them again.
 void drop_compute_copies(ParamGroup& g);
 // Allocates zeroed full gradients for the unit's backward.
@@ -45,12 +46,12 @@ void finish_reduction(ParamGroup& g);
 // them: after a CUDA graph capture failed mid-pass, whose collectives were recorded, never run.
 void abandon_in_flight(ParamGroup& g);
 
-// When a sharded group's gathered weights (its compute copy, or its MX copies) are dropped
+// When a sharded group's gathered weights (its compute copy, or its quantized copies) are dropped
 // within a pass: after its unit's forward, so that its backward gathers them again (FSDP's
 // default: at most two units gathered at once), or after its backward, held in between (PyTorch
 // FSDP2's reshard_after_forward=False): one all-gather per unit and pass instead of two, and the
-// MX copies of both passes made from one read of the gathered weights, for the memory of every
-// unit's gathered weights at the end of the forward. Unsharded groups have nothing to gather
+// quantized copies of both passes made from one read of the gathered weights, for the memory of
+// every unit's gathered weights at the end of the forward. Unsharded groups have nothing to gather
 // and keep the default; a pass without a backward reshards after the forward either way.
 enum class Reshard : uint8_t { kAfterForward, kAfterBackward };
 
@@ -58,22 +59,22 @@ enum class Reshard : uint8_t { kAfterForward, kAfterBackward };
 // forward, then n-1..0 backward; made for one pass (every unit released at its start).
 // Forward: a unit is gathered just before it runs, the next unit's gather started behind it
 // (NCCL: overlapping this unit's compute), and released after (Reshard::kAfterForward) or held
-// for its backward (kAfterBackward: its sharded groups, with the MX copies of both passes).
+// for its backward (kAfterBackward: its sharded groups, with the quantized copies of both passes).
 // Backward: a unit is gathered (unless still held from its forward), its gradients allocated and
 // the gather of the unit below started (when that unit's backward reads its parameters and it
 // is not held); once its backward is queued, its reduce-scatter starts in the background, the
 // reduction of the unit above is finished and the unit released, so (NCCL) each reduction
 // overlaps the next unit's backward and at most two units' full gradients live. Unsharded units
-// only get their compute and MX copies, as with the functions above.
+// only get their compute and quantized copies, as with the functions above.
 class UnitSchedule {
  public:
   // backward_reads_params[i]: unit i's backward needs its parameters (an embedding's does not).
-  // backward_copies: the MX copies a backward needs (kBoth when it reruns the forward's products:
-  // a full activation-checkpointing policy). reshard: see Reshard; a unit whose backward reads
-  // no parameters is released after its forward either way.
+  // backward_copies: the quantized copies a backward needs (kBoth when it reruns the forward's
+  // products: a full activation-checkpointing policy). reshard: see Reshard; a unit whose backward
+  // reads no parameters is released after its forward either way.
   UnitSchedule(std::vector<ParamUnit>& units, double grad_divide_factor,
                std::vector<bool> backward_reads_params,
-               ops::MxCopyUse backward_copies = ops::MxCopyUse::kBackward,
+               ops::CopyUse backward_copies = ops::CopyUse::kBackward,
                Reshard reshard = Reshard::kAfterForward);
   void forward_begin(size_t i);
   void forward_end(size_t i);
@@ -92,7 +93,7 @@ class UnitSchedule {
 
   std::vector<ParamUnit>* units_;
   double divide_;
-  ops::MxCopyUse backward_copies_;
+  ops::CopyUse backward_copies_;
   Reshard reshard_;
   std::vector<bool> reads_, gradients_;
   std::vector<Held> held_;
@@ -102,7 +103,7 @@ class UnitSchedule {
 // runs beside the passes (ParamUnit::await_update); gather, begin_backward and a prefetch that
 // starts a gather call it.
 void await_update(ParamUnit& u);
-void gather(ParamUnit& u, ops::MxCopyUse use);
+void gather(ParamUnit& u, ops::CopyUse use);
 void prefetch(ParamUnit& u);
 void release(ParamUnit& u);
 void begin_backward(ParamUnit& u);

@@ -33,10 +33,10 @@ struct ParamSpec {
   // logits decide the routing. A sharded group holding one gathers its fp32 masters and casts
   // the compute copy locally.
   bool master_weight = false;
-  // An expert matrix under an MX recipe: the ops read only its MX copies (ops::MxWeightCopies),
-  // made from the weights at each gather for the pass that gathers (fsdp::gather) and dropped at
-  // release; no compute copy is kept for it.
-  bool mx_copies = false;
+  // An expert matrix under an MX or FP8 recipe: the ops read only its quantized copies
+  // (ops::WeightCopies), made from the weights at each gather for the pass that gathers
+  // (fsdp::gather) and dropped at release; no compute copy is kept for it.
+  bool quant_copies = false;
 };
 
 struct ParamGroup {
@@ -74,25 +74,28 @@ struct ParamGroup {
   Tensor reduced;
   double reduced_divide_factor = 1.0;
 
-  // The MX copies of the specs with mx_copies (indexed like specs; empty while not made): made
-  // by fsdp::gather for the pass it gathers for, dropped by fsdp::release (sharded or not: they
-  // live only while the unit is in use).
-  std::vector<ops::MxWeightCopies> mx;
-  MxScaleRule mx_rule = MxScaleRule::kRceil;
+  // The quantized copies of the specs with quant_copies (indexed like specs; empty while not
+  // made): made by fsdp::gather for the pass it gathers for, as `precision` asks (MX values or
+  // FP8 tiles), dropped by fsdp::release (sharded or not: they live only while the unit is in use).
+  std::vector<ops::WeightCopies> copies;
+  ops::ExpertPrecision precision;
 
   bool sharded() const { return comm != nullptr; }
-  bool wants_mx_copies() const {
+  bool wants_quant_copies() const {
     for (const ParamSpec& s : specs)
-      if (s.mx_copies) return true;
+      if (s.quant_copies) return true;
     return false;
   }
-  const ops::MxWeightCopies* mx_copies(size_t i) const {
-    return i < mx.size() && specs[i].mx_copies ? &mx[i] : nullptr;
+  const ops::WeightCopies* quant_copies(size_t i) const {
+    return i < copies.size() && specs[i].quant_copies ? &copies[i] : nullptr;
   }
-  // Some spec is read from the compute copy (neither an fp32 master weight nor MX copies only).
+  // Some spec is read from the compute copy: neither an fp32 master weight nor quantized copies
+  // only. FP8 tiles are made from the compute copy (the bf16 values the products would quantize
+  // themselves, in one read of 2 bytes a weight; on one rank AdamW keeps it current), MX values
+  // straight from the masters.
   bool reads_compute() const {
     for (const ParamSpec& s : specs)
-      if (!s.master_weight && !s.mx_copies) return true;
+      if (!s.master_weight && (!s.quant_copies || precision.fp8_forward_and_input())) return true;
     return false;
   }
   bool reads_master() const {
@@ -103,7 +106,7 @@ struct ParamGroup {
   int64_t shard_begin() const { return sharded() ? comm->rank() * shard.numel() : 0; }
   Tensor param(size_t i) const { return params.view(specs[i].offset, specs[i].shape); }
   // The weight as the ops read it: the compute copy when there is one. Undefined for an MX spec
-  // of a gathered sharded group (its compute copy is dropped once the MX copies are made).
+  // of a gathered sharded group (its compute copy is dropped once the quantized copies are made).
   Tensor weight(size_t i) const {
     const bool cast = compute.defined() && !specs[i].master_weight;
     const Tensor& from = cast ? compute : params;

@@ -37,8 +37,8 @@ BlockParams bind(const std::vector<ParamGroup>& groups, bool grads) {
   p.moe.w_gate_up = get(1, kGateUp);
   p.moe.w_down = get(1, kDown);
   if (!grads) {
-    p.moe.gate_up_mx = groups[1].mx_copies(kGateUp);
-    p.moe.down_mx = groups[1].mx_copies(kDown);
+    p.moe.gate_up_copies = groups[1].quant_copies(kGateUp);
+    p.moe.down_copies = groups[1].quant_copies(kDown);
   }
   return p;
 }
@@ -160,12 +160,12 @@ std::vector<ParamGroup> make_block_groups(const ModelConfig& c, const PrecisionP
        first_expert * gate_up},
       {pre + "moe.w_down", {local_experts, c.moe_dim, c.dim}, false, 0, first_expert * down},
   };
-  // Under an MX recipe the group keeps each matrix's MX copies (made once per gather or step).
-  for (ParamSpec& s : experts) s.mx_copies = precision.expert_mx_copies;
+  // Under an MX or FP8 recipe the group keeps each matrix's quantized copies (made at each gather).
+  for (ParamSpec& s : experts) s.quant_copies = precision.expert_weight_copies;
   std::vector<ParamGroup> groups;
   groups.push_back(make_param_group(ParamKind::kDense, std::move(dense), c.master_dtype()));
   groups.push_back(make_param_group(ParamKind::kExpert, std::move(experts), c.master_dtype()));
-  groups.back().mx_rule = precision.experts.rule;
+  groups.back().precision = precision.experts;
   return groups;
 }
 

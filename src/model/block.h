@@ -26,7 +26,8 @@ struct BlockParams {
 
 // The block unit's parameter groups: [0] dense, [1] expert, the latter holding experts
 // [first_expert, first_expert + local_experts) (all of them without expert parallelism).
-// Under an MX recipe (the precision plan) the expert group keeps its matrices' MX copies.
+// Under an MX or FP8 recipe (the precision plan) the expert group keeps its matrices' quantized
+// copies.
 std::vector<ParamGroup> make_block_groups(const ModelConfig& c, const PrecisionPlan& precision,
                                           int64_t layer, int64_t first_expert,
                                           int64_t local_experts);

@@ -30,30 +30,36 @@ MemoryEstimate estimate_memory(const ModelConfig& m, const ParallelConfig& p, in
   // fp32 master weights, gradients and two AdamW moments sharded over the ranks (16 bytes).
   e.states = params * 16 / world;
   // Workspaces: the bf16 compute copies (every unit's on one rank, where they persist; a unit and
-  // the prefetched next one when sharded); under an MX recipe the expert matrices keep none, and a
-  // unit in use holds each one's MX copies for its pass beside the gathered or rounded weights
-  // they are made from; the expert exchange's receive buffer, and 1 GiB for the libraries
+  // the prefetched next one when sharded); under an MX or FP8 recipe the expert matrices keep
+  // none, and a unit in use holds each one's quantized copies for its pass (MX values in the
+  // compute dtype, FP8 tiles at a byte a weight) beside the gathered or rounded weights they are
+  // made from; the expert exchange's receive buffer, and 1 GiB for the libraries
   // (cuBLASLt, cuDNN, NCCL).
   const PrecisionPlan plan = plan_precision(m, p);
   const BlockParamCounts block = count_block_params(m);
   const double experts =
       static_cast<double>(m.n_experts * block.per_expert) / static_cast<double>(p.ep);
-  const bool mx = plan.expert_mx_copies;
-  const double expert_in_use = 1.0 + static_cast<double>(plan.copies_in_use());
+  const bool mx = plan.expert_weight_copies;
+  const double compute_bytes = static_cast<double>(dtype_size(m.activation_dtype()));
+  const double copy_size = plan.experts.fp8_forward_and_input() ? 1.0 / compute_bytes : 1.0;
+  const double expert_in_use = 1.0 + static_cast<double>(plan.copies_in_use()) * copy_size;
   const double layer = static_cast<double>(block.dense) + experts * expert_in_use;
   const double table = static_cast<double>(m.vocab_size * m.dim);
-  // One rank: every compute copy persists, the MX copies of the unit in use and the next.
+  // One rank: every compute copy persists (under an MX recipe none of the expert matrices'), the
+  // quantized copies of the unit in use and the next (FP8 tiles are made from the compute copy).
+  const double copies = 2 * experts * static_cast<double>(plan.copies_in_use()) * copy_size;
   const double all =
-      mx ? params - experts * static_cast<double>(m.n_layers) + 2 * experts * expert_in_use
-         : params;
-  const double compute_bytes = static_cast<double>(dtype_size(m.activation_dtype()));
+      !mx ? params
+      : plan.experts.fp8_forward_and_input()
+          ? params + copies
+          : params - experts * static_cast<double>(m.n_layers) + 2 * experts * expert_in_use;
   e.workspaces = (world > 1 ? 2 * std::max(layer, table) : all) * compute_bytes + double{1 << 30};
   // Held from forward to backward (parallel.reshard_after_forward = false): the other blocks'
   // gathered weights at the end of the forward (a sharded MX expert group: both passes' copies).
   if (world > 1 && p.reshard == fsdp::Reshard::kAfterBackward && m.n_layers > 2) {
     const bool experts_sharded = p.world > p.ep;
-    const double held =
-        static_cast<double>(block.dense) + (experts_sharded ? experts * (mx ? 2.0 : 1.0) : 0.0);
+    const double held = static_cast<double>(block.dense) +
+                        (experts_sharded ? experts * (mx ? 2.0 * copy_size : 1.0) : 0.0);
     e.workspaces += static_cast<double>(m.n_layers - 2) * held * compute_bytes;
   }
   if (p.device_exchange())

@@ -15,7 +15,7 @@ namespace mt {
 struct MemoryEstimate {
   double states = 0;       // weights, gradients and AdamW moments (this rank's shard on the GPU)
   double activations = 0;  // one micro-batch's, under the checkpoint policy
-  double workspaces = 0;   // GPU: compute and MX copies, held blocks, the exchange's window
+  double workspaces = 0;   // GPU: compute and quantized copies, held blocks, the exchange's window
   double total() const { return states + activations + workspaces; }
 };
 

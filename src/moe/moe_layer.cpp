@@ -203,9 +203,9 @@ void fill_chunk(const MoeWeights& w, const MoeConfig& c, const MoeActivations& a
   const int64_t r = ch.xe.dim(0);
   if (!ch.gate_up.defined()) {
     ch.gate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
-    const ops::MxOperands made{w.gate_up_mx, rows_arrive_mx(c) ? &ch.xe
-                                             : xe_mx.defined() ? &xe_mx
-                                                               : nullptr};
+    const ops::QuantOperands made{w.gate_up_copies, rows_arrive_mx(c) ? &ch.xe
+                                                    : xe_mx.defined() ? &xe_mx
+                                                                      : nullptr};
     ops::expert_gemm_forward(ch.xe, w.w_gate_up, ch.perm.expert_rows(), prec, ch.gate_up, made);
   }
   if (!ch.act.defined()) {
@@ -266,7 +266,7 @@ void moe_combine(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms,
   for (MoeChunk& ch : a.chunks) {
     Tensor ye = Tensor::empty({ch.act.dim(0), c.dim}, ch.act.dtype(), ch.act.device());
     ops::expert_gemm_forward(ch.act, w.w_down, ch.perm.expert_rows(), c.expert_precision, ye,
-                             {w.down_mx, ch.act_mx.defined() ? &ch.act_mx : nullptr});
+                             {w.down_copies, ch.act_mx.defined() ? &ch.act_mx : nullptr});
     ch.act_mx = Tensor();
     Tensor out_rows = ch.rows_of(out);
     Tensor res_rows = residual ? ch.rows_of(*residual) : Tensor();
@@ -321,7 +321,7 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
     dy_here[i] = Tensor();
     Tensor dact = Tensor::empty({r, c.moe_dim}, dt, dev);
     ops::expert_gemm_backward_input(dye, w.w_down, rows, prec, dact,
-                                    {w.down_mx, dye_mx.defined() ? &dye_mx : nullptr});
+                                    {w.down_copies, dye_mx.defined() ? &dye_mx : nullptr});
     dye_mx = Tensor();
 
     Tensor dgate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
@@ -342,8 +342,9 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
     Tensor dweight_3d = dweight_here.reshape({here, c.top_k, 1});
     ops::unpermute_rows(drow_weight, ch.perm, dweight_3d);
     Tensor dxe = Tensor::empty({r, c.dim}, dt, dev);
-    ops::expert_gemm_backward_input(dgate_up, w.w_gate_up, rows, prec, dxe,
-                                    {w.gate_up_mx, dgate_up_mx.defined() ? &dgate_up_mx : nullptr});
+    ops::expert_gemm_backward_input(
+        dgate_up, w.w_gate_up, rows, prec, dxe,
+        {w.gate_up_copies, dgate_up_mx.defined() ? &dgate_up_mx : nullptr});
     dgate_up_mx = Tensor();
 
     // The dispatch's backward: each token's rows summed where they are, then across the ranks,

@@ -41,10 +41,10 @@ struct MoeWeights {
   Tensor router;     // (D, E), the router's logits are hn @ router
   Tensor w_gate_up;  // (E_local, D, 2F), gate columns first
   Tensor w_down;     // (E_local, F, D)
-  // Their MX copies under an MX recipe, when made beforehand (fsdp: once per gather or step);
+  // Their quantized copies under an MX or FP8 recipe, when made beforehand (fsdp: at each gather);
   // null: the products make their own.
-  const ops::MxWeightCopies* gate_up_mx = nullptr;
-  const ops::MxWeightCopies* down_mx = nullptr;
+  const ops::WeightCopies* gate_up_copies = nullptr;
+  const ops::WeightCopies* down_copies = nullptr;
 };
 
 // The most chunks a layer's tokens go through the experts in (MoeComms::chunks): each takes two

@@ -6,6 +6,7 @@
 
 #include "core/enum_names.h"
 #include "core/profile.h"
+#include "ops/elementwise.h"
 #include "ops/fp8.h"
 #include "ops/fp8_gemm.h"
 #include "ops/mx.h"
@@ -134,52 +135,100 @@ std::string ExpertPrecision::invalid_combination() const {
   return {};
 }
 
-void make_mx_weight_copies(const Tensor& w, MxScaleRule rule, DType dtype, MxCopyUse use,
-                           MxWeightCopies& out) {
-  const profile::Phase phase("mx.weight_copies");
-  if (use == MxCopyUse::kBoth) {  // one read of w for both
-    allocate_copy(w, QuantAxis::kDim1, dtype, out.along_k);
-    allocate_copy(w, QuantAxis::kDim0, dtype, out.along_n);
-    return mx_round_trip_both_axes(w, rule, out.along_n, out.along_k);
+namespace {
+
+// w's FP8 tiles for `use`, from w as the products read it (rounded to `dtype` first).
+void make_fp8_copies(const Tensor& w, Fp8ScaleRule rule, DType dtype, CopyUse use,
+                     WeightCopies& out) {
+  Tensor rounded = w;
+  if (w.dtype() != dtype) {
+    rounded = Tensor::empty(w.shape(), dtype, w.device());
+    convert(w, rounded);
   }
-  if (use != MxCopyUse::kBackward) mx_weight(w, QuantAxis::kDim1, rule, dtype, out.along_k);
-  if (use != MxCopyUse::kForward) mx_weight(w, QuantAxis::kDim0, rule, dtype, out.along_n);
+  const auto tiles = [&](QuantTensor& q, QuantAxis axis) {
+    if (!q.defined()) q = QuantTensor::empty(w.shape(), QuantBlock::kTile128, axis, w.device());
+  };
+  if (use != CopyUse::kBackward) tiles(out.fp8_forward, QuantAxis::kDim1);
+  if (use != CopyUse::kForward) tiles(out.fp8_input, QuantAxis::kDim0);
+  if (use == CopyUse::kBoth)  // one read of w for both
+    return fp8_quantize_both_axes(rounded, rule, out.fp8_input, out.fp8_forward);
+  if (use == CopyUse::kForward) return fp8_quantize(rounded, rule, out.fp8_forward);
+  fp8_quantize(rounded, rule, out.fp8_input);
 }
 
-// The copy a product reads: the one made beforehand, else made now from w.
-Tensor weight_copy(const MxOperands& made, Tensor MxWeightCopies::*copy, const Tensor& w,
+}  // namespace
+
+void make_weight_copies(const Tensor& w, const ExpertPrecision& p, DType dtype, CopyUse use,
+                        WeightCopies& out) {
+  if (p.fp8_forward_and_input()) {
+    const profile::Phase phase("fp8.weight_copies");
+    return make_fp8_copies(w, p.fp8_scale, dtype, use, out);
+  }
+  MT_CHECK(p.mx_forward_and_input(), "weight copies for the {} recipe, which reads none",
+           expert_recipe_name(p.recipe));
+  const profile::Phase phase("mx.weight_copies");
+  if (use == CopyUse::kBoth) {  // one read of w for both
+    allocate_copy(w, QuantAxis::kDim1, dtype, out.along_k);
+    allocate_copy(w, QuantAxis::kDim0, dtype, out.along_n);
+    return mx_round_trip_both_axes(w, p.rule, out.along_n, out.along_k);
+  }
+  if (use != CopyUse::kBackward) mx_weight(w, QuantAxis::kDim1, p.rule, dtype, out.along_k);
+  if (use != CopyUse::kForward) mx_weight(w, QuantAxis::kDim0, p.rule, dtype, out.along_n);
+}
+
+namespace {
+
+// The copy a product reads: the one made beforehand (a gather for another pass may have made
+// only the other), else made now from w.
+const char* kMissingCopy =
+    "the {} product was given the weight's copies without the one it reads (a gather for another "
+    "pass made them: fsdp::gather's use)";
+
+Tensor weight_copy(const QuantOperands& made, Tensor WeightCopies::*copy, const Tensor& w,
                    QuantAxis along, MxScaleRule rule, const char* product) {
   if (!made.weight) return mx_weight(w, along, rule);
   const Tensor& t = made.weight->*copy;
-  MT_CHECK(t.defined(),
-           "the {} MX product was given the weight's copies without the one it reads (a gather "
-           "for another pass made them: fsdp::gather's use)",
-           product);
+  MT_CHECK(t.defined(), fmt::runtime(kMissingCopy), product);
   return t;
 }
 
+QuantTensor fp8_weight_copy(const QuantOperands& made, QuantTensor WeightCopies::*copy,
+                            const Tensor& w, QuantAxis axis, Fp8ScaleRule rule,
+                            const char* product) {
+  if (!made.weight) return fp8_weight(w, axis, rule);
+  const QuantTensor& q = made.weight->*copy;
+  MT_CHECK(q.defined(), fmt::runtime(kMissingCopy), product);
+  return q;
+}
+
+}  // namespace
+
 // out = a b^T over the experts' rows, with b (E, P, Q): grouped_gemm_backward_input's product.
 void expert_gemm_forward(const Tensor& x, const Tensor& w, const ExpertRows& rows,
-                         const ExpertPrecision& p, Tensor& out, const MxOperands& made) {
+                         const ExpertPrecision& p, Tensor& out, const QuantOperands& made) {
   if (p.fp8_forward_and_input())
-    return fp8_grouped_gemm(fp8_rows(x, p.fp8_scale), fp8_weight(w, QuantAxis::kDim1, p.fp8_scale),
+    return fp8_grouped_gemm(fp8_rows(x, p.fp8_scale),
+                            fp8_weight_copy(made, &WeightCopies::fp8_forward, w, QuantAxis::kDim1,
+                                            p.fp8_scale, "forward FP8"),
                             rows, out);
   if (!p.mx_forward_and_input()) return grouped_gemm_forward(x, w, rows, out);
   grouped_gemm_backward_input(
       made.rows ? *made.rows : mx_rows(x, p.rule),
-      weight_copy(made, &MxWeightCopies::along_k, w, QuantAxis::kDim1, p.rule, "forward"), rows,
+      weight_copy(made, &WeightCopies::along_k, w, QuantAxis::kDim1, p.rule, "forward MX"), rows,
       out);
 }
 
 void expert_gemm_backward_input(const Tensor& dy, const Tensor& w, const ExpertRows& rows,
-                                const ExpertPrecision& p, Tensor& dx, const MxOperands& made) {
+                                const ExpertPrecision& p, Tensor& dx, const QuantOperands& made) {
   if (p.fp8_forward_and_input())
-    return fp8_grouped_gemm(fp8_rows(dy, p.fp8_scale), fp8_weight(w, QuantAxis::kDim0, p.fp8_scale),
+    return fp8_grouped_gemm(fp8_rows(dy, p.fp8_scale),
+                            fp8_weight_copy(made, &WeightCopies::fp8_input, w, QuantAxis::kDim0,
+                                            p.fp8_scale, "input-gradient FP8"),
                             rows, dx);
   if (!p.mx_forward_and_input()) return grouped_gemm_backward_input(dy, w, rows, dx);
   grouped_gemm_backward_input(
       made.rows ? *made.rows : mx_rows(dy, p.rule),
-      weight_copy(made, &MxWeightCopies::along_n, w, QuantAxis::kDim0, p.rule, "input-gradient"),
+      weight_copy(made, &WeightCopies::along_n, w, QuantAxis::kDim0, p.rule, "input-gradient MX"),
       rows, dx);
 }
 

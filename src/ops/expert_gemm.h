@@ -75,36 +75,43 @@ struct ExpertPrecision {
   std::string invalid_combination() const;
 };
 
-// A weight's MX copies, each the b of out = a b^T (grouped_gemm_backward_input's shape), in the
-// compute dtype: w (E, K, N) quantized along K and stored transposed, (E, N, K), for the forward;
-// quantized along N, (E, K, N), for the input gradient. FSDP makes them (fsdp::gather); the
-// products make their own when given none.
-struct MxWeightCopies {
+// A weight's quantized copies for the forward and the input gradient, each the b of
+// out = a b^T (grouped_gemm_backward_input's shape). MX recipes: the MX values in the compute
+// dtype, w (E, K, N) quantized along K and stored transposed, (E, N, K), for the forward, along N,
+// (E, K, N), for the input gradient. FP8 recipes: E4M3 in 128 x 128 tiles with f32 scales, stored
+// along dim1 (w^T) for the forward and dim0 for the input gradient (ops/fp8_gemm.h). FSDP makes
+// them once for each pass that gathers the weights (fsdp::gather); the products make their own
+// when given none.
+struct WeightCopies {
   Tensor along_k;
   Tensor along_n;
+  QuantTensor fp8_forward;
+  QuantTensor fp8_input;
 };
 // Which copies a use of the weights needs: the forward's, the input gradient's, or both.
-enum class MxCopyUse : uint8_t { kForward, kBackward, kBoth };
-// Writes w's copies for `use` into `out` (w in any float dtype, rounded to `dtype` first, the
-// copies in `dtype`): each allocated when undefined, else overwritten in place (a captured step
-// keeps their addresses); the copies `use` does not need are left as they are.
-void make_mx_weight_copies(const Tensor& w, MxScaleRule rule, DType dtype, MxCopyUse use,
-                           MxWeightCopies& out);
+enum class CopyUse : uint8_t { kForward, kBackward, kBoth };
+// Writes w's copies for `use` under p's recipe into `out` (w in any float dtype, rounded to
+// `dtype` first, as the products see the compute copy; MX copies in `dtype`): each allocated when
+// undefined, else overwritten in place (a captured step keeps their addresses); the copies `use`
+// does not need are left as they are. Both from one read of w where `use` asks for both.
+void make_weight_copies(const Tensor& w, const ExpertPrecision& p, DType dtype, CopyUse use,
+                        WeightCopies& out);
 
-// What the caller made beforehand for the forward and input-gradient MX products (ignored by
-// bf16): the weight's copies, and the rows' MX values along the contraction (dim0), e.g. by the
-// kernel that wrote the rows (ops::MxValuesOut), or the rows themselves when they arrived as
-// MX values (an MXFP8 dispatch). The product makes what is not given.
-struct MxOperands {
-  const MxWeightCopies* weight = nullptr;
+// What the caller made beforehand for the forward and input-gradient MX and FP8 products
+// (ignored by bf16): the weight's copies, and (MX) the rows' MX values along the contraction
+// (dim0), e.g. by the kernel that wrote the rows (ops::MxValuesOut), or the rows themselves when
+// they arrived as MX values (an MXFP8 dispatch). The product makes what is not given.
+struct QuantOperands {
+  const WeightCopies* weight = nullptr;
   const Tensor* rows = nullptr;
 };
 
 // Shapes as ops/grouped_gemm.h: x (M, K), w (E, K, N), out (M, N).
 void expert_gemm_forward(const Tensor& x, const Tensor& w, const ExpertRows& rows,
-                         const ExpertPrecision& p, Tensor& out, const MxOperands& made = {});
+                         const ExpertPrecision& p, Tensor& out, const QuantOperands& made = {});
 void expert_gemm_backward_input(const Tensor& dy, const Tensor& w, const ExpertRows& rows,
-                                const ExpertPrecision& p, Tensor& dx, const MxOperands& made = {});
+                                const ExpertPrecision& p, Tensor& dx,
+                                const QuantOperands& made = {});
 void expert_gemm_backward_weight(const Tensor& x, const Tensor& dy, const ExpertRows& rows,
                                  const ExpertPrecision& p, Tensor& dw,
                                  Accumulate accumulate = Accumulate::kYes);

@@ -1,5 +1,5 @@
 // The MX expert product for rows that are E4M3 bytes: expert rows in MXFP8 times each expert's
-// matrix held as MX values in the compute dtype (ops::make_mx_weight_copies). It computes either
+// matrix held as MX values in the compute dtype (ops::make_weight_copies). It computes either
 // MX GEMM of the forward and input gradient, which multiply an operand quantized along the
 // contraction by a weight copy quantized along it too:
 //   forward:        out (M, N) = x (M, K) w[e] (K, N)     = x  b[e]^T, b = w^T   (E, N, K)
