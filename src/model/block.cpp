@@ -225,6 +225,7 @@ Tensor block_backward(const BlockParams& p, BlockParams& g, const ModelConfig& c
   ops::linear_backward(a.attn.reshape({n, c.q_dim()}), p.wo, dh, dattn, g.wo);
   Tensor dqr = new_like(a.qr), dkr = new_like(a.kr);
   Tensor dv = Tensor::empty({n, c.n_kv_heads, c.head_dim}, dt, dev);
+  std::optional<ContextRowsReduce> dk_sum, dv_sum;  // context parallelism: in flight below
   if (in.cp) {  // the rows' keys and values again; this rank's share of their gradients
     const ContextShard& shard = in.batch->context;
     Tensor keys, values;
@@ -240,26 +241,34 @@ Tensor block_backward(const BlockParams& p, BlockParams& g, const ModelConfig& c
                                    dattn.reshape(a.attn.shape()), in.batch->documents(),
                                    attention_scale(c), dqr, dk_rows, dv_rows);
     }
-    const profile::Phase reduce("cp.reduce_scatter_dkv");
-    reduce_scatter_context_rows(*in.cp, shard, dk_rows, dkr);
-    reduce_scatter_context_rows(*in.cp, shard, dv_rows, dv);
+    dk_sum.emplace(*in.cp, shard, dk_rows, dkr);
+    dv_sum.emplace(*in.cp, shard, dv_rows, dv);
   } else {
     const profile::Phase sdpa("sdpa.backward");
     ops::attention_backward(a.qr, a.kr, a.v.reshape(dv.shape()), a.attn, a.lse,
                             dattn.reshape(a.attn.shape()), in.batch->documents(),
                             attention_scale(c), dqr, dkr, dv);
   }
+  // The queries' chain first: under context parallelism the keys' and values' gradient sums cross
+  // meanwhile (the same ops and accumulation order either way).
   Tensor dqn = new_like(a.qn), dkn = new_like(a.kn);
   Tensor dqn_heads = dqn.reshape(dqr.shape()), dkn_heads = dkn.reshape(dkr.shape());
   ops::rope_backward(dqr, in.batch->positions, c.rope_theta, dqn_heads);
-  ops::rope_backward(dkr, in.batch->positions, c.rope_theta, dkn_heads);
   Tensor dq = new_like(a.qn), dk = new_like(a.kn);
   ops::rmsnorm_backward(a.q.reshape(a.qn.shape()), p.q_norm, a.q_rstd, dqn, dq, g.q_norm);
-  ops::rmsnorm_backward(a.k.reshape(a.kn.shape()), p.k_norm, a.k_rstd, dkn, dk, g.k_norm);
-
   Tensor dxn = new_like(a.x);
   ops::linear_backward(a.xn, p.wq, dq.reshape({n, c.q_dim()}), dxn, g.wq);
+  if (dk_sum) {
+    const profile::Phase reduce("cp.reduce_scatter_dk");
+    dk_sum->wait();
+  }
+  ops::rope_backward(dkr, in.batch->positions, c.rope_theta, dkn_heads);
+  ops::rmsnorm_backward(a.k.reshape(a.kn.shape()), p.k_norm, a.k_rstd, dkn, dk, g.k_norm);
   ops::linear_backward(a.xn, p.wk, dk.reshape({n, c.kv_dim()}), dxn, g.wk, ops::Accumulate::kYes);
+  if (dv_sum) {
+    const profile::Phase reduce("cp.reduce_scatter_dv");
+    dv_sum->wait();
+  }
   ops::linear_backward(a.xn, p.wv, dv.reshape({n, c.kv_dim()}), dxn, g.wv, ops::Accumulate::kYes);
   ops::rmsnorm_backward(a.x, p.attn_norm, a.attn_rstd, dxn, tmp, g.attn_norm);
   ops::add_(dx, tmp);

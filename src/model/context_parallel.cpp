@@ -97,19 +97,31 @@ Tensor gather_context_rows(dist::Communicator& cp, const ContextShard& shard, co
   return ContextRowsGather(cp, shard, local).rows();
 }
 
-void reduce_scatter_context_rows(dist::Communicator& cp, const ContextShard& shard,
-                                 const Tensor& whole, Tensor& local) {
+ContextRowsReduce::ContextRowsReduce(dist::Communicator& cp, const ContextShard& shard,
+                                     const Tensor& whole, Tensor& local) {
   const int64_t n = check_local(shard, local, "reduce_scatter_context_rows");
   MT_CHECK(cp.size() == shard.cp() && whole.shape() == whole_shape(local, shard.cp()),
            "reduce_scatter_context_rows: {} over a CP group of {} for a shard {} of {}",
            shape_str(whole.shape()), cp.size(), shape_str(local.shape()), shard.cp());
   const int64_t width = local.numel() / n;
-  Tensor staged = Tensor::empty(whole.shape(), whole.dtype(), whole.device());
+  staged_ = Tensor::empty(whole.shape(), whole.dtype(), whole.device());
   for_each_chunk(shard, n, [&](int64_t at_rank, int64_t at_row, int64_t count) {
-    staged.view(at_rank * width, {count * width})
+    staged_.view(at_rank * width, {count * width})
         .copy_from(whole.view(at_row * width, {count * width}));
   });
-  cp.reduce_scatter(staged, local);
+  pending_ = cp.reduce_scatter_async(staged_, local);
+}
+
+void ContextRowsReduce::wait() {
+  MT_CHECK(pending_ != nullptr, "ContextRowsReduce::wait() called twice");
+  pending_->wait();
+  pending_.reset();
+  staged_ = Tensor();
+}
+
+void reduce_scatter_context_rows(dist::Communicator& cp, const ContextShard& shard,
+                                 const Tensor& whole, Tensor& local) {
+  ContextRowsReduce(cp, shard, whole, local).wait();
 }
 
 }  // namespace mt

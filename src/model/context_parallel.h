@@ -37,8 +37,21 @@ class ContextRowsGather {
 };
 // The same at once.
 Tensor gather_context_rows(dist::Communicator& cp, const ContextShard& shard, const Tensor& local);
-// The transpose: whole (cp n, ...) per-rank partial gradients in row order; local (n, ...) is
-// overwritten with the group's sum at this rank's tokens (chunk copies and a reduce-scatter).
+// The transpose in the background: whole (cp n, ...) per-rank partial gradients in row order;
+// local (n, ...) is overwritten with the group's sum at this rank's tokens (chunk copies, then a
+// reduce-scatter that crosses while the caller queues other work). local must not be read, nor
+// written, before wait().
+class ContextRowsReduce {
+ public:
+  ContextRowsReduce(dist::Communicator& cp, const ContextShard& shard, const Tensor& whole,
+                    Tensor& local);
+  void wait();
+
+ private:
+  Tensor staged_;
+  std::unique_ptr<dist::PendingCollective> pending_;
+};
+// The same at once.
 void reduce_scatter_context_rows(dist::Communicator& cp, const ContextShard& shard,
                                  const Tensor& whole, Tensor& local);
 
