@@ -24,13 +24,26 @@ Tensor pick(const Tensor& whole, const Tensor& rows) {
 // (row order), both in tokens.
 template <class Fn>
 void for_each_chunk(const ContextShard& s, int64_t n, Fn&& fn) {
-  const int64_t cp = s.chunks.cp, chunk = s.chunks.chunk(), rows = n / (2 * chunk);
-  for (int64_t q = 0; q < cp; ++q)
+  const int64_t chunk = s.chunks.chunk(), rows = n / (2 * chunk);
+  for (int64_t q = 0; q < s.chunks.cp; ++q) {
+    const ops::ContextChunks of_q{s.chunks.row_tokens, s.chunks.cp, q};
     for (int64_t b = 0; b < rows; ++b)
-      for (int64_t slot = 0; slot < 2; ++slot) {
-        const int64_t c = slot == 0 ? q : 2 * cp - 1 - q;
-        fn(q * n + (2 * b + slot) * chunk, b * s.chunks.row_tokens + c * chunk, chunk);
-      }
+      for (int64_t slot = 0; slot < 2; ++slot)
+        fn(q * n + (2 * b + slot) * chunk, of_q.chunk_start(b, slot), chunk);
+  }
+}
+
+// Copies every chunk of `from` (cp n tokens of any width) into `to`: from the group's rank-major
+// layout into row order, or back.
+enum class ChunkOrder : uint8_t { kToRows, kToRanks };
+void copy_chunks(const ContextShard& s, int64_t n, const Tensor& from, Tensor& to,
+                 ChunkOrder order) {
+  const int64_t width = from.numel() / (n * s.cp());
+  for_each_chunk(s, n, [&](int64_t at_rank, int64_t at_row, int64_t count) {
+    const bool to_rows = order == ChunkOrder::kToRows;
+    to.view((to_rows ? at_row : at_rank) * width, {count * width})
+        .copy_from(from.view((to_rows ? at_rank : at_row) * width, {count * width}));
+  });
 }
 
 int64_t check_local(const ContextShard& s, const Tensor& local, const char* what) {
@@ -83,12 +96,8 @@ Tensor ContextRowsGather::rows() {
   MT_CHECK(pending_ != nullptr, "ContextRowsGather::rows() called twice");
   pending_->wait();
   pending_.reset();
-  const int64_t width = gathered_.numel() / (n_ * shard_->cp());
   Tensor whole = Tensor::empty(gathered_.shape(), gathered_.dtype(), gathered_.device());
-  for_each_chunk(*shard_, n_, [&](int64_t at_rank, int64_t at_row, int64_t count) {
-    whole.view(at_row * width, {count * width})
-        .copy_from(gathered_.view(at_rank * width, {count * width}));
-  });
+  copy_chunks(*shard_, n_, gathered_, whole, ChunkOrder::kToRows);
   gathered_ = Tensor();
   return whole;
 }
@@ -103,12 +112,8 @@ ContextRowsReduce::ContextRowsReduce(dist::Communicator& cp, const ContextShard&
   MT_CHECK(cp.size() == shard.cp() && whole.shape() == whole_shape(local, shard.cp()),
            "reduce_scatter_context_rows: {} over a CP group of {} for a shard {} of {}",
            shape_str(whole.shape()), cp.size(), shape_str(local.shape()), shard.cp());
-  const int64_t width = local.numel() / n;
   staged_ = Tensor::empty(whole.shape(), whole.dtype(), whole.device());
-  for_each_chunk(shard, n, [&](int64_t at_rank, int64_t at_row, int64_t count) {
-    staged_.view(at_rank * width, {count * width})
-        .copy_from(whole.view(at_row * width, {count * width}));
-  });
+  copy_chunks(shard, n, whole, staged_, ChunkOrder::kToRanks);
   pending_ = cp.reduce_scatter_async(staged_, local);
 }
 

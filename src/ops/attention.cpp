@@ -243,12 +243,9 @@ Tensor context_parallel_rows(const ContextChunks& c, int64_t rows) {
   Tensor out = Tensor::empty({rows * 2 * chunk}, DType::kI32);
   int32_t* r = out.data<int32_t>();
   for (int64_t b = 0; b < rows; ++b)
-    for (int64_t i = 0; i < chunk; ++i) {
-      const int64_t row = b * c.row_tokens;
-      r[b * 2 * chunk + i] = static_cast<int32_t>(row + c.rank * chunk + i);  // chunk r
-      r[b * 2 * chunk + chunk + i] =
-          static_cast<int32_t>(row + (2 * c.cp - 1 - c.rank) * chunk + i);  // chunk 2 cp - 1 - r
-    }
+    for (int64_t slot = 0; slot < 2; ++slot)
+      for (int64_t i = 0; i < chunk; ++i)
+        r[(2 * b + slot) * chunk + i] = static_cast<int32_t>(c.chunk_start(b, slot) + i);
   return out;
 }
 

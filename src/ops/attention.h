@@ -81,6 +81,12 @@ struct ContextChunks {
   int64_t cp = 1;
   int64_t rank = 0;
   int64_t chunk() const { return row_tokens / (2 * cp); }
+  // The row position (the rows laid end to end) where this rank's chunk `slot` of row `row`
+  // starts: slot 0 is chunk rank, slot 1 chunk 2 cp - 1 - rank (the CUDA layout kernel,
+  // ops/cuda/attention.cu, computes the same).
+  int64_t chunk_start(int64_t row, int64_t slot) const {
+    return row * row_tokens + (slot == 0 ? rank : 2 * cp - 1 - rank) * chunk();
+  }
 };
 // The row positions rank `c.rank` holds over `rows` rows laid end to end, increasing (i32
 // (rows x row_tokens / cp), on the host). row_tokens must be a multiple of 2 cp (an mt::Error
