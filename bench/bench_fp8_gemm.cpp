@@ -1,7 +1,9 @@
 // FP8 blockwise expert products on one GPU (ops/fp8_gemm.h), JSON lines: the six products of the
 // Qwen3-30B-A3B expert layer (128 experts, 131,072 expert rows: dim 2048, expert dim 768,
 // gate|up 1536) on the FP8 tensor cores, each beside our bf16 product over the same rows in the
-// same run (the bar: >= 1.6x), in both CUTLASS schedules; TFLOP/s over the real rows.
+// same run (the bar: >= 1.6x): the forward and input gradients by our kernel over the
+// padded layout (`_fixed`, what the MoE layer runs) and by CUTLASS's grouped kernels in both
+// schedules; TFLOP/s over the real rows.
 // Rows: balanced (1024 per expert) and ragged (counts 512..1536, segments on 128-row boundaries,
 // as the MoE layer lays them out). Then the quantizations the recipe adds, against a copy's
 // rate. torch._scaled_grouped_mm (row-wise FP8, torchao's Hopper MoE path) is
@@ -124,6 +126,17 @@ void bench_rows(const Layout& l, const RowsProduct& pr) {
     });
     report(std::string("fp8_") + pr.name + "_" + sname, shape, flops, ms, "bf16", bf16_ms);
   }
+  Tensor fixed_ws =
+      Tensor::empty({static_cast<int64_t>(kernels::fp8_gemm_rows_fixed_workspace(m, pr.p))},
+                    DType::kU8, Device::kCUDA);
+  const double fixed_ms = mt::bench::median_ms([&] {
+    MT_CUDA_CHECK(kernels::fp8_gemm_rows_fixed(
+        l.segments.data<int64_t>(), static_cast<int>(kExperts), ops,
+        pr.weight_transposed ? kernels::Fp8WeightScales::kMnMajor
+                             : kernels::Fp8WeightScales::kKMajor,
+        m, pr.p, pr.q, fixed_ws.raw(), fixed_ws.nbytes(), mt::cuda::stream()));
+  });
+  report(std::string("fp8_") + pr.name + "_fixed", shape, flops, fixed_ms, "bf16", bf16_ms);
 }
 
 void bench_weight(const Layout& l, const char* name, int64_t k, int64_t n) {

@@ -546,9 +546,10 @@ TEST(ExpertGemm, AMissingCopyIsNamed) {
   EXPECT_NE(e8.find("input-gradient FP8 product"), std::string::npos) << e8;
 }
 
-// The weight-gradient tap (bench_mx_wgrad_error's) sees every expert weight gradient's operands,
-// down then gate|up per layer, last layer first, with matching rows; unset, it sees nothing.
-TEST(ExpertRecipeTraining, WeightGradientTapSeesEveryProductsOperands) {
+// The expert-operands tap (bench_expert_gemm_error's) sees every expert matrix's operands, down
+// then gate|up per layer, last layer first, with matching rows and the layer's own weight (the
+// same tensor the model holds); unset, it sees nothing.
+TEST(ExpertRecipeTraining, ExpertOperandsTapSeesEveryProductsOperands) {
   const std::string tiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
   const Config cfg = load_config(tiny, {});
   Qwen3Moe model(cfg.model, 3);
@@ -557,9 +558,10 @@ TEST(ExpertRecipeTraining, WeightGradientTapSeesEveryProductsOperands) {
   const Batch b = testing::reference_batch(tokens);
   const LossScale scale{1.0 / static_cast<double>(b.masked_tokens()), cfg.model.aux_loss_coef};
   std::vector<std::string> seen;
-  moe::set_weight_gradient_tap([&](std::string_view product, const Tensor& x, const Tensor& dy,
-                                   const ops::ExpertRows& rows) {
+  moe::set_expert_operands_tap([&](std::string_view product, const Tensor& x, const Tensor& dy,
+                                   const Tensor& w, const ops::ExpertRows& rows) {
     seen.emplace_back(product);
+    EXPECT_EQ(w.shape(), (Shape{cfg.model.n_experts, x.dim(1), dy.dim(1)})) << product;
     EXPECT_EQ(x.dim(0), dy.dim(0));
     EXPECT_EQ(rows.offsets.numel(), cfg.model.n_experts + 1);
     const bool gate_up = product == "gate_up";
@@ -568,7 +570,7 @@ TEST(ExpertRecipeTraining, WeightGradientTapSeesEveryProductsOperands) {
   });
   model.zero_grad();
   model.forward_backward(b, scale);
-  moe::set_weight_gradient_tap(nullptr);
+  moe::set_expert_operands_tap(nullptr);
   ASSERT_EQ(seen.size(), static_cast<size_t>(2 * cfg.model.n_layers));
   for (size_t i = 0; i < seen.size(); ++i) EXPECT_EQ(seen[i], i % 2 == 0 ? "down" : "gate_up");
   model.forward_backward(b, scale);  // unset: nothing more

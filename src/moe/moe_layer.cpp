@@ -15,14 +15,14 @@ ops::RouterOptions router_options(const MoeConfig& c) {
 }
 
 namespace {
-WeightGradientTap& weight_gradient_tap() {
-  static WeightGradientTap tap;
+ExpertOperandsTap& expert_operands_tap() {
+  static ExpertOperandsTap tap;
   return tap;
 }
 
-void tap_weight_gradient(std::string_view product, const Tensor& x, const Tensor& dy,
-                         const ops::ExpertRows& rows) {
-  if (const WeightGradientTap& tap = weight_gradient_tap()) tap(product, x, dy, rows);
+void tap_expert_operands(std::string_view product, const Tensor& x, const Tensor& dy,
+                         const Tensor& w, const ops::ExpertRows& rows) {
+  if (const ExpertOperandsTap& tap = expert_operands_tap()) tap(product, x, dy, w, rows);
 }
 
 // Routing math (logits, softmax, weights) runs in f32 at least: on the GPU the router GEMM reads
@@ -125,8 +125,8 @@ int64_t segment_align(const MoeConfig& c, const Tensor& hn) {
 }
 }  // namespace
 
-void set_weight_gradient_tap(WeightGradientTap tap) {
-  weight_gradient_tap() = std::move(tap);
+void set_expert_operands_tap(ExpertOperandsTap tap) {
+  expert_operands_tap() = std::move(tap);
 }
 
 void MoeActivations::drop_expert_rows() {
@@ -360,9 +360,9 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
             ch.exchange->combine({{&dweight_here, &dweight_rows}, {&dx_here, &dhn_rows}});
           },
           {dweight_here, dx_here});
-    tap_weight_gradient("down", ch.act, dye, rows);
+    tap_expert_operands("down", ch.act, dye, w.w_down, rows);
     ops::expert_gemm_backward_weight(ch.act, dye, rows, prec, g.w_down, grads);
-    tap_weight_gradient("gate_up", ch.xe, dgate_up, rows);
+    tap_expert_operands("gate_up", ch.xe, dgate_up, w.w_gate_up, rows);
     ops::expert_gemm_backward_weight(ch.xe, dgate_up, rows, prec, g.w_gate_up, grads);
   }
   ex.join_all();

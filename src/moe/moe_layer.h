@@ -106,13 +106,16 @@ struct MoeActivations {
 
 ops::RouterOptions router_options(const MoeConfig& c);
 
-// Numerics studies (bench/mx_wgrad_error.cpp): when set, moe_backward calls it with the operands
-// of each expert weight gradient just before multiplying them, "down" then "gate_up" per layer
-// (per chunk, with chunks), layers in the backward's order (the last first). Eager passes only: a
-// captured pass runs no host code. One process-wide observer; null (the default) costs nothing.
-using WeightGradientTap = std::function<void(std::string_view product, const Tensor& x,
-                                             const Tensor& dy, const ops::ExpertRows& rows)>;
-void set_weight_gradient_tap(WeightGradientTap tap);
+// Numerics studies (bench/bench_expert_gemm_error.cpp): when set, moe_backward calls it with the
+// operands of each expert matrix's products just before its weight gradient, "down" then
+// "gate_up" per layer (per chunk, with chunks), layers in the backward's order (the last first):
+// the forward's input rows x (M, K), the output gradient dy (M, N) and the weight w (E, K, N), so
+// out = x w, dx = dy w^T and dw = x^T dy. Eager passes only: a captured pass runs no host code. One
+// process-wide observer; null (the default) costs nothing.
+using ExpertOperandsTap =
+    std::function<void(std::string_view product, const Tensor& x, const Tensor& dy, const Tensor& w,
+                       const ops::ExpertRows& rows)>;
+void set_expert_operands_tap(ExpertOperandsTap tap);
 
 // What a fill is for: the forward (moe_combine follows), or the backward (refilling what it needs
 // and the policy dropped: the forward's down projection is not rerun).

@@ -1,6 +1,7 @@
 // The FP8 expert products' front door (ops/fp8_gemm.h): the operands checked once, then on the GPU
-// CUTLASS's blockwise-scaled grouped kernels, on the CPU the definition: both operands
-// dequantized exactly (f64), then the grouped GEMM in f64.
+// our kernel for short contractions over padded layouts, else CUTLASS's blockwise-scaled grouped
+// kernels (ops/cuda/fp8_gemm.h says which is faster where); on the CPU the definition: both
+// operands dequantized exactly (f64), then the grouped GEMM in f64.
 #include "ops/fp8_gemm.h"
 
 #include "ops/dispatch.h"
@@ -60,13 +61,23 @@ void fp8_grouped_gemm(const QuantTensor& a, const QuantTensor& b, const ExpertRo
     const profile::Phase phase("gpu.fp8_grouped_gemm");
     expect_dtype(out, DType::kBF16, "fp8_grouped_gemm out (the GPU writes bf16)");
     const int e = static_cast<int>(experts);
-    Tensor ws = cuda::gpu_workspace(cuda::kernels::fp8_gemm_rows_workspace(e));
     const cuda::kernels::Fp8Operands ops{a.data().raw(), a.scales().data<float>(), b.data().raw(),
                                          b.scales().data<float>(), out.raw()};
     // b's scales are (K / 128, N / 128) of the weight: along b's rows for w^T (dim1), along its
     // contraction for w (dim0).
     const auto b_scales = b.axis() == QuantAxis::kDim1 ? cuda::kernels::Fp8WeightScales::kMnMajor
                                                        : cuda::kernels::Fp8WeightScales::kKMajor;
+    if (rows.align % cuda::kernels::kFixedRowTile == 0 && q <= cuda::kernels::kFp8FixedMaxK) {
+      expect_dtype(rows.segments, DType::kI64, "expert segments");
+      MT_CHECK(rows.segments.device() == Device::kCUDA && rows.segments.numel() == experts + 1,
+               "expert segments must be {} i64 on the GPU", experts + 1);
+      Tensor ws = cuda::gpu_workspace(cuda::kernels::fp8_gemm_rows_fixed_workspace(m, p));
+      MT_CUDA_CHECK(cuda::kernels::fp8_gemm_rows_fixed(rows.segments.data<int64_t>(), e, ops,
+                                                       b_scales, m, p, q, ws.raw(), ws.nbytes(),
+                                                       cuda::stream()));
+      return;
+    }
+    Tensor ws = cuda::gpu_workspace(cuda::kernels::fp8_gemm_rows_workspace(e));
     MT_CUDA_CHECK(cuda::kernels::fp8_gemm_rows(cuda::device_segments(rows), e, ops, b_scales, m, p,
                                                q, cuda::kernels::Fp8Schedule::kCooperative,
                                                ws.raw(), ws.nbytes(), cuda::stream()));

@@ -1,9 +1,10 @@
 // The FP8 blockwise expert products (DeepSeek-V3's recipe): E4M3 operands with f32 block scales
 // (ops/fp8.h), products accumulated in f32 and promoted with the blocks' scales every 128 of the
 // contraction. The definition (the CPU reference) dequantizes both operands exactly (f64) and
-// multiplies in f64; on an H200 CUTLASS's Hopper blockwise-scaled grouped kernels run them on the
-// FP8 tensor cores (ops/cuda/cutlass/fp8_gemm_sm90.cuh), every per-expert argument built on the
-// device.
+// multiplies in f64; on an H200 they run on the FP8 tensor cores, every per-expert argument built
+// on the device: short contractions (the down forward) over a padded layout by our
+// warp-specialized kernel (ops/cuda/cutlass/fp8_gemm_sm90_fixed.cu), the rest by CUTLASS's Hopper
+// blockwise-scaled grouped kernels (ops/cuda/cutlass/fp8_gemm_sm90.cuh).
 #pragma once
 #include "core/quant.h"
 #include "core/tensor.h"

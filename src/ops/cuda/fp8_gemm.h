@@ -1,6 +1,8 @@
-// The FP8 blockwise grouped GEMMs behind ops/fp8_gemm.h: CUTLASS's Hopper blockwise-scaled
-// pointer-array kernels (cutlass/fp8_gemm_sm90*.cu). Raw pointers, sizes and a stream; each call
-// returns its launch's cudaError_t.
+// The FP8 blockwise grouped GEMMs behind ops/fp8_gemm.h: our warp-specialized kernel for the
+// forward and input-gradient products over a padded layout (cutlass/fp8_gemm_sm90_fixed.cu), and
+// CUTLASS's Hopper blockwise-scaled pointer-array kernels for any layout and the weight gradient
+// (cutlass/fp8_gemm_sm90.cuh). Raw pointers, sizes and a stream; each call returns its launch's
+// cudaError_t.
 #pragma once
 #include <cuda_runtime_api.h>
 
@@ -35,6 +37,17 @@ cudaError_t fp8_gemm_rows(ExpertSegments rows, int experts, const Fp8Operands& o
                           Fp8WeightScales b_scales, int64_t m, int64_t p, int64_t q,
                           Fp8Schedule schedule, void* workspace, size_t workspace_size,
                           cudaStream_t stream);
+// The same product over a layout whose segments start on multiples of 128 rows (ops::ExpertRows,
+// align 128): capacity rows, padding included (its output rows are written and meaningless); one
+// TMA descriptor per operand, every tile's expert from a table built on the device from the
+// segments. workspace: at least fp8_gemm_rows_fixed_workspace(capacity, p) bytes. The front door
+// runs it for contractions up to kFp8FixedMaxK: faster than CUTLASS's grouped kernel on the MoE
+// layer's down forward (Q 768), slower on the longer ones (docs/benchmarks.md).
+inline constexpr int64_t kFp8FixedMaxK = 1024;
+size_t fp8_gemm_rows_fixed_workspace(int64_t capacity, int64_t p);
+cudaError_t fp8_gemm_rows_fixed(const int64_t* segments, int experts, const Fp8Operands& ops,
+                                Fp8WeightScales b_scales, int64_t capacity, int64_t p, int64_t q,
+                                void* workspace, size_t workspace_size, cudaStream_t stream);
 // dw (E, k, n) f32 (+)= x_e^T dy_e from x^T (k, m) and dy^T (n, m) with scales (m / 128, k) and
 // (m / 128, n), segments on 128-row boundaries (the padding rows zeros); experts with no rows
 // are left alone (zero_empty_groups).

@@ -26,15 +26,12 @@
 // tile's loads overlap the epilogue, whose TMA stores leave from shared memory.
 #include <cuda.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <utility>
 
-#include "cute/arch/copy_sm90_tma.hpp"
-#include "cute/arch/mma_sm90_gmma.hpp"
-#include "cutlass/arch/barrier.h"
-#include "cutlass/arch/reg_reconfig.h"
-#include "cutlass/cuda_host_adapter.hpp"
 #include "ops/cuda/cutlass/grouped_gemm_fixed_sm90.cuh"
+#include "ops/cuda/cutlass/warp_specialized_sm90.cuh"
 #include "ops/cuda/mx_gemm.h"
 
 namespace mt::cuda::kernels {
@@ -59,11 +56,9 @@ struct alignas(1024) Stage {
 // Q / 32 bytes), this many k tiles ahead of their use: the producer then issues nothing but TMA.
 constexpr int kScalesAhead = 3;
 
-// The epilogue's tile on its way to TMA stores: per consumer warpgroup, its 64 rows in four
-// 64-column chunks of 128-byte rows, 128-byte swizzle (conflict-free stores, whole lines out).
-constexpr int kOutChunk = 64;
+// The epilogue's tile on its way to TMA stores (ws_sm90::store_bf16), per consumer warpgroup.
 struct alignas(1024) Epilogue {
-  uint8_t chunk[2][kTileN / kOutChunk][64 * kOutChunk * 2];
+  uint8_t chunk[2][kTileN / ws_sm90::kOutChunk][ws_sm90::kChunkBytes];
 };
 
 struct SharedStorage {
@@ -85,12 +80,12 @@ struct Params {
 };
 
 // The conversion avoids the conversion instructions (F2FP: e4m3 -> f16, f32 -> bf16), which the
-// probes of docs/benchmarks-history.md found to be this kernel's largest cost. An E4M3 byte's 7 magnitude
-// bits shifted left by 4 are the bf16 of its value times 2^-120, normal or subnormal alike
-// (exponent field E, mantissa M << 4; with E = 0 a bf16 subnormal M 2^-129 = M 2^-9 2^-120), and
-// the sign bit lands on bf16's: one byte permute (each byte beside a copy of its sign), one shift,
-// one mask per pair. Multiplying by 2^120 and by the block's 2^(s-127) then gives the exact value
-// rounded once, as mx_dequantize.
+// probes of docs/benchmarks-history.md found to be this kernel's largest cost. An E4M3 byte's 7
+// magnitude bits shifted left by 4 are the bf16 of its value times 2^-120, normal or subnormal
+// alike (exponent field E, mantissa M << 4; with E = 0 a bf16 subnormal M 2^-129 = M 2^-9 2^-120),
+// and the sign bit lands on bf16's: one byte permute (each byte beside a copy of its sign), one
+// shift, one mask per pair. Multiplying by 2^120 and by the block's 2^(s-127) then gives the exact
+// value rounded once, as mx_dequantize.
 
 // A block's multipliers as bf16x2 (both halves equal): m1 m2 = 2^(s - 7), one factor when it is
 // representable (s <= 134), else 2^120 and 2^(s - 127); NaN for s = 0xFF.
@@ -131,18 +126,6 @@ __device__ __forceinline__ uint32_t a_offset(uint32_t row, uint32_t byte) {
   return linear ^ (((linear >> 7) & 3) << 4);
 }
 
-// The wgmma descriptor of B's k16 step j: K-major, 128-byte swizzle, 8-row groups 1024 bytes
-// apart; a k16 step is 32 bytes further along the swizzled row.
-__device__ __forceinline__ uint64_t b_descriptor(const uint8_t* tile, int j) {
-  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(tile)) + j * 32;
-  uint64_t d = 0;
-  d |= static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
-  d |= static_cast<uint64_t>(1) << 16;          // leading byte offset (unused when swizzled)
-  d |= static_cast<uint64_t>(1024 >> 4) << 32;  // stride byte offset
-  d |= static_cast<uint64_t>(1) << 62;          // 128-byte swizzle
-  return d;
-}
-
 __device__ __forceinline__ void fence(float (&acc)[128]) {
 #pragma unroll
   for (float& x : acc) cute::warpgroup_fence_operand(x);
@@ -160,50 +143,23 @@ __global__ void __launch_bounds__(kThreads, 1)
                    const __grid_constant__ CUtensorMap map_b,
                    const __grid_constant__ CUtensorMap map_out, const Params p) {
   extern __shared__ __align__(1024) uint8_t smem_raw[];
-  // Aligned by pointer arithmetic on the shared array (not through an integer), so that the
-  // compiler knows every access below is to shared memory (LDS, not generic loads).
-  const uint32_t misalignment = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) % 1024;
-  auto& s = *reinterpret_cast<SharedStorage*>(smem_raw + (1024 - misalignment) % 1024);
-  using Barrier = cutlass::arch::ClusterTransactionBarrier;
-  using Empty = cutlass::arch::ClusterBarrier;
+  auto& s = ws_sm90::aligned_storage<SharedStorage>(smem_raw);
+  using ws_sm90::Empty;
+  using ws_sm90::Full;
   const int warpgroup = threadIdx.x / 128;
   const int lane = threadIdx.x % 32;
-  if (threadIdx.x == 0) {
-    for (int i = 0; i < kStages; ++i) {
-      Barrier::init(&s.full[i], 1);
-      Empty::init(&s.empty[i], 2);  // one arrival per consumer warpgroup
-    }
-    cutlass::arch::fence_barrier_init();
-  }
-  __syncthreads();
+  ws_sm90::init_ring(s.full, s.empty, kStages, 2);
 
-  if (warpgroup == 0) {
-    cutlass::arch::warpgroup_reg_dealloc<40>();
-    // The producer: one thread issues the TMA copies. Tiles past the last segment come last in
-    // the table (row-tile order), so the first of them ends a CTA's work.
-    if (threadIdx.x != 0) return;
-    cute::prefetch_tma_descriptor(&map_a);
-    cute::prefetch_tma_descriptor(&map_b);
-    cute::prefetch_tma_descriptor(&map_out);
-    int stage = 0;
-    uint32_t phase = 0;
-    for (int t = blockIdx.x; t < p.tile_count; t += gridDim.x) {
-      const int4 tile = p.tiles[t];
-      if (tile.x < 0) break;
-      const int row0 = tile.x * kTileM;
-      for (int kt = 0; kt < p.k_tiles; ++kt) {
-        Empty::wait(&s.empty[stage], phase ^ 1);
-        Stage& st = s.stages[stage];
-        Barrier::arrive_and_expect_tx(&s.full[stage], kStageBytesA + kStageBytesB);
-        cute::SM90_TMA_LOAD_2D::copy(&map_a, &s.full[stage], 0, st.a, kt * kTileK, row0);
-        cute::SM90_TMA_LOAD_3D::copy(&map_b, &s.full[stage], 0, st.b, kt * kTileK, tile.y * kTileN,
-                                     tile.z);
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
-      }
-    }
+  if (warpgroup == 0) {  // the producer
+    ws_sm90::produce<kStages>(
+        map_a, map_b, map_out, p.tiles, p.tile_count, p.k_tiles, s.full, s.empty,
+        kStageBytesA + kStageBytesB, [&](int stage, int4 tile, int kt) {
+          Stage& st = s.stages[stage];
+          cute::SM90_TMA_LOAD_2D::copy(&map_a, &s.full[stage], ws_sm90::kEvictNormal, st.a,
+                                       kt * kTileK, tile.x * kTileM);
+          cute::SM90_TMA_LOAD_3D::copy(&map_b, &s.full[stage], ws_sm90::kEvictNormal, st.b,
+                                       kt * kTileK, tile.y * kTileN, tile.z);
+        });
     return;
   }
 
@@ -236,7 +192,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   int stage = 0;  // the next stage to wait for
   uint32_t phase = 0;
   auto next_full = [&] {
-    Barrier::wait(&s.full[stage], phase);
+    Full::wait(&s.full[stage], phase);
     const int got = stage;
     if (++stage == kStages) {
       stage = 0;
@@ -269,7 +225,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   int t = blockIdx.x;
   int4 tile = t < p.tile_count ? p.tiles[t] : make_int4(-1, 0, 0, 0);
   if (tile.x >= 0) fill_ahead(tile.x);
-  uint8_t* out_tile = s.out.chunk[consumer][0];
   while (tile.x >= 0) {
     // The next tile's entry and (after the main loop) its first scales load during this one.
     const int next_t = t + gridDim.x;
@@ -299,8 +254,8 @@ __global__ void __launch_bounds__(kThreads, 1)
         cute::warpgroup_arrive();
 #pragma unroll
         for (int jj = 0; jj < 2; ++jj)
-          wgmma_rs(a[hh][jj], b_descriptor(s.stages[issue_stage].b, 2 * hh + jj), acc,
-                   h == 0 && jj == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
+          wgmma_rs(a[hh][jj], ws_sm90::swizzle128_descriptor(s.stages[issue_stage].b, 2 * hh + jj),
+                   acc, h == 0 && jj == 0 ? cute::GMMA::ScaleOut::Zero : cute::GMMA::ScaleOut::One,
                    std::make_index_sequence<128>{});
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<1>();  // half h - 1 done: its registers are free, maybe its stage
@@ -326,48 +281,13 @@ __global__ void __launch_bounds__(kThreads, 1)
     release(issue_stage);
     if (next.x >= 0) fill_ahead(next.x);
 
-    // Epilogue: bf16 pairs into the swizzled chunks, then four TMA stores by one thread; the
-    // previous tile's stores must have left the chunks first.
-    const int id = consumer + 1;  // named barriers 1 and 2
-    if (threadIdx.x % 128 == 0) cute::tma_store_wait<0>();
-    cutlass::arch::NamedBarrier::sync(128, id);
-    const uint32_t row_a = r0 - consumer * 64, row_b = row_a + 8;
-#pragma unroll
-    for (int i = 0; i < kTileN / 8; ++i) {
-      uint8_t* chunk = out_tile + (i / 8) * (64 * kOutChunk * 2);
-      const uint32_t in_row = (((i % 8) ^ (row_a % 8)) * 16) + 4 * q;  // row_b % 8 == row_a % 8
-      *reinterpret_cast<__nv_bfloat162*>(chunk + row_a * 128 + in_row) =
-          __floats2bfloat162_rn(acc[4 * i], acc[4 * i + 1]);
-      *reinterpret_cast<__nv_bfloat162*>(chunk + row_b * 128 + in_row) =
-          __floats2bfloat162_rn(acc[4 * i + 2], acc[4 * i + 3]);
-    }
-    cutlass::arch::fence_view_async_shared();
-    cutlass::arch::NamedBarrier::sync(128, id);
-    if (threadIdx.x % 128 == 0) {
-      for (int c = 0; c < kTileN / kOutChunk; ++c)
-        cute::SM90_TMA_STORE_2D::copy(&map_out, out_tile + c * (64 * kOutChunk * 2),
-                                      tile.y * kTileN + c * kOutChunk,
-                                      tile.x * kTileM + consumer * 64);
-      cute::tma_store_arrive();
-    }
+    ws_sm90::store_bf16<kTileN>(acc, s.out.chunk[consumer][0], map_out, consumer,
+                                r0 - consumer * 64, q, tile.y * kTileN,
+                                tile.x * kTileM + consumer * 64);
     tile = next;
     t = next_t;
   }
   if (threadIdx.x % 128 == 0) cute::tma_store_wait<0>();
-}
-
-CUresult encode(CUtensorMap* map, CUtensorMapDataType type, cuuint32_t rank, const void* base,
-                const cuuint64_t* dims, const cuuint64_t* strides, const cuuint32_t* box,
-                CUtensorMapSwizzle swizzle) {
-  const cuuint32_t element_strides[3] = {1, 1, 1};
-  return cutlass::call_cuTensorMapEncodeTiled(
-      map, type, rank, const_cast<void*>(base), dims, strides, box, element_strides,
-      CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-}
-
-size_t smem_bytes() {
-  return sizeof(SharedStorage) + 1024;  // + the alignment of the stages
 }
 
 }  // namespace
@@ -394,8 +314,8 @@ cudaError_t mx_gemm(const int64_t* segments, int experts, const uint8_t* a_data,
     const cuuint64_t dims[2] = {static_cast<cuuint64_t>(q), static_cast<cuuint64_t>(capacity)};
     const cuuint64_t strides[1] = {static_cast<cuuint64_t>(q)};
     const cuuint32_t box[2] = {kTileK, kTileM};
-    if (encode(&map_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a_data, dims, strides, box,
-               CU_TENSOR_MAP_SWIZZLE_64B) != CUDA_SUCCESS)
+    if (ws_sm90::encode_tma(&map_a, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, a_data, dims, strides, box,
+                            CU_TENSOR_MAP_SWIZZLE_64B) != CUDA_SUCCESS)
       return cudaErrorInvalidValue;
   }
   {
@@ -404,27 +324,22 @@ cudaError_t mx_gemm(const int64_t* segments, int experts, const uint8_t* a_data,
     const cuuint64_t strides[2] = {static_cast<cuuint64_t>(q * 2),
                                    static_cast<cuuint64_t>(p * q * 2)};
     const cuuint32_t box[3] = {kTileK, kTileN, 1};
-    if (encode(&map_b, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, b, dims, strides, box,
-               CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
+    if (ws_sm90::encode_tma(&map_b, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 3, b, dims, strides, box,
+                            CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
       return cudaErrorInvalidValue;
   }
   CUtensorMap map_out;
   {
     const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p), static_cast<cuuint64_t>(capacity)};
     const cuuint64_t strides[1] = {static_cast<cuuint64_t>(p * 2)};
-    const cuuint32_t box[2] = {kOutChunk, 64};
-    if (encode(&map_out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, out, dims, strides, box,
-               CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
+    const cuuint32_t box[2] = {ws_sm90::kOutChunk, 64};
+    if (ws_sm90::encode_tma(&map_out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, out, dims, strides, box,
+                            CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
       return cudaErrorInvalidValue;
   }
-  static const int sms = [] {
-    int device = 0, count = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
-    return count;
-  }();
+  constexpr size_t smem = ws_sm90::storage_bytes<SharedStorage>();
   static const cudaError_t configured = cudaFuncSetAttribute(
-      mx_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem_bytes()));
+      mx_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (configured != cudaSuccess) return configured;
   Params params{a_scales,
                 static_cast<__nv_bfloat16*>(out),
@@ -434,8 +349,8 @@ cudaError_t mx_gemm(const int64_t* segments, int experts, const uint8_t* a_data,
                 static_cast<int>(q / 32),
                 p,
                 capacity};
-  const unsigned grid = static_cast<unsigned>(count < sms ? count : sms);
-  mx_gemm_kernel<<<grid, kThreads, smem_bytes(), stream>>>(map_a, map_b, map_out, params);
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(count, ws_sm90::sm_count()));
+  mx_gemm_kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, map_out, params);
   return cudaGetLastError();
 }
 

@@ -1,0 +1,157 @@
+// What our own warp-specialized Hopper kernels share (mx_gemm_sm90.cu, fp8_gemm_sm90_fixed.cu): the
+// 1024-aligned view of dynamic shared memory, the stage ring's barriers, K-major 128-byte-swizzle
+// wgmma descriptors, the bf16 epilogue through swizzled shared memory and TMA stores, TMA
+// descriptors and the SM count. Each kernel: persistent CTAs over a tile table, one producer thread
+// issuing TMA copies into a ring of stages, two consumer warpgroups of 64 rows each.
+#pragma once
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <cstdint>
+
+#include "cute/arch/copy_sm90_tma.hpp"
+#include "cute/arch/mma_sm90_gmma.hpp"
+#include "cutlass/arch/barrier.h"
+#include "cutlass/arch/reg_reconfig.h"
+#include "cutlass/cuda_host_adapter.hpp"
+
+namespace mt::cuda::ws_sm90 {
+
+using Full = cutlass::arch::ClusterTransactionBarrier;  // the producer's arrival + TMA's bytes
+using Empty = cutlass::arch::ClusterBarrier;            // one arrival per consumer warpgroup
+
+// Dynamic shared memory as S, aligned to 1024 bytes (the 128-byte swizzle's atom) by pointer
+// arithmetic on the shared array (not through an integer), so that the compiler knows every access
+// through it to be to shared memory.
+template <class S>
+__device__ __forceinline__ S& aligned_storage(uint8_t* smem_raw) {
+  const uint32_t misalignment = static_cast<uint32_t>(__cvta_generic_to_shared(smem_raw)) % 1024;
+  return *reinterpret_cast<S*>(smem_raw + (1024 - misalignment) % 1024);
+}
+template <class S>
+constexpr size_t storage_bytes() {
+  return sizeof(S) + 1024;  // + the alignment
+}
+
+// Thread 0 initializes the ring's barriers (full: the producer's one arrival; empty: one per
+// consumer warpgroup); every thread of the CTA then waits for it.
+__device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, int stages,
+                                          uint32_t consumers) {
+  if (threadIdx.x == 0) {
+    for (int i = 0; i < stages; ++i) {
+      Full::init(&full[i], 1);
+      Empty::init(&empty[i], consumers);
+    }
+    cutlass::arch::fence_barrier_init();
+  }
+  __syncthreads();
+}
+
+// The L2 policy of every TMA load (CUTLASS's default; a zero policy word is not one).
+inline constexpr uint64_t kEvictNormal =
+    static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
+
+// Warpgroup 0's part: it gives its registers to the consumers, and its thread 0 walks this CTA's
+// tiles of the table (t = blockIdx.x, then every gridDim.x; tiles past the last segment come last,
+// so the first of them ends the walk), and for each of a tile's k_blocks waits for a free stage,
+// arms its full barrier with stage_bytes and calls load(stage, tile, k) to issue the copies.
+template <int kStages, class Load>
+__device__ __forceinline__ void produce(const CUtensorMap& map_a, const CUtensorMap& map_b,
+                                        const CUtensorMap& map_out, const int4* tiles,
+                                        int tile_count, int k_blocks, uint64_t* full,
+                                        uint64_t* empty, uint32_t stage_bytes, Load load) {
+  cutlass::arch::warpgroup_reg_dealloc<40>();
+  if (threadIdx.x != 0) return;
+  cute::prefetch_tma_descriptor(&map_a);
+  cute::prefetch_tma_descriptor(&map_b);
+  cute::prefetch_tma_descriptor(&map_out);
+  int stage = 0;
+  uint32_t phase = 0;
+  for (int t = blockIdx.x; t < tile_count; t += gridDim.x) {
+    const int4 tile = tiles[t];
+    if (tile.x < 0) break;
+    for (int k = 0; k < k_blocks; ++k) {
+      Empty::wait(&empty[stage], phase ^ 1);
+      Full::arrive_and_expect_tx(&full[stage], stage_bytes);
+      load(stage, tile, k);
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+    }
+  }
+}
+
+// The wgmma descriptor of step j of a K-major tile of 128-byte rows in 128-byte swizzle (as TMA's
+// SWIZZLE_128B writes it, 1024-byte aligned): 8-row groups 1024 bytes apart, each step 32 bytes
+// further along the swizzled rows (k16 of bf16, k32 of E4M3).
+__device__ __forceinline__ uint64_t swizzle128_descriptor(const uint8_t* tile, int j) {
+  const uint32_t addr = static_cast<uint32_t>(__cvta_generic_to_shared(tile)) + j * 32;
+  uint64_t d = 0;
+  d |= static_cast<uint64_t>((addr & 0x3FFFF) >> 4);
+  d |= static_cast<uint64_t>(1) << 16;          // leading byte offset (unused when swizzled)
+  d |= static_cast<uint64_t>(1024 >> 4) << 32;  // stride byte offset
+  d |= static_cast<uint64_t>(1) << 62;          // 128-byte swizzle
+  return d;
+}
+
+// The epilogue's staging: a consumer warpgroup's 64 rows in 64-column chunks of 128-byte rows,
+// 128-byte swizzle (conflict-free stores, whole lines out by TMA).
+inline constexpr int kOutChunk = 64;
+inline constexpr int kChunkBytes = 64 * kOutChunk * 2;
+
+// One consumer warpgroup's 64 x kCols f32 accumulator (wgmma's m64nN layout: acc[4 i + {0, 1}] is
+// row `row`, columns 8 i + 2 q + {0, 1}; acc[4 i + {2, 3}] row `row` + 8) out as bf16 at (col0,
+// row0) of map_out (box kOutChunk x 64): into the chunks, then TMA stores by the warpgroup's first
+// thread. The previous tile's stores must have left the chunks first: waited for here. Named
+// barrier 1 + consumer.
+template <int kCols>
+__device__ __forceinline__ void store_bf16(const float (&acc)[kCols / 2], uint8_t* chunks,
+                                           const CUtensorMap& map_out, int consumer, uint32_t row,
+                                           int q, int col0, int row0) {
+  const int id = consumer + 1;
+  const bool leader = threadIdx.x % 128 == 0;
+  if (leader) cute::tma_store_wait<0>();
+  cutlass::arch::NamedBarrier::sync(128, id);
+#pragma unroll
+  for (int i = 0; i < kCols / 8; ++i) {
+    uint8_t* chunk = chunks + (i / 8) * kChunkBytes;
+    const uint32_t in_row = (((i % 8) ^ (row % 8)) * 16) + 4 * q;  // (row + 8) % 8 == row % 8
+    *reinterpret_cast<__nv_bfloat162*>(chunk + row * 128 + in_row) =
+        __floats2bfloat162_rn(acc[4 * i], acc[4 * i + 1]);
+    *reinterpret_cast<__nv_bfloat162*>(chunk + (row + 8) * 128 + in_row) =
+        __floats2bfloat162_rn(acc[4 * i + 2], acc[4 * i + 3]);
+  }
+  cutlass::arch::fence_view_async_shared();
+  cutlass::arch::NamedBarrier::sync(128, id);
+  if (leader) {
+    for (int c = 0; c < kCols / kOutChunk; ++c)
+      cute::SM90_TMA_STORE_2D::copy(&map_out, chunks + c * kChunkBytes, col0 + c * kOutChunk, row0);
+    cute::tma_store_arrive();
+  }
+}
+
+// A TMA descriptor of a rank-`rank` tensor (dims and box innermost first, strides in bytes of the
+// outer dimensions), 256-byte L2 promotion, no fill.
+inline CUresult encode_tma(CUtensorMap* map, CUtensorMapDataType type, cuuint32_t rank,
+                           const void* base, const cuuint64_t* dims, const cuuint64_t* strides,
+                           const cuuint32_t* box, CUtensorMapSwizzle swizzle) {
+  const cuuint32_t element_strides[3] = {1, 1, 1};
+  return cutlass::call_cuTensorMapEncodeTiled(
+      map, type, rank, const_cast<void*>(base), dims, strides, box, element_strides,
+      CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+      CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
+// The current device's multiprocessors, read once (one GPU per process).
+inline int sm_count() {
+  static const int sms = [] {
+    int device = 0, count = 0;
+    cudaGetDevice(&device);
+    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
+    return count;
+  }();
+  return sms;
+}
+
+}  // namespace mt::cuda::ws_sm90
