@@ -15,6 +15,7 @@
 
 #include "op_testing.h"
 #include "ops/activation.h"
+#include "ops/fp8.h"
 #if MOETRAIN_HAS_CUDA
 #include <cuda_runtime_api.h>
 
@@ -93,6 +94,33 @@ TEST(SwiGLU, RowWeightsScaleTheOutputAndGetTheirGradient) {
   EXPECT_NE(e.find("swiglu row weights"), std::string::npos) << e;
 }
 
+// The forward's FP8 rows (ops::Fp8RowsOut) are its output quantized as fp8_quantize does, under
+// both scale rules; rows of another shape, or MX values asked for too, are refused.
+TEST(SwiGLU, Fp8RowsAreTheOutputQuantized) {
+  const Tensor h = randn({3, 512}, 5, 4.0, DType::kF32);
+  for (const Fp8ScaleRule rule : {Fp8ScaleRule::kFp32, Fp8ScaleRule::kPow2}) {
+    Tensor a = Tensor::empty({3, 256}, DType::kF32);
+    QuantTensor q = QuantTensor::poisoned({3, 256}, QuantBlock::kRow128, QuantAxis::kDim0);
+    const ops::Fp8RowsOut fp8{&q, rule};
+    ops::swiglu_forward(h, a, {}, nullptr, &fp8);
+    QuantTensor want = QuantTensor::empty({3, 256}, QuantBlock::kRow128, QuantAxis::kDim0);
+    ops::fp8_quantize(a, rule, want);
+    EXPECT_EQ(std::memcmp(q.data().raw(), want.data().raw(), want.data().nbytes()), 0);
+    EXPECT_EQ(std::memcmp(q.scales().raw(), want.scales().raw(), want.scales().nbytes()), 0);
+  }
+  Tensor a = Tensor::empty({3, 256}, DType::kF32);
+  QuantTensor wrong = QuantTensor::empty({3, 128}, QuantBlock::kRow128, QuantAxis::kDim0);
+  const ops::Fp8RowsOut bad{&wrong, Fp8ScaleRule::kFp32};
+  std::string e = error_of([&] { ops::swiglu_forward(h, a, {}, nullptr, &bad); });
+  EXPECT_NE(e.find("1x128 blocks along dim0"), std::string::npos) << e;
+  QuantTensor q = QuantTensor::empty({3, 256}, QuantBlock::kRow128, QuantAxis::kDim0);
+  const ops::Fp8RowsOut fp8{&q, Fp8ScaleRule::kFp32};
+  Tensor values = Tensor::empty({3, 256}, DType::kF32);
+  const ops::MxValuesOut mx{&values, MxScaleRule::kRceil};
+  e = error_of([&] { ops::swiglu_forward(h, a, {}, &mx, &fp8); });
+  EXPECT_NE(e.find("not both"), std::string::npos) << e;
+}
+
 #if MOETRAIN_HAS_CUDA
 
 struct GpuActivation : GpuCase {
@@ -158,6 +186,49 @@ void GpuActivation::check_swiglu(int64_t m, int64_t f) {
   const Tensor gwdw_h = gwdw.to(Device::kCPU);
   ASSERT_TRUE(all_finite(gwdw_h)) << "row-weight gradient: unwritten (NaN) or non-finite";
   EXPECT_LT(relative_error(gwdw_h, wdw), 1e-4) << "row-weight gradient, seed " << seed;
+}
+
+// SwiGLU forward writing its output's FP8 rows (ops::Fp8RowsOut) in the same kernel: the rows
+// equal the unfused sequence's (the kernel's own output quantized by the CPU reference) byte for
+// byte, scales bit for bit, under both scale rules; with padding marks and routing weights (the
+// padding rows keep the poison); 384 columns leave half of a bf16 step's lanes idle.
+TEST_P(GpuActivation, SwiGLUForwardWritesItsFp8Rows) {
+  for (const int64_t f : {int64_t{768}, int64_t{384}})
+    for (const Fp8ScaleRule rule : {Fp8ScaleRule::kFp32, Fp8ScaleRule::kPow2}) {
+      SCOPED_TRACE(::testing::Message() << "f " << f << ", rule " << static_cast<int>(rule));
+      const int64_t m = 1000;
+      const Tensor h = input({m, 2 * f}, 3.0);
+      Tensor marks = Tensor::empty({m}, DType::kI32);
+      for (int64_t r = 0; r < m; ++r) marks.set_item(r, r % 5 == 2 ? -1 : static_cast<double>(r));
+      const Tensor gmarks = marks.to(Device::kCUDA);
+      const Tensor gweight =
+          testing::randn({m}, seed + counter++, 1.0, DType::kF32).to(Device::kCUDA);
+      Tensor a = gpu_out({m, f});
+      QuantTensor q =
+          QuantTensor::poisoned({m, f}, QuantBlock::kRow128, QuantAxis::kDim0, Device::kCUDA);
+      const ops::Fp8RowsOut fp8{&q, rule};
+      ops::swiglu_forward(gpu(h), a, {&gmarks, &gweight}, nullptr, &fp8);
+      const Tensor a_host = a.to(Device::kCPU).to(DType::kF32);
+      QuantTensor want = QuantTensor::empty({m, f}, QuantBlock::kRow128, QuantAxis::kDim0);
+      ops::fp8_quantize(a_host, rule, want);
+      const QuantTensor got = q.to(Device::kCPU);
+      const auto* gd = static_cast<const uint8_t*>(got.data().raw());
+      const auto* wd = static_cast<const uint8_t*>(want.data().raw());
+      constexpr uint8_t kPoison = 0xFF;  // Tensor::poisoned's byte
+      int64_t wrong = 0, wrong_scales = 0;
+      for (int64_t r = 0; r < m; ++r) {
+        const bool padding = r % 5 == 2;
+        for (int64_t c = 0; c < f; ++c)
+          wrong += gd[r * f + c] != (padding ? kPoison : wd[r * f + c]);
+        for (int64_t b = 0; b < f / 128; ++b) {
+          const float gs = got.scales().data<float>()[r * (f / 128) + b];
+          const float ws = want.scales().data<float>()[r * (f / 128) + b];
+          wrong_scales += padding ? !std::isnan(gs) : std::memcmp(&gs, &ws, 4) != 0;
+        }
+      }
+      EXPECT_EQ(wrong, 0) << "FP8 bytes differing from the unfused sequence's";
+      EXPECT_EQ(wrong_scales, 0) << "FP8 scales differing from the unfused sequence's";
+    }
 }
 
 MOETRAIN_GPU_CASES(GpuActivation);

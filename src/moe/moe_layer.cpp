@@ -211,11 +211,17 @@ void fill_chunk(const MoeWeights& w, const MoeConfig& c, const MoeActivations& a
   if (!ch.act.defined()) {
     ch.act = Tensor::empty({r, c.moe_dim}, dt, dev);
     std::optional<ops::MxValuesOut> mx;
+    std::optional<ops::Fp8RowsOut> fp8;
     if (prec.mx_forward_and_input() && fill == FillFor::kForward) {
       ch.act_mx = rows_read ? Tensor::empty(ch.act.shape(), dt, dev) : ch.act;
       mx = ops::MxValuesOut{&ch.act_mx, prec.rule};
     }
-    ops::swiglu_forward(ch.gate_up, ch.act, swiglu_rows(ch), mx ? &*mx : nullptr);
+    if (prec.fp8_forward_and_input() && fill == FillFor::kForward) {
+      ch.act_fp8 = QuantTensor::empty(ch.act.shape(), QuantBlock::kRow128, QuantAxis::kDim0, dev);
+      fp8 = ops::Fp8RowsOut{&ch.act_fp8, prec.fp8_scale};
+    }
+    ops::swiglu_forward(ch.gate_up, ch.act, swiglu_rows(ch), mx ? &*mx : nullptr,
+                        fp8 ? &*fp8 : nullptr);
   }
 }
 
@@ -266,8 +272,10 @@ void moe_combine(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms,
   for (MoeChunk& ch : a.chunks) {
     Tensor ye = Tensor::empty({ch.act.dim(0), c.dim}, ch.act.dtype(), ch.act.device());
     ops::expert_gemm_forward(ch.act, w.w_down, ch.perm.expert_rows(), c.expert_precision, ye,
-                             {w.down_copies, ch.act_mx.defined() ? &ch.act_mx : nullptr});
+                             {w.down_copies, ch.act_mx.defined() ? &ch.act_mx : nullptr,
+                              ch.act_fp8.defined() ? &ch.act_fp8 : nullptr});
     ch.act_mx = Tensor();
+    ch.act_fp8 = QuantTensor();
     Tensor out_rows = ch.rows_of(out);
     Tensor res_rows = residual ? ch.rows_of(*residual) : Tensor();
     const Tensor* res = residual ? &res_rows : nullptr;

@@ -84,6 +84,9 @@ struct MoeChunk {
   // Under an MX recipe, act's MX values for the down projection's forward: made with act by a
   // forward fill, consumed (and dropped) by moe_combine.
   Tensor act_mx;
+  // Under an FP8 recipe, act's FP8 rows (1 x 128 along F) for the down projection's forward:
+  // written with act by SwiGLU in a forward fill, consumed (and dropped) by moe_combine.
+  QuantTensor act_fp8;
   // t's rows of this chunk's tokens (t has the layer's N rows).
   Tensor rows_of(const Tensor& t) const { return t.slice_rows(begin, end); }
 };

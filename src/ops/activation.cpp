@@ -54,25 +54,42 @@ cuda::kernels::SwigluRows kernel_rows(const SwigluRows& rows, Tensor* dweight) {
 #endif
 }  // namespace
 
-void swiglu_forward(const Tensor& h, Tensor& a, const SwigluRows& rows, const MxValuesOut* mx) {
+void swiglu_forward(const Tensor& h, Tensor& a, const SwigluRows& rows, const MxValuesOut* mx,
+                    const Fp8RowsOut* fp8) {
   check_rows(rows, h);
   const int64_t m = h.dim(0), f = h.dim(1) / 2;
   expect_shape(a, {m, f}, "swiglu out");
   check_mx_values("swiglu_forward", a, mx);
+  check_fp8_rows("swiglu_forward", a, fp8);
+  MT_CHECK(!(mx && fp8), "swiglu_forward: MX values or FP8 rows, not both");
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(h)) {
     const profile::Phase phase("gpu.swiglu_forward");
     cuda::same_storage_type(h, a, "swiglu out");
     const DType st = cuda::storage_of(h, "swiglu h");
     const auto fused = cuda::fused_mx_values(mx, st, f, {h.raw(), a.raw()});
-    MT_CUDA_CHECK(cuda::kernels::swiglu_forward(st, h.raw(), a.raw(), m, f,
-                                                kernel_rows(rows, nullptr), fused, cuda::stream()));
+    const cuda::kernels::Fp8RowsOut none{nullptr, nullptr, Fp8ScaleRule::kFp32};
+    const cuda::kernels::Fp8RowsOut rows_fp8 =
+        fp8 ? cuda::kernels::Fp8RowsOut{static_cast<uint8_t*>(fp8->rows->data().raw()),
+                                        fp8->rows->scales().data<float>(), fp8->rule}
+            : none;
+    cudaError_t err = cuda::kernels::swiglu_forward(
+        st, h.raw(), a.raw(), m, f, kernel_rows(rows, nullptr), fused, rows_fp8, cuda::stream());
+    bool fp8_done = fp8 != nullptr;
+    if (err == cudaErrorNotSupported && fp8) {  // rows it cannot fuse: the two steps
+      err = cuda::kernels::swiglu_forward(st, h.raw(), a.raw(), m, f, kernel_rows(rows, nullptr),
+                                          fused, none, cuda::stream());
+      fp8_done = false;
+    }
+    MT_CUDA_CHECK(err);
     if (mx && !fused.values) write_mx_values(a, *mx);
+    if (fp8 && !fp8_done) write_fp8_rows(a, *fp8);
     return;
   }
 #endif
   cpu::swiglu_forward(h, a, rows);
   if (mx) write_mx_values(a, *mx);
+  if (fp8) write_fp8_rows(a, *fp8);
 }
 
 void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const SwigluRows& rows,

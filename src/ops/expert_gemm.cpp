@@ -206,11 +206,15 @@ QuantTensor fp8_weight_copy(const QuantOperands& made, QuantTensor WeightCopies:
 // out = a b^T over the experts' rows, with b (E, P, Q): grouped_gemm_backward_input's product.
 void expert_gemm_forward(const Tensor& x, const Tensor& w, const ExpertRows& rows,
                          const ExpertPrecision& p, Tensor& out, const QuantOperands& made) {
-  if (p.fp8_forward_and_input())
-    return fp8_grouped_gemm(fp8_rows(x, p.fp8_scale),
+  if (p.fp8_forward_and_input()) {
+    MT_CHECK(!made.fp8_rows || made.fp8_rows->shape() == x.shape(),
+             "expert_gemm_forward: the FP8 rows given are {}, the rows {}",
+             shape_str(made.fp8_rows ? made.fp8_rows->shape() : Shape{}), shape_str(x.shape()));
+    return fp8_grouped_gemm(made.fp8_rows ? *made.fp8_rows : fp8_rows(x, p.fp8_scale),
                             fp8_weight_copy(made, &WeightCopies::fp8_forward, w, QuantAxis::kDim1,
                                             p.fp8_scale, "forward FP8"),
                             rows, out);
+  }
   if (!p.mx_forward_and_input()) return grouped_gemm_forward(x, w, rows, out);
   grouped_gemm_backward_input(
       made.rows ? *made.rows : mx_rows(x, p.rule),

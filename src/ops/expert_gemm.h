@@ -98,12 +98,14 @@ void make_weight_copies(const Tensor& w, const ExpertPrecision& p, DType dtype, 
                         WeightCopies& out);
 
 // What the caller made beforehand for the forward and input-gradient MX and FP8 products
-// (ignored by bf16): the weight's copies, and (MX) the rows' MX values along the contraction
-// (dim0), e.g. by the kernel that wrote the rows (ops::MxValuesOut), or the rows themselves when
-// they arrived as MX values (an MXFP8 dispatch). The product makes what is not given.
+// (ignored by bf16): the weight's copies, (MX) the rows' MX values along the contraction (dim0),
+// e.g. by the kernel that wrote the rows (ops::MxValuesOut), or the rows themselves when they
+// arrived as MX values (an MXFP8 dispatch), and (FP8) the rows quantized along the contraction
+// (ops::Fp8RowsOut). The product makes what is not given.
 struct QuantOperands {
   const WeightCopies* weight = nullptr;
   const Tensor* rows = nullptr;
+  const QuantTensor* fp8_rows = nullptr;
 };
 
 // Shapes as ops/grouped_gemm.h: x (M, K), w (E, K, N), out (M, N).

@@ -48,6 +48,20 @@ void check_aligned(const char* op, const void* p) {
 
 }  // namespace
 
+void check_fp8_rows(const char* op, const Tensor& out, const Fp8RowsOut* fp8) {
+  if (!fp8) return;
+  MT_CHECK(
+      fp8->rows && fp8->rows->defined() && fp8->rows->shape() == out.shape() &&
+          fp8->rows->block() == QuantBlock::kRow128 && fp8->rows->axis() == QuantAxis::kDim0 &&
+          fp8->rows->device() == out.device(),
+      "{}: the FP8 rows must be 1x128 blocks along dim0 of the output's shape {} on its device", op,
+      shape_str(out.shape()));
+}
+
+void write_fp8_rows(const Tensor& out, const Fp8RowsOut& fp8) {
+  fp8_quantize(out, fp8.rule, *fp8.rows);
+}
+
 void fp8_quantize(const Tensor& x, Fp8ScaleRule rule, QuantTensor& out) {
   check_fp8("fp8_quantize", "input", x, out);
 #if MOETRAIN_HAS_CUDA

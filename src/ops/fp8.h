@@ -14,6 +14,20 @@ namespace mt::ops {
 // kTile128 (either axis).
 void fp8_quantize(const Tensor& x, Fp8ScaleRule rule, QuantTensor& out);
 
+// A second output of the ops that write expert rows (swiglu_forward): the rows they write,
+// quantized as fp8_quantize of the output into *rows (kRow128 along dim0, the output's shape and
+// device), the operand of the FP8 product that reads them. On the GPU the op's kernel makes them
+// as it writes the rows (rows of a multiple of 128 elements, 16-byte aligned; else the two
+// steps); padding rows the op skips are left as they are.
+struct Fp8RowsOut {
+  QuantTensor* rows = nullptr;
+  Fp8ScaleRule rule = Fp8ScaleRule::kFp32;
+};
+// Checks fp8 against the op's output `out` (null fp8: nothing to check).
+void check_fp8_rows(const char* op, const Tensor& out, const Fp8RowsOut* fp8);
+// The definition every fused Fp8RowsOut is held to: fp8_quantize(out, rule, *rows).
+void write_fp8_rows(const Tensor& out, const Fp8RowsOut& fp8);
+
 // A weight's two FP8 copies from one read of w (..., R, C): `dim0` stored as w, `dim1` stored
 // transposed, both in 128 x 128 tiles with the same scales (a tile's scale does not depend on the
 // layout): the forward's and the input gradient's b operands.

@@ -1,8 +1,8 @@
 // SwiGLU forward and backward over rows (a warp per row, fp32 math, 16-byte packs where
 // aligned), with the expert rows' routing weights and optionally the output's MX values.
 #include "ops/cuda/activation.h"
-
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/fp8.cuh"
 #include "ops/cuda/mx.cuh"
 
 namespace mt::cuda {
@@ -50,6 +50,54 @@ __global__ void swiglu_forward_kernel(const T* h, T* a, int64_t m, int64_t f,
         if (active) store_n<T, P>(static_cast<T*>(mx.values) + r * f + c, g);
       } else if (!active) {
         break;
+      }
+    }
+  });
+}
+
+// The forward writing its output and the output's FP8 rows (kernels::Fp8RowsOut): P a 16-byte
+// pack, f a multiple of 128, so a 1 x 128 block is 128 / P consecutive lanes of one step (16 for
+// bf16, 32 for f32) and its amax is shuffled among them. Every lane runs every step.
+template <class T, int P>
+__global__ void swiglu_forward_fp8_kernel(const T* h, T* a, int64_t m, int64_t f,
+                                          kernels::SwigluRows rows, kernels::Fp8RowsOut fp8) {
+  constexpr int kLanes = kFp8Block / P;
+  static_assert(P % 2 == 0 && kLanes <= 32 && 32 % kLanes == 0);
+  const int lane = threadIdx.x % 32;
+  for_each_swiglu_row(m, rows, [&](int64_t r, float w) {
+    const T* gate = h + r * 2 * f;
+    const T* up = gate + f;
+    for (int64_t c0 = 0; c0 < f; c0 += 32 * P) {
+      const int64_t c = c0 + lane * P;
+      const bool active = c < f;  // a block's lanes are all active or all not (f % 128 == 0)
+      float g[P];
+      uint32_t amax = 0;
+      if (active) {
+        float u[P];
+        load_n<T, P>(gate + c, g);
+        load_n<T, P>(up + c, u);
+#pragma unroll
+        for (int k = 0; k < P; ++k) g[k] = w * (g[k] / (1.f + __expf(-g[k])) * u[k]);
+        store_n<T, P>(a + r * f + c, g);
+        round_to<T>(g);  // the values as stored: what fp8_quantize of the output reads
+#pragma unroll
+        for (int k = 0; k < P; ++k) amax = max(amax, magnitude(g[k]));
+      }
+#pragma unroll
+      for (int offset = kLanes / 2; offset > 0; offset /= 2)
+        amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
+      if (active) {
+        const Fp8Scale s = fp8_scale(fp8.rule, amax);
+        uint16_t pairs[P / 2];
+#pragma unroll
+        for (int k = 0; k < P / 2; ++k) pairs[k] = fp8x2(g[2 * k], g[2 * k + 1], s);
+        uint8_t* out = fp8.data + r * f + c;
+        if constexpr (P == 8)
+          *reinterpret_cast<uint2*>(out) = make_uint2(pairs[0] | (uint32_t{pairs[1]} << 16),
+                                                      pairs[2] | (uint32_t{pairs[3]} << 16));
+        else
+          *reinterpret_cast<uint32_t*>(out) = pairs[0] | (uint32_t{pairs[1]} << 16);
+        if (lane % kLanes == 0) fp8.scales[r * (f / kFp8Block) + c / kFp8Block] = s.scale;
       }
     }
   });
@@ -141,9 +189,24 @@ cudaError_t launch_swiglu(DType st, int64_t f, std::initializer_list<const void*
 }  // namespace
 
 cudaError_t swiglu_forward(DType st, const void* h, void* a, int64_t m, int64_t f, SwigluRows rows,
-                           MxValuesOut mx, cudaStream_t stream) {
+                           MxValuesOut mx, Fp8RowsOut fp8, cudaStream_t stream) {
   if (m * f == 0) return cudaSuccess;
   const int blocks = grid_for(m * 32);  // a warp per row
+  if (fp8.data) {
+    if (mx.values || f % kFp8Block != 0) return cudaErrorNotSupported;
+    cudaError_t err = cudaSuccess;
+    dispatch_storage(st, [&](auto tag) {
+      using T = decltype(tag);
+      constexpr int P = Pack<T>::kSize;
+      if (!packable<T>(f, {h, a}) || reinterpret_cast<uintptr_t>(fp8.data) % 16 != 0) {
+        err = cudaErrorNotSupported;
+        return;
+      }
+      swiglu_forward_fp8_kernel<T, P><<<blocks, kBlock, 0, stream>>>(
+          static_cast<const T*>(h), static_cast<T*>(a), m, f, rows, fp8);
+    });
+    return err != cudaSuccess ? err : cudaGetLastError();
+  }
   return launch_swiglu(st, f, {h, a}, mx, [&](auto p, auto fused, auto tag) {
     using T = decltype(tag);
     swiglu_forward_kernel<T, decltype(p)::value, decltype(fused)::value>

@@ -12,6 +12,15 @@
 
 namespace mt::cuda::kernels {
 
+// A row-writing kernel's second output (e.g. swiglu_forward): the rows it writes quantized in 1 x
+// 128 blocks along them (kRow128, dim0: data (rows, cols), scales (rows, cols / 128)) from their
+// values as stored, bit for bit with fp8_quantize_rows of the output. data null: none.
+struct Fp8RowsOut {
+  uint8_t* data;
+  float* scales;
+  Fp8ScaleRule rule;
+};
+
 // x (rows, cols), f32 or bf16, 16-byte aligned, cols a multiple of 128 -> 1 x 128 blocks along
 // the rows (core/quant.h's kRow128, dim0): data (rows, cols), scales (rows, cols / 128).
 cudaError_t fp8_quantize_rows(DType in, const void* x, int64_t rows, int64_t cols,

@@ -35,6 +35,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "ops/cuda/common.cuh"
 #include "ops/cuda/cutlass/grouped_gemm_fixed_sm90.cuh"
 #include "ops/cuda/cutlass/warp_specialized_sm90.cuh"
 #include "ops/cuda/fp8_gemm.h"
@@ -262,7 +263,7 @@ cudaError_t fp8_gemm_rows_fixed(const int64_t* segments, int experts, const Fp8O
   static const cudaError_t configured = cudaFuncSetAttribute(
       fp8_gemm_fixed_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (configured != cudaSuccess) return configured;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(count, ws_sm90::sm_count()));
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(count, sm_count()));
   fp8_gemm_fixed_kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, map_out, params);
   return cudaGetLastError();
 }

@@ -30,6 +30,7 @@
 #include <cstdint>
 #include <utility>
 
+#include "ops/cuda/common.cuh"
 #include "ops/cuda/cutlass/grouped_gemm_fixed_sm90.cuh"
 #include "ops/cuda/cutlass/warp_specialized_sm90.cuh"
 #include "ops/cuda/mx_gemm.h"
@@ -349,7 +350,7 @@ cudaError_t mx_gemm(const int64_t* segments, int experts, const uint8_t* a_data,
                 static_cast<int>(q / 32),
                 p,
                 capacity};
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(count, ws_sm90::sm_count()));
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(count, sm_count()));
   mx_gemm_kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, map_out, params);
   return cudaGetLastError();
 }

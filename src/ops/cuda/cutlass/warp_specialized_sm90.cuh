@@ -1,7 +1,7 @@
 // What our own warp-specialized Hopper kernels share (mx_gemm_sm90.cu, fp8_gemm_sm90_fixed.cu): the
 // 1024-aligned view of dynamic shared memory, the stage ring's barriers, K-major 128-byte-swizzle
-// wgmma descriptors, the bf16 epilogue through swizzled shared memory and TMA stores, TMA
-// descriptors and the SM count. Each kernel: persistent CTAs over a tile table, one producer thread
+// wgmma descriptors, the bf16 epilogue through swizzled shared memory and TMA stores, and TMA
+// descriptors. Each kernel: persistent CTAs over a tile table, one producer thread
 // issuing TMA copies into a ring of stages, two consumer warpgroups of 64 rows each.
 #pragma once
 #include <cuda.h>
@@ -141,17 +141,6 @@ inline CUresult encode_tma(CUtensorMap* map, CUtensorMapDataType type, cuuint32_
       map, type, rank, const_cast<void*>(base), dims, strides, box, element_strides,
       CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
-}
-
-// The current device's multiprocessors, read once (one GPU per process).
-inline int sm_count() {
-  static const int sms = [] {
-    int device = 0, count = 0;
-    cudaGetDevice(&device);
-    cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device);
-    return count;
-  }();
-  return sms;
 }
 
 }  // namespace mt::cuda::ws_sm90
