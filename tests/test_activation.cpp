@@ -94,9 +94,10 @@ TEST(SwiGLU, RowWeightsScaleTheOutputAndGetTheirGradient) {
   EXPECT_NE(e.find("swiglu row weights"), std::string::npos) << e;
 }
 
-// The forward's FP8 rows (ops::Fp8RowsOut) are its output quantized as fp8_quantize does, under
-// both scale rules; rows of another shape, or MX values asked for too, are refused.
-TEST(SwiGLU, Fp8RowsAreTheOutputQuantized) {
+// SwiGLU's FP8 rows (ops::Fp8RowsOut: the forward's a, the backward's dh) are the output quantized
+// as fp8_quantize does, under both scale rules; rows of another shape, or MX values asked for too,
+// are refused.
+TEST(SwiGLU, Fp8RowsAreTheOutputsQuantized) {
   const Tensor h = randn({3, 512}, 5, 4.0, DType::kF32);
   for (const Fp8ScaleRule rule : {Fp8ScaleRule::kFp32, Fp8ScaleRule::kPow2}) {
     Tensor a = Tensor::empty({3, 256}, DType::kF32);
@@ -107,6 +108,16 @@ TEST(SwiGLU, Fp8RowsAreTheOutputQuantized) {
     ops::fp8_quantize(a, rule, want);
     EXPECT_EQ(std::memcmp(q.data().raw(), want.data().raw(), want.data().nbytes()), 0);
     EXPECT_EQ(std::memcmp(q.scales().raw(), want.scales().raw(), want.scales().nbytes()), 0);
+    const Tensor da = randn({3, 256}, 6, 1.0, DType::kF32);
+    Tensor dh = Tensor::empty({3, 512}, DType::kF32);
+    QuantTensor qdh = QuantTensor::poisoned({3, 512}, QuantBlock::kRow128, QuantAxis::kDim0);
+    const ops::Fp8RowsOut fdh{&qdh, rule};
+    ops::swiglu_backward(h, da, dh, {}, nullptr, nullptr, &fdh);
+    QuantTensor want_dh = QuantTensor::empty({3, 512}, QuantBlock::kRow128, QuantAxis::kDim0);
+    ops::fp8_quantize(dh, rule, want_dh);
+    EXPECT_EQ(std::memcmp(qdh.data().raw(), want_dh.data().raw(), want_dh.data().nbytes()), 0);
+    EXPECT_EQ(std::memcmp(qdh.scales().raw(), want_dh.scales().raw(), want_dh.scales().nbytes()),
+              0);
   }
   Tensor a = Tensor::empty({3, 256}, DType::kF32);
   QuantTensor wrong = QuantTensor::empty({3, 128}, QuantBlock::kRow128, QuantAxis::kDim0);
@@ -188,46 +199,58 @@ void GpuActivation::check_swiglu(int64_t m, int64_t f) {
   EXPECT_LT(relative_error(gwdw_h, wdw), 1e-4) << "row-weight gradient, seed " << seed;
 }
 
-// SwiGLU forward writing its output's FP8 rows (ops::Fp8RowsOut) in the same kernel: the rows
-// equal the unfused sequence's (the kernel's own output quantized by the CPU reference) byte for
-// byte, scales bit for bit, under both scale rules; with padding marks and routing weights (the
-// padding rows keep the poison); 384 columns leave half of a bf16 step's lanes idle.
-TEST_P(GpuActivation, SwiGLUForwardWritesItsFp8Rows) {
+// The FP8 rows (1 x 128) got from a kernel for the rows of out: equal to out quantized by the CPU
+// reference, byte for byte and scale for scale, except padding rows, which keep the poison.
+int64_t fp8_rows_differing(const QuantTensor& got_gpu, const Tensor& out_gpu, Fp8ScaleRule rule,
+                           const std::function<bool(int64_t)>& padding) {
+  const int64_t m = out_gpu.dim(0), width = out_gpu.dim(1);
+  QuantTensor want = QuantTensor::empty({m, width}, QuantBlock::kRow128, QuantAxis::kDim0);
+  ops::fp8_quantize(out_gpu.to(Device::kCPU).to(DType::kF32), rule, want);
+  const QuantTensor got = got_gpu.to(Device::kCPU);
+  const auto* gd = static_cast<const uint8_t*>(got.data().raw());
+  const auto* wd = static_cast<const uint8_t*>(want.data().raw());
+  constexpr uint8_t kPoison = 0xFF;  // Tensor::poisoned's byte
+  int64_t wrong = 0;
+  for (int64_t r = 0; r < m; ++r) {
+    const bool pad = padding(r);
+    for (int64_t c = 0; c < width; ++c)
+      wrong += gd[r * width + c] != (pad ? kPoison : wd[r * width + c]);
+    for (int64_t b = 0; b < width / 128; ++b) {
+      const float gs = got.scales().data<float>()[r * (width / 128) + b];
+      const float ws = want.scales().data<float>()[r * (width / 128) + b];
+      wrong += pad ? !std::isnan(gs) : std::memcmp(&gs, &ws, 4) != 0;
+    }
+  }
+  return wrong;
+}
+
+// SwiGLU writing its output's FP8 rows (ops::Fp8RowsOut) in the same kernel, forward (a) and
+// backward (dh, its gate and up halves' blocks apart): the rows equal the unfused sequence's (the
+// kernel's own output quantized by the CPU reference), under both scale rules, with padding marks
+// (rows keep the poison) and routing weights; 384 columns leave half of a bf16 step's lanes idle.
+TEST_P(GpuActivation, SwiGLUWritesItsFp8Rows) {
   for (const int64_t f : {int64_t{768}, int64_t{384}})
     for (const Fp8ScaleRule rule : {Fp8ScaleRule::kFp32, Fp8ScaleRule::kPow2}) {
       SCOPED_TRACE(::testing::Message() << "f " << f << ", rule " << static_cast<int>(rule));
       const int64_t m = 1000;
-      const Tensor h = input({m, 2 * f}, 3.0);
+      const Tensor h = gpu(input({m, 2 * f}, 3.0)), da = gpu(input({m, f}));
       Tensor marks = Tensor::empty({m}, DType::kI32);
       for (int64_t r = 0; r < m; ++r) marks.set_item(r, r % 5 == 2 ? -1 : static_cast<double>(r));
       const Tensor gmarks = marks.to(Device::kCUDA);
       const Tensor gweight =
           testing::randn({m}, seed + counter++, 1.0, DType::kF32).to(Device::kCUDA);
-      Tensor a = gpu_out({m, f});
-      QuantTensor q =
+      const auto padding = [](int64_t r) { return r % 5 == 2; };
+      Tensor a = gpu_out({m, f}), dh = gpu_out({m, 2 * f});
+      Tensor dweight = gpu_out({m}, DType::kF32);
+      QuantTensor qa =
           QuantTensor::poisoned({m, f}, QuantBlock::kRow128, QuantAxis::kDim0, Device::kCUDA);
-      const ops::Fp8RowsOut fp8{&q, rule};
-      ops::swiglu_forward(gpu(h), a, {&gmarks, &gweight}, nullptr, &fp8);
-      const Tensor a_host = a.to(Device::kCPU).to(DType::kF32);
-      QuantTensor want = QuantTensor::empty({m, f}, QuantBlock::kRow128, QuantAxis::kDim0);
-      ops::fp8_quantize(a_host, rule, want);
-      const QuantTensor got = q.to(Device::kCPU);
-      const auto* gd = static_cast<const uint8_t*>(got.data().raw());
-      const auto* wd = static_cast<const uint8_t*>(want.data().raw());
-      constexpr uint8_t kPoison = 0xFF;  // Tensor::poisoned's byte
-      int64_t wrong = 0, wrong_scales = 0;
-      for (int64_t r = 0; r < m; ++r) {
-        const bool padding = r % 5 == 2;
-        for (int64_t c = 0; c < f; ++c)
-          wrong += gd[r * f + c] != (padding ? kPoison : wd[r * f + c]);
-        for (int64_t b = 0; b < f / 128; ++b) {
-          const float gs = got.scales().data<float>()[r * (f / 128) + b];
-          const float ws = want.scales().data<float>()[r * (f / 128) + b];
-          wrong_scales += padding ? !std::isnan(gs) : std::memcmp(&gs, &ws, 4) != 0;
-        }
-      }
-      EXPECT_EQ(wrong, 0) << "FP8 bytes differing from the unfused sequence's";
-      EXPECT_EQ(wrong_scales, 0) << "FP8 scales differing from the unfused sequence's";
+      QuantTensor qdh =
+          QuantTensor::poisoned({m, 2 * f}, QuantBlock::kRow128, QuantAxis::kDim0, Device::kCUDA);
+      const ops::Fp8RowsOut fa{&qa, rule}, fdh{&qdh, rule};
+      ops::swiglu_forward(h, a, {&gmarks, &gweight}, nullptr, &fa);
+      ops::swiglu_backward(h, da, dh, {&gmarks, &gweight}, &dweight, nullptr, &fdh);
+      EXPECT_EQ(fp8_rows_differing(qa, a, rule, padding), 0) << "forward";
+      EXPECT_EQ(fp8_rows_differing(qdh, dh, rule, padding), 0) << "backward";
     }
 }
 

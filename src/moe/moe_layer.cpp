@@ -336,13 +336,21 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
     Tensor drow_weight = Tensor::empty({r, 1}, ch.row_weight.dtype(), dev);
     Tensor drow_weight_flat = drow_weight.reshape({r});
     Tensor dgate_up_mx;
+    QuantTensor dgate_up_fp8;  // the gate|up input gradient's operand, written by SwiGLU
     std::optional<ops::MxValuesOut> dgate_up_values;
+    std::optional<ops::Fp8RowsOut> dgate_up_rows;
     if (prec.mx_forward_and_input()) {
       dgate_up_mx = Tensor::empty(dgate_up.shape(), dt, dev);
       dgate_up_values = ops::MxValuesOut{&dgate_up_mx, prec.rule};
     }
+    if (prec.fp8_forward_and_input()) {
+      dgate_up_fp8 =
+          QuantTensor::empty(dgate_up.shape(), QuantBlock::kRow128, QuantAxis::kDim0, dev);
+      dgate_up_rows = ops::Fp8RowsOut{&dgate_up_fp8, prec.fp8_scale};
+    }
     ops::swiglu_backward(ch.gate_up, dact, dgate_up, swiglu_rows(ch), &drow_weight_flat,
-                         dgate_up_values ? &*dgate_up_values : nullptr);
+                         dgate_up_values ? &*dgate_up_values : nullptr,
+                         dgate_up_rows ? &*dgate_up_rows : nullptr);
     // The routing weights' gradient, back from the expert rows to the choices; with EP a
     // choice's gradient comes from its expert's rank, zeros from the others.
     Tensor dweight_rows = ch.rows_of(dweight);
@@ -352,8 +360,10 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
     Tensor dxe = Tensor::empty({r, c.dim}, dt, dev);
     ops::expert_gemm_backward_input(
         dgate_up, w.w_gate_up, rows, prec, dxe,
-        {w.gate_up_copies, dgate_up_mx.defined() ? &dgate_up_mx : nullptr});
+        {w.gate_up_copies, dgate_up_mx.defined() ? &dgate_up_mx : nullptr,
+         dgate_up_fp8.defined() ? &dgate_up_fp8 : nullptr});
     dgate_up_mx = Tensor();
+    dgate_up_fp8 = QuantTensor();
 
     // The dispatch's backward: each token's rows summed where they are, then across the ranks,
     // with the routing weights' gradient in the same exchange, which crosses (on the lane) while

@@ -51,6 +51,12 @@ cuda::kernels::SwigluRows kernel_rows(const SwigluRows& rows, Tensor* dweight) {
           rows.weight ? rows.weight->data<float>() : nullptr,
           dweight ? dweight->data<float>() : nullptr};
 }
+// The FP8 rows as the kernels take them (data null: none).
+cuda::kernels::Fp8RowsOut kernel_fp8_rows(const Fp8RowsOut* fp8) {
+  if (!fp8) return {nullptr, nullptr, Fp8ScaleRule::kFp32};
+  return {static_cast<uint8_t*>(fp8->rows->data().raw()), fp8->rows->scales().data<float>(),
+          fp8->rule};
+}
 #endif
 }  // namespace
 
@@ -68,17 +74,13 @@ void swiglu_forward(const Tensor& h, Tensor& a, const SwigluRows& rows, const Mx
     cuda::same_storage_type(h, a, "swiglu out");
     const DType st = cuda::storage_of(h, "swiglu h");
     const auto fused = cuda::fused_mx_values(mx, st, f, {h.raw(), a.raw()});
-    const cuda::kernels::Fp8RowsOut none{nullptr, nullptr, Fp8ScaleRule::kFp32};
-    const cuda::kernels::Fp8RowsOut rows_fp8 =
-        fp8 ? cuda::kernels::Fp8RowsOut{static_cast<uint8_t*>(fp8->rows->data().raw()),
-                                        fp8->rows->scales().data<float>(), fp8->rule}
-            : none;
+    const auto rows_fp8 = kernel_fp8_rows(fp8);
     cudaError_t err = cuda::kernels::swiglu_forward(
         st, h.raw(), a.raw(), m, f, kernel_rows(rows, nullptr), fused, rows_fp8, cuda::stream());
     bool fp8_done = fp8 != nullptr;
     if (err == cudaErrorNotSupported && fp8) {  // rows it cannot fuse: the two steps
       err = cuda::kernels::swiglu_forward(st, h.raw(), a.raw(), m, f, kernel_rows(rows, nullptr),
-                                          fused, none, cuda::stream());
+                                          fused, kernel_fp8_rows(nullptr), cuda::stream());
       fp8_done = false;
     }
     MT_CUDA_CHECK(err);
@@ -93,13 +95,15 @@ void swiglu_forward(const Tensor& h, Tensor& a, const SwigluRows& rows, const Mx
 }
 
 void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const SwigluRows& rows,
-                     Tensor* dweight, const MxValuesOut* mx) {
+                     Tensor* dweight, const MxValuesOut* mx, const Fp8RowsOut* fp8) {
   check_rows(rows, h);
   check_weight_gradient(rows, dweight);
   const int64_t m = h.dim(0), f = h.dim(1) / 2;
   expect_shape(da, {m, f}, "swiglu da");
   expect_shape(dh, h.shape(), "swiglu dh");
   check_mx_values("swiglu_backward", dh, mx);
+  check_fp8_rows("swiglu_backward", dh, fp8);
+  MT_CHECK(!(mx && fp8), "swiglu_backward: MX values or FP8 rows, not both");
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(h)) {
     const profile::Phase phase("gpu.swiglu_backward");
@@ -108,14 +112,26 @@ void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const Swiglu
     const DType st = cuda::storage_of(h, "swiglu h");
     // The fused kernel reads and writes rows of f elements in packs: dh's two halves as h's.
     const auto fused = cuda::fused_mx_values(mx, st, f, {h.raw(), da.raw(), dh.raw()});
-    MT_CUDA_CHECK(cuda::kernels::swiglu_backward(
-        st, h.raw(), da.raw(), dh.raw(), m, f, kernel_rows(rows, dweight), fused, cuda::stream()));
+    const auto rows_fp8 = kernel_fp8_rows(fp8);
+    cudaError_t err =
+        cuda::kernels::swiglu_backward(st, h.raw(), da.raw(), dh.raw(), m, f,
+                                       kernel_rows(rows, dweight), fused, rows_fp8, cuda::stream());
+    bool fp8_done = fp8 != nullptr;
+    if (err == cudaErrorNotSupported && fp8) {  // rows it cannot fuse: the two steps
+      err = cuda::kernels::swiglu_backward(st, h.raw(), da.raw(), dh.raw(), m, f,
+                                           kernel_rows(rows, dweight), fused,
+                                           kernel_fp8_rows(nullptr), cuda::stream());
+      fp8_done = false;
+    }
+    MT_CUDA_CHECK(err);
     if (mx && !fused.values) write_mx_values(dh, *mx);
+    if (fp8 && !fp8_done) write_fp8_rows(dh, *fp8);
     return;
   }
 #endif
   cpu::swiglu_backward(h, da, dh, rows, dweight);
   if (mx) write_mx_values(dh, *mx);
+  if (fp8) write_fp8_rows(dh, *fp8);
 }
 
 }  // namespace mt::ops

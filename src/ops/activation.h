@@ -19,12 +19,13 @@ struct SwigluRows {
 };
 
 // mx (both directions): the output's MX values too (ops/mx.h; padding rows left as they are on
-// the GPU); fp8 (forward): the output's FP8 rows too (ops/fp8.h), not with mx.
+// the GPU); fp8 (both directions): the output's FP8 rows too (ops/fp8.h), not with mx.
 void swiglu_forward(const Tensor& h, Tensor& a, const SwigluRows& rows = {},
                     const MxValuesOut* mx = nullptr, const Fp8RowsOut* fp8 = nullptr);
 // dh (M, 2F) overwritten (padding rows: left as they are). With rows.weight, dweight (M, the
 // weight's dtype) is overwritten too: d loss / d weight = <da, silu(gate) * up> per row.
 void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const SwigluRows& rows = {},
-                     Tensor* dweight = nullptr, const MxValuesOut* mx = nullptr);
+                     Tensor* dweight = nullptr, const MxValuesOut* mx = nullptr,
+                     const Fp8RowsOut* fp8 = nullptr);
 
 }  // namespace mt::ops

@@ -224,11 +224,15 @@ void expert_gemm_forward(const Tensor& x, const Tensor& w, const ExpertRows& row
 
 void expert_gemm_backward_input(const Tensor& dy, const Tensor& w, const ExpertRows& rows,
                                 const ExpertPrecision& p, Tensor& dx, const QuantOperands& made) {
-  if (p.fp8_forward_and_input())
-    return fp8_grouped_gemm(fp8_rows(dy, p.fp8_scale),
+  if (p.fp8_forward_and_input()) {
+    MT_CHECK(!made.fp8_rows || made.fp8_rows->shape() == dy.shape(),
+             "expert_gemm_backward_input: the FP8 rows given are {}, the rows {}",
+             shape_str(made.fp8_rows ? made.fp8_rows->shape() : Shape{}), shape_str(dy.shape()));
+    return fp8_grouped_gemm(made.fp8_rows ? *made.fp8_rows : fp8_rows(dy, p.fp8_scale),
                             fp8_weight_copy(made, &WeightCopies::fp8_input, w, QuantAxis::kDim0,
                                             p.fp8_scale, "input-gradient FP8"),
                             rows, dx);
+  }
   if (!p.mx_forward_and_input()) return grouped_gemm_backward_input(dy, w, rows, dx);
   grouped_gemm_backward_input(
       made.rows ? *made.rows : mx_rows(dy, p.rule),

@@ -22,12 +22,45 @@ __device__ __forceinline__ void for_each_swiglu_row(int64_t m, const kernels::Sw
   }
 }
 
+// A lane's P values (as stored) of a row's 1 x 128 blocks into kernels::Fp8RowsOut at (row, col)
+// of a row `width` wide: a block is 128 / P consecutive lanes of one step (16 for bf16, 32 for
+// f32), its amax shuffled among them. Every lane of the warp calls it; inactive lanes (past the
+// row, whole blocks of them) contribute nothing and write nothing.
+template <int P>
+__device__ __forceinline__ void fp8_rows_out(const float (&v)[P], bool active, int64_t row,
+                                             int64_t col, int64_t width,
+                                             const kernels::Fp8RowsOut& fp8) {
+  constexpr int kLanes = kFp8Block / P;
+  static_assert(P % 2 == 0 && kLanes <= 32 && 32 % kLanes == 0);
+  uint32_t amax = 0;
+  if (active)
+#pragma unroll
+    for (int k = 0; k < P; ++k) amax = max(amax, magnitude(v[k]));
+#pragma unroll
+  for (int offset = kLanes / 2; offset > 0; offset /= 2)
+    amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
+  if (!active) return;
+  const Fp8Scale s = fp8_scale(fp8.rule, amax);
+  uint16_t pairs[P / 2];
+#pragma unroll
+  for (int k = 0; k < P / 2; ++k) pairs[k] = fp8x2(v[2 * k], v[2 * k + 1], s);
+  uint8_t* out = fp8.data + row * width + col;
+  if constexpr (P == 8)
+    *reinterpret_cast<uint2*>(out) =
+        make_uint2(pairs[0] | (uint32_t{pairs[1]} << 16), pairs[2] | (uint32_t{pairs[3]} << 16));
+  else
+    *reinterpret_cast<uint32_t*>(out) = pairs[0] | (uint32_t{pairs[1]} << 16);
+  if ((threadIdx.x % 32) % kLanes == 0)
+    fp8.scales[row * (width / kFp8Block) + col / kFp8Block] = s.scale;
+}
+
 // With kMx, also the output's MX values along the row (kernels::MxValuesOut): every lane runs
 // every step (the block's amax is shuffled among its four lanes), P is a 16-byte pack and f a
-// multiple of 32.
-template <class T, int P, bool kMx>
+// multiple of 32. With kFp8, the output's FP8 rows (fp8_rows_out) likewise, f a multiple of 128.
+template <class T, int P, bool kMx, bool kFp8 = false>
 __global__ void swiglu_forward_kernel(const T* h, T* a, int64_t m, int64_t f,
-                                      kernels::SwigluRows rows, kernels::MxValuesOut mx) {
+                                      kernels::SwigluRows rows, kernels::MxValuesOut mx,
+                                      kernels::Fp8RowsOut fp8 = {}) {
   const int lane = threadIdx.x % 32;
   for_each_swiglu_row(m, rows, [&](int64_t r, float w) {
     const T* gate = h + r * 2 * f;
@@ -44,7 +77,10 @@ __global__ void swiglu_forward_kernel(const T* h, T* a, int64_t m, int64_t f,
         for (int k = 0; k < P; ++k) g[k] = w * (g[k] / (1.f + __expf(-g[k])) * u[k]);
         if (!kMx || mx.values != a) store_n<T, P>(out + c, g);
       }
-      if constexpr (kMx) {
+      if constexpr (kFp8) {
+        if (active) round_to<T>(g);  // the values as stored: what fp8_quantize of a reads
+        fp8_rows_out<P>(g, active, r, c, f, fp8);
+      } else if constexpr (kMx) {
         round_to<T>(g);
         mx_round_trip_lanes<P>(g, mx.rule, active);
         if (active) store_n<T, P>(static_cast<T*>(mx.values) + r * f + c, g);
@@ -55,60 +91,13 @@ __global__ void swiglu_forward_kernel(const T* h, T* a, int64_t m, int64_t f,
   });
 }
 
-// The forward writing its output and the output's FP8 rows (kernels::Fp8RowsOut): P a 16-byte
-// pack, f a multiple of 128, so a 1 x 128 block is 128 / P consecutive lanes of one step (16 for
-// bf16, 32 for f32) and its amax is shuffled among them. Every lane runs every step.
-template <class T, int P>
-__global__ void swiglu_forward_fp8_kernel(const T* h, T* a, int64_t m, int64_t f,
-                                          kernels::SwigluRows rows, kernels::Fp8RowsOut fp8) {
-  constexpr int kLanes = kFp8Block / P;
-  static_assert(P % 2 == 0 && kLanes <= 32 && 32 % kLanes == 0);
-  const int lane = threadIdx.x % 32;
-  for_each_swiglu_row(m, rows, [&](int64_t r, float w) {
-    const T* gate = h + r * 2 * f;
-    const T* up = gate + f;
-    for (int64_t c0 = 0; c0 < f; c0 += 32 * P) {
-      const int64_t c = c0 + lane * P;
-      const bool active = c < f;  // a block's lanes are all active or all not (f % 128 == 0)
-      float g[P];
-      uint32_t amax = 0;
-      if (active) {
-        float u[P];
-        load_n<T, P>(gate + c, g);
-        load_n<T, P>(up + c, u);
-#pragma unroll
-        for (int k = 0; k < P; ++k) g[k] = w * (g[k] / (1.f + __expf(-g[k])) * u[k]);
-        store_n<T, P>(a + r * f + c, g);
-        round_to<T>(g);  // the values as stored: what fp8_quantize of the output reads
-#pragma unroll
-        for (int k = 0; k < P; ++k) amax = max(amax, magnitude(g[k]));
-      }
-#pragma unroll
-      for (int offset = kLanes / 2; offset > 0; offset /= 2)
-        amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
-      if (active) {
-        const Fp8Scale s = fp8_scale(fp8.rule, amax);
-        uint16_t pairs[P / 2];
-#pragma unroll
-        for (int k = 0; k < P / 2; ++k) pairs[k] = fp8x2(g[2 * k], g[2 * k + 1], s);
-        uint8_t* out = fp8.data + r * f + c;
-        if constexpr (P == 8)
-          *reinterpret_cast<uint2*>(out) = make_uint2(pairs[0] | (uint32_t{pairs[1]} << 16),
-                                                      pairs[2] | (uint32_t{pairs[3]} << 16));
-        else
-          *reinterpret_cast<uint32_t*>(out) = pairs[0] | (uint32_t{pairs[1]} << 16);
-        if (lane % kLanes == 0) fp8.scales[r * (f / kFp8Block) + c / kFp8Block] = s.scale;
-      }
-    }
-  });
-}
-
 // The row weight's gradient is a sum over the row, reduced in the warp.
 // With kMx, also dh's MX values along the row, the gate and up halves' blocks apart (f a multiple
-// of 32), as the forward's.
-template <class T, int P, bool kMx>
+// of 32), as the forward's; with kFp8 (P a pack, f a multiple of 128), dh's FP8 rows likewise.
+template <class T, int P, bool kMx, bool kFp8 = false>
 __global__ void swiglu_backward_kernel(const T* h, const T* da, T* dh, int64_t m, int64_t f,
-                                       kernels::SwigluRows rows, kernels::MxValuesOut mx) {
+                                       kernels::SwigluRows rows, kernels::MxValuesOut mx,
+                                       kernels::Fp8RowsOut fp8 = {}) {
   const int lane = threadIdx.x % 32;
   for_each_swiglu_row(m, rows, [&](int64_t r, float w) {
     const T* gate = h + r * 2 * f;
@@ -139,7 +128,14 @@ __global__ void swiglu_backward_kernel(const T* h, const T* da, T* dh, int64_t m
           store_n<T, P>(d_up + c, u);
         }
       }
-      if constexpr (kMx) {
+      if constexpr (kFp8) {
+        if (active) {
+          round_to<T>(g);  // the values as stored: what fp8_quantize of dh reads
+          round_to<T>(u);
+        }
+        fp8_rows_out<P>(g, active, r, c, 2 * f, fp8);
+        fp8_rows_out<P>(u, active, r, f + c, 2 * f, fp8);
+      } else if constexpr (kMx) {
         T* values = static_cast<T*>(mx.values) + r * 2 * f;
         round_to<T>(g);
         round_to<T>(u);
@@ -186,27 +182,36 @@ cudaError_t launch_swiglu(DType st, int64_t f, std::initializer_list<const void*
   });
   return err != cudaSuccess ? err : cudaGetLastError();
 }
+// The fused FP8 rows' launches: 16-byte packs, f a multiple of 128, not with MX values; else
+// cudaErrorNotSupported, launching nothing.
+template <class Launch>
+cudaError_t launch_swiglu_fp8(DType st, int64_t f, std::initializer_list<const void*> ptrs,
+                              const kernels::MxValuesOut& mx, const kernels::Fp8RowsOut& fp8,
+                              Launch&& launch) {
+  if (mx.values || f % kFp8Block != 0 || reinterpret_cast<uintptr_t>(fp8.data) % 16 != 0)
+    return cudaErrorNotSupported;
+  cudaError_t err = cudaSuccess;
+  dispatch_storage(st, [&](auto tag) {
+    using T = decltype(tag);
+    if (!packable<T>(f, ptrs))
+      err = cudaErrorNotSupported;
+    else
+      launch(std::integral_constant<int, Pack<T>::kSize>{}, tag);
+  });
+  return err != cudaSuccess ? err : cudaGetLastError();
+}
 }  // namespace
 
 cudaError_t swiglu_forward(DType st, const void* h, void* a, int64_t m, int64_t f, SwigluRows rows,
                            MxValuesOut mx, Fp8RowsOut fp8, cudaStream_t stream) {
   if (m * f == 0) return cudaSuccess;
   const int blocks = grid_for(m * 32);  // a warp per row
-  if (fp8.data) {
-    if (mx.values || f % kFp8Block != 0) return cudaErrorNotSupported;
-    cudaError_t err = cudaSuccess;
-    dispatch_storage(st, [&](auto tag) {
+  if (fp8.data)
+    return launch_swiglu_fp8(st, f, {h, a}, mx, fp8, [&](auto p, auto tag) {
       using T = decltype(tag);
-      constexpr int P = Pack<T>::kSize;
-      if (!packable<T>(f, {h, a}) || reinterpret_cast<uintptr_t>(fp8.data) % 16 != 0) {
-        err = cudaErrorNotSupported;
-        return;
-      }
-      swiglu_forward_fp8_kernel<T, P><<<blocks, kBlock, 0, stream>>>(
-          static_cast<const T*>(h), static_cast<T*>(a), m, f, rows, fp8);
+      swiglu_forward_kernel<T, decltype(p)::value, false, true><<<blocks, kBlock, 0, stream>>>(
+          static_cast<const T*>(h), static_cast<T*>(a), m, f, rows, mx, fp8);
     });
-    return err != cudaSuccess ? err : cudaGetLastError();
-  }
   return launch_swiglu(st, f, {h, a}, mx, [&](auto p, auto fused, auto tag) {
     using T = decltype(tag);
     swiglu_forward_kernel<T, decltype(p)::value, decltype(fused)::value>
@@ -216,9 +221,16 @@ cudaError_t swiglu_forward(DType st, const void* h, void* a, int64_t m, int64_t 
 }
 
 cudaError_t swiglu_backward(DType st, const void* h, const void* da, void* dh, int64_t m, int64_t f,
-                            SwigluRows rows, MxValuesOut mx, cudaStream_t stream) {
+                            SwigluRows rows, MxValuesOut mx, Fp8RowsOut fp8, cudaStream_t stream) {
   if (m * f == 0) return cudaSuccess;
   const int blocks = grid_for(m * 32);  // a warp per row
+  if (fp8.data)
+    return launch_swiglu_fp8(st, f, {h, da, dh}, mx, fp8, [&](auto p, auto tag) {
+      using T = decltype(tag);
+      swiglu_backward_kernel<T, decltype(p)::value, false, true>
+          <<<blocks, kBlock, 0, stream>>>(static_cast<const T*>(h), static_cast<const T*>(da),
+                                          static_cast<T*>(dh), m, f, rows, mx, fp8);
+    });
   return launch_swiglu(st, f, {h, da, dh}, mx, [&](auto p, auto fused, auto tag) {
     using T = decltype(tag);
     swiglu_backward_kernel<T, decltype(p)::value, decltype(fused)::value>

@@ -20,11 +20,12 @@ struct SwigluRows {
   const float* weight;
   float* dweight;
 };
-// Both return cudaErrorNotSupported, launching nothing, for mx they cannot fuse; the forward
-// likewise for fp8 (rows of a multiple of 128 elements, 16-byte aligned, and not with mx).
+// Both return cudaErrorNotSupported, launching nothing, for mx they cannot fuse, and likewise for
+// fp8 (rows of a multiple of 128 elements, f for the backward's halves, 16-byte aligned; not with
+// mx).
 cudaError_t swiglu_forward(DType s, const void* h, void* a, int64_t m, int64_t f, SwigluRows rows,
                            MxValuesOut mx, Fp8RowsOut fp8, cudaStream_t stream);
 cudaError_t swiglu_backward(DType s, const void* h, const void* da, void* dh, int64_t m, int64_t f,
-                            SwigluRows rows, MxValuesOut mx, cudaStream_t stream);
+                            SwigluRows rows, MxValuesOut mx, Fp8RowsOut fp8, cudaStream_t stream);
 
 }  // namespace mt::cuda::kernels
