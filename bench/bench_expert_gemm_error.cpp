@@ -68,31 +68,43 @@ mt::Tensor along_tokens(const mt::Tensor& t, const Tapped& tap) {
   return out;
 }
 
-mt::Tensor wire(const mt::Tensor& t) {  // quantized along dim0 and dequantized
+// t quantized in MX blocks along `axis` and dequantized.
+mt::Tensor mx_along(const mt::Tensor& t, mt::QuantAxis axis) {
   mt::Tensor out = t.clone();
-  mt::ops::mx_round_trip(t, mt::QuantAxis::kDim0, mt::MxScaleRule::kRceil, out);
+  mt::ops::mx_round_trip(t, axis, mt::MxScaleRule::kRceil, out);
   return out;
 }
 
-// The three products in fp64 over the experts' rows: out = x w, dx = dy w^T, dw = x^T dy.
+mt::Tensor wire(const mt::Tensor& t) {  // quantized along dim0 and dequantized
+  return mx_along(t, mt::QuantAxis::kDim0);
+}
+
+// out (M, N) = x w and dx (M, K) = dy w^T over the experts' rows, in fp64.
+mt::Tensor forward(const mt::Tensor& x, const mt::Tensor& w, const Tapped& t) {
+  mt::Tensor out = mt::Tensor::zeros({x.dim(0), w.dim(2)}, mt::DType::kF64);
+  mt::ops::grouped_gemm(x, w, mt::ops::Transpose::kNo,
+                        mt::ops::ExpertRows(t.offsets, t.segments, t.align), out);
+  return out;
+}
+mt::Tensor input_gradient(const mt::Tensor& dy, const mt::Tensor& w, const Tapped& t) {
+  mt::Tensor dx = mt::Tensor::zeros({dy.dim(0), w.dim(1)}, mt::DType::kF64);
+  mt::ops::grouped_gemm(dy, w, mt::ops::Transpose::kYes,
+                        mt::ops::ExpertRows(t.offsets, t.segments, t.align), dx);
+  return dx;
+}
+
+// The three products of a recipe: out = x w, dx = dy w^T, dw = x^T dy, each from its operands as
+// the recipe quantizes them.
 struct Products {
   mt::Tensor out, dx, dw;
 };
-Products products(const mt::Tensor& x, const mt::Tensor& dy, const mt::Tensor& w,
-                  const mt::Tensor& x_tokens, const mt::Tensor& dy_tokens, const Tapped& t) {
-  const mt::ops::ExpertRows rows(t.offsets, t.segments, t.align);
-  Products p{mt::Tensor::zeros({x.dim(0), w.dim(2)}, mt::DType::kF64),
-             mt::Tensor::zeros({x.dim(0), w.dim(1)}, mt::DType::kF64),
-             {}};
-  mt::ops::grouped_gemm(x, w, mt::ops::Transpose::kNo, rows, p.out);
-  mt::ops::grouped_gemm(dy, w, mt::ops::Transpose::kYes, rows, p.dx);
-  p.dw = weight_gradient(x_tokens, dy_tokens, t);
-  return p;
+
+Products exact_products(const Tapped& t) {
+  return {forward(t.x, t.w, t), input_gradient(t.dy, t.w, t), weight_gradient(t.x, t.dy, t)};
 }
 
-// Each recipe's operands: x and dy along their last dimension (the forward's and the input
-// gradient's contractions), the weight along K (forward) and N (input gradient), and x and dy
-// along the tokens (weight gradient).
+// x and dy along their last dimension (the forward's and the input gradient's contractions), the
+// weight in 128 x 128 tiles, x and dy along the tokens (the weight gradient).
 Products fp8_products(const Tapped& t) {
   const auto rule = mt::Fp8ScaleRule::kFp32;
   mt::Tensor x = t.x.clone(), dy = t.dy.clone(), w = t.w.clone();
@@ -103,23 +115,16 @@ Products fp8_products(const Tapped& t) {
   mt::Tensor xt = t.x.clone(), dyt = t.dy.clone();
   mt::ops::fp8_round_trip_expert_rows(t.x, rows, rule, xt);
   mt::ops::fp8_round_trip_expert_rows(t.dy, rows, rule, dyt);
-  return products(x, dy, w, xt, dyt, t);
+  return {forward(x, w, t), input_gradient(dy, w, t), weight_gradient(xt, dyt, t)};
 }
-mt::Tensor mx_along(const mt::Tensor& t, mt::QuantAxis axis) {
-  mt::Tensor out = t.clone();
-  mt::ops::mx_round_trip(t, axis, mt::MxScaleRule::kRceil, out);
-  return out;
-}
-// The MX forward and input gradient read different copies of the weight (along K, along N), so
-// the two products come from two weight tensors.
-Products mx_products(const Tapped& t) {
-  const mt::Tensor x = mx_along(t.x, mt::QuantAxis::kDim0),
-                   dy = mx_along(t.dy, mt::QuantAxis::kDim0);
-  const mt::Tensor w_k = mx_along(t.w, mt::QuantAxis::kDim1),
-                   w_n = mx_along(t.w, mt::QuantAxis::kDim0);
-  const Products along_k = products(x, dy, w_k, along_tokens(t.x, t), along_tokens(t.dy, t), t);
-  const Products along_n = products(x, dy, w_n, x, dy, t);
-  return {along_k.out, along_n.dx, along_k.dw};
+
+// As fp8_products in 1 x 32 blocks, x_tokens and dy_tokens given (along_tokens of x and dy); the
+// forward and the input gradient read different copies of the weight (along K, along N).
+Products mx_products(const Tapped& t, const mt::Tensor& x_tokens, const mt::Tensor& dy_tokens) {
+  return {
+      forward(mx_along(t.x, mt::QuantAxis::kDim0), mx_along(t.w, mt::QuantAxis::kDim1), t),
+      input_gradient(mx_along(t.dy, mt::QuantAxis::kDim0), mx_along(t.w, mt::QuantAxis::kDim0), t),
+      weight_gradient(x_tokens, dy_tokens, t)};
 }
 
 }  // namespace
@@ -172,12 +177,14 @@ int main(int argc, char** argv) {
     const Tapped& t = tapped[i];
     const int64_t layer = layers - 1 - static_cast<int64_t>(i / 2);  // backward order
     const bool gate_up = t.product == "gate_up";
-    const Products exact_products = products(t.x, t.dy, t.w, t.x, t.dy, t);
+    const Products exact = exact_products(t);
+    const mt::Tensor x_tokens = along_tokens(t.x, t), dy_tokens = along_tokens(t.dy, t);
+    const Products mx = mx_products(t, x_tokens, dy_tokens);
     // The FP8 blocks need K and N multiples of 128 (the tiny preset's 64 are not).
     std::vector<std::pair<const char*, Products>> recipes;
     if (t.x.dim(1) % mt::kFp8Block == 0 && t.dy.dim(1) % mt::kFp8Block == 0)
       recipes.emplace_back("fp8_blockwise", fp8_products(t));
-    recipes.emplace_back("mxfp8", mx_products(t));
+    recipes.emplace_back("mxfp8", mx);
     for (const auto& [recipe, p] : recipes) {
       std::printf(
           "{\"bench\": \"expert_product_error\", \"step\": %lld, \"layer\": %lld, "
@@ -185,16 +192,17 @@ int main(int argc, char** argv) {
           "\"input_gradient\": %.4e, \"weight_gradient\": %.4e}\n",
           static_cast<long long>(trained.train.steps + 1), static_cast<long long>(layer),
           t.product.c_str(), recipe, static_cast<long long>(t.x.dim(0)),
-          mt::relative_error(p.out, exact_products.out),
-          mt::relative_error(p.dx, exact_products.dx), mt::relative_error(p.dw, exact_products.dw));
+          mt::relative_error(p.out, exact.out), mt::relative_error(p.dx, exact.dx),
+          mt::relative_error(p.dw, exact.dw));
     }
-    const mt::Tensor& exact = exact_products.dw;
-    const mt::Tensor original = weight_gradient(along_tokens(t.x, t), along_tokens(t.dy, t), t);
-    const mt::Tensor requantized =
-        gate_up ? weight_gradient(along_tokens(wire(t.x), t), along_tokens(t.dy, t), t)
-                : weight_gradient(along_tokens(t.x, t), along_tokens(wire(t.dy), t), t);
-    const double e_original = mt::relative_error(original, exact);
-    const double e_requantized = mt::relative_error(requantized, exact);
+    // MXFP8 dispatch: the operand the wire delivers (gate|up: x; down: dy), quantized along dim0
+    // and dequantized, then along the tokens as mxfp8 does.
+    const mt::Tensor& original = mx.dw;
+    const mt::Tensor wired = wire(gate_up ? t.x : t.dy);
+    const mt::Tensor requantized = gate_up ? weight_gradient(along_tokens(wired, t), dy_tokens, t)
+                                           : weight_gradient(x_tokens, along_tokens(wired, t), t);
+    const double e_original = mt::relative_error(original, exact.dw);
+    const double e_requantized = mt::relative_error(requantized, exact.dw);
     std::printf(
         "{\"bench\": \"mx_wgrad_error\", \"step\": %lld, \"layer\": %lld, \"product\": \"%s\", "
         "\"requantized_operand\": \"%s\", \"rows\": %lld, \"dim1_of_original\": %.4e, "
@@ -203,7 +211,7 @@ int main(int argc, char** argv) {
         static_cast<long long>(trained.train.steps + 1), static_cast<long long>(layer),
         t.product.c_str(), gate_up ? "x" : "dy", static_cast<long long>(t.x.dim(0)), e_original,
         e_requantized, e_requantized / e_original, mt::relative_error(requantized, original),
-        mt::relative_error(gate_up ? wire(t.x) : wire(t.dy), gate_up ? t.x : t.dy));
+        mt::relative_error(wired, gate_up ? t.x : t.dy));
     std::fflush(stdout);
   }
   return tapped.empty() ? 1 : 0;

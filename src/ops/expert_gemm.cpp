@@ -201,20 +201,26 @@ QuantTensor fp8_weight_copy(const QuantOperands& made, QuantTensor WeightCopies:
   return q;
 }
 
+// The rows' FP8 operand a product reads: the one made beforehand (ops::Fp8RowsOut, of x's shape),
+// else quantized now from x.
+QuantTensor fp8_rows_copy(const QuantOperands& made, const Tensor& x, Fp8ScaleRule rule,
+                          const char* op) {
+  if (!made.fp8_rows) return fp8_rows(x, rule);
+  MT_CHECK(made.fp8_rows->shape() == x.shape(), "{}: the FP8 rows given are {}, the rows {}", op,
+           shape_str(made.fp8_rows->shape()), shape_str(x.shape()));
+  return *made.fp8_rows;
+}
+
 }  // namespace
 
 // out = a b^T over the experts' rows, with b (E, P, Q): grouped_gemm_backward_input's product.
 void expert_gemm_forward(const Tensor& x, const Tensor& w, const ExpertRows& rows,
                          const ExpertPrecision& p, Tensor& out, const QuantOperands& made) {
-  if (p.fp8_forward_and_input()) {
-    MT_CHECK(!made.fp8_rows || made.fp8_rows->shape() == x.shape(),
-             "expert_gemm_forward: the FP8 rows given are {}, the rows {}",
-             shape_str(made.fp8_rows ? made.fp8_rows->shape() : Shape{}), shape_str(x.shape()));
-    return fp8_grouped_gemm(made.fp8_rows ? *made.fp8_rows : fp8_rows(x, p.fp8_scale),
+  if (p.fp8_forward_and_input())
+    return fp8_grouped_gemm(fp8_rows_copy(made, x, p.fp8_scale, "expert_gemm_forward"),
                             fp8_weight_copy(made, &WeightCopies::fp8_forward, w, QuantAxis::kDim1,
                                             p.fp8_scale, "forward FP8"),
                             rows, out);
-  }
   if (!p.mx_forward_and_input()) return grouped_gemm_forward(x, w, rows, out);
   grouped_gemm_backward_input(
       made.rows ? *made.rows : mx_rows(x, p.rule),
@@ -224,15 +230,11 @@ void expert_gemm_forward(const Tensor& x, const Tensor& w, const ExpertRows& row
 
 void expert_gemm_backward_input(const Tensor& dy, const Tensor& w, const ExpertRows& rows,
                                 const ExpertPrecision& p, Tensor& dx, const QuantOperands& made) {
-  if (p.fp8_forward_and_input()) {
-    MT_CHECK(!made.fp8_rows || made.fp8_rows->shape() == dy.shape(),
-             "expert_gemm_backward_input: the FP8 rows given are {}, the rows {}",
-             shape_str(made.fp8_rows ? made.fp8_rows->shape() : Shape{}), shape_str(dy.shape()));
-    return fp8_grouped_gemm(made.fp8_rows ? *made.fp8_rows : fp8_rows(dy, p.fp8_scale),
+  if (p.fp8_forward_and_input())
+    return fp8_grouped_gemm(fp8_rows_copy(made, dy, p.fp8_scale, "expert_gemm_backward_input"),
                             fp8_weight_copy(made, &WeightCopies::fp8_input, w, QuantAxis::kDim0,
                                             p.fp8_scale, "input-gradient FP8"),
                             rows, dx);
-  }
   if (!p.mx_forward_and_input()) return grouped_gemm_backward_input(dy, w, rows, dx);
   grouped_gemm_backward_input(
       made.rows ? *made.rows : mx_rows(dy, p.rule),

@@ -84,18 +84,8 @@ struct Params {
   int64_t capacity;    // rows; the last row tile may run past them (TMA reads zeros there)
 };
 
-// The register-array helpers expand over index sequences rather than loops: an accumulator stays
-// in registers only if every access to it has a constant index, and unrolling is a heuristic.
-template <size_t... I>
-__device__ __forceinline__ void fence(float (&acc)[64], std::index_sequence<I...>) {
-  (cute::warpgroup_fence_operand(acc[I]), ...);
-}
-__device__ __forceinline__ void fence(float (&acc)[64]) {
-  fence(acc, std::make_index_sequence<64>{});
-}
-
-// result (=|+=) acc * the scale of the element's row: acc[4 i + {0, 1}] belong to row r0 (s0),
-// acc[4 i + {2, 3}] to row r1 (s1).
+// The promotion, expanded over index sequences as ws_sm90::fence: result (=|+=) acc * the scale of
+// the element's row: acc[4 i + {0, 1}] belong to row r0 (s0), acc[4 i + {2, 3}] to row r1 (s1).
 template <size_t... I>
 __device__ __forceinline__ void promote_first(const float (&acc)[64], float s0, float s1,
                                               float (&result)[64], std::index_sequence<I...>) {
@@ -181,7 +171,7 @@ __global__ void __launch_bounds__(kThreads, 1)
         ahead[kScalesAhead - 1] = scales_of(tile, kb + kScalesAhead);
       Full::wait(&s.full[stage], phase);
       const Stage& st = s.stages[stage];
-      fence(acc);
+      ws_sm90::fence(acc);
       cute::warpgroup_arrive();
 #pragma unroll
       for (int j = 0; j < kTileK / 32; ++j)
@@ -191,7 +181,7 @@ __global__ void __launch_bounds__(kThreads, 1)
               std::make_index_sequence<64>{});
       cute::warpgroup_commit_batch();
       cute::warpgroup_wait<0>();
-      fence(acc);
+      ws_sm90::fence(acc);
       if (threadIdx.x % 128 == 0) Empty::arrive(&s.empty[stage]);
       if (++stage == kStages) {
         stage = 0;

@@ -127,11 +127,6 @@ __device__ __forceinline__ uint32_t a_offset(uint32_t row, uint32_t byte) {
   return linear ^ (((linear >> 7) & 3) << 4);
 }
 
-__device__ __forceinline__ void fence(float (&acc)[128]) {
-#pragma unroll
-  for (float& x : acc) cute::warpgroup_fence_operand(x);
-}
-
 template <size_t... I>
 __device__ __forceinline__ void wgmma_rs(const uint32_t (&a)[4], uint64_t desc, float (&acc)[128],
                                          cute::GMMA::ScaleOut scale, std::index_sequence<I...>) {
@@ -251,7 +246,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
       for (int hh = 0; hh < 2; ++hh) {  // unrolled: the register sets are named statically
         const int h = 2 * kt + hh;
-        fence(acc);
+        ws_sm90::fence(acc);
         cute::warpgroup_arrive();
 #pragma unroll
         for (int jj = 0; jj < 2; ++jj)
@@ -260,7 +255,7 @@ __global__ void __launch_bounds__(kThreads, 1)
                    std::make_index_sequence<128>{});
         cute::warpgroup_commit_batch();
         cute::warpgroup_wait<1>();  // half h - 1 done: its registers are free, maybe its stage
-        fence(acc);
+        ws_sm90::fence(acc);
         if (hh == 0 && prev_stage >= 0) release(prev_stage);
         if (h + 1 < halves) {
           const int half = 1 - hh;
@@ -278,7 +273,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
     }
     cute::warpgroup_wait<0>();
-    fence(acc);
+    ws_sm90::fence(acc);
     release(issue_stage);
     if (next.x >= 0) fill_ahead(next.x);
 

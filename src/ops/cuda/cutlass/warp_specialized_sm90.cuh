@@ -8,6 +8,7 @@
 #include <cuda_bf16.h>
 
 #include <cstdint>
+#include <utility>
 
 #include "cute/arch/copy_sm90_tma.hpp"
 #include "cute/arch/mma_sm90_gmma.hpp"
@@ -80,6 +81,18 @@ __device__ __forceinline__ void produce(const CUtensorMap& map_a, const CUtensor
       }
     }
   }
+}
+
+// warpgroup_fence_operand over a whole accumulator, expanded over an index sequence rather than a
+// loop: an accumulator stays in registers only if every access to it has a constant index, and
+// unrolling is a heuristic.
+template <int N, size_t... I>
+__device__ __forceinline__ void fence(float (&acc)[N], std::index_sequence<I...>) {
+  (cute::warpgroup_fence_operand(acc[I]), ...);
+}
+template <int N>
+__device__ __forceinline__ void fence(float (&acc)[N]) {
+  fence(acc, std::make_index_sequence<N>{});
 }
 
 // The wgmma descriptor of step j of a K-major tile of 128-byte rows in 128-byte swizzle (as TMA's
