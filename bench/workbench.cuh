@@ -21,17 +21,21 @@
 
 namespace workbench {
 
+// A hash of (i, seed): the fills' source of bits.
+__device__ __forceinline__ uint32_t hash(int64_t i, uint32_t seed) {
+  uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
+  h ^= h >> 16;
+  h *= 0x7feb352du;
+  h ^= h >> 15;
+  return h;
+}
+
 // p[i] = scale * (a hash of (i, seed) in [-1, 1)): never zeros, never periodic.
 template <class T>
 __global__ void fill_random(T* p, int64_t n, uint32_t seed, float scale) {
   for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n;
-       i += int64_t{gridDim.x} * blockDim.x) {
-    uint32_t h = static_cast<uint32_t>(i) * 2654435761u ^ seed;
-    h ^= h >> 16;
-    h *= 0x7feb352du;
-    h ^= h >> 15;
-    p[i] = T(scale * ((h & 0xFFFF) / 32768.0f - 1.0f));
-  }
+       i += int64_t{gridDim.x} * blockDim.x)
+    p[i] = T(scale * ((hash(i, seed) & 0xFFFF) / 32768.0f - 1.0f));
 }
 
 // Median milliseconds of `call` on the default stream.

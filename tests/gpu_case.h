@@ -5,14 +5,18 @@
 #pragma once
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <functional>
 #include <random>
 #include <string>
 
 #include "core/cuda/device.h"
 #include "core/tensor.h"
+#include "ops/fp8.h"
 #include "ops/permute.h"
 #include "testing.h"
 
@@ -77,6 +81,31 @@ inline ops::ExpertPermutation random_expert_rows(int64_t tokens, int64_t experts
 }
 inline ops::ExpertRows on_cpu(const ops::ExpertRows& r) {
   return {r.offsets.to(Device::kCPU), r.segments.to(Device::kCPU), r.align};
+}
+
+// The FP8 rows (1 x 128) got from a kernel for the rows of out: equal to out quantized by the CPU
+// reference, byte for byte and scale for scale, except padding rows, which keep the poison.
+inline int64_t fp8_rows_differing(const QuantTensor& got_gpu, const Tensor& out_gpu,
+                                  Fp8ScaleRule rule, const std::function<bool(int64_t)>& padding) {
+  const int64_t m = out_gpu.dim(0), width = out_gpu.dim(1);
+  QuantTensor want = QuantTensor::empty({m, width}, QuantBlock::kRow128, QuantAxis::kDim0);
+  ops::fp8_quantize(out_gpu.to(Device::kCPU).to(DType::kF32), rule, want);
+  const QuantTensor got = got_gpu.to(Device::kCPU);
+  const auto* gd = static_cast<const uint8_t*>(got.data().raw());
+  const auto* wd = static_cast<const uint8_t*>(want.data().raw());
+  constexpr uint8_t kPoison = 0xFF;  // Tensor::poisoned's byte
+  int64_t wrong = 0;
+  for (int64_t r = 0; r < m; ++r) {
+    const bool pad = padding(r);
+    for (int64_t c = 0; c < width; ++c)
+      wrong += gd[r * width + c] != (pad ? kPoison : wd[r * width + c]);
+    for (int64_t b = 0; b < width / 128; ++b) {
+      const float gs = got.scales().data<float>()[r * (width / 128) + b];
+      const float ws = want.scales().data<float>()[r * (width / 128) + b];
+      wrong += pad ? !std::isnan(gs) : std::memcmp(&gs, &ws, 4) != 0;
+    }
+  }
+  return wrong;
 }
 
 }  // namespace

@@ -199,31 +199,6 @@ void GpuActivation::check_swiglu(int64_t m, int64_t f) {
   EXPECT_LT(relative_error(gwdw_h, wdw), 1e-4) << "row-weight gradient, seed " << seed;
 }
 
-// The FP8 rows (1 x 128) got from a kernel for the rows of out: equal to out quantized by the CPU
-// reference, byte for byte and scale for scale, except padding rows, which keep the poison.
-int64_t fp8_rows_differing(const QuantTensor& got_gpu, const Tensor& out_gpu, Fp8ScaleRule rule,
-                           const std::function<bool(int64_t)>& padding) {
-  const int64_t m = out_gpu.dim(0), width = out_gpu.dim(1);
-  QuantTensor want = QuantTensor::empty({m, width}, QuantBlock::kRow128, QuantAxis::kDim0);
-  ops::fp8_quantize(out_gpu.to(Device::kCPU).to(DType::kF32), rule, want);
-  const QuantTensor got = got_gpu.to(Device::kCPU);
-  const auto* gd = static_cast<const uint8_t*>(got.data().raw());
-  const auto* wd = static_cast<const uint8_t*>(want.data().raw());
-  constexpr uint8_t kPoison = 0xFF;  // Tensor::poisoned's byte
-  int64_t wrong = 0;
-  for (int64_t r = 0; r < m; ++r) {
-    const bool pad = padding(r);
-    for (int64_t c = 0; c < width; ++c)
-      wrong += gd[r * width + c] != (pad ? kPoison : wd[r * width + c]);
-    for (int64_t b = 0; b < width / 128; ++b) {
-      const float gs = got.scales().data<float>()[r * (width / 128) + b];
-      const float ws = want.scales().data<float>()[r * (width / 128) + b];
-      wrong += pad ? !std::isnan(gs) : std::memcmp(&gs, &ws, 4) != 0;
-    }
-  }
-  return wrong;
-}
-
 // SwiGLU writing its output's FP8 rows (ops::Fp8RowsOut) in the same kernel, forward (a) and
 // backward (dh, its gate and up halves' blocks apart): the rows equal the unfused sequence's (the
 // kernel's own output quantized by the CPU reference), under both scale rules, with padding marks

@@ -372,6 +372,39 @@ TEST_P(GpuPermute, RouterPermutationAndCombine) {
       << "expert rows back to the choices";
 }
 
+// The permutation writing its rows' FP8 copies (ops::Fp8RowsOut) in the same kernel: each
+// token's row quantized once for its k copies, equal to the unfused sequence's (the kernel's own
+// rows quantized by the CPU reference) byte for byte and scale for scale, under both scale rules;
+// padding rows of the 128-row layout keep the poison. 384 columns leave half of a bf16 step's
+// lanes idle.
+TEST_P(GpuPermute, ScatterWritesItsFp8Rows) {
+  for (const int64_t d : {int64_t{1024}, int64_t{384}})
+    for (const Fp8ScaleRule rule : {Fp8ScaleRule::kFp32, Fp8ScaleRule::kPow2}) {
+      SCOPED_TRACE(::testing::Message() << "d " << d << ", rule " << static_cast<int>(rule));
+      const ops::ExpertPermutation p = random_expert_rows(700, 9, 128, seed + d);
+      const int64_t m = p.rows();
+      // Blocks of different magnitudes, so a scale from the wrong block or row shows.
+      Tensor x = input({700, d});
+      for (int64_t i = 0; i < x.numel(); ++i)
+        x.set_item(i, x.item(i) * std::ldexp(1.0, static_cast<int>((i / 128) % 9) - 4));
+      Tensor xp = gpu_out({m, d});
+      QuantTensor q =
+          QuantTensor::poisoned({m, d}, QuantBlock::kRow128, QuantAxis::kDim0, Device::kCUDA);
+      const ops::Fp8RowsOut fp8{&q, rule};
+      ops::permute_rows(gpu(x), p, xp, nullptr, &fp8);
+      const Tensor tokens = p.source_token.to(Device::kCPU);
+      const auto padding = [&](int64_t r) { return tokens.data<int32_t>()[r] < 0; };
+      const Tensor got = xp.to(Device::kCPU).to(DType::kF32);
+      int64_t moved_wrong = 0;  // row r is its source token's
+      for (int64_t r = 0; r < m; ++r)
+        if (!padding(r))
+          for (int64_t c = 0; c < d; ++c)
+            moved_wrong += got.item(r * d + c) != x.item(tokens.data<int32_t>()[r] * d + c);
+      EXPECT_EQ(moved_wrong, 0) << "the permuted rows";
+      EXPECT_EQ(fp8_rows_differing(q, xp, rule, padding), 0) << "their FP8 rows";
+    }
+}
+
 MOETRAIN_GPU_CASES(GpuPermute);
 
 #endif  // MOETRAIN_HAS_CUDA

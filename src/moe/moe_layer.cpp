@@ -63,25 +63,42 @@ bool rows_arrive_mx(const MoeConfig& c) {
 // product (their MX values), or both.
 enum class RowReaders : uint8_t { kWeightGradient, kProduct, kBoth };
 
-// Permutes `tokens` into the expert rows `rows` (allocated here) and returns what an MX product
-// reading them multiplies: under an MX recipe their MX values along the hidden dimension, made by
-// the permutation: in place when the rows arrive as MX values (with ep 1 the permutation rounds
-// them, once; with EP the wire did) or when only the product reads them, else beside them;
-// undefined when no MX product reads them.
-Tensor permute_expert_rows(const MoeConfig& c, const MoeChunk& ch, const Tensor& tokens,
-                           Tensor& rows, RowReaders readers) {
+// What a product reading a permutation's expert rows multiplies, made by the permutation: under
+// an MX recipe their MX values along the hidden dimension, under an FP8 one their FP8 rows (1 x
+// 128 blocks); each undefined when no such product reads them.
+struct PermutedOperands {
+  Tensor mx;
+  QuantTensor fp8;
+};
+
+// Permutes `tokens` into the expert rows `rows` (allocated here) with what a product reading them
+// multiplies: MX values in place when the rows arrive as MX values (with ep 1 the permutation
+// rounds them, once; with EP the wire did) or when only the product reads them, else beside them;
+// FP8 rows beside them (the weight gradient reads the rows).
+PermutedOperands permute_expert_rows(const MoeConfig& c, const MoeChunk& ch, const Tensor& tokens,
+                                     Tensor& rows, RowReaders readers) {
   const ops::ExpertPrecision& p = c.expert_precision;
-  const bool product = p.mx_forward_and_input() && readers != RowReaders::kWeightGradient;
+  const bool product = readers != RowReaders::kWeightGradient;
   rows = Tensor::empty({ch.perm.rows(), c.dim}, tokens.dtype(), tokens.device());
+  PermutedOperands made;
+  if (product && p.fp8_forward_and_input()) {
+    made.fp8 =
+        QuantTensor::empty(rows.shape(), QuantBlock::kRow128, QuantAxis::kDim0, rows.device());
+    const ops::Fp8RowsOut fp8{&made.fp8, p.fp8_scale};
+    ops::permute_rows(tokens, ch.perm, rows, nullptr, &fp8);
+    return made;
+  }
+  const bool mx_product = product && p.mx_forward_and_input();
   Tensor values;
-  if (rows_arrive_mx(c) || (product && readers == RowReaders::kProduct))
+  if (rows_arrive_mx(c) || (mx_product && readers == RowReaders::kProduct))
     values = rows;
-  else if (product)
+  else if (mx_product)
     values = Tensor::empty(rows.shape(), rows.dtype(), rows.device());
   const bool make = values.defined() && !(rows_arrive_mx(c) && ch.exchange);
   const ops::MxValuesOut mx{&values, p.rule};
   ops::permute_rows(tokens, ch.perm, rows, make ? &mx : nullptr);
-  return product ? values : Tensor();
+  if (mx_product) made.mx = values;
+  return made;
 }
 
 // The layer's exchanges: on the comms' lane when there is one, else in the caller's order. Keeps
@@ -185,13 +202,14 @@ void fill_chunk(const MoeWeights& w, const MoeConfig& c, const MoeActivations& a
   // Whether anything past the forward's products reads the rows and SwiGLU output made here: a
   // backward fill's are its own; a forward's are read by the backward unless it makes them again.
   const bool rows_read = fill == FillFor::kBackward || c.forward_rows == ForwardRows::kKept;
-  // The forward product's rows: their MX values under an MX recipe, when it runs in this fill.
-  Tensor xe_mx;
+  // The forward product's rows: their MX values or FP8 rows under those recipes, when it runs in
+  // this fill.
+  PermutedOperands xe_made;
   if (!ch.xe.defined())
-    xe_mx = permute_expert_rows(c, ch, tokens_here(ch, hn), ch.xe,
-                                ch.gate_up.defined() ? RowReaders::kWeightGradient
-                                : rows_read          ? RowReaders::kBoth
-                                                     : RowReaders::kProduct);
+    xe_made = permute_expert_rows(c, ch, tokens_here(ch, hn), ch.xe,
+                                  ch.gate_up.defined() ? RowReaders::kWeightGradient
+                                  : rows_read          ? RowReaders::kBoth
+                                                       : RowReaders::kProduct);
   if (!ch.row_weight.defined()) {
     // Each choice's routing weight moved to its expert row: the scatter (Rt, k, 1) -> (R, 1) that
     // is unpermute_rows' backward.
@@ -203,9 +221,11 @@ void fill_chunk(const MoeWeights& w, const MoeConfig& c, const MoeActivations& a
   const int64_t r = ch.xe.dim(0);
   if (!ch.gate_up.defined()) {
     ch.gate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
-    const ops::QuantOperands made{w.gate_up_copies, rows_arrive_mx(c) ? &ch.xe
-                                                    : xe_mx.defined() ? &xe_mx
-                                                                      : nullptr};
+    const ops::QuantOperands made{w.gate_up_copies,
+                                  rows_arrive_mx(c)      ? &ch.xe
+                                  : xe_made.mx.defined() ? &xe_made.mx
+                                                         : nullptr,
+                                  xe_made.fp8.defined() ? &xe_made.fp8 : nullptr};
     ops::expert_gemm_forward(ch.xe, w.w_gate_up, ch.perm.expert_rows(), prec, ch.gate_up, made);
   }
   if (!ch.act.defined()) {
@@ -322,15 +342,16 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
     const int64_t r = ch.xe.dim(0), here = tokens_here(ch, hn).dim(0);
     const ops::ExpertRows rows = ch.perm.expert_rows();
     if (ch.exchange) ex.join(dispatched[i]);
-    // The input-gradient product takes dY's MX values, made by the permutation as the forward's
-    // rows' are.
+    // The input-gradient product takes dY's MX values or FP8 rows, made by the permutation as
+    // the forward's rows' are.
     Tensor dye;
-    Tensor dye_mx = permute_expert_rows(c, ch, dy_here[i], dye, RowReaders::kBoth);
+    PermutedOperands dye_made = permute_expert_rows(c, ch, dy_here[i], dye, RowReaders::kBoth);
     dy_here[i] = Tensor();
     Tensor dact = Tensor::empty({r, c.moe_dim}, dt, dev);
     ops::expert_gemm_backward_input(dye, w.w_down, rows, prec, dact,
-                                    {w.down_copies, dye_mx.defined() ? &dye_mx : nullptr});
-    dye_mx = Tensor();
+                                    {w.down_copies, dye_made.mx.defined() ? &dye_made.mx : nullptr,
+                                     dye_made.fp8.defined() ? &dye_made.fp8 : nullptr});
+    dye_made = {};
 
     Tensor dgate_up = Tensor::empty({r, 2 * c.moe_dim}, dt, dev);
     Tensor drow_weight = Tensor::empty({r, 1}, ch.row_weight.dtype(), dev);

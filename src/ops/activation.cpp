@@ -51,24 +51,6 @@ cuda::kernels::SwigluRows kernel_rows(const SwigluRows& rows, Tensor* dweight) {
           rows.weight ? rows.weight->data<float>() : nullptr,
           dweight ? dweight->data<float>() : nullptr};
 }
-// Runs a SwiGLU kernel, launch(rows) taking the FP8 rows as the kernels do (data null: none):
-// with fp8's rows fused where the kernel can, else without them and then the second step,
-// write_fp8_rows of out.
-template <class Launch>
-void launch_with_fp8_rows(const Fp8RowsOut* fp8, const Tensor& out, Launch&& launch) {
-  const cuda::kernels::Fp8RowsOut none{nullptr, nullptr, Fp8ScaleRule::kFp32};
-  if (fp8) {
-    const cudaError_t err =
-        launch(cuda::kernels::Fp8RowsOut{static_cast<uint8_t*>(fp8->rows->data().raw()),
-                                         fp8->rows->scales().data<float>(), fp8->rule});
-    if (err != cudaErrorNotSupported) {
-      MT_CUDA_CHECK(err);
-      return;
-    }
-  }
-  MT_CUDA_CHECK(launch(none));
-  if (fp8) write_fp8_rows(out, *fp8);
-}
 #endif
 }  // namespace
 
@@ -86,7 +68,7 @@ void swiglu_forward(const Tensor& h, Tensor& a, const SwigluRows& rows, const Mx
     cuda::same_storage_type(h, a, "swiglu out");
     const DType st = cuda::storage_of(h, "swiglu h");
     const auto fused = cuda::fused_mx_values(mx, st, f, {h.raw(), a.raw()});
-    launch_with_fp8_rows(fp8, a, [&](cuda::kernels::Fp8RowsOut rows_fp8) {
+    cuda::launch_with_fp8_rows(fp8, a, [&](cuda::kernels::Fp8RowsOut rows_fp8) {
       return cuda::kernels::swiglu_forward(st, h.raw(), a.raw(), m, f, kernel_rows(rows, nullptr),
                                            fused, rows_fp8, cuda::stream());
     });
@@ -117,7 +99,7 @@ void swiglu_backward(const Tensor& h, const Tensor& da, Tensor& dh, const Swiglu
     const DType st = cuda::storage_of(h, "swiglu h");
     // The fused kernel reads and writes rows of f elements in packs: dh's two halves as h's.
     const auto fused = cuda::fused_mx_values(mx, st, f, {h.raw(), da.raw(), dh.raw()});
-    launch_with_fp8_rows(fp8, dh, [&](cuda::kernels::Fp8RowsOut rows_fp8) {
+    cuda::launch_with_fp8_rows(fp8, dh, [&](cuda::kernels::Fp8RowsOut rows_fp8) {
       return cuda::kernels::swiglu_backward(st, h.raw(), da.raw(), dh.raw(), m, f,
                                             kernel_rows(rows, dweight), fused, rows_fp8,
                                             cuda::stream());

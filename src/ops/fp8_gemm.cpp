@@ -67,7 +67,7 @@ void fp8_grouped_gemm(const QuantTensor& a, const QuantTensor& b, const ExpertRo
     // contraction for w (dim0).
     const auto b_scales = b.axis() == QuantAxis::kDim1 ? cuda::kernels::Fp8WeightScales::kMnMajor
                                                        : cuda::kernels::Fp8WeightScales::kKMajor;
-    if (rows.align % cuda::kernels::kFixedRowTile == 0 && q <= cuda::kernels::kFp8FixedMaxK) {
+    if (rows.align % cuda::kernels::kFixedRowTile == 0) {
       expect_dtype(rows.segments, DType::kI64, "expert segments");
       MT_CHECK(rows.segments.device() == Device::kCUDA && rows.segments.numel() == experts + 1,
                "expert segments must be {} i64 on the GPU", experts + 1);

@@ -24,18 +24,19 @@ bool gpu_scatter_token_rows(const Tensor& src, const Tensor& row_of_choice, int6
                             const MxValuesOut* mx) {
   const profile::Phase phase("gpu.scatter_token_rows");
   const int64_t tokens = src.dim(0), width = dst.dim(1);
+  const cuda::kernels::Fp8RowsOut no_fp8{nullptr, nullptr, Fp8ScaleRule::kFp32};
   // The fused MX values need the rows' own float storage; otherwise rows move as raw units.
   const auto fused = cuda::fused_mx_values(mx, src.dtype(), width, {src.raw(), dst.raw()});
   if (fused.values) {
     MT_CUDA_CHECK(cuda::kernels::scatter_token_rows(
         src.dtype(), src.raw(), row_of_choice.data<int32_t>(), tokens, static_cast<int>(k),
-        dst.raw(), width, fused, cuda::stream()));
+        dst.raw(), width, fused, no_fp8, cuda::stream()));
     return true;
   }
   const cuda::CopyUnits u = cuda::copy_units(src, width);
   MT_CUDA_CHECK(cuda::kernels::scatter_token_rows(
       u.storage, src.raw(), row_of_choice.data<int32_t>(), tokens, static_cast<int>(k), dst.raw(),
-      u.per_row, fused, cuda::stream()));
+      u.per_row, fused, no_fp8, cuda::stream()));
   return false;
 }
 #endif
@@ -71,25 +72,42 @@ void make_expert_permutation(const Tensor& expert_index, int64_t num_experts,
   cpu::make_expert_permutation(expert_index, num_experts, out, align, routed);
 }
 
-void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp, const MxValuesOut* mx) {
+void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp, const MxValuesOut* mx,
+                  const Fp8RowsOut* fp8) {
   const int64_t d = x.dim(1), m = p.rows();
   expect_shape(xp, {m, d}, "permuted rows");
   MT_CHECK(x.dtype() == xp.dtype(), "permute of {} rows into {}", dtype_name(x.dtype()),
            dtype_name(xp.dtype()));
   check_mx_values("permute_rows", xp, mx);
+  check_fp8_rows("permute_rows", xp, fp8);
+  MT_CHECK(!(mx && fp8), "permute_rows: MX values or FP8 rows, not both");
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(x)) {
     if (x.dim(0) == 0) return;
     MT_CHECK(p.row_of_choice.numel() % x.dim(0) == 0, "permutation of {} choices for {} tokens",
              p.row_of_choice.numel(), x.dim(0));
-    const bool fused =
-        gpu_scatter_token_rows(x, p.row_of_choice, choices_per_token(p, x.dim(0)), xp, mx);
+    const int64_t k = choices_per_token(p, x.dim(0));
+    if (fp8) {
+      const profile::Phase phase("gpu.scatter_token_rows");
+      cuda::launch_with_fp8_rows(fp8, xp, [&](cuda::kernels::Fp8RowsOut rows) {
+        if (!rows.data) {
+          gpu_scatter_token_rows(x, p.row_of_choice, k, xp, nullptr);
+          return cudaSuccess;
+        }
+        return cuda::kernels::scatter_token_rows(
+            cuda::storage_of(x), x.raw(), p.row_of_choice.data<int32_t>(), x.dim(0),
+            static_cast<int>(k), xp.raw(), d, {nullptr, MxScaleRule::kRceil}, rows, cuda::stream());
+      });
+      return;
+    }
+    const bool fused = gpu_scatter_token_rows(x, p.row_of_choice, k, xp, mx);
     if (mx && !fused) write_mx_values(xp, *mx);
     return;
   }
 #endif
   cpu::permute_rows(x, p, xp);
   if (mx) write_mx_values(xp, *mx);
+  if (fp8) write_fp8_rows(xp, *fp8);
 }
 
 namespace {

@@ -7,6 +7,7 @@
 // expert's last and the next segment are padding, never read (see ExpertRows).
 #pragma once
 #include "core/tensor.h"
+#include "ops/fp8.h"
 #include "ops/grouped_gemm.h"
 #include "ops/mx.h"
 
@@ -39,9 +40,11 @@ void make_expert_permutation(const Tensor& expert_index, int64_t num_experts,
 
 // xp (M, D) = x (N, D) rows gathered into expert-major order; padding rows are left as they are.
 // The row moves copy any dtype; the sums (permute_rows_backward, combine_forward) need a float.
-// mx: the rows' MX values too (ops/mx.h; padding rows of *mx->values left as they are on the GPU).
+// mx: the rows' MX values too (ops/mx.h); fp8: their FP8 copies in 1 x 128 blocks (ops/fp8.h), a
+// token's row quantized once for its k copies; not both. On the GPU their padding rows are left
+// as they are.
 void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp,
-                  const MxValuesOut* mx = nullptr);
+                  const MxValuesOut* mx = nullptr, const Fp8RowsOut* fp8 = nullptr);
 // dx (N, D) overwritten: each token sums the gradients of its k copies.
 void permute_rows_backward(const Tensor& dxp, const ExpertPermutation& p, Tensor& dx);
 

@@ -22,38 +22,6 @@ __device__ __forceinline__ void for_each_swiglu_row(int64_t m, const kernels::Sw
   }
 }
 
-// A lane's P values (as stored) of a row's 1 x 128 blocks into kernels::Fp8RowsOut at (row, col)
-// of a row `width` wide: a block is 128 / P consecutive lanes of one step (16 for bf16, 32 for
-// f32), its amax shuffled among them. Every lane of the warp calls it; inactive lanes (past the
-// row, whole blocks of them) contribute nothing and write nothing.
-template <int P>
-__device__ __forceinline__ void fp8_rows_out(const float (&v)[P], bool active, int64_t row,
-                                             int64_t col, int64_t width,
-                                             const kernels::Fp8RowsOut& fp8) {
-  constexpr int kLanes = kFp8Block / P;
-  static_assert(P % 2 == 0 && kLanes <= 32 && 32 % kLanes == 0);
-  uint32_t amax = 0;
-  if (active)
-#pragma unroll
-    for (int k = 0; k < P; ++k) amax = max(amax, magnitude(v[k]));
-#pragma unroll
-  for (int offset = kLanes / 2; offset > 0; offset /= 2)
-    amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
-  if (!active) return;
-  const Fp8Scale s = fp8_scale(fp8.rule, amax);
-  uint16_t pairs[P / 2];
-#pragma unroll
-  for (int k = 0; k < P / 2; ++k) pairs[k] = fp8x2(v[2 * k], v[2 * k + 1], s);
-  uint8_t* out = fp8.data + row * width + col;
-  if constexpr (P == 8)
-    *reinterpret_cast<uint2*>(out) =
-        make_uint2(pairs[0] | (uint32_t{pairs[1]} << 16), pairs[2] | (uint32_t{pairs[3]} << 16));
-  else
-    *reinterpret_cast<uint32_t*>(out) = pairs[0] | (uint32_t{pairs[1]} << 16);
-  if ((threadIdx.x % 32) % kLanes == 0)
-    fp8.scales[row * (width / kFp8Block) + col / kFp8Block] = s.scale;
-}
-
 // With kMx, also the output's MX values along the row (kernels::MxValuesOut): every lane runs
 // every step (the block's amax is shuffled among its four lanes), P is a 16-byte pack and f a
 // multiple of 32. With kFp8, the output's FP8 rows (fp8_rows_out) likewise, f a multiple of 128.

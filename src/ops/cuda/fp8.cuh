@@ -1,10 +1,12 @@
 // FP8 blockwise device helpers shared by the quantization kernels (fp8.cu) and the kernels that
-// will write rows with their FP8 copies. Bit-exact with the CPU reference (ops/cpu/fp8.cpp).
+// write rows with their FP8 copies (kernels::Fp8RowsOut: SwiGLU, the token permutation). Bit-exact
+// with the CPU reference (ops/cpu/fp8.cpp).
 #pragma once
 #include <cuda_fp8.h>
 
 #include "core/quant_format.h"
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/fp8.h"
 
 namespace mt::cuda {
 
@@ -39,6 +41,57 @@ __device__ __forceinline__ uint16_t fp8x2(float a, float b, const Fp8Scale& s) {
 
 __device__ __forceinline__ uint32_t magnitude(float x) {
   return __float_as_uint(x) & 0x7FFFFFFFu;
+}
+
+// A lane's P consecutive values of a row quantized in its 1 x 128 block: a block is 128 / P
+// consecutive lanes of a warp (16 for bf16 packs, 32 for f32), its amax shuffled among them. Every
+// lane of the warp calls it; inactive lanes (past the row, whole blocks of them) contribute
+// nothing and get nothing meaningful.
+template <int P>
+struct Fp8Lane {
+  Fp8Scale s;
+  uint16_t pairs[P / 2];  // E4M3 bytes, two by two
+};
+template <int P>
+__device__ __forceinline__ Fp8Lane<P> fp8_lane(const float (&v)[P], bool active,
+                                               Fp8ScaleRule rule) {
+  constexpr int kLanes = kFp8Block / P;
+  static_assert(P % 2 == 0 && kLanes <= 32 && 32 % kLanes == 0);
+  uint32_t amax = 0;
+  if (active)
+#pragma unroll
+    for (int k = 0; k < P; ++k) amax = max(amax, magnitude(v[k]));
+#pragma unroll
+  for (int offset = kLanes / 2; offset > 0; offset /= 2)
+    amax = max(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
+  Fp8Lane<P> lane{};
+  if (!active) return lane;
+  lane.s = fp8_scale(rule, amax);
+#pragma unroll
+  for (int k = 0; k < P / 2; ++k) lane.pairs[k] = fp8x2(v[2 * k], v[2 * k + 1], lane.s);
+  return lane;
+}
+// An active lane's bytes into kernels::Fp8RowsOut at (row, col) of rows `width` wide, and its
+// block's scale by the block's first lane.
+template <int P>
+__device__ __forceinline__ void store_fp8_lane(const Fp8Lane<P>& lane, int64_t row, int64_t col,
+                                               int64_t width, const kernels::Fp8RowsOut& fp8) {
+  uint8_t* out = fp8.data + row * width + col;
+  if constexpr (P == 8)
+    *reinterpret_cast<uint2*>(out) = make_uint2(lane.pairs[0] | (uint32_t{lane.pairs[1]} << 16),
+                                                lane.pairs[2] | (uint32_t{lane.pairs[3]} << 16));
+  else
+    *reinterpret_cast<uint32_t*>(out) = lane.pairs[0] | (uint32_t{lane.pairs[1]} << 16);
+  if ((threadIdx.x % 32) % (kFp8Block / P) == 0)
+    fp8.scales[row * (width / kFp8Block) + col / kFp8Block] = lane.s.scale;
+}
+// Both: the lane's values into the FP8 rows at (row, col).
+template <int P>
+__device__ __forceinline__ void fp8_rows_out(const float (&v)[P], bool active, int64_t row,
+                                             int64_t col, int64_t width,
+                                             const kernels::Fp8RowsOut& fp8) {
+  const Fp8Lane<P> lane = fp8_lane<P>(v, active, fp8.rule);
+  if (active) store_fp8_lane<P>(lane, row, col, width, fp8);
 }
 
 }  // namespace mt::cuda

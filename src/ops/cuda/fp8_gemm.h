@@ -1,5 +1,5 @@
 // The FP8 blockwise grouped GEMMs behind ops/fp8_gemm.h: our warp-specialized kernel for the
-// forward and input-gradient products over a padded layout (cutlass/fp8_gemm_sm90_fixed.cu), and
+// forward and input-gradient products over a padded layout (cutlass/fp8_gemm_sm90_fixed.cuh), and
 // CUTLASS's Hopper blockwise-scaled pointer-array kernels for any layout and the weight gradient
 // (cutlass/fp8_gemm_sm90.cuh). Raw pointers, sizes and a stream; each call returns its launch's
 // cudaError_t.
@@ -40,10 +40,10 @@ cudaError_t fp8_gemm_rows(ExpertSegments rows, int experts, const Fp8Operands& o
 // The same product over a layout whose segments start on multiples of 128 rows (ops::ExpertRows,
 // align 128): capacity rows, padding included (its output rows are written and meaningless); one
 // TMA descriptor per operand, every tile's expert from a table built on the device from the
-// segments. workspace: at least fp8_gemm_rows_fixed_workspace(capacity, p) bytes. The front door
-// runs it for contractions up to kFp8FixedMaxK: faster than CUTLASS's grouped kernel on the MoE
-// layer's down forward (Q 768), slower on the longer ones (docs/benchmarks.md).
-inline constexpr int64_t kFp8FixedMaxK = 1024;
+// segments, tiles fp8_fixed_tile_n(p) wide. workspace: at least
+// fp8_gemm_rows_fixed_workspace(capacity, p) bytes. Faster than CUTLASS's grouped kernel on each
+// of the MoE layer's products (docs/benchmarks.md); the front door runs it on padded layouts.
+int fp8_fixed_tile_n(int64_t p);
 size_t fp8_gemm_rows_fixed_workspace(int64_t capacity, int64_t p);
 cudaError_t fp8_gemm_rows_fixed(const int64_t* segments, int experts, const Fp8Operands& ops,
                                 Fp8WeightScales b_scales, int64_t capacity, int64_t p, int64_t q,

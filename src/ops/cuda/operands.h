@@ -5,8 +5,10 @@
 #include "core/cuda/check.h"
 #include "core/profile.h"
 #include "core/tensor.h"
+#include "ops/cuda/fp8.h"
 #include "ops/cuda/mx.h"
 #include "ops/cuda/permute.h"
+#include "ops/fp8.h"
 #include "ops/mx.h"
 
 namespace mt::cuda {
@@ -83,6 +85,26 @@ inline kernels::MxValuesOut fused_mx_values(const ops::MxValuesOut* mx, DType st
     if (!kernels::can_fuse_mx_values(storage, width, {p})) return none;
   if (!kernels::can_fuse_mx_values(storage, width, {mx->values->raw()})) return none;
   return {mx->values->raw(), mx->rule};
+}
+
+// Runs a kernel that can write an output's FP8 rows (ops::Fp8RowsOut), launch(rows) taking them as
+// the kernels do (data null: none) and returning its cudaError_t: with fp8's rows fused where the
+// kernel can, else (cudaErrorNotSupported, nothing launched) without them and then the second
+// step, write_fp8_rows of out.
+template <class Launch>
+void launch_with_fp8_rows(const ops::Fp8RowsOut* fp8, const Tensor& out, Launch&& launch) {
+  const kernels::Fp8RowsOut none{nullptr, nullptr, Fp8ScaleRule::kFp32};
+  if (fp8) {
+    const cudaError_t err =
+        launch(kernels::Fp8RowsOut{static_cast<uint8_t*>(fp8->rows->data().raw()),
+                                   fp8->rows->scales().data<float>(), fp8->rule});
+    if (err != cudaErrorNotSupported) {
+      MT_CUDA_CHECK(err);
+      return;
+    }
+  }
+  MT_CUDA_CHECK(launch(none));
+  if (fp8) ops::write_fp8_rows(out, *fp8);
 }
 
 }  // namespace mt::cuda

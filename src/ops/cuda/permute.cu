@@ -6,11 +6,11 @@
 #include <cub/device/device_radix_sort.cuh>
 #include <cub/device/device_scan.cuh>
 
+#include "ops/cuda/common.cuh"
+#include "ops/cuda/fp8.cuh"
+#include "ops/cuda/mx.cuh"
 #include "ops/cuda/permute.h"
 #include "ops/cuda/route.h"
-
-#include "ops/cuda/common.cuh"
-#include "ops/cuda/mx.cuh"
 
 namespace mt::cuda {
 
@@ -124,12 +124,16 @@ __global__ void scatter_token_rows_kernel(const T* src, const int32_t* row_of_ch
   }
 }
 
-// The scatter that also writes the rows' MX values along dim0 (kernels::MxValuesOut): a token's
-// row is rounded once for its k copies. A thread moves 16 bytes of the row per step; every lane
-// runs every step (a block's four or eight lanes shuffle its amax).
-template <class T>
-__global__ void scatter_token_rows_mx_kernel(const T* src, const int32_t* row_of_choice, int k,
-                                             T* dst, int64_t width, kernels::MxValuesOut mx) {
+// The scatter that also writes the rows in a second form: with kFp8 their FP8 copies in 1 x 128
+// blocks (kernels::Fp8RowsOut), else their MX values along dim0 (kernels::MxValuesOut; in place
+// of the rows when mx.values is dst). A token's row is rounded once for its k copies. A thread
+// moves 16 bytes of the row per step; every lane runs every step (a block's lanes shuffle its
+// amax: four or eight for MX, 16 or 32 for FP8).
+template <class T, bool kFp8>
+__global__ void scatter_token_rows_quantized_kernel(const T* src, const int32_t* row_of_choice,
+                                                    int k, T* dst, int64_t width,
+                                                    kernels::MxValuesOut mx,
+                                                    kernels::Fp8RowsOut fp8) {
   constexpr int P = Pack<T>::kSize;
   const int64_t t = blockIdx.x;
   const int32_t* rows = row_of_choice + t * k;
@@ -140,17 +144,24 @@ __global__ void scatter_token_rows_mx_kernel(const T* src, const int32_t* row_of
     float v[P];
     if (active) {
       const uint4 raw = *reinterpret_cast<const uint4*>(src + t * width + c);
-      if (values != dst)
+      if (kFp8 || values != dst)
         for (int j = 0; j < k; ++j)
           if (rows[j] >= 0) *reinterpret_cast<uint4*>(dst + rows[j] * width + c) = raw;
       const T* packed = reinterpret_cast<const T*>(&raw);  // the row's pack, read once
 #pragma unroll
       for (int i = 0; i < P; ++i) v[i] = to_float(packed[i]);
     }
-    mx_round_trip_lanes<P>(v, mx.rule, active);
-    if (!active) continue;
-    for (int j = 0; j < k; ++j)
-      if (rows[j] >= 0) store_n<T, P>(values + static_cast<int64_t>(rows[j]) * width + c, v);
+    if constexpr (kFp8) {
+      const Fp8Lane<P> lane = fp8_lane<P>(v, active, fp8.rule);
+      if (!active) continue;
+      for (int j = 0; j < k; ++j)
+        if (rows[j] >= 0) store_fp8_lane<P>(lane, rows[j], c, width, fp8);
+    } else {
+      mx_round_trip_lanes<P>(v, mx.rule, active);
+      if (!active) continue;
+      for (int j = 0; j < k; ++j)
+        if (rows[j] >= 0) store_n<T, P>(values + static_cast<int64_t>(rows[j]) * width + c, v);
+    }
   }
 }
 
@@ -296,15 +307,24 @@ cudaError_t gather_rows(DType s, const void* src, const int32_t* index, void* ds
 
 cudaError_t scatter_token_rows(DType s, const void* src, const int32_t* row_of_choice,
                                int64_t tokens, int k, void* dst, int64_t width, MxValuesOut mx,
-                               cudaStream_t stream) {
+                               Fp8RowsOut fp8, cudaStream_t stream) {
+  if (fp8.data &&
+      (mx.values || width % kFp8Block != 0 || reinterpret_cast<uintptr_t>(fp8.data) % 8 != 0))
+    return cudaErrorNotSupported;
   if (tokens == 0 || width == 0) return cudaSuccess;
   cudaError_t err = cudaSuccess;
   dispatch_storage(s, [&](auto tag) {
     using T = decltype(tag);
-    if (mx.values) {
+    if (fp8.data) {
+      if (packable<T>(width, {src, dst}))
+        scatter_token_rows_quantized_kernel<T, true><<<tokens, kBlock, 0, stream>>>(
+            static_cast<const T*>(src), row_of_choice, k, static_cast<T*>(dst), width, mx, fp8);
+      else
+        err = cudaErrorNotSupported;
+    } else if (mx.values) {
       if (width % kMxBlock == 0 && packable<T>(width, {src, dst, mx.values}))
-        scatter_token_rows_mx_kernel<T><<<tokens, kBlock, 0, stream>>>(
-            static_cast<const T*>(src), row_of_choice, k, static_cast<T*>(dst), width, mx);
+        scatter_token_rows_quantized_kernel<T, false><<<tokens, kBlock, 0, stream>>>(
+            static_cast<const T*>(src), row_of_choice, k, static_cast<T*>(dst), width, mx, fp8);
       else
         err = cudaErrorNotSupported;
     } else if (width < kNarrowRow) {

@@ -8,6 +8,7 @@
 #include <cstdint>
 
 #include "core/dtype.h"
+#include "ops/cuda/fp8.h"
 #include "ops/cuda/mx.h"
 
 namespace mt::cuda::kernels {
@@ -29,10 +30,12 @@ cudaError_t sum_token_rows(DType s, const void* rows, const int32_t* row_of_choi
                            const void* residual, int64_t tokens, int k, void* out, int64_t width,
                            cudaStream_t stream);
 // dst[row_of_choice[t, j]] = src[t] for t < tokens, j < k (each source row read once); with mx,
-// its rows' MX values too (cudaErrorNotSupported, nothing launched, when it cannot fuse them).
+// its rows' MX values too, with fp8 (data not null) their FP8 copies in 1 x 128 blocks
+// (cudaErrorNotSupported, nothing launched, when it cannot fuse them: not both, rows of a
+// multiple of 128 in s's 16-byte packs).
 cudaError_t scatter_token_rows(DType s, const void* src, const int32_t* row_of_choice,
                                int64_t tokens, int k, void* dst, int64_t width, MxValuesOut mx,
-                               cudaStream_t stream);
+                               Fp8RowsOut fp8, cudaStream_t stream);
 // out[s] (width) += sum over r in [offsets[s], offsets[s+1]) of rows[order[r]], in order.
 // out is f32 (out_f32) or the rows' type.
 cudaError_t segment_sum_rows(DType s, const void* rows, const int32_t* order,

@@ -57,14 +57,9 @@ struct alignas(1024) Stage {
 // Q / 32 bytes), this many k tiles ahead of their use: the producer then issues nothing but TMA.
 constexpr int kScalesAhead = 3;
 
-// The epilogue's tile on its way to TMA stores (ws_sm90::store_bf16), per consumer warpgroup.
-struct alignas(1024) Epilogue {
-  uint8_t chunk[2][kTileN / ws_sm90::kOutChunk][ws_sm90::kChunkBytes];
-};
-
 struct SharedStorage {
   Stage stages[kStages];
-  Epilogue out;
+  ws_sm90::OutStaging<kTileN> out;
   uint64_t full[kStages];
   uint64_t empty[kStages];
 };
@@ -143,7 +138,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   using ws_sm90::Empty;
   using ws_sm90::Full;
   const int warpgroup = threadIdx.x / 128;
-  const int lane = threadIdx.x % 32;
   ws_sm90::init_ring(s.full, s.empty, kStages, 2);
 
   if (warpgroup == 0) {  // the producer
@@ -160,10 +154,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   }
 
   cutlass::arch::warpgroup_reg_alloc<232>();
-  const int consumer = warpgroup - 1;       // rows 64 c .. 64 c + 63 of the tile
-  const int warp = (threadIdx.x / 32) % 4;  // within the warpgroup
-  const int q = lane % 4;
-  const uint32_t r0 = consumer * 64 + warp * 16 + lane / 4, r1 = r0 + 8;
+  const auto [consumer, q, r0, r1] = ws_sm90::consumer_thread();
   // This thread's scales of k tile kt of the tile at row tile `row_tile`, packed {row r0: block
   // 2 kt, 2 kt + 1; row r1: the same}. Past Q or the last row the data is TMA's zeros; any
   // finite scale keeps them so.
@@ -277,7 +268,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     release(issue_stage);
     if (next.x >= 0) fill_ahead(next.x);
 
-    ws_sm90::store_bf16<kTileN>(acc, s.out.chunk[consumer][0], map_out, consumer,
+    ws_sm90::store_bf16<kTileN>(acc, s.out.warpgroup[consumer], map_out, consumer,
                                 r0 - consumer * 64, q, tile.y * kTileN,
                                 tile.x * kTileM + consumer * 64);
     tile = next;
@@ -325,14 +316,8 @@ cudaError_t mx_gemm(const int64_t* segments, int experts, const uint8_t* a_data,
       return cudaErrorInvalidValue;
   }
   CUtensorMap map_out;
-  {
-    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(p), static_cast<cuuint64_t>(capacity)};
-    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(p * 2)};
-    const cuuint32_t box[2] = {ws_sm90::kOutChunk, 64};
-    if (ws_sm90::encode_tma(&map_out, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, out, dims, strides, box,
-                            CU_TENSOR_MAP_SWIZZLE_128B) != CUDA_SUCCESS)
-      return cudaErrorInvalidValue;
-  }
+  if (ws_sm90::encode_out<kTileN>(&map_out, out, p, capacity) != CUDA_SUCCESS)
+    return cudaErrorInvalidValue;
   constexpr size_t smem = ws_sm90::storage_bytes<SharedStorage>();
   static const cudaError_t configured = cudaFuncSetAttribute(
       mx_gemm_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));

@@ -34,13 +34,13 @@ constexpr size_t storage_bytes() {
   return sizeof(S) + 1024;  // + the alignment
 }
 
-// Thread 0 initializes the ring's barriers (full: the producer's one arrival; empty: one per
-// consumer warpgroup); every thread of the CTA then waits for it.
+// Thread 0 initializes the ring's barriers (full: the producer's arrivals, one unless said;
+// empty: one per consumer warpgroup); every thread of the CTA then waits for it.
 __device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, int stages,
-                                          uint32_t consumers) {
+                                          uint32_t consumers, uint32_t producers = 1) {
   if (threadIdx.x == 0) {
     for (int i = 0; i < stages; ++i) {
-      Full::init(&full[i], 1);
+      Full::init(&full[i], producers);
       Empty::init(&empty[i], consumers);
     }
     cutlass::arch::fence_barrier_init();
@@ -83,6 +83,21 @@ __device__ __forceinline__ void produce(const CUtensorMap& map_a, const CUtensor
   }
 }
 
+// A consumer thread's place (warpgroups 1 and 2; warpgroup 0 produces): its warpgroup's rows
+// 64 c .. 64 c + 63 of the tile, and in wgmma's m64nN accumulator layout its two rows r0 and
+// r1 = r0 + 8 of the tile and its column pair's index q within each 8 columns.
+struct Consumer {
+  int index;
+  int q;
+  uint32_t r0, r1;
+};
+__device__ __forceinline__ Consumer consumer_thread() {
+  const int index = static_cast<int>(threadIdx.x / 128) - 1;
+  const int warp = (threadIdx.x / 32) % 4, lane = threadIdx.x % 32;
+  const uint32_t r0 = index * 64 + warp * 16 + lane / 4;
+  return {index, lane % 4, r0, r0 + 8};
+}
+
 // warpgroup_fence_operand over a whole accumulator, expanded over an index sequence rather than a
 // loop: an accumulator stays in registers only if every access to it has a constant index, and
 // unrolling is a heuristic.
@@ -108,38 +123,56 @@ __device__ __forceinline__ uint64_t swizzle128_descriptor(const uint8_t* tile, i
   return d;
 }
 
-// The epilogue's staging: a consumer warpgroup's 64 rows in 64-column chunks of 128-byte rows,
-// 128-byte swizzle (conflict-free stores, whole lines out by TMA).
-inline constexpr int kOutChunk = 64;
-inline constexpr int kChunkBytes = 64 * kOutChunk * 2;
+// The epilogue's staging: a consumer warpgroup's 64 rows in chunks of kChunkCols columns, each
+// chunk's rows swizzled as TMA's SWIZZLE_128B (64 columns, 128-byte rows) or SWIZZLE_64B (32
+// columns, 64-byte rows) lays them out: conflict-free stores, whole lines out by TMA. A width that
+// is a multiple of 64 takes 64-column chunks, any other multiple of 32 takes 32-column ones.
+template <int kCols>
+inline constexpr int kOutChunkFor = kCols % 64 == 0 ? 64 : 32;
+template <int kChunkCols>
+inline constexpr CUtensorMapSwizzle kOutSwizzle =
+    kChunkCols == 64 ? CU_TENSOR_MAP_SWIZZLE_128B : CU_TENSOR_MAP_SWIZZLE_64B;
+
+// The epilogue's shared memory: each consumer warpgroup's 64 x kCols bf16 tile in its chunks.
+template <int kCols>
+struct alignas(1024) OutStaging {
+  uint8_t warpgroup[2][64 * kCols * 2];
+};
 
 // One consumer warpgroup's 64 x kCols f32 accumulator (wgmma's m64nN layout: acc[4 i + {0, 1}] is
 // row `row`, columns 8 i + 2 q + {0, 1}; acc[4 i + {2, 3}] row `row` + 8) out as bf16 at (col0,
-// row0) of map_out (box kOutChunk x 64): into the chunks, then TMA stores by the warpgroup's first
-// thread. The previous tile's stores must have left the chunks first: waited for here. Named
-// barrier 1 + consumer.
+// row0) of map_out (box kOutChunkFor<kCols> x 64, swizzle kOutSwizzle of it): into the chunks,
+// then TMA stores by the warpgroup's first thread. The previous tile's stores must have left the
+// chunks first: waited for here. Named barrier 1 + consumer.
 template <int kCols>
 __device__ __forceinline__ void store_bf16(const float (&acc)[kCols / 2], uint8_t* chunks,
                                            const CUtensorMap& map_out, int consumer, uint32_t row,
                                            int q, int col0, int row0) {
+  constexpr int kChunkCols = kOutChunkFor<kCols>;
+  constexpr int kRowBytes = kChunkCols * 2, kUnits = kRowBytes / 16;  // 16-byte units per row
+  constexpr int kBytes = 64 * kRowBytes;
+  static_assert(kCols % kChunkCols == 0);
+  // The swizzle XORs a row's 16-byte unit with address bits 7.. of its row: row % 8 for 128-byte
+  // rows, (row / 2) % 4 for 64-byte ones ((row + 8) gives the same).
+  const uint32_t mask = kChunkCols == 64 ? row % 8 : (row / 2) % 4;
   const int id = consumer + 1;
   const bool leader = threadIdx.x % 128 == 0;
   if (leader) cute::tma_store_wait<0>();
   cutlass::arch::NamedBarrier::sync(128, id);
 #pragma unroll
   for (int i = 0; i < kCols / 8; ++i) {
-    uint8_t* chunk = chunks + (i / 8) * kChunkBytes;
-    const uint32_t in_row = (((i % 8) ^ (row % 8)) * 16) + 4 * q;  // (row + 8) % 8 == row % 8
-    *reinterpret_cast<__nv_bfloat162*>(chunk + row * 128 + in_row) =
+    uint8_t* chunk = chunks + (i / kUnits) * kBytes;
+    const uint32_t in_row = (((i % kUnits) ^ mask) * 16) + 4 * q;
+    *reinterpret_cast<__nv_bfloat162*>(chunk + row * kRowBytes + in_row) =
         __floats2bfloat162_rn(acc[4 * i], acc[4 * i + 1]);
-    *reinterpret_cast<__nv_bfloat162*>(chunk + (row + 8) * 128 + in_row) =
+    *reinterpret_cast<__nv_bfloat162*>(chunk + (row + 8) * kRowBytes + in_row) =
         __floats2bfloat162_rn(acc[4 * i + 2], acc[4 * i + 3]);
   }
   cutlass::arch::fence_view_async_shared();
   cutlass::arch::NamedBarrier::sync(128, id);
   if (leader) {
-    for (int c = 0; c < kCols / kOutChunk; ++c)
-      cute::SM90_TMA_STORE_2D::copy(&map_out, chunks + c * kChunkBytes, col0 + c * kOutChunk, row0);
+    for (int c = 0; c < kCols / kChunkCols; ++c)
+      cute::SM90_TMA_STORE_2D::copy(&map_out, chunks + c * kBytes, col0 + c * kChunkCols, row0);
     cute::tma_store_arrive();
   }
 }
@@ -154,6 +187,17 @@ inline CUresult encode_tma(CUtensorMap* map, CUtensorMapDataType type, cuuint32_
       map, type, rank, const_cast<void*>(base), dims, strides, box, element_strides,
       CU_TENSOR_MAP_INTERLEAVE_NONE, swizzle, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
       CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE);
+}
+
+// The TMA descriptor of a row-major (rows, cols) bf16 output as store_bf16<kCols> writes it.
+template <int kCols>
+inline CUresult encode_out(CUtensorMap* map, void* out, int64_t cols, int64_t rows) {
+  constexpr int kChunkCols = kOutChunkFor<kCols>;
+  const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+  const cuuint64_t strides[1] = {static_cast<cuuint64_t>(cols * 2)};
+  const cuuint32_t box[2] = {kChunkCols, 64};
+  return encode_tma(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16, 2, out, dims, strides, box,
+                    kOutSwizzle<kChunkCols>);
 }
 
 }  // namespace mt::cuda::ws_sm90

@@ -1,0 +1,356 @@
+// The FP8 forward and input-gradient products (ops/fp8_gemm.h) over a padded row layout: out
+// (capacity, P) bf16 = A_e (capacity, Q) b[e]^T, A in 1 x 128 blocks along Q (E4M3 data, an f32
+// scale per block), b (E, P, Q) E4M3 in 128 x 128 tiles (one f32 scale per tile), every expert's
+// rows starting on a 128-row boundary. fp8_gemm_sm90_fixed.cu instantiates what ships;
+// bench/fp8_fixed_variants.cu times the tile widths and the probes.
+//
+// Why our own kernel. CUTLASS's pointer-array blockwise kernels (fp8_gemm_sm90_rows.cu) rewrite a
+// CTA's TMA descriptors whenever its next tile belongs to another expert, walk the groups' shapes
+// to find each tile, and load the scales through the same pipeline as the operands. Over a padded
+// layout none of that is needed (as for the bf16 products, grouped_gemm_fixed_sm90.cuh): the rows
+// are one (capacity, Q) matrix whose row tiles each belong to one expert, the weights one (E, P, Q)
+// tensor with the expert as its outer coordinate, and each tile's expert comes from a table built
+// on the device from the segments (no count reaches the host; a captured graph replays it).
+//
+// Structure (the MX kernel's, mx_gemm_sm90.cu, with both operands FP8 in shared memory):
+// persistent CTAs over the tile table; the producer warp's first lane issues TMA copies of A's
+// 128 x 128 and b's kTileN x 128 tiles into a ring of stages (full/empty barriers), running on
+// across tiles so the next tile's loads overlap the epilogue, and its 32 lanes copy the block's
+// scales (the row tile's 128 of A, the weight tiles' of b) into the stage's slot with cp.async,
+// each lane's copies completing on the stage's full barrier. Two consumer warpgroups of 64 rows x
+// kTileN columns each run the four k32 FP8 wgmmas of a 128-deep block into a fresh f32
+// accumulator, then promote it into the result with the block's scales, result += partial *
+// (sa[row] * sb): DeepSeek-V3's promotion every 128 of the contraction, in f32 registers. The
+// epilogue stages bf16 rows in swizzled shared memory and leaves by TMA stores. What bounds it
+// (docs/benchmarks-history.md, "What bounds our FP8 kernel"): the promotion; and, before they came
+// through the stages, the scales each consumer thread loaded from L2.
+//
+// Tile widths. kTileN 128 is one weight tile; a wider tile that is not a multiple of 128 (160:
+// fewer tiles, and each b row read from shared memory serves more of the MMA's work) spans
+// two weight tiles, whose boundary falls at a multiple of 32 columns into it: the promotion takes
+// the first tile's scale left of it and the second's right of it, the boundary a template
+// argument chosen per tile (four cases at most). Columns past P are computed from whatever b rows
+// follow (the next expert's, or TMA's zeros) and never stored.
+#pragma once
+#include <cuda.h>
+#include <cuda_bf16.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <utility>
+
+#include "ops/cuda/common.cuh"
+#include "ops/cuda/cutlass/grouped_gemm_fixed_sm90.cuh"
+#include "ops/cuda/cutlass/warp_specialized_sm90.cuh"
+#include "ops/cuda/fp8_gemm.h"
+// After mma_sm90_gmma.hpp (through warp_specialized_sm90.cuh): the n160 wgmma.
+#include "cute/arch/mma_sm90_gmma_ext.hpp"
+
+namespace mt::cuda::fp8_fixed_sm90 {
+
+// What a run leaves out, to time the rest (bench/fp8_fixed_variants.cu); kNone is the product.
+enum class Probe : uint8_t {
+  kNone,
+  kNoPromotion,  // one accumulator over the whole contraction, no per-block scaling
+  kNoMma,        // no wgmmas: loads, barriers and promotion only
+};
+
+constexpr int kTileM = 128;    // = fixed_sm90::kRowTile: a row tile is one expert's
+constexpr int kTileK = 128;    // one scale block deep
+constexpr int kThreads = 384;  // producer warpgroup + two consumer warpgroups
+static_assert(kTileM == fixed_sm90::kRowTile);
+
+template <int kTileN>
+struct Shape {
+  static_assert(kTileN == 128 || kTileN == 160);
+  static constexpr uint32_t kStageBytesA = kTileM * kTileK;
+  static constexpr uint32_t kStageBytesB = kTileN * kTileK;
+  struct alignas(1024) Stage {
+    uint8_t a[kStageBytesA];  // (128, 128) E4M3, 128-byte swizzle (1024-byte aligned)
+    uint8_t b[kStageBytesB];  // (kTileN, 128) E4M3, 128-byte swizzle
+  };
+  // A stage's scales: the row tile's 128 of A, then the one or two weight tiles' (b0, b1).
+  static constexpr int kScaleSlot = kTileM + 4;
+  static constexpr int kScaleB = kTileM;
+  // As many stages as fit beside the epilogue's staging (at most 6: more did not pay at 128).
+  static constexpr int kStages =
+      std::min<int>(6, (227 * 1024 - 2048 - sizeof(ws_sm90::OutStaging<kTileN>)) /
+                           (sizeof(Stage) + kScaleSlot * sizeof(float)));
+  struct SharedStorage {
+    Stage stages[kStages];
+    ws_sm90::OutStaging<kTileN> out;
+    float scales[kStages][kScaleSlot];
+    uint64_t full[kStages];
+    uint64_t empty[kStages];
+  };
+  static constexpr int kAcc = kTileN / 2;  // f32 accumulator registers per thread
+};
+
+struct Params {
+  const float* sfa;   // (capacity, Q / 128)
+  const float* sfb;   // (E, P / 128, Q / 128) or (E, Q / 128, P / 128): see sfb_k, sfb_n
+  const int4* tiles;  // {row tile, column tile, expert, 0}; row tile < 0: none
+  int tile_count;
+  int k_blocks;        // Q / 128
+  int n_blocks;        // P / 128
+  int64_t sfb_expert;  // (P / 128) (Q / 128)
+  int sfb_k, sfb_n;    // strides of a tile's scale along the contraction and along P
+  int p_rows;          // P: b's rows per expert
+  int64_t capacity;    // rows; the last row tile may run past them (TMA reads zeros there)
+};
+
+template <int N>
+struct Wgmma;
+template <>
+struct Wgmma<128> {
+  using Op = cute::SM90::GMMA::MMA_64x128x32_F32E4M3E4M3_SS_TN<>;
+};
+template <>
+struct Wgmma<160> {
+  using Op = cute::SM90::GMMA::MMA_64x160x32_F32E4M3E4M3_SS_TN<>;
+};
+
+template <int N, size_t... I>
+__device__ __forceinline__ void wgmma(uint64_t desc_a, uint64_t desc_b, float (&acc)[N / 2],
+                                      cute::GMMA::ScaleOut scale, std::index_sequence<I...>) {
+  Wgmma<N>::Op::fma(desc_a, desc_b, acc[I]..., scale);
+}
+
+// One block's scales for a consumer thread: its rows r0 and r1 of A, the weight tile under the
+// tile's first columns (b0) and the one right of the boundary (b1; 0 where there is none).
+struct BlockScales {
+  float a0, a1, b0, b1;
+};
+
+// result += acc * scale, expanded over an index sequence as ws_sm90::fence: acc[4 i + {0, 1}]
+// belong to row r0, acc[4 i + {2, 3}] to r1; columns 8 i .. 8 i + 7 lie left of the weight tiles'
+// boundary when i < kSplit (scales s0, s1) and right of it otherwise (t0, t1).
+template <int kSplit, int N, size_t... I>
+__device__ __forceinline__ void promote(const float (&acc)[N], float s0, float s1, float t0,
+                                        float t1, float (&result)[N], std::index_sequence<I...>) {
+  ((result[I] = fmaf(acc[I], I / 4 < kSplit ? ((I % 4) < 2 ? s0 : s1) : ((I % 4) < 2 ? t0 : t1),
+                     result[I])),
+   ...);
+}
+
+// The promotion of one block with the split a run-time value (a multiple of 4 groups of 8
+// columns, uniform over the tile): one branch per possible split.
+template <int kTileN>
+__device__ __forceinline__ void promote_block(const float (&acc)[kTileN / 2], const BlockScales& sc,
+                                              int split, float (&result)[kTileN / 2]) {
+  const float s0 = sc.a0 * sc.b0, s1 = sc.a1 * sc.b0;
+  constexpr auto seq = std::make_index_sequence<kTileN / 2>{};
+  if constexpr (kTileN == 128) {
+    promote<16>(acc, s0, s1, s0, s1, result, seq);
+  } else {
+    const float t0 = sc.a0 * sc.b1, t1 = sc.a1 * sc.b1;
+    switch (split) {
+      case 4:
+        promote<4>(acc, s0, s1, t0, t1, result, seq);
+        break;
+      case 8:
+        promote<8>(acc, s0, s1, t0, t1, result, seq);
+        break;
+      case 12:
+        promote<12>(acc, s0, s1, t0, t1, result, seq);
+        break;
+      default:
+        promote<16>(acc, s0, s1, t0, t1, result, seq);
+        break;
+    }
+  }
+}
+
+template <size_t... I, int N>
+__device__ __forceinline__ void set(float (&x)[N], float v, std::index_sequence<I...>) {
+  ((x[I] = v), ...);
+}
+template <size_t... I, int N>
+__device__ __forceinline__ void copy_to(const float (&x)[N], float (&y)[N],
+                                        std::index_sequence<I...>) {
+  ((y[I] = x[I]), ...);
+}
+
+// dst = *src (4 bytes) by the async copy unit, or 0 where !valid (src not read).
+__device__ __forceinline__ void copy_f32_async(float* dst, const float* src, bool valid) {
+  const uint32_t d = static_cast<uint32_t>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(d), "l"(src),
+               "r"(valid ? 4 : 0)
+               : "memory");
+}
+
+template <int kTileN, Probe kProbe>
+__global__ void __launch_bounds__(kThreads, 1)
+    fp8_gemm_fixed_kernel(const __grid_constant__ CUtensorMap map_a,
+                          const __grid_constant__ CUtensorMap map_b,
+                          const __grid_constant__ CUtensorMap map_out, const Params p) {
+  using S = Shape<kTileN>;
+  constexpr int kStages = S::kStages;
+  constexpr int kAcc = S::kAcc;
+  extern __shared__ __align__(1024) uint8_t smem_raw[];
+  auto& s = ws_sm90::aligned_storage<typename S::SharedStorage>(smem_raw);
+  using ws_sm90::Empty;
+  using ws_sm90::Full;
+  const int warpgroup = threadIdx.x / 128;
+  const int lane = threadIdx.x % 32;
+  // A stage is full when its TMA bytes have landed (the first lane's arrival) and every lane of
+  // the producer warp's scale copies have (32 more).
+  ws_sm90::init_ring(s.full, s.empty, kStages, 2, 1 + 32);
+
+  // Registers: the producer's scale addresses want more than 40 (spills at kTileN 160).
+  if (warpgroup == 0) {  // the producer: its first warp
+    cutlass::arch::warpgroup_reg_dealloc<56>();
+    if (threadIdx.x >= 32) return;
+    if (lane == 0) {
+      cute::prefetch_tma_descriptor(&map_a);
+      cute::prefetch_tma_descriptor(&map_b);
+      cute::prefetch_tma_descriptor(&map_out);
+    }
+    int stage = 0;
+    uint32_t phase = 0;
+    for (int t = blockIdx.x; t < p.tile_count; t += gridDim.x) {
+      const int4 tile = p.tiles[t];
+      if (tile.x < 0) break;  // tiles past the last segment come last
+      const int64_t row0 = int64_t{tile.x} * kTileM;
+      const int nb = tile.y * kTileN / 128;  // the weight tile under the tile's first column
+      const bool second = kTileN % 128 != 0 && nb + 1 < p.n_blocks;
+      for (int kb = 0; kb < p.k_blocks; ++kb) {
+        Empty::wait(&s.empty[stage], phase ^ 1);
+        if (lane == 0) {
+          Full::arrive_and_expect_tx(&s.full[stage], S::kStageBytesA + S::kStageBytesB);
+          auto& st = s.stages[stage];
+          cute::SM90_TMA_LOAD_2D::copy(&map_a, &s.full[stage], ws_sm90::kEvictNormal, st.a,
+                                       kb * kTileK, tile.x * kTileM);
+          cute::SM90_TMA_LOAD_2D::copy(&map_b, &s.full[stage], ws_sm90::kEvictNormal, st.b,
+                                       kb * kTileK, tile.z * p.p_rows + tile.y * kTileN);
+        }
+        // The block's scales into the stage's slot, each lane's copies completing on the full
+        // barrier. Rows past the capacity (TMA's zeros) and weight tiles past P take scale 0.
+        float* slot = s.scales[stage];
+#pragma unroll
+        for (int i = 0; i < kTileM / 32; ++i) {
+          const int row = lane + 32 * i;
+          const bool valid = row0 + row < p.capacity;
+          copy_f32_async(slot + row, p.sfa + (valid ? (row0 + row) * p.k_blocks + kb : 0), valid);
+        }
+        const float* sfb = p.sfb + tile.z * p.sfb_expert + int64_t{kb} * p.sfb_k;
+        if (lane == 0) copy_f32_async(slot + S::kScaleB, sfb + int64_t{nb} * p.sfb_n, true);
+        if (lane == 1)
+          copy_f32_async(slot + S::kScaleB + 1, second ? sfb + int64_t{nb + 1} * p.sfb_n : sfb,
+                         second);
+        cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
+        if (++stage == kStages) {
+          stage = 0;
+          phase ^= 1;
+        }
+      }
+    }
+    return;
+  }
+
+  cutlass::arch::warpgroup_reg_alloc<224>();
+  const auto [consumer, q, r0, r1] = ws_sm90::consumer_thread();
+  int stage = 0;  // the next stage to wait for
+  uint32_t phase = 0;
+  float acc[kAcc], result[kAcc];
+  constexpr auto seq = std::make_index_sequence<kAcc>{};
+  if constexpr (kProbe == Probe::kNoMma) set(acc, 1.0f, seq);
+  for (int t = blockIdx.x; t < p.tile_count; t += gridDim.x) {
+    const int4 tile = p.tiles[t];
+    if (tile.x < 0) break;
+    // Groups of 8 columns left of the weight tiles' boundary (>= 16: none in the tile).
+    const int split = ((tile.y * kTileN / 128 + 1) * 128 - tile.y * kTileN) / 8;
+    set(result, 0.0f, seq);
+    for (int kb = 0; kb < p.k_blocks; ++kb) {
+      Full::wait(&s.full[stage], phase);
+      const float* slot = s.scales[stage];
+      const BlockScales sc{slot[r0], slot[r1], slot[S::kScaleB], slot[S::kScaleB + 1]};
+      if constexpr (kProbe != Probe::kNoMma) {
+        const auto& st = s.stages[stage];
+        ws_sm90::fence(acc);
+        cute::warpgroup_arrive();
+#pragma unroll
+        for (int j = 0; j < kTileK / 32; ++j)
+          wgmma<kTileN>(ws_sm90::swizzle128_descriptor(st.a + consumer * 64 * kTileK, j),
+                        ws_sm90::swizzle128_descriptor(st.b, j), acc,
+                        j == 0 && (kProbe != Probe::kNoPromotion || kb == 0)
+                            ? cute::GMMA::ScaleOut::Zero
+                            : cute::GMMA::ScaleOut::One,
+                        seq);
+        cute::warpgroup_commit_batch();
+        cute::warpgroup_wait<0>();
+        ws_sm90::fence(acc);
+      } else {
+        // Without wgmmas nothing keeps the warpgroup's warps together: its first thread must not
+        // free a stage another warp still waits on (the stage could fill again before that warp
+        // sees the first fill, and that warp would wait for the third).
+        cutlass::arch::NamedBarrier::sync(128, 3 + consumer);
+      }
+      if (threadIdx.x % 128 == 0) Empty::arrive(&s.empty[stage]);
+      if (++stage == kStages) {
+        stage = 0;
+        phase ^= 1;
+      }
+      if constexpr (kProbe != Probe::kNoPromotion) promote_block<kTileN>(acc, sc, split, result);
+    }
+    if constexpr (kProbe == Probe::kNoPromotion) copy_to(acc, result, seq);
+    ws_sm90::store_bf16<kTileN>(result, s.out.warpgroup[consumer], map_out, consumer,
+                                r0 - consumer * 64, q, tile.y * kTileN,
+                                tile.x * kTileM + consumer * 64);
+  }
+  if (threadIdx.x % 128 == 0) cute::tma_store_wait<0>();
+}
+
+template <int kTileN>
+size_t workspace_bytes(int64_t capacity, int64_t p) {
+  return fixed_sm90::table_bytes(fixed_sm90::tile_count(capacity, p, kTileN));
+}
+
+// The product with tiles kTileN wide (P, Q multiples of 128), leaving out what kProbe says.
+template <int kTileN, Probe kProbe = Probe::kNone>
+cudaError_t run(const int64_t* segments, int experts, const kernels::Fp8Operands& ops,
+                kernels::Fp8WeightScales b_scales, int64_t capacity, int64_t p, int64_t q,
+                void* workspace, size_t workspace_size, cudaStream_t stream) {
+  if (q % kTileK != 0 || p % 128 != 0) return cudaErrorInvalidValue;
+  if (workspace_size < workspace_bytes<kTileN>(capacity, p)) return cudaErrorInvalidValue;
+  const int64_t count = fixed_sm90::tile_count(capacity, p, kTileN);
+  if (count == 0) return cudaSuccess;
+  auto* table = static_cast<int4*>(workspace);
+  if (cudaError_t err =
+          fixed_sm90::make_tile_table(segments, experts, p, kTileN, count, table, stream);
+      err != cudaSuccess)
+    return err;
+  // A row-major (outer, inner) E4M3 matrix's TMA descriptor, box (box_outer, 128), 128-byte
+  // swizzle.
+  const auto encode_fp8 = [](CUtensorMap* map, const void* base, int64_t inner, int64_t outer,
+                             cuuint32_t box_outer) {
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(inner), static_cast<cuuint64_t>(outer)};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(inner)};
+    const cuuint32_t box[2] = {kTileK, box_outer};
+    return ws_sm90::encode_tma(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base, dims, strides, box,
+                               CU_TENSOR_MAP_SWIZZLE_128B);
+  };
+  CUtensorMap map_a, map_b, map_out;
+  if (encode_fp8(&map_a, ops.a, q, capacity, kTileM) != CUDA_SUCCESS ||
+      encode_fp8(&map_b, ops.b, q, experts * p, kTileN) != CUDA_SUCCESS ||
+      ws_sm90::encode_out<kTileN>(&map_out, ops.out, p, capacity) != CUDA_SUCCESS)
+    return cudaErrorInvalidValue;
+  const int pb = static_cast<int>(p / 128), qb = static_cast<int>(q / 128);
+  // The weight's 128 x 128 scales, (K / 128, N / 128): b = w^T (the forward) reads them along
+  // its rows (P = N), b = w (the input gradient) along its contraction (Q = N).
+  const bool mn = b_scales == kernels::Fp8WeightScales::kMnMajor;
+  const Params params{
+      ops.sfa,          ops.sfb,     table,       static_cast<int>(count), qb,      pb,
+      int64_t{pb} * qb, mn ? pb : 1, mn ? 1 : qb, static_cast<int>(p),     capacity};
+  constexpr size_t smem = ws_sm90::storage_bytes<typename Shape<kTileN>::SharedStorage>();
+  static const cudaError_t configured =
+      cudaFuncSetAttribute(fp8_gemm_fixed_kernel<kTileN, kProbe>,
+                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (configured != cudaSuccess) return configured;
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(count, sm_count()));
+  fp8_gemm_fixed_kernel<kTileN, kProbe>
+      <<<grid, kThreads, smem, stream>>>(map_a, map_b, map_out, params);
+  return cudaGetLastError();
+}
+
+}  // namespace mt::cuda::fp8_fixed_sm90
