@@ -2,8 +2,9 @@
 // fp8_gemm_sm90_fixed.cuh): the MoE layer's four row products (128 experts of 1024 rows) with each
 // tile width, and with the probes that leave one part out (the promotion, the MMAs) to
 // see which part bounds a width. JSON lines: time, TFLOP/s over the rows, the ratio to the
-// shipped width, and each variant's output against the shipped one's (bits that differ; a probe's
-// output is not the product and differs).
+// 128-wide product (`vs_shipped`; kernels::fp8_fixed_tile_n picks the width that ships per P),
+// and each variant's output against that one's (bits that differ; a probe's output is not the
+// product and differs).
 #include <cuda_runtime.h>
 
 #include <cstdio>
