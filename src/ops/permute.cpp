@@ -24,19 +24,18 @@ bool gpu_scatter_token_rows(const Tensor& src, const Tensor& row_of_choice, int6
                             const MxValuesOut* mx) {
   const profile::Phase phase("gpu.scatter_token_rows");
   const int64_t tokens = src.dim(0), width = dst.dim(1);
-  const cuda::kernels::Fp8RowsOut no_fp8{nullptr, nullptr, Fp8ScaleRule::kFp32};
   // The fused MX values need the rows' own float storage; otherwise rows move as raw units.
   const auto fused = cuda::fused_mx_values(mx, src.dtype(), width, {src.raw(), dst.raw()});
   if (fused.values) {
     MT_CUDA_CHECK(cuda::kernels::scatter_token_rows(
         src.dtype(), src.raw(), row_of_choice.data<int32_t>(), tokens, static_cast<int>(k),
-        dst.raw(), width, fused, no_fp8, cuda::stream()));
+        dst.raw(), width, fused, cuda::kernels::kNoFp8Rows, cuda::stream()));
     return true;
   }
   const cuda::CopyUnits u = cuda::copy_units(src, width);
   MT_CUDA_CHECK(cuda::kernels::scatter_token_rows(
       u.storage, src.raw(), row_of_choice.data<int32_t>(), tokens, static_cast<int>(k), dst.raw(),
-      u.per_row, fused, no_fp8, cuda::stream()));
+      u.per_row, fused, cuda::kernels::kNoFp8Rows, cuda::stream()));
   return false;
 }
 #endif
@@ -96,7 +95,7 @@ void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp, const
         }
         return cuda::kernels::scatter_token_rows(
             cuda::storage_of(x), x.raw(), p.row_of_choice.data<int32_t>(), x.dim(0),
-            static_cast<int>(k), xp.raw(), d, {nullptr, MxScaleRule::kRceil}, rows, cuda::stream());
+            static_cast<int>(k), xp.raw(), d, cuda::kernels::kNoMxValues, rows, cuda::stream());
       });
       return;
     }

@@ -20,6 +20,7 @@ struct Fp8RowsOut {
   float* scales;
   Fp8ScaleRule rule;
 };
+inline constexpr Fp8RowsOut kNoFp8Rows{nullptr, nullptr, Fp8ScaleRule::kFp32};
 
 // x (rows, cols), f32 or bf16, 16-byte aligned, cols a multiple of 128 -> 1 x 128 blocks along
 // the rows (core/quant.h's kRow128, dim0): data (rows, cols), scales (rows, cols / 128).

@@ -22,6 +22,7 @@ struct MxValuesOut {
   void* values;
   MxScaleRule rule;
 };
+inline constexpr MxValuesOut kNoMxValues{nullptr, MxScaleRule::kRceil};
 // Whether a row-writing kernel can write rows of `width` elements of `storage` (f32 or bf16) and
 // their MX values in one pass: whole 32-element blocks in 16-byte packs, every pointer aligned.
 inline bool can_fuse_mx_values(DType storage, int64_t width,

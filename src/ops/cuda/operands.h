@@ -79,7 +79,7 @@ inline void gather_rows(const Tensor& src, const Tensor& index, Tensor& dst) {
 inline kernels::MxValuesOut fused_mx_values(const ops::MxValuesOut* mx, DType storage,
                                             int64_t width,
                                             std::initializer_list<const void*> row_pointers) {
-  const kernels::MxValuesOut none{nullptr, MxScaleRule::kRceil};
+  const kernels::MxValuesOut none = kernels::kNoMxValues;
   if (!mx) return none;
   for (const void* p : row_pointers)
     if (!kernels::can_fuse_mx_values(storage, width, {p})) return none;
@@ -93,7 +93,6 @@ inline kernels::MxValuesOut fused_mx_values(const ops::MxValuesOut* mx, DType st
 // step, write_fp8_rows of out.
 template <class Launch>
 void launch_with_fp8_rows(const ops::Fp8RowsOut* fp8, const Tensor& out, Launch&& launch) {
-  const kernels::Fp8RowsOut none{nullptr, nullptr, Fp8ScaleRule::kFp32};
   if (fp8) {
     const cudaError_t err =
         launch(kernels::Fp8RowsOut{static_cast<uint8_t*>(fp8->rows->data().raw()),
@@ -103,7 +102,7 @@ void launch_with_fp8_rows(const ops::Fp8RowsOut* fp8, const Tensor& out, Launch&
       return;
     }
   }
-  MT_CUDA_CHECK(launch(none));
+  MT_CUDA_CHECK(launch(kernels::kNoFp8Rows));
   if (fp8) ops::write_fp8_rows(out, *fp8);
 }
 

@@ -197,54 +197,36 @@ __global__ void __launch_bounds__(kThreads, 1)
   // the producer warp's scale copies have (32 more).
   ws_sm90::init_ring(s.full, s.empty, kStages, 2, 1 + 32);
 
-  // Registers: the producer's scale addresses want more than 40 (spills at kTileN 160).
-  if (warpgroup == 0) {  // the producer: its first warp
-    cutlass::arch::warpgroup_reg_dealloc<56>();
-    if (threadIdx.x >= 32) return;
-    if (lane == 0) {
-      cute::prefetch_tma_descriptor(&map_a);
-      cute::prefetch_tma_descriptor(&map_b);
-      cute::prefetch_tma_descriptor(&map_out);
-    }
-    int stage = 0;
-    uint32_t phase = 0;
-    for (int t = blockIdx.x; t < p.tile_count; t += gridDim.x) {
-      const int4 tile = p.tiles[t];
-      if (tile.x < 0) break;  // tiles past the last segment come last
-      const int64_t row0 = int64_t{tile.x} * kTileM;
-      const int nb = tile.y * kTileN / 128;  // the weight tile under the tile's first column
-      const bool second = kTileN % 128 != 0 && nb + 1 < p.n_blocks;
-      for (int kb = 0; kb < p.k_blocks; ++kb) {
-        Empty::wait(&s.empty[stage], phase ^ 1);
-        if (lane == 0) {
-          Full::arrive_and_expect_tx(&s.full[stage], S::kStageBytesA + S::kStageBytesB);
-          auto& st = s.stages[stage];
-          cute::SM90_TMA_LOAD_2D::copy(&map_a, &s.full[stage], ws_sm90::kEvictNormal, st.a,
-                                       kb * kTileK, tile.x * kTileM);
-          cute::SM90_TMA_LOAD_2D::copy(&map_b, &s.full[stage], ws_sm90::kEvictNormal, st.b,
-                                       kb * kTileK, tile.z * p.p_rows + tile.y * kTileN);
-        }
-        // The block's scales into the stage's slot, each lane's copies completing on the full
-        // barrier. Rows past the capacity (TMA's zeros) and weight tiles past P take scale 0.
-        float* slot = s.scales[stage];
+  if (warpgroup == 0) {  // the producer: its first warp (56 registers: 40 spill at kTileN 160)
+    ws_sm90::produce<kStages, 32, 56>(
+        map_a, map_b, map_out, p.tiles, p.tile_count, p.k_blocks, s.full, s.empty,
+        S::kStageBytesA + S::kStageBytesB, [&](int stage, int4 tile, int kb) {
+          if (lane == 0) {
+            auto& st = s.stages[stage];
+            cute::SM90_TMA_LOAD_2D::copy(&map_a, &s.full[stage], ws_sm90::kEvictNormal, st.a,
+                                         kb * kTileK, tile.x * kTileM);
+            cute::SM90_TMA_LOAD_2D::copy(&map_b, &s.full[stage], ws_sm90::kEvictNormal, st.b,
+                                         kb * kTileK, tile.z * p.p_rows + tile.y * kTileN);
+          }
+          // The block's scales into the stage's slot, each lane's copies completing on the full
+          // barrier. Rows past the capacity (TMA's zeros) and weight tiles past P take scale 0.
+          const int64_t row0 = int64_t{tile.x} * kTileM;
+          const int nb = tile.y * kTileN / 128;  // the weight tile under the tile's first column
+          const bool second = kTileN % 128 != 0 && nb + 1 < p.n_blocks;
+          float* slot = s.scales[stage];
 #pragma unroll
-        for (int i = 0; i < kTileM / 32; ++i) {
-          const int row = lane + 32 * i;
-          const bool valid = row0 + row < p.capacity;
-          copy_f32_async(slot + row, p.sfa + (valid ? (row0 + row) * p.k_blocks + kb : 0), valid);
-        }
-        const float* sfb = p.sfb + tile.z * p.sfb_expert + int64_t{kb} * p.sfb_k;
-        if (lane == 0) copy_f32_async(slot + S::kScaleB, sfb + int64_t{nb} * p.sfb_n, true);
-        if (lane == 1)
-          copy_f32_async(slot + S::kScaleB + 1, second ? sfb + int64_t{nb + 1} * p.sfb_n : sfb,
-                         second);
-        cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
-        if (++stage == kStages) {
-          stage = 0;
-          phase ^= 1;
-        }
-      }
-    }
+          for (int i = 0; i < kTileM / 32; ++i) {
+            const int row = lane + 32 * i;
+            const bool valid = row0 + row < p.capacity;
+            copy_f32_async(slot + row, p.sfa + (valid ? (row0 + row) * p.k_blocks + kb : 0), valid);
+          }
+          const float* sfb = p.sfb + tile.z * p.sfb_expert + int64_t{kb} * p.sfb_k;
+          if (lane == 0) copy_f32_async(slot + S::kScaleB, sfb + int64_t{nb} * p.sfb_n, true);
+          if (lane == 1)
+            copy_f32_async(slot + S::kScaleB + 1, second ? sfb + int64_t{nb + 1} * p.sfb_n : sfb,
+                           second);
+          cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
+        });
     return;
   }
 
@@ -312,14 +294,9 @@ cudaError_t run(const int64_t* segments, int experts, const kernels::Fp8Operands
                 kernels::Fp8WeightScales b_scales, int64_t capacity, int64_t p, int64_t q,
                 void* workspace, size_t workspace_size, cudaStream_t stream) {
   if (q % kTileK != 0 || p % 128 != 0) return cudaErrorInvalidValue;
-  if (workspace_size < workspace_bytes<kTileN>(capacity, p)) return cudaErrorInvalidValue;
-  const int64_t count = fixed_sm90::tile_count(capacity, p, kTileN);
-  if (count == 0) return cudaSuccess;
-  auto* table = static_cast<int4*>(workspace);
-  if (cudaError_t err =
-          fixed_sm90::make_tile_table(segments, experts, p, kTileN, count, table, stream);
-      err != cudaSuccess)
-    return err;
+  const fixed_sm90::TileTable table = fixed_sm90::tile_table_in(
+      workspace, workspace_size, segments, experts, capacity, p, kTileN, stream);
+  if (table.err != cudaSuccess || table.count == 0) return table.err;
   // A row-major (outer, inner) E4M3 matrix's TMA descriptor, box (box_outer, 128), 128-byte
   // swizzle.
   const auto encode_fp8 = [](CUtensorMap* map, const void* base, int64_t inner, int64_t outer,
@@ -340,14 +317,14 @@ cudaError_t run(const int64_t* segments, int experts, const kernels::Fp8Operands
   // its rows (P = N), b = w (the input gradient) along its contraction (Q = N).
   const bool mn = b_scales == kernels::Fp8WeightScales::kMnMajor;
   const Params params{
-      ops.sfa,          ops.sfb,     table,       static_cast<int>(count), qb,      pb,
-      int64_t{pb} * qb, mn ? pb : 1, mn ? 1 : qb, static_cast<int>(p),     capacity};
+      ops.sfa,          ops.sfb,     table.tiles, static_cast<int>(table.count), qb,      pb,
+      int64_t{pb} * qb, mn ? pb : 1, mn ? 1 : qb, static_cast<int>(p),           capacity};
   constexpr size_t smem = ws_sm90::storage_bytes<typename Shape<kTileN>::SharedStorage>();
   static const cudaError_t configured =
       cudaFuncSetAttribute(fp8_gemm_fixed_kernel<kTileN, kProbe>,
                            cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (configured != cudaSuccess) return configured;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(count, sm_count()));
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(table.count, sm_count()));
   fp8_gemm_fixed_kernel<kTileN, kProbe>
       <<<grid, kThreads, smem, stream>>>(map_a, map_b, map_out, params);
   return cudaGetLastError();

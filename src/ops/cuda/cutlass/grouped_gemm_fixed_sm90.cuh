@@ -244,6 +244,25 @@ inline cudaError_t make_tile_table(const int64_t* segments, int experts, int64_t
   return cudaGetLastError();
 }
 
+// The table of a kernel whose workspace is the table alone (our warp-specialized kernels): made
+// at the head of `workspace` on the stream. err: cudaErrorInvalidValue when the workspace holds
+// less than table_bytes of the tile count, else the launch's; count 0: no tile, nothing launched.
+struct TileTable {
+  const int4* tiles;
+  int64_t count;
+  cudaError_t err;
+};
+inline TileTable tile_table_in(void* workspace, size_t workspace_bytes, const int64_t* segments,
+                               int experts, int64_t capacity, int64_t out_width, int tile_n,
+                               cudaStream_t stream) {
+  const int64_t count = tile_count(capacity, out_width, tile_n);
+  if (workspace_bytes < table_bytes(count)) return {nullptr, 0, cudaErrorInvalidValue};
+  auto* table = static_cast<int4*>(workspace);
+  return {table, count,
+          count == 0 ? cudaSuccess
+                     : make_tile_table(segments, experts, out_width, tile_n, count, table, stream)};
+}
+
 // One call. Forward: out (capacity, n) = x (capacity, k) @ w_e; input gradient: out (capacity, k)
 // = dy (capacity, n) @ w_e^T; the rows of row tile r multiply the weights of its expert.
 template <Product P, class C>

@@ -287,14 +287,9 @@ cudaError_t mx_gemm(const int64_t* segments, int experts, const uint8_t* a_data,
                     const uint8_t* a_scales, const void* b, void* out, int64_t capacity, int64_t p,
                     int64_t q, void* workspace, size_t workspace_bytes, cudaStream_t stream) {
   if (q % 32 != 0 || p % 8 != 0) return cudaErrorInvalidValue;
-  if (workspace_bytes < mx_gemm_workspace(capacity, p)) return cudaErrorInvalidValue;
-  const int64_t count = fixed_sm90::tile_count(capacity, p, kTileN);
-  if (count == 0) return cudaSuccess;
-  auto* table = static_cast<int4*>(workspace);
-  if (cudaError_t err =
-          fixed_sm90::make_tile_table(segments, experts, p, kTileN, count, table, stream);
-      err != cudaSuccess)
-    return err;
+  const fixed_sm90::TileTable table = fixed_sm90::tile_table_in(
+      workspace, workspace_bytes, segments, experts, capacity, p, kTileN, stream);
+  if (table.err != cudaSuccess || table.count == 0) return table.err;
 
   CUtensorMap map_a, map_b;
   {
@@ -324,13 +319,13 @@ cudaError_t mx_gemm(const int64_t* segments, int experts, const uint8_t* a_data,
   if (configured != cudaSuccess) return configured;
   Params params{a_scales,
                 static_cast<__nv_bfloat16*>(out),
-                table,
-                static_cast<int>(count),
+                table.tiles,
+                static_cast<int>(table.count),
                 static_cast<int>((q + kTileK - 1) / kTileK),
                 static_cast<int>(q / 32),
                 p,
                 capacity};
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(count, sm_count()));
+  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(table.count, sm_count()));
   mx_gemm_kernel<<<grid, kThreads, smem, stream>>>(map_a, map_b, map_out, params);
   return cudaGetLastError();
 }

@@ -1,8 +1,8 @@
 // What our own warp-specialized Hopper kernels share (mx_gemm_sm90.cu, fp8_gemm_sm90_fixed.cu): the
 // 1024-aligned view of dynamic shared memory, the stage ring's barriers, K-major 128-byte-swizzle
 // wgmma descriptors, the bf16 epilogue through swizzled shared memory and TMA stores, and TMA
-// descriptors. Each kernel: persistent CTAs over a tile table, one producer thread
-// issuing TMA copies into a ring of stages, two consumer warpgroups of 64 rows each.
+// descriptors. Each kernel: persistent CTAs over a tile table, a producer thread (or warp)
+// issuing copies into a ring of stages, two consumer warpgroups of 64 rows each.
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -52,20 +52,26 @@ __device__ __forceinline__ void init_ring(uint64_t* full, uint64_t* empty, int s
 inline constexpr uint64_t kEvictNormal =
     static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
 
-// Warpgroup 0's part: it gives its registers to the consumers, and its thread 0 walks this CTA's
-// tiles of the table (t = blockIdx.x, then every gridDim.x; tiles past the last segment come last,
-// so the first of them ends the walk), and for each of a tile's k_blocks waits for a free stage,
-// arms its full barrier with stage_bytes and calls load(stage, tile, k) to issue the copies.
-template <int kStages, class Load>
+// Warpgroup 0's part: it gives its registers to the consumers (keeping kRegisters), and its first
+// kLanes threads walk this CTA's tiles of the table (t = blockIdx.x, then every gridDim.x; tiles
+// past the last segment come last, so the first of them ends the walk): for each of a tile's
+// k_blocks they wait for a free stage, thread 0 arms its full barrier with stage_bytes, and each
+// calls load(stage, tile, k) to issue the copies (with kLanes > 1 the full barrier counts their
+// arrivals beside thread 0's: init_ring's producers).
+template <int kStages, int kLanes = 1, int kRegisters = 40, class Load>
 __device__ __forceinline__ void produce(const CUtensorMap& map_a, const CUtensorMap& map_b,
                                         const CUtensorMap& map_out, const int4* tiles,
                                         int tile_count, int k_blocks, uint64_t* full,
                                         uint64_t* empty, uint32_t stage_bytes, Load load) {
-  cutlass::arch::warpgroup_reg_dealloc<40>();
-  if (threadIdx.x != 0) return;
-  cute::prefetch_tma_descriptor(&map_a);
-  cute::prefetch_tma_descriptor(&map_b);
-  cute::prefetch_tma_descriptor(&map_out);
+  static_assert(kLanes == 1 || kLanes == 32);
+  cutlass::arch::warpgroup_reg_dealloc<kRegisters>();
+  if (threadIdx.x >= kLanes) return;
+  const bool first = threadIdx.x == 0;
+  if (first) {
+    cute::prefetch_tma_descriptor(&map_a);
+    cute::prefetch_tma_descriptor(&map_b);
+    cute::prefetch_tma_descriptor(&map_out);
+  }
   int stage = 0;
   uint32_t phase = 0;
   for (int t = blockIdx.x; t < tile_count; t += gridDim.x) {
@@ -73,7 +79,7 @@ __device__ __forceinline__ void produce(const CUtensorMap& map_a, const CUtensor
     if (tile.x < 0) break;
     for (int k = 0; k < k_blocks; ++k) {
       Empty::wait(&empty[stage], phase ^ 1);
-      Full::arrive_and_expect_tx(&full[stage], stage_bytes);
+      if (first) Full::arrive_and_expect_tx(&full[stage], stage_bytes);
       load(stage, tile, k);
       if (++stage == kStages) {
         stage = 0;
