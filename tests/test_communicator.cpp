@@ -29,6 +29,7 @@
 #include "moe/exchange/row_scatter.h"
 #include "moe/moe_layer.h"
 #include "ops/elementwise.h"
+#include "ops/fp8.h"
 #include "ops/mx.h"
 #include "processes.h"
 #include "testing.h"
@@ -286,6 +287,88 @@ TEST(InProcess, ScatterRowsMovesEveryPartWithOneLayout) {
     });
 }
 
+// An FP8 part (the default path): each row arrives at its places as the bytes and scales
+// ops::fp8_quantize gives its sender's row (f32 and bf16 rows, both scale rules), beside an as-is
+// part; FP8 parts that do not fit are named.
+TEST(InProcess, ScatterRowsCarriesFp8RowsAsTheirSenderQuantizedThem) {
+  const int world = 3;
+  const int64_t n = 5, capacity = 6, width = 384, blocks = width / 128;
+  for (const DType dt : {DType::kF32, DType::kBF16})
+    for (const Fp8ScaleRule rule : {Fp8ScaleRule::kFp32, Fp8ScaleRule::kPow2})
+      run_in_process(world, [&](Communicator& c) {
+        const int r = c.rank();
+        // Row t goes to peer p when (t + p + r) % 3 != 1.
+        auto goes = [](int64_t t, int p, int from) { return (t + p + from) % 3 != 1; };
+        Tensor slot = Tensor::empty({n, world}, DType::kI32);
+        std::vector<int32_t> next(world, 0);
+        for (int64_t t = 0; t < n; ++t)
+          for (int p = 0; p < world; ++p)
+            slot.data<int32_t>()[t * world + p] = goes(t, p, r) ? next[p]++ : -1;
+        auto rows_of = [&](int from) {  // a scale per block, a zero block in row 1
+          Tensor x = testing::randn({n, width}, 90 + from).to(DType::kF32);
+          for (int64_t i = 0; i < x.numel(); ++i)
+            x.data<float>()[i] *=
+                i / 128 == 4 ? 0.0f : std::ldexp(1.0f, static_cast<int>((i / 128) % 5) * 4 - 8);
+          return x.to(dt);
+        };
+        const Tensor x = rows_of(r);
+        const Tensor ids = testing::randn({n, 2}, 95 + r);
+        QuantTensor x_in =
+            QuantTensor::poisoned({world * capacity, width}, QuantBlock::kRow128, QuantAxis::kDim0);
+        Tensor ids_in = Tensor::poisoned({world * capacity, 2}, DType::kF64);
+        moe::RowScatter s;
+        s.slot = &slot;
+        s.capacity = capacity;
+        moe::ScatterPart fp8{&x, nullptr, RowWire::kFp8};
+        fp8.recv_fp8 = &x_in;
+        fp8.fp8_scale = rule;
+        s.parts = {{&ids, &ids_in}, fp8};
+        moe::scatter_rows(c, s);
+        int64_t rows_seen = 0;
+        for (int q = 0; q < world; ++q) {
+          const Tensor theirs = rows_of(q), their_ids = testing::randn({n, 2}, 95 + q);
+          QuantTensor want = QuantTensor::empty({n, width}, QuantBlock::kRow128, QuantAxis::kDim0);
+          ops::fp8_quantize(theirs, rule, want);
+          int64_t at = 0;
+          for (int64_t t = 0; t < n; ++t) {
+            if (!goes(t, r, q)) continue;
+            const int64_t place = q * capacity + at++;
+            ++rows_seen;
+            ASSERT_EQ(
+                std::memcmp(static_cast<const uint8_t*>(x_in.data().raw()) + place * width,
+                            static_cast<const uint8_t*>(want.data().raw()) + t * width, width),
+                0)
+                << "FP8 row " << t << " from " << q;
+            ASSERT_EQ(std::memcmp(x_in.scales().data<float>() + place * blocks,
+                                  want.scales().data<float>() + t * blocks, blocks * sizeof(float)),
+                      0)
+                << "scales of row " << t << " from " << q;
+            ASSERT_EQ(ids_in.item(place * 2 + 1), their_ids.item(t * 2 + 1));
+          }
+        }
+        EXPECT_GT(rows_seen, 0);
+
+        moe::RowScatter bad = s;
+        Tensor odd = Tensor::empty({n, 200}, dt);
+        moe::ScatterPart part = fp8;
+        part.send = &odd;
+        bad.parts = {part};
+        std::string e = testing::error_of([&] { moe::scatter_rows(c, bad); });
+        EXPECT_NE(e.find("an FP8 part of " + std::string(dtype_name(dt)) + " (5, 200)"),
+                  std::string::npos)
+            << e;
+        QuantTensor narrow =
+            QuantTensor::empty({world * capacity, 256}, QuantBlock::kRow128, QuantAxis::kDim0);
+        part = fp8;
+        part.recv_fp8 = &narrow;
+        bad.parts = {part};
+        e = testing::error_of([&] { moe::scatter_rows(c, bad); });
+        EXPECT_NE(e.find("receive rows are (18, 256) in 1x128 blocks along dim0 (need (18, 384)"),
+                  std::string::npos)
+            << e;
+      });
+}
+
 // A summed part (the default path: its places, then ops::combine_forward): each of M rows is its
 // residual plus the places its index names, in index order, written out in f64 here by hand;
 // -1 entries add nothing. A wrong index shape and an MXFP8 summed part are named.
@@ -348,7 +431,7 @@ TEST(InProcess, ScatterRowsSumsAPartIntoItsRows) {
     Tensor wide_out = Tensor::empty({m, 32}, DType::kF32);
     bad.parts = {{&wide, &wide_out, RowWire::kMxfp8, {}, &index}};
     e = testing::error_of([&] { moe::scatter_rows(c, bad); });
-    EXPECT_NE(e.find("a summed part of f32 rows on the MXFP8 wire"), std::string::npos) << e;
+    EXPECT_NE(e.find("a summed part of f32 rows on the mxfp8 wire"), std::string::npos) << e;
   });
 }
 

@@ -18,6 +18,7 @@
 #include "moe/exchange/row_scatter.h"
 #include "moe/moe_layer.h"
 #include "ops/elementwise.h"
+#include "ops/fp8.h"
 #include "ops/mx.h"
 #include "ops/permute.h"
 #include "processes.h"
@@ -402,6 +403,110 @@ TEST(LsaScatter, EmulatedRanksPlaceEveryPartOfEveryCodec) {
         for (int from = 0; from < ranks; ++from)
           ASSERT_NO_FATAL_FAILURE(expect_scattered(cases[from], from, to, ranks, n, dev[to].recv,
                                                    dev[to].counts_in, rule, what.c_str()));
+    }
+}
+
+// The FP8 codecs over 1 to 3 emulated ranks: bf16 and f32 rows quantized by the send kernel in
+// 1 x 128 blocks arrive as the bytes and scales ops::fp8_quantize gives on the host, bit for bit,
+// both scale rules, beside a copied part; receive rows poisoned first.
+TEST(LsaScatter, EmulatedRanksCarryFp8RowsAsTheSenderQuantizedThem) {
+  if (cuda::device_count() == 0) GTEST_FAIL() << "no GPU: run this test on the GPU machine";
+  const int64_t n = 203;
+  const int64_t widths[] = {640, 256};
+  for (const Fp8ScaleRule rule : {Fp8ScaleRule::kFp32, Fp8ScaleRule::kPow2})
+    for (int ranks = 1; ranks <= 3; ++ranks) {
+      const std::string what =
+          std::to_string(ranks) + " ranks, " + std::string(fp8_scale_rule_name(rule));
+      struct Rank {
+        Tensor slot, ids;
+        std::vector<Tensor> rows;  // host: bf16 (n, 640), f32 (n, 256)
+        std::vector<Tensor> send;
+        std::vector<QuantTensor> recv;
+        Tensor slot_dev, ids_dev, ids_in, window;
+        moe::LsaPlan plan;
+      };
+      std::vector<Rank> rk(ranks);
+      std::vector<void*> windows(ranks);
+      for (int r = 0; r < ranks; ++r) {
+        Rank& d = rk[r];
+        d.slot = Tensor::empty({n, ranks}, DType::kI32);
+        const CounterRng rng{23, static_cast<uint64_t>(r)};
+        std::vector<int32_t> next(ranks, 0);
+        for (int64_t t = 0; t < n; ++t)
+          for (int p = 0; p < ranks; ++p)
+            d.slot.data<int32_t>()[t * ranks + p] =
+                rng.below(t * ranks + p, 10) < 7 ? next[p]++ : -1;
+        d.ids = Tensor::empty({n, 4}, DType::kI32);
+        for (int64_t i = 0; i < n * 4; ++i)
+          d.ids.data<int32_t>()[i] = static_cast<int32_t>(100000 * r + i);
+        for (int k = 0; k < 2; ++k) {  // a scale per block, over 2^-20 .. 2^20
+          Tensor x = testing::randn({n, widths[k]}, 300 + 10 * r + k).to(DType::kF32);
+          for (int64_t i = 0; i < x.numel(); ++i)
+            x.data<float>()[i] *= std::ldexp(1.0f, static_cast<int>((i / 128 * 11) % 41) - 20);
+          d.rows.push_back(x.to(k == 0 ? DType::kBF16 : DType::kF32));
+          d.send.push_back(d.rows[k].to(Device::kCUDA));
+          d.recv.push_back(QuantTensor::poisoned({ranks * n, widths[k]}, QuantBlock::kRow128,
+                                                 QuantAxis::kDim0, Device::kCUDA));
+        }
+        d.slot_dev = d.slot.to(Device::kCUDA);
+        d.ids_dev = d.ids.to(Device::kCUDA);
+        d.ids_in = Tensor::poisoned({ranks * n, 4}, DType::kI32, Device::kCUDA);
+        moe::RowScatter s;
+        s.slot = &d.slot_dev;
+        s.capacity = n;
+        s.parts.push_back({&d.ids_dev, &d.ids_in});
+        for (int k = 0; k < 2; ++k) {
+          moe::ScatterPart part{&d.send[k], nullptr, RowWire::kFp8};
+          part.recv_fp8 = &d.recv[k];
+          part.fp8_scale = rule;
+          s.parts.push_back(part);
+        }
+        moe::check_row_scatter(s, ranks);
+        ASSERT_TRUE(moe::make_lsa_plan(s, ranks, SIZE_MAX, &d.plan)) << what;
+        ASSERT_EQ(d.plan.n_parts, 3) << what;
+        EXPECT_EQ(d.plan.parts[1].codec, moe::LsaCodec::kFp8Bf16) << what;
+        EXPECT_EQ(d.plan.parts[2].codec, moe::LsaCodec::kFp8F32) << what;
+        d.window = Tensor::poisoned({static_cast<int64_t>(d.plan.window_bytes)}, DType::kU8,
+                                    Device::kCUDA);
+        windows[r] = d.window.raw();
+      }
+      std::vector<moe::LsaPlan> plans;
+      for (const Rank& d : rk) plans.push_back(d.plan);
+      ASSERT_EQ(cudaSuccess,
+                moe::emulated_scatter(plans.data(), ranks, windows.data(), 8, cuda::stream()));
+      cuda::synchronize();
+      for (int to = 0; to < ranks; ++to) {
+        const Tensor ids_in = rk[to].ids_in.to(Device::kCPU);
+        for (int k = 0; k < 2; ++k) {
+          const int64_t w = widths[k], blocks = w / 128;
+          const QuantTensor got = rk[to].recv[k].to(Device::kCPU);
+          for (int from = 0; from < ranks; ++from) {
+            QuantTensor want = QuantTensor::empty({n, w}, QuantBlock::kRow128, QuantAxis::kDim0);
+            ops::fp8_quantize(rk[from].rows[k], rule, want);
+            int64_t places = 0;
+            for (int64_t t = 0; t < n; ++t) {
+              const int32_t slot = rk[from].slot.data<int32_t>()[t * ranks + to];
+              if (slot < 0) continue;
+              ++places;
+              const int64_t place = from * n + slot;
+              ASSERT_EQ(std::memcmp(static_cast<const uint8_t*>(got.data().raw()) + place * w,
+                                    static_cast<const uint8_t*>(want.data().raw()) + t * w, w),
+                        0)
+                  << what << ": part " << k << ", row " << t << " from " << from << " to " << to;
+              ASSERT_EQ(
+                  std::memcmp(got.scales().data<float>() + place * blocks,
+                              want.scales().data<float>() + t * blocks, blocks * sizeof(float)),
+                  0)
+                  << what << ": scales of part " << k << ", row " << t << " from " << from;
+              ASSERT_EQ(std::memcmp(ids_in.data<int32_t>() + place * 4,
+                                    rk[from].ids.data<int32_t>() + t * 4, 4 * sizeof(int32_t)),
+                        0)
+                  << what;
+            }
+            EXPECT_GT(places, 0) << what;
+          }
+        }
+      }
     }
 }
 

@@ -125,6 +125,12 @@ TEST(GpuTrain, Fp8RecipesOneStepMatchTheCpuEngine) {
     sets.push_back(std::string("model.expert_recipe=") + recipe);
     expect_recipe_step_matches_cpu(sets, cpu_bf16);
   }
+  // The FP8 wire (with ep 1 the tokens quantized as a sender would, the products taking those
+  // rows as they are, the weight gradient their values).
+  std::vector<std::string> wire = dims;
+  wire.push_back("model.expert_recipe=fp8_wgrad_with_hp");
+  wire.push_back("parallel.ep_dispatch_dtype=fp8_blockwise");
+  expect_recipe_step_matches_cpu(wire, cpu_bf16);
 }
 
 // transformers' tiny Qwen3-MoE (tests/fixtures/hf_qwen3moe/base) imported onto the GPU: the
@@ -299,6 +305,10 @@ TEST(GpuTrain, CudaGraphReplayIsBitIdenticalWithFp8Recipes) {
   expect_graphs_match_eager(
       {"model.dim=128", "model.moe_dim=128", "model.expert_recipe=fp8_wgrad_with_hp",
        "model.fp8_scale=pow2", "model.checkpoint=\"full\""},
+      8, /*recast=*/false);
+  expect_graphs_match_eager(
+      {"model.dim=128", "model.moe_dim=128", "model.expert_recipe=fp8_blockwise",
+       "model.requant_dim1=true", "parallel.ep_dispatch_dtype=fp8_blockwise"},
       8, /*recast=*/false);
 }
 

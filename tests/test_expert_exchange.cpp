@@ -28,6 +28,7 @@
 #include "moe/exchange/expert_exchange.h"
 #include "moe/moe_layer.h"
 #include "ops/elementwise.h"
+#include "ops/fp8.h"
 #include "ops/mx.h"
 #include "processes.h"
 #include "testing.h"
@@ -278,6 +279,77 @@ TEST(ExpertExchange, ThePlansDispatchEqualsDispatchAfterIt) {
   // With the MXFP8 wire the backward's combine (the weights' gradient, bf16 rows) is the larger.
   EXPECT_EQ(moe::ExpertExchange::window_bytes(2, 16, 8, 128, 2048, DType::kBF16, mx),
             places * (8 * 4 + 2048 * 2));
+}
+
+// The FP8 wire, bit for bit with quantize-then-send: every token's FP8 rows (dispatch_fp8, and the
+// plan's own dispatch of them) are the bytes and scales ops::fp8_quantize gives its sender's rows,
+// sent as they are (dispatch of the data and of the scales), in both modes and with both scale
+// rules; dispatch refuses the FP8 wire, and the window holds the FP8 rows' bytes.
+TEST(ExpertExchange, TheFp8WireDeliversWhatTheSenderQuantized) {
+  const int64_t n = 6, experts = 4, width = 256;
+  for (const Fp8ScaleRule rule : {Fp8ScaleRule::kFp32, Fp8ScaleRule::kPow2}) {
+    ops::ExpertPrecision fp8;
+    fp8.recipe = ops::ExpertRecipe::kFp8WgradWithHp;
+    fp8.dispatch = RowWire::kFp8;
+    fp8.fp8_scale = rule;
+    for_each_exchange_case([&](Communicator& c, moe::ExchangeMode mode, const Tensor& index,
+                               const std::string& kind, const std::string& what) {
+      const int r = c.rank();
+      // bf16 rows over magnitudes: each 128-element block of a row has its own scale.
+      Tensor x = testing::randn({n, width}, 80 + r).to(DType::kF32);
+      for (int64_t i = 0; i < x.numel(); ++i)
+        x.data<float>()[i] *= std::ldexp(1.0f, static_cast<int>((i / 128) % 7) * 3 - 9);
+      x = x.to(DType::kBF16);
+      Tensor x_there;
+      QuantTensor planned;
+      moe::ExpertExchange ex(c, index, experts, mode, {{&x, &x_there, fp8, &planned}});
+      EXPECT_FALSE(x_there.defined()) << what;
+      const QuantTensor got = ex.dispatch_fp8(x, rule);
+      QuantTensor sent =
+          QuantTensor::empty(x.shape(), QuantBlock::kRow128, QuantAxis::kDim0, x.device());
+      ops::fp8_quantize(x, rule, sent);
+      const Tensor want_data = ex.dispatch(sent.data()), want_scales = ex.dispatch(sent.scales());
+      ASSERT_EQ(got.shape(), Shape({ex.received_tokens(), width})) << what;
+      ASSERT_EQ(planned.shape(), got.shape()) << what;
+      int64_t compared = 0;
+      for (int64_t row = 0; row < got.shape()[0]; ++row) {
+        bool held = mode == moe::ExchangeMode::kHostCounts;
+        for (int64_t j = 0; j < 2; ++j) held |= ex.local_index().data<int32_t>()[row * 2 + j] >= 0;
+        if (!held) continue;
+        ++compared;
+        for (const QuantTensor* q : {&got, static_cast<const QuantTensor*>(&planned)}) {
+          EXPECT_EQ(std::memcmp(static_cast<const uint8_t*>(q->data().raw()) + row * width,
+                                static_cast<const uint8_t*>(want_data.raw()) + row * width, width),
+                    0)
+              << what << " row " << row;
+          EXPECT_EQ(std::memcmp(q->scales().data<float>() + row * (width / 128),
+                                want_scales.data<float>() + row * (width / 128),
+                                (width / 128) * sizeof(float)),
+                    0)
+              << what << " scales of row " << row;
+        }
+      }
+      if (kind != "one_rank" || r == 0) {  // one_rank: rank 1 receives nothing
+        EXPECT_GT(compared, 0) << what;
+      }
+      // Not a plain copy: the FP8 values differ from the rows.
+      Tensor values = Tensor::empty(x.shape(), DType::kF32);
+      ops::fp8_dequantize(sent, values);
+      EXPECT_GT(relative_error(values, x.to(DType::kF32)), 1e-3) << what;
+      const std::string e = testing::error_of([&] { ex.dispatch(x, fp8); });
+      EXPECT_NE(e.find("call dispatch_fp8"), std::string::npos) << e;
+    });
+  }
+  // The plan's window with the FP8 wire: 2048 E4M3 bytes and 16 f32 scales per place beside the
+  // choices and weights; the backward's combine of bf16 rows is larger.
+  ops::ExpertPrecision fp8;
+  fp8.recipe = ops::ExpertRecipe::kFp8WgradWithHp;
+  fp8.dispatch = RowWire::kFp8;
+  const size_t places = 2 * 16;
+  EXPECT_EQ(moe::ExpertExchange::window_bytes(2, 16, 8, 128, 2048, DType::kBF16, fp8),
+            places * (8 * 4 + 2048 * 2));
+  EXPECT_EQ(moe::scatter_window(2, 16, {{2048, 2, RowWire::kFp8}}, 0).bytes,
+            places * 2048 + places * 16 * 4);
 }
 
 // --- equivalence with one rank -------------------------------------------------------------

@@ -344,6 +344,37 @@ TEST(ExpertRecipeConfig, Mxfp8DispatchNeedsAnMxRecipeAndRequantForMxfp8) {
     EXPECT_EQ(testing::error_of([&] { load_config(tiny, ok); }), "no error");
 }
 
+// The FP8 wire follows the same rules with the FP8 recipes: an FP8 recipe, and requant_dim1 with
+// fp8_blockwise (its weight gradient re-quantizes the arrived rows along the tokens).
+TEST(ExpertRecipeConfig, Fp8DispatchNeedsAnFp8RecipeAndRequantForFp8Blockwise) {
+  const std::string tiny = std::string(MOETRAIN_SOURCE_DIR) + "/configs/tiny.toml";
+  const std::vector<std::string> dims = {"model.dim=128", "model.moe_dim=128"};
+  auto with = [&](std::vector<std::string> keys) {
+    keys.insert(keys.end(), dims.begin(), dims.end());
+    return testing::error_of([&] { load_config(tiny, keys); });
+  };
+  const std::string coupled =
+      with({"parallel.ep_dispatch_dtype=fp8_blockwise", "model.expert_recipe=fp8_blockwise"});
+  EXPECT_NE(coupled.find("model.requant_dim1 = true"), std::string::npos) << coupled;
+  EXPECT_NE(coupled.find("\"fp8_wgrad_with_hp\""), std::string::npos) << coupled;
+  const std::string plain = with({"parallel.ep_dispatch_dtype=fp8_blockwise"});
+  EXPECT_NE(plain.find("needs an FP8 expert recipe"), std::string::npos) << plain;
+  const std::string mx =
+      with({"parallel.ep_dispatch_dtype=fp8_blockwise", "model.expert_recipe=mxfp8"});
+  EXPECT_NE(mx.find("not model.expert_recipe = \"mxfp8\""), std::string::npos) << mx;
+  const std::string stray =
+      with({"parallel.ep_dispatch_dtype=fp8_blockwise", "model.expert_recipe=fp8_wgrad_with_hp",
+            "model.requant_dim1=true"});
+  EXPECT_NE(stray.find("applies only with"), std::string::npos) << stray;
+  const Config c = load_config(
+      tiny, {"parallel.ep_dispatch_dtype=fp8_blockwise", "model.expert_recipe=fp8_blockwise",
+             "model.requant_dim1=true", dims[0], dims[1]});
+  EXPECT_EQ(c.parallel.ep_dispatch_dtype, RowWire::kFp8);
+  EXPECT_EQ(
+      with({"parallel.ep_dispatch_dtype=fp8_blockwise", "model.expert_recipe=fp8_wgrad_with_hp"}),
+      "no error");
+}
+
 // The MX product's front door names what is wrong with its operands.
 // Each recipe trains the tiny model: the loss falls as far as bf16's within a small margin.
 TEST(ExpertRecipeTraining, EveryRecipeLearnsTheTinyLanguages) {

@@ -363,6 +363,29 @@ TEST_P(GpuFp8, QuantizationsMatchReferenceBytes) {
   }
 }
 
+// The dequantization of 1 x 128 rows (an FP8 wire's rows, for the weight gradient): the GPU's
+// values equal the CPU's bit for bit in f32 and bf16 (one rounding of the exact product), on
+// poisoned outputs; a NaN block stays NaN.
+TEST_P(GpuFp8, DequantizedRowsMatchReferenceBits) {
+  for (Fp8ScaleRule rule : kRules) {
+    Tensor x = scaled_blocks({80, 640}, seed + 7).to(DType::kF32);
+    x.set_item(5 * 640 + 300, std::numeric_limits<double>::quiet_NaN());
+    QuantTensor q = QuantTensor::empty(x.shape(), QuantBlock::kRow128, QuantAxis::kDim0);
+    ops::fp8_quantize(x, rule, q);
+    const QuantTensor on_gpu = q.to(Device::kCUDA);
+    for (const DType dt : {DType::kF32, DType::kBF16}) {
+      Tensor want = Tensor::empty(x.shape(), dt);
+      ops::fp8_dequantize(q, want);
+      Tensor got = Tensor::poisoned(x.shape(), dt, Device::kCUDA);
+      ops::fp8_dequantize(on_gpu, got);
+      const Tensor host = got.to(Device::kCPU);
+      EXPECT_EQ(std::memcmp(host.raw(), want.raw(), want.nbytes()), 0) << dtype_name(dt);
+      EXPECT_TRUE(std::isnan(host.item(5 * 640 + 300))) << dtype_name(dt);
+      EXPECT_GT(relative_error(host.to(DType::kF32), x), 1e-4);  // not the rows themselves
+    }
+  }
+}
+
 TEST_P(GpuFp8, ExpertRowsMatchReferenceBytes) {
   const ops::ExpertPermutation perm = random_expert_rows(700, 9, 128, seed);
   const ops::ExpertRows rows = perm.expert_rows();

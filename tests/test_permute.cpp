@@ -177,6 +177,36 @@ TEST(Permute, PaddedSegmentsKeepTheDenseOrder) {
       for (int d = 0; d < 3; ++d) EXPECT_EQ(back.item((t * 2 + j) * 3 + d), x.item(t * 3 + d));
 }
 
+// FP8 rows move as rows do: each expert row holds its token's bytes and scales, so the moved rows'
+// values are the moved values of the rows; FP8 rows of another format are refused.
+TEST(Permute, Fp8RowsMoveWithTheirScales) {
+  PermCase c = perm_case();
+  ops::ExpertPermutation p;
+  ops::make_expert_permutation(c.index, 4, p, 4);
+  Tensor x = randn({5, 256}, 3);
+  for (int64_t i = 0; i < x.numel(); ++i) x.set_item(i, x.item(i) * std::ldexp(1.0, int(i % 7)));
+  QuantTensor q = QuantTensor::empty(x.shape(), QuantBlock::kRow128, QuantAxis::kDim0);
+  ops::fp8_quantize(x, Fp8ScaleRule::kFp32, q);
+  QuantTensor qp = QuantTensor::poisoned({p.rows(), 256}, QuantBlock::kRow128, QuantAxis::kDim0);
+  ops::permute_rows(q, p, qp);
+  Tensor values = Tensor::empty(x.shape(), DType::kF64);
+  ops::fp8_dequantize(q, values);
+  Tensor want = Tensor::poisoned({p.rows(), 256}, DType::kF64);
+  ops::permute_rows(values, p, want);
+  Tensor got = Tensor::empty({p.rows(), 256}, DType::kF64);
+  ops::fp8_dequantize(qp, got);
+  int64_t rows = 0;
+  for (int64_t r = 0; r < p.rows(); ++r) {
+    if (p.source_token.data<int32_t>()[r] < 0) continue;
+    ++rows;
+    for (int64_t d = 0; d < 256; ++d) ASSERT_EQ(got.item(r * 256 + d), want.item(r * 256 + d));
+  }
+  EXPECT_EQ(rows, 10);
+  QuantTensor narrow = QuantTensor::empty({p.rows(), 128}, QuantBlock::kRow128, QuantAxis::kDim0);
+  const std::string e = testing::error_of([&] { ops::permute_rows(q, p, narrow); });
+  EXPECT_NE(e.find("permute_rows of FP8 rows: (5, 256) into"), std::string::npos) << e;
+}
+
 #if MOETRAIN_HAS_CUDA
 
 struct GpuPermute : GpuCase {};
@@ -403,6 +433,39 @@ TEST_P(GpuPermute, ScatterWritesItsFp8Rows) {
       EXPECT_EQ(moved_wrong, 0) << "the permuted rows";
       EXPECT_EQ(fp8_rows_differing(q, xp, rule, padding), 0) << "their FP8 rows";
     }
+}
+
+// The GPU moves FP8 rows (an FP8 wire's) byte for byte as the CPU does, padding rows untouched.
+TEST_P(GpuPermute, MovesFp8RowsAsTheyAre) {
+  const ops::ExpertPermutation p = random_expert_rows(700, 9, 128, seed + 5);
+  const int64_t m = p.rows(), d = 384;
+  Tensor x = input({700, d});
+  for (int64_t i = 0; i < x.numel(); ++i)
+    x.set_item(i, x.item(i) * std::ldexp(1.0, static_cast<int>((i / 128) % 9) - 4));
+  QuantTensor q = QuantTensor::empty({700, d}, QuantBlock::kRow128, QuantAxis::kDim0);
+  ops::fp8_quantize(x.to(DType::kF32), Fp8ScaleRule::kFp32, q);
+  QuantTensor got =
+      QuantTensor::poisoned({m, d}, QuantBlock::kRow128, QuantAxis::kDim0, Device::kCUDA);
+  ops::permute_rows(q.to(Device::kCUDA), p, got);
+  const QuantTensor host = got.to(Device::kCPU);
+  const Tensor tokens = p.source_token.to(Device::kCPU);
+  int64_t wrong = 0, padding_written = 0, moved = 0;
+  for (int64_t r = 0; r < m; ++r) {
+    const int32_t t = tokens.data<int32_t>()[r];
+    const auto* row = static_cast<const uint8_t*>(host.data().raw()) + r * d;
+    const float* scales = host.scales().data<float>() + r * (d / 128);
+    if (t < 0) {  // poisoned bytes and NaN scales stay
+      for (int64_t c = 0; c < d; ++c) padding_written += row[c] != 0xFF;
+      continue;
+    }
+    ++moved;
+    wrong += std::memcmp(row, static_cast<const uint8_t*>(q.data().raw()) + t * d, d) != 0;
+    wrong += std::memcmp(scales, q.scales().data<float>() + t * (d / 128),
+                         (d / 128) * sizeof(float)) != 0;
+  }
+  EXPECT_GT(moved, 0);
+  EXPECT_EQ(wrong, 0);
+  EXPECT_EQ(padding_written, 0);
 }
 
 MOETRAIN_GPU_CASES(GpuPermute);

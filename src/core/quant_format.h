@@ -40,10 +40,12 @@ enum class MxScaleRule : uint8_t { kFloor, kRceil };
 
 // How rows cross a wire (the expert exchange: the dispatch's rows and every part of a row
 // scatter): as they are, in their own dtype (the GPU's bf16 activations, which the config key
-// parallel.ep_dispatch_dtype calls "bf16"), or as MXFP8 (E4M3 data and E8M0 scales, 1 x 32 blocks
+// parallel.ep_dispatch_dtype calls "bf16"); as MXFP8 (E4M3 data and E8M0 scales, 1 x 32 blocks
 // along the row), arriving as their MX values in the rows' dtype (ops::mx_round_trip along the
-// row).
-enum class RowWire : uint8_t { kAsIs, kMxfp8 };
+// row); or as FP8 blockwise ("fp8_blockwise": E4M3 data and f32 scales, 1 x 128 blocks along the
+// row, the Fp8ScaleRule given), arriving as those FP8 rows (kRow128 along dim0), which the FP8
+// products take as they are.
+enum class RowWire : uint8_t { kAsIs, kMxfp8, kFp8 };
 
 std::string_view quant_axis_name(QuantAxis a);         // "dim0", "dim1"
 std::string_view quant_block_name(QuantBlock b);       // "1x32", "1x128", "128x128"

@@ -6,6 +6,7 @@
 #include "ops/activation.h"
 #include "ops/elementwise.h"
 #include "ops/expert_gemm.h"
+#include "ops/fp8.h"
 #include "ops/gemm.h"
 
 namespace mt::moe {
@@ -43,20 +44,59 @@ ops::SwigluRows swiglu_rows(const MoeChunk& ch) {
   return {padding_marks(ch), &ch.row_weight};
 }
 
-// The tokens the experts here take their rows from, and their routing weights: this rank's own
-// (the chunk's rows of hn and of the routing), or with EP the ones received.
-Tensor tokens_here(const MoeChunk& ch, const Tensor& hn) {
-  return ch.exchange ? ch.xr : ch.rows_of(hn);
-}
-Tensor weights_here(const MoeActivations& a, const MoeChunk& ch) {
-  return ch.exchange ? ch.wr : ch.rows_of(a.routing.expert_weight);
-}
-
 // Whether the rows reach the experts as MX values along the hidden dimension (an MXFP8 dispatch:
 // with EP the wire made them, with ep 1 the permutation does, once): the forward product then
 // takes them as they are.
 bool rows_arrive_mx(const MoeConfig& c) {
   return c.expert_precision.dispatch == RowWire::kMxfp8;
+}
+
+// Whether the rows reach the experts as FP8 rows (an FP8 dispatch: with EP the wire made them,
+// with ep 1 the layer quantizes its tokens as a sender would, so every EP size computes the
+// same): the products take them as they arrived, the weight gradient their values.
+bool rows_arrive_fp8(const MoeConfig& c) {
+  return c.expert_precision.dispatch == RowWire::kFp8;
+}
+
+// Token rows as the experts here take them: the rows (as they are, or their MX or FP8 values on
+// those wires) and, on the FP8 wire, the FP8 rows themselves.
+struct TokensHere {
+  Tensor rows;
+  QuantTensor fp8;
+};
+
+// FP8 rows' values in the compute dtype dt (what the weight gradient reads).
+Tensor fp8_values(const QuantTensor& q, DType dt) {
+  Tensor values = Tensor::empty(q.shape(), dt, q.device());
+  ops::fp8_dequantize(q, values);
+  return values;
+}
+
+// This rank's own token rows as they would leave on the wire: on the FP8 wire quantized once
+// (what a sender does), else as they are.
+TokensHere own_tokens(const MoeConfig& c, const Tensor& own) {
+  if (!rows_arrive_fp8(c)) return {own, {}};
+  QuantTensor q =
+      QuantTensor::empty(own.shape(), QuantBlock::kRow128, QuantAxis::kDim0, own.device());
+  ops::fp8_quantize(own, c.expert_precision.fp8_scale, q);
+  return {fp8_values(q, own.dtype()), q};
+}
+
+// The tokens the experts here take their rows from, and their routing weights: this rank's own
+// (the chunk's rows of hn and of the routing), or with EP the ones received.
+TokensHere tokens_here(const MoeConfig& c, const MoeChunk& ch, const Tensor& hn) {
+  return ch.exchange ? TokensHere{ch.xr, ch.xr_fp8} : own_tokens(c, ch.rows_of(hn));
+}
+int64_t count_tokens_here(const MoeChunk& ch) {
+  return ch.exchange ? ch.xr.dim(0) : ch.end - ch.begin;
+}
+Tensor weights_here(const MoeActivations& a, const MoeChunk& ch) {
+  return ch.exchange ? ch.wr : ch.rows_of(a.routing.expert_weight);
+}
+
+// The exchange's FP8 rows, once they have arrived: their values beside them (the chunk's xr).
+void fp8_rows_arrived(MoeChunk& ch, DType dt) {
+  if (ch.xr_fp8.defined() && !ch.xr.defined()) ch.xr = fp8_values(ch.xr_fp8, dt);
 }
 
 // What reads a permutation's expert rows: the weight gradient (the rows themselves), the MX
@@ -71,16 +111,27 @@ struct PermutedOperands {
   QuantTensor fp8;
 };
 
-// Permutes `tokens` into the expert rows `rows` (allocated here) with what a product reading them
+// Permutes `here` into the expert rows `rows` (allocated here) with what a product reading them
 // multiplies: MX values in place when the rows arrive as MX values (with ep 1 the permutation
 // rounds them, once; with EP the wire did) or when only the product reads them, else beside them;
-// FP8 rows beside them (the weight gradient reads the rows).
-PermutedOperands permute_expert_rows(const MoeConfig& c, const MoeChunk& ch, const Tensor& tokens,
+// FP8 rows beside them (the weight gradient reads the rows): the ones that arrived, moved, on the
+// FP8 wire, else made by the permutation.
+PermutedOperands permute_expert_rows(const MoeConfig& c, const MoeChunk& ch, const TokensHere& here,
                                      Tensor& rows, RowReaders readers) {
   const ops::ExpertPrecision& p = c.expert_precision;
   const bool product = readers != RowReaders::kWeightGradient;
+  const Tensor& tokens = here.rows;
   rows = Tensor::empty({ch.perm.rows(), c.dim}, tokens.dtype(), tokens.device());
   PermutedOperands made;
+  if (here.fp8.defined()) {
+    ops::permute_rows(tokens, ch.perm, rows);
+    if (product) {
+      made.fp8 =
+          QuantTensor::empty(rows.shape(), QuantBlock::kRow128, QuantAxis::kDim0, rows.device());
+      ops::permute_rows(here.fp8, ch.perm, made.fp8);
+    }
+    return made;
+  }
   if (product && p.fp8_forward_and_input()) {
     made.fp8 =
         QuantTensor::empty(rows.shape(), QuantBlock::kRow128, QuantAxis::kDim0, rows.device());
@@ -179,7 +230,9 @@ void make_chunks(const MoeConfig& c, const MoeComms& comms, const Tensor& hn, Mo
       const Tensor weights = ch.rows_of(a.routing.expert_weight);
       // The plan dispatches the tokens and their routing weights with their choices.
       std::vector<DispatchRows> with;
-      if (!ch.xr.defined()) with.push_back({&rows, &ch.xr, c.expert_precision});
+      if (!ch.xr.defined())
+        with.push_back(
+            {&rows, &ch.xr, c.expert_precision, rows_arrive_fp8(c) ? &ch.xr_fp8 : nullptr});
       if (!ch.wr.defined()) with.push_back({&weights, &ch.wr});
       ch.exchange =
           std::make_shared<ExpertExchange>(*comms.ep, choices, c.n_experts, comms.exchange, with);
@@ -188,6 +241,7 @@ void make_chunks(const MoeConfig& c, const MoeComms& comms, const Tensor& hn, Mo
   for (int64_t i = 0; i < count; ++i) {
     MoeChunk& ch = a.chunks[i];
     ex.join(planned[i]);
+    fp8_rows_arrived(ch, hn.dtype());
     ops::make_expert_permutation(ch.exchange->local_index(), c.n_experts / comms.ep->size(),
                                  ch.perm, segment_align(c, hn), ch.exchange->local_rows());
   }
@@ -206,7 +260,7 @@ void fill_chunk(const MoeWeights& w, const MoeConfig& c, const MoeActivations& a
   // this fill.
   PermutedOperands xe_made;
   if (!ch.xe.defined())
-    xe_made = permute_expert_rows(c, ch, tokens_here(ch, hn), ch.xe,
+    xe_made = permute_expert_rows(c, ch, tokens_here(c, ch, hn), ch.xe,
                                   ch.gate_up.defined() ? RowReaders::kWeightGradient
                                   : rows_read          ? RowReaders::kBoth
                                                        : RowReaders::kProduct);
@@ -278,9 +332,13 @@ void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, co
       const Tensor rows = ch.rows_of(hn);
       const Tensor weights = ch.rows_of(a.routing.expert_weight);
       ex.join(ex.run([&] {
-        if (!ch.xr.defined()) ch.xr = ch.exchange->dispatch(rows, c.expert_precision);
+        if (!ch.xr.defined() && rows_arrive_fp8(c))
+          ch.xr_fp8 = ch.exchange->dispatch_fp8(rows, c.expert_precision.fp8_scale);
+        else if (!ch.xr.defined())
+          ch.xr = ch.exchange->dispatch(rows, c.expert_precision);
         if (!ch.wr.defined()) ch.wr = ch.exchange->dispatch(weights);
       }));
+      fp8_rows_arrived(ch, hn.dtype());
     }
     fill_chunk(w, c, a, hn, ch, fill);
   }
@@ -323,30 +381,37 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
   Exchanges ex(comms, dev);
   // The combine's backward: every expert row receives its token's gradient (the routing weights
   // are in the rows' activations). dY travels as the dispatch sends the rows (MX values along the
-  // hidden dimension with an MXFP8 dispatch): each chunk's on the lane before any expert work, so
-  // that the next chunk's crosses while the experts take this one.
-  std::vector<Tensor> dy_here(a.chunks.size());
+  // hidden dimension with an MXFP8 dispatch, FP8 rows with an FP8 one): each chunk's on the lane
+  // before any expert work, so that the next chunk's crosses while the experts take this one.
+  std::vector<TokensHere> dy_here(a.chunks.size());
   std::vector<ExchangeLane::Point> dispatched(a.chunks.size());
   for (size_t i = 0; i < a.chunks.size(); ++i) {
     const MoeChunk& ch = a.chunks[i];
     const Tensor rows = ch.rows_of(dout);
     if (!ch.exchange) {
-      dy_here[i] = rows;
+      dy_here[i] = own_tokens(c, rows);
       continue;
     }
-    dispatched[i] = ex.run([&] { dy_here[i] = ch.exchange->dispatch(rows, prec); });
+    dispatched[i] = ex.run([&] {
+      if (rows_arrive_fp8(c))
+        dy_here[i].fp8 = ch.exchange->dispatch_fp8(rows, prec.fp8_scale);
+      else
+        dy_here[i].rows = ch.exchange->dispatch(rows, prec);
+    });
   }
   for (size_t i = 0; i < a.chunks.size(); ++i) {
     const MoeChunk& ch = a.chunks[i];
     const ops::Accumulate grads = i == 0 ? expert_grads : ops::Accumulate::kYes;
-    const int64_t r = ch.xe.dim(0), here = tokens_here(ch, hn).dim(0);
+    const int64_t r = ch.xe.dim(0), here = count_tokens_here(ch);
     const ops::ExpertRows rows = ch.perm.expert_rows();
     if (ch.exchange) ex.join(dispatched[i]);
+    if (dy_here[i].fp8.defined() && !dy_here[i].rows.defined())
+      dy_here[i].rows = fp8_values(dy_here[i].fp8, dt);
     // The input-gradient product takes dY's MX values or FP8 rows, made by the permutation as
     // the forward's rows' are.
     Tensor dye;
     PermutedOperands dye_made = permute_expert_rows(c, ch, dy_here[i], dye, RowReaders::kBoth);
-    dy_here[i] = Tensor();
+    dy_here[i] = {};
     Tensor dact = Tensor::empty({r, c.moe_dim}, dt, dev);
     ops::expert_gemm_backward_input(dye, w.w_down, rows, prec, dact,
                                     {w.down_copies, dye_made.mx.defined() ? &dye_made.mx : nullptr,

@@ -76,11 +76,12 @@ struct MoeChunk {
   std::shared_ptr<ExpertExchange> exchange;  // EP: who sends what where (null without EP)
   ops::ExpertPermutation perm;               // the tokens here -> this rank's experts' rows
   Tensor xr;                                 // (Rt, D)      EP: the tokens received (comm output)
-  Tensor wr;                                 // (Rt, k)      EP: their routing weights (comm output)
-  Tensor xe;                                 // (R, D)       the experts' input rows (a gather)
-  Tensor row_weight;  // (R)          routing weight of each of those rows (a gather)
-  Tensor gate_up;     // (R, 2F)      GEMM output
-  Tensor act;         // (R, F)       row_weight * SwiGLU (elementwise)
+  QuantTensor xr_fp8;  // (Rt, D) EP on the FP8 wire: the tokens received as FP8 rows (xr: values)
+  Tensor wr;           // (Rt, k)      EP: their routing weights (comm output)
+  Tensor xe;           // (R, D)       the experts' input rows (a gather)
+  Tensor row_weight;   // (R)          routing weight of each of those rows (a gather)
+  Tensor gate_up;      // (R, 2F)      GEMM output
+  Tensor act;          // (R, F)       row_weight * SwiGLU (elementwise)
   // Under an MX recipe, act's MX values for the down projection's forward: made with act by a
   // forward fill, consumed (and dropped) by moe_combine.
   Tensor act_mx;

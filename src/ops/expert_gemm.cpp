@@ -92,8 +92,8 @@ constexpr std::array<EnumName<ExpertRecipe>, 5> kRecipes{
      {ExpertRecipe::kMxfp8WgradWithHp, "mxfp8_wgrad_with_hp"},
      {ExpertRecipe::kFp8Blockwise, "fp8_blockwise"},
      {ExpertRecipe::kFp8WgradWithHp, "fp8_wgrad_with_hp"}}};
-constexpr std::array<EnumName<RowWire>, 2> kRowWires{
-    {{RowWire::kAsIs, "bf16"}, {RowWire::kMxfp8, "mxfp8"}}};
+constexpr std::array<EnumName<RowWire>, 3> kRowWires{
+    {{RowWire::kAsIs, "bf16"}, {RowWire::kMxfp8, "mxfp8"}, {RowWire::kFp8, "fp8_blockwise"}}};
 
 std::string_view expert_recipe_name(ExpertRecipe r) {
   return enum_name(kRecipes, r);
@@ -122,16 +122,28 @@ std::string ExpertPrecision::invalid_combination() const {
         "the rows as they arrive), not model.expert_recipe = \"{}\": set \"mxfp8_wgrad_with_hp\" "
         "or \"mxfp8\"",
         expert_recipe_name(recipe));
-  if (dispatch == RowWire::kMxfp8 && recipe == ExpertRecipe::kMxfp8 && !requant_dim1)
-    return "parallel.ep_dispatch_dtype = \"mxfp8\" with model.expert_recipe = \"mxfp8\": the rows "
-           "arrive quantized along the hidden dimension (dim0), and the weight gradient needs them "
-           "quantized along the tokens (dim1), which they can no longer give as the original bf16 "
-           "would; use model.expert_recipe = \"mxfp8_wgrad_with_hp\" (weight gradient in bf16 from "
-           "the dequantized rows), or model.requant_dim1 = true (re-quantize the dequantized rows "
-           "along dim1; docs/numerics.md measures the difference)";
-  if (requant_dim1 && (dispatch != RowWire::kMxfp8 || recipe != ExpertRecipe::kMxfp8))
+  if (dispatch == RowWire::kFp8 && !fp8_forward_and_input())
+    return fmt::format(
+        "parallel.ep_dispatch_dtype = \"fp8_blockwise\" needs an FP8 expert recipe (the expert "
+        "GEMMs take the rows as they arrive), not model.expert_recipe = \"{}\": set "
+        "\"fp8_wgrad_with_hp\" or \"fp8_blockwise\"",
+        expert_recipe_name(recipe));
+  const bool quantized_twice = (dispatch == RowWire::kMxfp8 && recipe == ExpertRecipe::kMxfp8) ||
+                               (dispatch == RowWire::kFp8 && recipe == ExpertRecipe::kFp8Blockwise);
+  if (quantized_twice && !requant_dim1)
+    return fmt::format(
+        "parallel.ep_dispatch_dtype = \"{}\" with model.expert_recipe = \"{}\": the rows arrive "
+        "quantized along the hidden dimension (dim0), and the weight gradient needs them quantized "
+        "along the tokens (dim1), which they can no longer give as the original bf16 would; use "
+        "model.expert_recipe = \"{}_wgrad_with_hp\" (weight gradient in bf16 from the "
+        "dequantized rows), or model.requant_dim1 = true (re-quantize the dequantized rows along "
+        "dim1; docs/numerics.md measures the difference)",
+        dispatch_dtype_name(dispatch), expert_recipe_name(recipe),
+        recipe == ExpertRecipe::kMxfp8 ? "mxfp8" : "fp8");
+  if (requant_dim1 && !quantized_twice)
     return "model.requant_dim1 = true applies only with parallel.ep_dispatch_dtype = \"mxfp8\" and "
-           "model.expert_recipe = \"mxfp8\" (it re-quantizes rows that arrived in MXFP8)";
+           "model.expert_recipe = \"mxfp8\", or \"fp8_blockwise\" with \"fp8_blockwise\" (it "
+           "re-quantizes rows that arrived quantized)";
   return {};
 }
 

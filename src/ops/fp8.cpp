@@ -134,7 +134,21 @@ void fp8_round_trip(const Tensor& x, QuantBlock block, QuantAxis axis, Fp8ScaleR
 
 void fp8_dequantize(const QuantTensor& q, Tensor& out) {
   check_fp8("fp8_dequantize", "output", out, q);
-  MT_CHECK(!on_gpu(out), "fp8_dequantize runs on the CPU (copy the FP8 tensor there)");
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(out)) {
+    MT_CHECK(q.block() == QuantBlock::kRow128 && q.axis() == QuantAxis::kDim0,
+             "fp8_dequantize on the GPU takes 1x128 blocks along dim0, got {} blocks along {}",
+             quant_block_name(q.block()), quant_axis_name(q.axis()));
+    const profile::Phase phase("gpu.fp8_dequantize");
+    const DType dt = cuda::storage_of(out, "fp8_dequantize output");
+    check_aligned("fp8_dequantize", out.raw());
+    const int64_t cols = out.shape().back();
+    MT_CUDA_CHECK(cuda::kernels::fp8_dequantize_rows(
+        static_cast<const uint8_t*>(q.data().raw()), q.scales().data<float>(),
+        cols == 0 ? 0 : out.numel() / cols, cols, dt, out.raw(), cuda::stream()));
+    return;
+  }
+#endif
   cpu::fp8_dequantize(q, out);
 }
 

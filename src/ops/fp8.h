@@ -41,7 +41,8 @@ void fp8_round_trip(const Tensor& x, QuantBlock block, QuantAxis axis, Fp8ScaleR
                     Tensor& out);
 
 // out (q's logical shape; f32, bf16 or f64) = from_e4m3(data) * scale, computed exactly in f64
-// and rounded once to out's dtype. CPU only (tests and the reference products read it).
+// and rounded once to out's dtype. On the GPU: kRow128 along dim0 into f32 or bf16 (the rows an
+// FP8 wire delivered, for the products that take them unquantized).
 void fp8_dequantize(const QuantTensor& q, Tensor& out);
 
 // The weight gradient's operands: x (M, C) quantized along the tokens into out of logical shape

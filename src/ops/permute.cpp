@@ -109,6 +109,21 @@ void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp, const
   if (fp8) write_fp8_rows(xp, *fp8);
 }
 
+void permute_rows(const QuantTensor& x, const ExpertPermutation& p, QuantTensor& xp) {
+  const auto fp8_rows = [](const QuantTensor& q) {
+    return q.defined() && q.block() == QuantBlock::kRow128 && q.axis() == QuantAxis::kDim0 &&
+           q.shape().size() == 2;
+  };
+  MT_CHECK(fp8_rows(x) && fp8_rows(xp) && x.shape()[1] == xp.shape()[1] &&
+               xp.shape()[0] == p.rows() && x.device() == xp.device(),
+           "permute_rows of FP8 rows: {} into {} for a permutation of {} rows (both 1x128 blocks "
+           "along dim0, the same width and device)",
+           shape_str(x.shape()), shape_str(xp.shape()), p.rows());
+  Tensor data = xp.data(), scales = xp.scales();
+  permute_rows(x.data(), p, data);
+  permute_rows(x.scales(), p, scales);
+}
+
 namespace {
 void sum_token_rows(const Tensor& rows, const ExpertPermutation& p, const Tensor* residual,
                     Tensor& out) {

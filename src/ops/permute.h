@@ -45,6 +45,10 @@ void make_expert_permutation(const Tensor& expert_index, int64_t num_experts,
 // as they are.
 void permute_rows(const Tensor& x, const ExpertPermutation& p, Tensor& xp,
                   const MxValuesOut* mx = nullptr, const Fp8RowsOut* fp8 = nullptr);
+// FP8 rows moved as permute_rows moves rows: x (N, D) in 1 x 128 blocks along dim0 (rows an FP8
+// wire delivered) -> xp (M, D) in the same format, data and scales as they are (padding rows
+// left as they are).
+void permute_rows(const QuantTensor& x, const ExpertPermutation& p, QuantTensor& xp);
 // dx (N, D) overwritten: each token sums the gradients of its k copies.
 void permute_rows_backward(const Tensor& dxp, const ExpertPermutation& p, Tensor& dx);
 

@@ -197,7 +197,8 @@ const std::vector<Field>& fields() {
        [](Config& c, const Value& v) {
          if (!ops::parse_dispatch_dtype(v.s, &c.parallel.ep_dispatch_dtype))
            throw ConfigError(fmt::format(
-               "config: parallel.ep_dispatch_dtype = \"{}\" (valid: bf16, mxfp8)", shown(v.s)));
+               "config: parallel.ep_dispatch_dtype = \"{}\" (valid: bf16, mxfp8, fp8_blockwise)",
+               shown(v.s)));
        }},
       {"model", "hf_config", FieldType::kString,
        [](Config& c, const Value& v) { c.model = model_config_from_hf_json(v.s, c.model); }},

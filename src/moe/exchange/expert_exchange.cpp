@@ -6,6 +6,7 @@
 
 #include "core/enum_names.h"
 #include "core/profile.h"
+#include "ops/fp8.h"
 #include "ops/mx.h"
 
 namespace mt::moe {
@@ -37,7 +38,12 @@ ExpertExchange::ExpertExchange(dist::Communicator& ep, const Tensor& expert_inde
   ops::peer_choices(expert_index, peers, local, to_peer);
   if (mode == ExchangeMode::kHostCounts) {
     plan_host_counts(expert_index, to_peer, local);
-    for (const DispatchRows& d : with) *d.out = dispatch(*d.rows, d.precision);
+    for (const DispatchRows& d : with) {
+      if (d.precision.dispatch == RowWire::kFp8)
+        *d.out_fp8 = dispatch_fp8(*d.rows, d.precision.fp8_scale);
+      else
+        *d.out = dispatch(*d.rows, d.precision);
+    }
   } else {
     plan_device_counts(expert_index, to_peer, local, with);
   }
@@ -117,6 +123,15 @@ void ExpertExchange::plan_device_counts(const Tensor& expert_index, const Tensor
   s.parts.push_back({&expert_index, &choices});
   for (const DispatchRows& d : with) {
     check_token_rows(*d.rows);
+    if (d.precision.dispatch == RowWire::kFp8) {
+      *d.out_fp8 = QuantTensor::empty({received_tokens_, d.rows->dim(1)}, QuantBlock::kRow128,
+                                      QuantAxis::kDim0, device);
+      ScatterPart part{d.rows, nullptr, RowWire::kFp8};
+      part.recv_fp8 = d.out_fp8;
+      part.fp8_scale = d.precision.fp8_scale;
+      s.parts.push_back(part);
+      continue;
+    }
     *d.out = Tensor::empty({received_tokens_, d.rows->dim(1)}, d.rows->dtype(), device);
     s.parts.push_back({d.rows, d.out, d.precision.dispatch, d.precision.rule});
   }
@@ -154,6 +169,8 @@ Tensor ExpertExchange::dispatch(const Tensor& rows, const ops::ExpertPrecision& 
   const Device device = rows.device();
   const profile::Span span("ep.dispatch", device == Device::kCUDA);
   check_token_rows(rows);
+  MT_CHECK(precision.dispatch != RowWire::kFp8,
+           "ExpertExchange::dispatch on the FP8 wire delivers FP8 rows: call dispatch_fp8");
   Tensor received = Tensor::empty({received_tokens_, rows.dim(1)}, rows.dtype(), device);
   if (mode_ == ExchangeMode::kDeviceCounts) {  // an MXFP8 wire quantized as it is sent
     RowScatter s = dispatch_scatter();
@@ -170,6 +187,29 @@ Tensor ExpertExchange::dispatch(const Tensor& rows, const ops::ExpertPrecision& 
   in.data() = send_rows(out.data());
   in.scales() = send_rows(out.scales());
   ops::mx_dequantize(in, received);
+  return received;
+}
+
+QuantTensor ExpertExchange::dispatch_fp8(const Tensor& rows, Fp8ScaleRule rule) const {
+  const Device device = rows.device();
+  const profile::Span span("ep.dispatch", device == Device::kCUDA);
+  check_token_rows(rows);
+  QuantTensor received = QuantTensor::empty({received_tokens_, rows.dim(1)}, QuantBlock::kRow128,
+                                            QuantAxis::kDim0, device);
+  if (mode_ == ExchangeMode::kDeviceCounts) {  // quantized as it is sent
+    RowScatter s = dispatch_scatter();
+    ScatterPart part{&rows, nullptr, RowWire::kFp8};
+    part.recv_fp8 = &received;
+    part.fp8_scale = rule;
+    s.parts.push_back(part);
+    scatter_rows(*ep_, s);
+    return received;
+  }
+  // Each token quantized once, before it is sent (to one rank or several).
+  QuantTensor out = QuantTensor::empty(rows.shape(), QuantBlock::kRow128, QuantAxis::kDim0, device);
+  ops::fp8_quantize(rows, rule, out);
+  received.data() = send_rows(out.data());
+  received.scales() = send_rows(out.scales());
   return received;
 }
 

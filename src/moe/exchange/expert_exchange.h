@@ -25,7 +25,9 @@
 //
 // The MXFP8 wire (precision.dispatch = RowWire::kMxfp8) sends 1 + 1/32 bytes per element instead
 // of 2; with device counts the send kernel quantizes the rows and the receive kernel dequantizes
-// them.
+// them. The FP8 wire (RowWire::kFp8, DeepSeek-V3's 1 x 128 blocks) sends 1 + 4/128 bytes per
+// element, quantized by the send kernel, and delivers the FP8 rows themselves (dispatch_fp8),
+// which the FP8 products take without quantizing them again.
 #pragma once
 #include <vector>
 
@@ -43,11 +45,14 @@ std::string_view exchange_mode_name(ExchangeMode m);  // "host", "device"
 bool parse_exchange_mode(std::string_view name, ExchangeMode* out);
 
 // Rows in token order that the plan dispatches along with the tokens' choices (with device
-// counts in the same exchange): *out is set to what dispatch(*rows, precision) returns.
+// counts in the same exchange): *out is set to what dispatch(*rows, precision) returns, or on the
+// FP8 wire (precision.dispatch = kFp8) *out_fp8 to what dispatch_fp8(*rows, precision.fp8_scale)
+// returns.
 struct DispatchRows {
   const Tensor* rows = nullptr;
   Tensor* out = nullptr;
   ops::ExpertPrecision precision = {};
+  QuantTensor* out_fp8 = nullptr;
 };
 
 class ExpertExchange {
@@ -80,8 +85,13 @@ class ExpertExchange {
   // its experts, grouped by source rank, token order within a source. With precision.dispatch =
   // kMxfp8 the rows travel as MXFP8 (E4M3 data + E8M0 scales, 1 x 32 blocks along the row, the
   // precision's scale rule), dequantized on arrival into the rows' dtype: they arrive as their MX
-  // values (ops::mx_round_trip along the row; W a multiple of 32).
+  // values (ops::mx_round_trip along the row; W a multiple of 32). Not the FP8 wire:
+  // dispatch_fp8.
   Tensor dispatch(const Tensor& rows, const ops::ExpertPrecision& precision = {}) const;
+  // The same rows on the FP8 wire: each token quantized once, by its sender, in 1 x 128 blocks
+  // along the row (ops::fp8_quantize with `rule`; f32, bf16 or f64 rows, W a multiple of 128),
+  // arriving as those FP8 rows: (Rt, W), bytes and scales as they crossed.
+  QuantTensor dispatch_fp8(const Tensor& rows, Fp8ScaleRule rule) const;
   // rows (Rt, W) -> out (N, W): each token's rows from the ranks it went to, summed in rank
   // order, plus residual[t] when given (float dtypes). The adjoint of dispatch.
   void combine(const Tensor& rows, Tensor& out, const Tensor* residual = nullptr) const;

@@ -1,5 +1,6 @@
 #include "dist/peer_window.cuh"
 #include "moe/exchange/lsa.h"
+#include "ops/cuda/fp8.cuh"
 #include "ops/cuda/mx.cuh"
 
 namespace mt::moe {
@@ -48,6 +49,16 @@ __device__ void send_copy(const Peers& peers, const LsaPart& part, int64_t t, co
     U* dst = reinterpret_cast<U*>(peers.at(p, part.data_offset + place * row_bytes));
     for (int64_t c = lane; c < units; c += 32) dst[c] = src[c];
   }
+}
+
+// One 16-byte pack of T as floats.
+template <class T, int P>
+__device__ __forceinline__ void load_lane_pack(const T* src, float (&v)[P]) {
+  static_assert(P * sizeof(T) == 16);
+  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+  const T* e = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+  for (int i = 0; i < P; ++i) v[i] = cuda::to_float(e[i]);
 }
 
 template <class T>
@@ -105,6 +116,41 @@ __device__ void send_mx(const Peers& peers, const LsaPart& part, int64_t t, cons
   }
 }
 
+// Row t quantized in 1 x 128 blocks along the row (the rule of ops::fp8_quantize, bit for bit)
+// and stored to each peer it goes to: E4M3 at the place's data, the f32 block scales at its scale
+// row. A lane holds one 16-byte pack (P elements), so a block is 128 / P lanes.
+template <class T, class Peers>
+__device__ void send_fp8(const Peers& peers, const LsaPart& part, int64_t t, const int32_t* slot,
+                         int64_t capacity, int lane) {
+  constexpr int P = 16 / static_cast<int>(sizeof(T));
+  constexpr int64_t kStep = 32 * P;
+  const int64_t width = part.width, blocks = width / kFp8Block;
+  const T* src = static_cast<const T*>(part.send) + t * width;
+  for (int64_t base = 0; base < width; base += kStep) {
+    const int64_t e0 = base + int64_t{lane} * P;
+    const bool active = e0 < width;  // the width is a multiple of 128: a block is wholly in or out
+    float v[P] = {};
+    if (active) load_lane_pack(src + e0, v);
+    const cuda::Fp8Lane<P> q = cuda::fp8_lane<P>(v, active, part.fp8_scale);
+    if (!active) continue;
+    const bool first = lane % (kFp8Block / P) == 0;
+    for (int p = 0; p < peers.ranks(); ++p) {
+      const int32_t s = slot[p];
+      if (s < 0) continue;
+      const size_t place = static_cast<size_t>(peers.rank()) * capacity + s;
+      char* data = peers.at(p, part.data_offset + place * width + e0);
+      if constexpr (P == 8)
+        *reinterpret_cast<uint2*>(data) = make_uint2(q.pairs[0] | (uint32_t{q.pairs[1]} << 16),
+                                                     q.pairs[2] | (uint32_t{q.pairs[3]} << 16));
+      else
+        *reinterpret_cast<uint32_t*>(data) = q.pairs[0] | (uint32_t{q.pairs[1]} << 16);
+      if (first)
+        *reinterpret_cast<float*>(peers.at(
+            p, part.scales_offset + (place * blocks + e0 / kFp8Block) * sizeof(float))) = q.s.scale;
+    }
+  }
+}
+
 // Everything the send kernel does between its barriers: block 0 stores the per-peer rows; each
 // warp moves whole tokens (t = w, w + warps, ... for warp w of the grid), every part of a token
 // before the next.
@@ -145,6 +191,12 @@ __device__ void send_body(const Peers& peers, const LsaPlan& plan) {
           break;
         case LsaCodec::kMxfp8F32:
           send_mx<float>(peers, part, t, slot, plan.capacity, lane);
+          break;
+        case LsaCodec::kFp8Bf16:
+          send_fp8<__nv_bfloat16>(peers, part, t, slot, plan.capacity, lane);
+          break;
+        case LsaCodec::kFp8F32:
+          send_fp8<float>(peers, part, t, slot, plan.capacity, lane);
           break;
       }
     }
@@ -266,6 +318,12 @@ __global__ void __launch_bounds__(256) receive_kernel(const char* window, LsaPla
         break;
       case LsaCodec::kMxfp8F32:
         receive_mx<float>(window, part, places, at, step);
+        break;
+      case LsaCodec::kFp8Bf16:
+      case LsaCodec::kFp8F32:  // the E4M3 bytes (16-byte aligned sections), then the scales
+        receive_copy<uint4>(from, part.recv, places * part.width, at, step);
+        receive_copy<uint32_t>(window + part.scales_offset, part.recv_scales,
+                               places * (part.width / kFp8Block) * sizeof(float), at, step);
         break;
     }
   }

@@ -3,12 +3,13 @@
 // barrier per CTA). One send kernel passes a barrier (every peer is done
 // with its buffer), stores every part of each row at its place in the peer's window through the
 // peer's LSA pointer (an MXFP8 part quantized on the way: E4M3 data and E8M0 scales, two lanes
-// per 32-element block) together with the per-peer rows, and passes a second barrier (every row
-// has landed); one receive kernel then moves this rank's window into the callers' tensors (an
-// MXFP8 part dequantized on the way, a summed part added up into its rows: combine's reduction
-// as it reads the window). Nothing waits on the host, so a CUDA graph can hold it.
-// Needs every rank in one LSA team (one node, P2P) and the NCCL release it was built against at
-// run time (the device API has no ABI guarantee across releases).
+// per 32-element block; an FP8 part: E4M3 data and f32 scales, 16 or 32 lanes per 128-element
+// block) together with the per-peer rows, and passes a second barrier (every row has landed); one
+// receive kernel then moves this rank's window into the callers' tensors (an MXFP8 part
+// dequantized on the way, an FP8 part's bytes and scales as they are, a summed part added up into
+// its rows: combine's reduction as it reads the window). Nothing waits on the host, so a CUDA graph
+// can hold it. Needs every rank in one LSA team (one node, P2P) and the NCCL release it was built
+// against at run time (the device API has no ABI guarantee across releases).
 //
 // The same two kernels run over ranks emulated on one GPU (emulated_scatter: the peers' windows
 // as plain pointers, the barriers replaced by the order of the launches), which is how one GPU
@@ -27,8 +28,9 @@ namespace mt::moe {
 inline constexpr int kLsaMaxParts = 6;
 
 // How a part crosses: its bytes in units of 16, 4 or 1 bytes (the widest its rows and pointers
-// allow), or MXFP8 quantized from bf16 or f32 rows (and dequantized into them on arrival).
-enum class LsaCodec : uint8_t { kCopy16, kCopy4, kCopy1, kMxfp8Bf16, kMxfp8F32 };
+// allow), MXFP8 quantized from bf16 or f32 rows (and dequantized into them on arrival), or FP8
+// blockwise quantized from bf16 or f32 rows (arriving as E4M3 data and f32 scales).
+enum class LsaCodec : uint8_t { kCopy16, kCopy4, kCopy1, kMxfp8Bf16, kMxfp8F32, kFp8Bf16, kFp8F32 };
 
 // How a part arrives: its places copied (or decoded) into recv, or, for a kCopy part of bf16 or
 // f32 rows, summed into recv's rows (ScatterPart::sum_index, row_scatter.h): row m = residual[m]
@@ -38,12 +40,14 @@ enum class LsaCodec : uint8_t { kCopy16, kCopy4, kCopy1, kMxfp8Bf16, kMxfp8F32 }
 enum class LsaSum : uint8_t { kNone, kBf16, kF32 };
 
 struct LsaPart {
-  const void* send = nullptr;  // n rows of width elements of elem_bytes
-  void* recv = nullptr;        // ranks * capacity rows of the same (sums: sum_rows rows)
+  const void* send = nullptr;   // n rows of width elements of elem_bytes
+  void* recv = nullptr;         // ranks * capacity rows of the same (sums: sum_rows rows)
+  void* recv_scales = nullptr;  // FP8: ranks * capacity rows of width / 128 f32 scales
   int64_t width = 0;
   int64_t elem_bytes = 0;
   LsaCodec codec = LsaCodec::kCopy1;
   MxScaleRule rule = MxScaleRule::kRceil;
+  Fp8ScaleRule fp8_scale = Fp8ScaleRule::kFp32;
   size_t data_offset = 0, scales_offset = 0;  // in the window (scatter_window)
   LsaSum sum = LsaSum::kNone;
   const int32_t* sum_index = nullptr;  // (sum_rows, ranks) places

@@ -4,6 +4,8 @@
 
 #include "core/quant.h"
 #include "ops/exchange_layout.h"
+#include "ops/expert_gemm.h"
+#include "ops/fp8.h"
 #include "ops/mx.h"
 #include "ops/permute.h"
 #if MOETRAIN_HAS_NCCL
@@ -49,6 +51,10 @@ ScatterWindow scatter_window(int ranks, int64_t capacity, const std::vector<Scat
       w.bytes += align16(places * width);
       w.scales.push_back(w.bytes);
       w.bytes += align16(places * (width / kMxBlock));
+    } else if (part.wire == RowWire::kFp8) {
+      w.bytes += align16(places * width);
+      w.scales.push_back(w.bytes);
+      w.bytes += align16(places * (width / kFp8Block) * sizeof(float));
     } else {
       w.bytes += align16(places * width * part.elem_bytes);
       w.scales.push_back(w.bytes);
@@ -57,6 +63,32 @@ ScatterWindow scatter_window(int ranks, int64_t capacity, const std::vector<Scat
   return w;
 }
 
+namespace {
+// An FP8 part: float rows of a multiple of 128 into recv_fp8 (1 x 128 blocks along dim0), not
+// summed.
+void check_fp8_part(const ScatterPart& part, int64_t n, int64_t places, Device device) {
+  MT_CHECK(part.send && part.recv_fp8 && part.recv_fp8->defined(),
+           "scatter_rows: an FP8 part without its send tensor or its FP8 receive rows");
+  const Tensor& send = *part.send;
+  const QuantTensor& recv = *part.recv_fp8;
+  const DType t = send.dtype();
+  MT_CHECK(send.ndim() == 2 && send.dim(0) == n && send.dim(1) % kFp8Block == 0 &&
+               (t == DType::kF32 || t == DType::kBF16 || t == DType::kF64) &&
+               send.device() == device,
+           "scatter_rows: an FP8 part of {} {} (needs {} f32, bf16 or f64 rows of a multiple of {} "
+           "on the slots' device)",
+           dtype_name(t), shape_str(send.shape()), n, kFp8Block);
+  MT_CHECK(
+      recv.block() == QuantBlock::kRow128 && recv.axis() == QuantAxis::kDim0 &&
+          recv.shape() == Shape({places, send.dim(1)}) && recv.device() == device,
+      "scatter_rows: an FP8 part's receive rows are {} in {} blocks along {} (need ({}, {}) in "
+      "1x128 blocks along dim0)",
+      shape_str(recv.shape()), quant_block_name(recv.block()), quant_axis_name(recv.axis()), places,
+      send.dim(1));
+  MT_CHECK(!part.sum_index, "scatter_rows: an FP8 part cannot be summed as it arrives");
+}
+}  // namespace
+
 void check_row_scatter(const RowScatter& s, int peers) {
   MT_CHECK(s.slot, "scatter_rows without slots");
   const Tensor& slot = *s.slot;
@@ -64,6 +96,10 @@ void check_row_scatter(const RowScatter& s, int peers) {
   expect_shape(slot, {n, peers}, "scatter slots");
   expect_dtype(slot, DType::kI32, "scatter slots");
   for (const ScatterPart& part : s.parts) {
+    if (part.wire == RowWire::kFp8) {
+      check_fp8_part(part, n, peers * s.capacity, slot.device());
+      continue;
+    }
     MT_CHECK(part.send && part.recv, "scatter_rows: a part without its send or recv tensor");
     const Tensor& send = *part.send;
     const Tensor& recv = *part.recv;
@@ -84,7 +120,7 @@ void check_row_scatter(const RowScatter& s, int peers) {
       MT_CHECK(part.wire == RowWire::kAsIs && float_rows,
                "scatter_rows: a summed part of {} rows on the {} wire (needs f32, bf16 or f64 "
                "rows as they are)",
-               dtype_name(t), part.wire == RowWire::kMxfp8 ? "MXFP8" : "as-is");
+               dtype_name(t), ops::dispatch_dtype_name(part.wire));
       if (part.residual) {
         expect_shape(*part.residual, recv.shape(), "scatter sum residual");
         expect_dtype(*part.residual, recv.dtype(), "scatter sum residual");
@@ -151,10 +187,17 @@ bool make_lsa_plan(const RowScatter& s, int ranks, size_t window_limit, LsaPlan*
     const ScatterPart& part = s.parts[i];
     LsaPart& out = plan->parts[i];
     out.send = part.send->numel() ? part.send->raw() : nullptr;
-    out.recv = part.recv->numel() ? part.recv->raw() : nullptr;
+    if (part.wire == RowWire::kFp8) {
+      Tensor& data = part.recv_fp8->data();
+      out.recv = data.numel() ? data.raw() : nullptr;
+      out.recv_scales = data.numel() ? part.recv_fp8->scales().raw() : nullptr;
+    } else {
+      out.recv = part.recv->numel() ? part.recv->raw() : nullptr;
+    }
     out.width = part.send->dim(1);
     out.elem_bytes = static_cast<int64_t>(dtype_size(part.send->dtype()));
     out.rule = part.rule;
+    out.fp8_scale = part.fp8_scale;
     out.data_offset = window.data[i];
     out.scales_offset = window.scales[i];
     const DType dt = part.send->dtype();
@@ -175,6 +218,9 @@ bool make_lsa_plan(const RowScatter& s, int ranks, size_t window_limit, LsaPlan*
     if (part.wire == RowWire::kMxfp8) {
       if (!aligned(16) || !kernel_rows) return false;
       out.codec = dt == DType::kBF16 ? LsaCodec::kMxfp8Bf16 : LsaCodec::kMxfp8F32;
+    } else if (part.wire == RowWire::kFp8) {
+      if (!aligned(16) || !kernel_rows) return false;
+      out.codec = dt == DType::kBF16 ? LsaCodec::kFp8Bf16 : LsaCodec::kFp8F32;
     } else {
       out.codec = aligned(16)  ? LsaCodec::kCopy16
                   : aligned(4) ? LsaCodec::kCopy4
@@ -203,8 +249,9 @@ void scatter_rows(dist::Communicator& c, const RowScatter& s, ScatterPath path) 
   (void)path;
 #endif
   // Each part's regions in one fixed-size all_to_all (an MXFP8 part quantized before and
-  // dequantized after it), the per-peer rows in another: the path for backends without a device
-  // path (CPU ranks, NCCL across nodes), and the reference the device path is tested against.
+  // dequantized after it, an FP8 part quantized before it), the per-peer rows in another: the path
+  // for backends without a device path (CPU ranks, NCCL across nodes), and the reference the device
+  // path is tested against.
   if (s.to_peers) {
     const std::vector<int64_t> one(peers, 1);
     c.all_to_all(*s.to_peers, one, *s.from_peers, one);
@@ -221,6 +268,14 @@ void scatter_rows(dist::Communicator& c, const RowScatter& s, ScatterPath path) 
     }
     if (part.wire == RowWire::kAsIs) {
       move_rows(c, *part.send, *s.slot, s.capacity, *part.recv);
+      continue;
+    }
+    if (part.wire == RowWire::kFp8) {  // quantized once, its bytes and scales moved as they are
+      QuantTensor out = QuantTensor::empty(part.send->shape(), QuantBlock::kRow128,
+                                           QuantAxis::kDim0, part.send->device());
+      ops::fp8_quantize(*part.send, part.fp8_scale, out);
+      move_rows(c, out.data(), *s.slot, s.capacity, part.recv_fp8->data());
+      move_rows(c, out.scales(), *s.slot, s.capacity, part.recv_fp8->scales());
       continue;
     }
     QuantTensor out = QuantTensor::empty(part.send->shape(), QuantBlock::kMx32, QuantAxis::kDim0,

@@ -9,15 +9,17 @@
 #include <cstdint>
 #include <vector>
 
-#include "core/quant_format.h"
+#include "core/quant.h"
 #include "core/tensor.h"
 #include "dist/communicator.h"
 
 namespace mt::moe {
 
-// One part of a row scatter: send (n, W) rows in the sender's order, any dtype (kMxfp8: f32, bf16
-// or f64, which is rounded to f32 first; W a multiple of 32); recv (size * capacity, W) of send's
-// dtype, allocated by the caller.
+// One part of a row scatter: send (n, W) rows in the sender's order, any dtype (kMxfp8 and kFp8:
+// f32, bf16 or f64, which is rounded to f32 first; W a multiple of 32, 128 for kFp8); recv
+// (size * capacity, W) of send's dtype, allocated by the caller. An FP8 part (kFp8) arrives in
+// recv_fp8 instead, (size * capacity, W) in 1 x 128 blocks along dim0: each row quantized once by
+// its sender (ops::fp8_quantize with fp8_scale), its bytes and scales as they crossed.
 //
 // With sum_index (i32 (M, size)) the part arrives summed instead (an as-is part of float rows):
 // recv (M, W) row m = residual[m] (when given) + the places sum_index[m, j] for j in order (-1:
@@ -30,6 +32,8 @@ struct ScatterPart {
   MxScaleRule rule = MxScaleRule::kRceil;
   const Tensor* sum_index = nullptr;
   const Tensor* residual = nullptr;
+  QuantTensor* recv_fp8 = nullptr;
+  Fp8ScaleRule fp8_scale = Fp8ScaleRule::kFp32;
 };
 
 // A scatter of several parts with one layout: slot i32 (n, size): row t of every part goes to
@@ -54,7 +58,8 @@ struct ScatterRowShape {
 };
 // The device path's receive buffer for a scatter of these parts over `ranks` ranks of `capacity`
 // places, with per-peer rows of peer_row_bytes: the per-peer rows (ranks of them), then each
-// part's places (an MXFP8 part's E4M3 data, then its scales), every section 16-byte aligned.
+// part's places (an MXFP8 or FP8 part's E4M3 data, then its scales), every section 16-byte
+// aligned.
 struct ScatterWindow {
   size_t peer_rows = 0;              // offset of the per-peer rows (0)
   std::vector<size_t> data, scales;  // per part: offset of its rows (and MXFP8 scales)
@@ -80,8 +85,8 @@ void scatter_rows(dist::Communicator& c, const Tensor& send, const Tensor& slot,
 struct LsaPlan;
 // The device path's plan for a checked scatter over `ranks` ranks (moe/exchange/lsa.h), or false
 // when that path cannot take it: host tensors, more parts than its kernel holds, a window larger
-// than window_limit, rows or pointers an MXFP8 part cannot read 16 bytes at a time, a summed
-// part of f64 rows.
+// than window_limit, rows or pointers an MXFP8 or FP8 part cannot read 16 bytes at a time, a
+// summed part of f64 rows.
 bool make_lsa_plan(const RowScatter& s, int ranks, size_t window_limit, LsaPlan* plan);
 #endif
 

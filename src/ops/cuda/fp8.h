@@ -26,6 +26,11 @@ inline constexpr Fp8RowsOut kNoFp8Rows{nullptr, nullptr, Fp8ScaleRule::kFp32};
 // the rows (core/quant.h's kRow128, dim0): data (rows, cols), scales (rows, cols / 128).
 cudaError_t fp8_quantize_rows(DType in, const void* x, int64_t rows, int64_t cols,
                               Fp8ScaleRule rule, uint8_t* data, float* scales, cudaStream_t stream);
+// The inverse: 1 x 128 blocks along the rows (data (rows, cols), scales (rows, cols / 128)) ->
+// out (rows, cols) of out_dtype (f32 or bf16, 16-byte aligned), each element from_e4m3(q) * scale
+// rounded once (bit for bit with the CPU's fp8_dequantize).
+cudaError_t fp8_dequantize_rows(const uint8_t* data, const float* scales, int64_t rows,
+                                int64_t cols, DType out_dtype, void* out, cudaStream_t stream);
 // w (batch, rows, cols), f32 or bf16, 16-byte aligned, rows and cols multiples of 128 -> 128 x
 // 128 tiles (kTile128): data stored as w (dim0, may be null) and transposed (dim1, (batch, cols,
 // rows), may be null), scales (batch, rows / 128, cols / 128).
