@@ -4,7 +4,8 @@
 // see which part bounds a width. JSON lines: time, TFLOP/s over the rows, the ratio to the
 // 128-wide product (`vs_shipped`; kernels::fp8_fixed_tile_n picks the width that ships per P),
 // and each variant's output against that one's (bits that differ; a probe's output is not the
-// product and differs).
+// product and differs). Built twice (CMakeLists.txt): as the product is compiled, and with
+// ptxas's --register-usage-level=10 (`ptxas` in each line says which).
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -73,11 +74,11 @@ void time_variant(const Product& pr, const Buffers& b, const __nv_bfloat16* ship
   const double flops = 2.0 * b.capacity * pr.p * pr.q;
   std::printf(
       "{\"bench\": \"fp8_fixed_variant\", \"product\": \"%s\", \"shape\": \"%lld rows, Q %lld, P "
-      "%lld\", \"tile_n\": %d, \"probe\": \"%s\", \"ms\": %.4f, \"tflops\": %.1f, "
-      "\"vs_shipped\": %.3f, \"differing\": %llu, \"max_abs\": %.3g}\n",
+      "%lld\", \"tile_n\": %d, \"probe\": \"%s\", \"ptxas\": \"%s\", \"ms\": %.4f, "
+      "\"tflops\": %.1f, \"vs_shipped\": %.3f, \"differing\": %llu, \"max_abs\": %.3g}\n",
       pr.name, static_cast<long long>(b.capacity), static_cast<long long>(pr.q),
-      static_cast<long long>(pr.p), kTileN, probe_name(kProbe), ms, flops / (ms * 1e-3) / 1e12,
-      shipped_ms > 0 ? shipped_ms / ms : 1.0, d.differing, d.max_abs);
+      static_cast<long long>(pr.p), kTileN, probe_name(kProbe), WORKBENCH_PTXAS, ms,
+      flops / (ms * 1e-3) / 1e12, shipped_ms > 0 ? shipped_ms / ms : 1.0, d.differing, d.max_abs);
   std::fflush(stdout);
 }
 

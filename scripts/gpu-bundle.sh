@@ -13,7 +13,7 @@ for f in core gemm grouped_gemm embedding norm rope attention route permute acti
   cp "build/tests/test_$f" .gpu/
 done
 for b in bench_grouped_gemm_variants bench_batched_gemm_bound bench_mx_dim1_variants bench_fp8_gemm_variants \
-    bench_fp8_fixed_variants; do
+    bench_fp8_fixed_variants bench_fp8_fixed_variants_rul10; do
   if [ -x "build/$b" ]; then cp "build/$b" .gpu/; fi  # workbenches, built on request
 done
 for lib in libfmt.so.9 libgomp.so.1 libtomlplusplus.so.3; do

@@ -57,7 +57,9 @@ fi
 if [[ $benches == *,fp8,* ]]; then
   run_bench bench_fp8_gemm "$bundle/bench_fp8_gemm"
   [ -x "$bundle/bench_fp8_gemm_variants" ] && run_bench fp8_variants "$bundle/bench_fp8_gemm_variants"
-  [ -x "$bundle/bench_fp8_fixed_variants" ] && run_bench fp8_fixed_variants "$bundle/bench_fp8_fixed_variants"
+  for v in bench_fp8_fixed_variants bench_fp8_fixed_variants_rul10; do
+    [ -x "$bundle/$v" ] && run_bench "$v" "$bundle/$v"
+  done
   run_bench fp8_grouped_mm_torch python3 bench/fp8_grouped_mm_torch.py
 fi
 if [[ $benches == *,activation,* ]]; then
