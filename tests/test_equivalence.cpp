@@ -194,6 +194,8 @@ struct MxCase {
   // parallel.ep_dispatch_dtype (mxfp8 with mxfp8, fp8_blockwise with fp8_blockwise: requant_dim1)
   const char* dispatch = "bf16";
   int chunks = 1;  // parallel.ep_chunks (not with mxfp8: each chunk blocks its own rows)
+  // model.checkpoint: a recomputing fill permutes the exchange's rows (or FP8 rows) again
+  const char* checkpoint = "none";
 };
 class EquivalenceMx : public ::testing::TestWithParam<MxCase> {};
 
@@ -204,9 +206,12 @@ TEST_P(EquivalenceMx, OneStepGradientsThenThreeStepsParameters) {
   const std::vector<std::string> dims =
       fp8 ? std::vector<std::string>{"model.dim=128", "model.moe_dim=128"}
           : std::vector<std::string>{"model.dim=32", "model.moe_dim=32"};
-  std::vector<std::string> mx = {dims[0], dims[1], std::string("model.expert_recipe=") + m.recipe,
+  std::vector<std::string> mx = {dims[0],
+                                 dims[1],
+                                 std::string("model.expert_recipe=") + m.recipe,
                                  std::string("parallel.ep_dispatch_dtype=") + m.dispatch,
-                                 "parallel.ep_chunks=" + std::to_string(m.chunks)};
+                                 "parallel.ep_chunks=" + std::to_string(m.chunks),
+                                 std::string("model.checkpoint=") + m.checkpoint};
   if (std::string(m.dispatch) == m.recipe) mx.push_back("model.requant_dim1=true");
   const Snapshot ref1 = train(0, 1, 1, mx), got1 = train(m.world, m.ep, 1, mx);
   EXPECT_NEAR(got1.metrics[0].loss, ref1.metrics[0].loss, 1e-10 * ref1.metrics[0].loss);
@@ -241,11 +246,16 @@ INSTANTIATE_TEST_SUITE_P(
         MxCase{4, 2, "fp8_wgrad_with_hp", "bf16", 3}, MxCase{2, 2, "fp8_blockwise"},
         MxCase{4, 4, "fp8_blockwise"}, MxCase{4, 2, "fp8_wgrad_with_hp", "fp8_blockwise"},
         MxCase{2, 2, "fp8_blockwise", "fp8_blockwise"},
-        MxCase{4, 2, "fp8_wgrad_with_hp", "fp8_blockwise", 3}),
+        MxCase{4, 2, "fp8_wgrad_with_hp", "fp8_blockwise", 3},
+        MxCase{2, 2, "fp8_blockwise", "fp8_blockwise", 1, "full"},
+        MxCase{4, 2, "fp8_wgrad_with_hp", "fp8_blockwise", 1, "selective"}),
     [](const auto& info) {
       return "W" + std::to_string(info.param.world) + "_ep" + std::to_string(info.param.ep) + "_" +
              info.param.recipe + "_dispatch_" + info.param.dispatch +
-             (info.param.chunks > 1 ? "_chunks" + std::to_string(info.param.chunks) : "");
+             (info.param.chunks > 1 ? "_chunks" + std::to_string(info.param.chunks) : "") +
+             (std::string(info.param.checkpoint) != "none"
+                  ? std::string("_") + info.param.checkpoint
+                  : std::string());
     });
 
 INSTANTIATE_TEST_SUITE_P(
