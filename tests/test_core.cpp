@@ -40,6 +40,31 @@ TEST(BF16, RoundsToNearestEven) {
   EXPECT_TRUE(std::isinf(from_bf16(to_bf16(INFINITY))));
 }
 
+// From f64 the value is rounded once: just above a tie, where a rounding to fp32 first would land
+// on the tie and go to even; ties, exact values and the specials as from fp32; Tensor::set_item
+// and to() round so too.
+TEST(BF16, RoundsOnceFromF64) {
+  const double above_tie = 1.0 + 0x1p-8 + 0x1p-30;  // fp32 would make it 1 + 2^-8 exactly
+  EXPECT_EQ(to_bf16(static_cast<float>(above_tie)).bits, 0x3F80);
+  EXPECT_EQ(to_bf16(above_tie).bits, 0x3F81);
+  EXPECT_EQ(to_bf16(-above_tie).bits, 0xBF81);
+  EXPECT_EQ(to_bf16(1.0 + 0x1p-8).bits, 0x3F80);  // a tie itself: even
+  EXPECT_EQ(to_bf16(1.0 + 0x1p-8 - 0x1p-30).bits, 0x3F80);
+  EXPECT_EQ(to_bf16(-2.5).bits, to_bf16(-2.5f).bits);
+  EXPECT_TRUE(std::isnan(from_bf16(to_bf16(std::nan("")))));
+  EXPECT_TRUE(std::isinf(from_bf16(to_bf16(1e300))));
+  EXPECT_EQ(to_f16(1.0 + 0x1p-11 + 0x1p-40).bits, 0x3C01);  // fp32 first: 0x3C00
+  EXPECT_EQ(to_f16(static_cast<float>(1.0 + 0x1p-11 + 0x1p-40)).bits, 0x3C00);
+  Tensor t = Tensor::empty({2}, DType::kBF16);
+  t.set_item(0, above_tie);
+  t.set_item(1, -above_tie);
+  EXPECT_EQ(t.data<bf16>()[0].bits, 0x3F81);
+  EXPECT_EQ(t.data<bf16>()[1].bits, 0xBF81);
+  Tensor f64 = Tensor::empty({1}, DType::kF64);
+  f64.set_item(0, above_tie);
+  EXPECT_EQ(f64.to(DType::kBF16).data<bf16>()[0].bits, 0x3F81);
+}
+
 TEST(F16, HandCheckedValues) {
   EXPECT_EQ(to_f16(1.0f).bits, 0x3C00);
   EXPECT_EQ(to_f16(-2.0f).bits, 0xC000);

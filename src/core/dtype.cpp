@@ -32,6 +32,27 @@ bf16 to_bf16(float x) {
   return bf16{static_cast<uint16_t>(u >> 16)};
 }
 
+namespace {
+// x rounded to fp32 toward zero with the last bit set where that was inexact (round to odd):
+// rounding this once more to a format of at least two fewer significant bits (bf16, f16) gives x
+// rounded to nearest even once.
+float to_f32_odd(double x) {
+  float f = static_cast<float>(x);
+  if (std::isnan(x)) return f;
+  if (std::fabs(static_cast<double>(f)) > std::fabs(x)) f = std::nextafter(f, 0.0f);
+  if (static_cast<double>(f) != x) f = std::bit_cast<float>(std::bit_cast<uint32_t>(f) | 1u);
+  return f;
+}
+}  // namespace
+
+bf16 to_bf16(double x) {
+  return to_bf16(to_f32_odd(x));
+}
+
+f16 to_f16(double x) {
+  return to_f16(to_f32_odd(x));
+}
+
 float from_bf16(bf16 x) {
   return std::bit_cast<float>(static_cast<uint32_t>(x.bits) << 16);
 }

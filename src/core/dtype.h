@@ -90,6 +90,7 @@ constexpr DType dtype_of<bf16>() {
   return DType::kBF16;
 }
 bf16 to_bf16(float x);
+bf16 to_bf16(double x);  // rounded once (not through an fp32 rounding)
 float from_bf16(bf16 x);
 
 // IEEE binary16: exact to fp32; from fp32 rounded to nearest even, overflow to +-inf, gradual
@@ -102,6 +103,7 @@ constexpr DType dtype_of<f16>() {
   return DType::kF16;
 }
 f16 to_f16(float x);
+f16 to_f16(double x);  // rounded once (not through an fp32 rounding)
 float from_f16(f16 x);
 
 // FP8 E4M3 (OCP "fn" variant): bias 7, no infinities, 0x7F/0xFF are NaN, max finite 448.

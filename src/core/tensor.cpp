@@ -434,10 +434,10 @@ void Tensor::set_item(int64_t i, double v) {
       static_cast<double*>(p)[i] = v;
       break;
     case DType::kBF16:
-      static_cast<bf16*>(p)[i] = to_bf16(static_cast<float>(v));
+      static_cast<bf16*>(p)[i] = to_bf16(v);
       break;
     case DType::kF16:
-      static_cast<f16*>(p)[i] = to_f16(static_cast<float>(v));
+      static_cast<f16*>(p)[i] = to_f16(v);
       break;
     case DType::kE4M3:
       static_cast<uint8_t*>(p)[i] = to_e4m3(static_cast<float>(v));

@@ -77,7 +77,7 @@ void for_each_whole_parameter(Qwen3Moe& model, ParamGroup& g, F&& fn) {
 
 void store(void* base, DType t, int64_t i, double v) {
   if (t == DType::kBF16)
-    static_cast<bf16*>(base)[i] = to_bf16(static_cast<float>(v));
+    static_cast<bf16*>(base)[i] = to_bf16(v);
   else
     static_cast<float*>(base)[i] = static_cast<float>(v);
 }
