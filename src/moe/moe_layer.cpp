@@ -230,9 +230,7 @@ void make_chunks(const MoeConfig& c, const MoeComms& comms, const Tensor& hn, Mo
       const Tensor weights = ch.rows_of(a.routing.expert_weight);
       // The plan dispatches the tokens and their routing weights with their choices.
       std::vector<DispatchRows> with;
-      if (!ch.xr.defined())
-        with.push_back(
-            {&rows, &ch.xr, c.expert_precision, rows_arrive_fp8(c) ? &ch.xr_fp8 : nullptr});
+      if (!ch.xr.defined()) with.push_back({&rows, &ch.xr, c.expert_precision, &ch.xr_fp8});
       if (!ch.wr.defined()) with.push_back({&weights, &ch.wr});
       ch.exchange =
           std::make_shared<ExpertExchange>(*comms.ep, choices, c.n_experts, comms.exchange, with);
@@ -332,10 +330,8 @@ void moe_fill(const MoeWeights& w, const MoeConfig& c, const MoeComms& comms, co
       const Tensor rows = ch.rows_of(hn);
       const Tensor weights = ch.rows_of(a.routing.expert_weight);
       ex.join(ex.run([&] {
-        if (!ch.xr.defined() && rows_arrive_fp8(c))
-          ch.xr_fp8 = ch.exchange->dispatch_fp8(rows, c.expert_precision.fp8_scale);
-        else if (!ch.xr.defined())
-          ch.xr = ch.exchange->dispatch(rows, c.expert_precision);
+        if (!ch.xr.defined())
+          ch.exchange->dispatch({&rows, &ch.xr, c.expert_precision, &ch.xr_fp8});
         if (!ch.wr.defined()) ch.wr = ch.exchange->dispatch(weights);
       }));
       fp8_rows_arrived(ch, hn.dtype());
@@ -393,10 +389,7 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
       continue;
     }
     dispatched[i] = ex.run([&] {
-      if (rows_arrive_fp8(c))
-        dy_here[i].fp8 = ch.exchange->dispatch_fp8(rows, prec.fp8_scale);
-      else
-        dy_here[i].rows = ch.exchange->dispatch(rows, prec);
+      ch.exchange->dispatch({&rows, &dy_here[i].rows, prec, &dy_here[i].fp8});
     });
   }
   for (size_t i = 0; i < a.chunks.size(); ++i) {

@@ -12,6 +12,14 @@
 namespace mt::moe {
 
 namespace {
+// A part of the scatter on the FP8 wire: `rows` quantized by `rule` into `received`.
+ScatterPart fp8_part(const Tensor& rows, QuantTensor& received, Fp8ScaleRule rule) {
+  ScatterPart part{&rows, nullptr, RowWire::kFp8};
+  part.recv_fp8 = &received;
+  part.fp8_scale = rule;
+  return part;
+}
+
 constexpr std::array<EnumName<ExchangeMode>, 2> kModes = {{
     {ExchangeMode::kHostCounts, "host"},
     {ExchangeMode::kDeviceCounts, "device"},
@@ -38,12 +46,7 @@ ExpertExchange::ExpertExchange(dist::Communicator& ep, const Tensor& expert_inde
   ops::peer_choices(expert_index, peers, local, to_peer);
   if (mode == ExchangeMode::kHostCounts) {
     plan_host_counts(expert_index, to_peer, local);
-    for (const DispatchRows& d : with) {
-      if (d.precision.dispatch == RowWire::kFp8)
-        *d.out_fp8 = dispatch_fp8(*d.rows, d.precision.fp8_scale);
-      else
-        *d.out = dispatch(*d.rows, d.precision);
-    }
+    for (const DispatchRows& d : with) dispatch(d);
   } else {
     plan_device_counts(expert_index, to_peer, local, with);
   }
@@ -126,10 +129,7 @@ void ExpertExchange::plan_device_counts(const Tensor& expert_index, const Tensor
     if (d.precision.dispatch == RowWire::kFp8) {
       *d.out_fp8 = QuantTensor::empty({received_tokens_, d.rows->dim(1)}, QuantBlock::kRow128,
                                       QuantAxis::kDim0, device);
-      ScatterPart part{d.rows, nullptr, RowWire::kFp8};
-      part.recv_fp8 = d.out_fp8;
-      part.fp8_scale = d.precision.fp8_scale;
-      s.parts.push_back(part);
+      s.parts.push_back(fp8_part(*d.rows, *d.out_fp8, d.precision.fp8_scale));
       continue;
     }
     *d.out = Tensor::empty({received_tokens_, d.rows->dim(1)}, d.rows->dtype(), device);
@@ -198,10 +198,7 @@ QuantTensor ExpertExchange::dispatch_fp8(const Tensor& rows, Fp8ScaleRule rule) 
                                             QuantAxis::kDim0, device);
   if (mode_ == ExchangeMode::kDeviceCounts) {  // quantized as it is sent
     RowScatter s = dispatch_scatter();
-    ScatterPart part{&rows, nullptr, RowWire::kFp8};
-    part.recv_fp8 = &received;
-    part.fp8_scale = rule;
-    s.parts.push_back(part);
+    s.parts.push_back(fp8_part(rows, received, rule));
     scatter_rows(*ep_, s);
     return received;
   }
@@ -211,6 +208,13 @@ QuantTensor ExpertExchange::dispatch_fp8(const Tensor& rows, Fp8ScaleRule rule) 
   received.data() = send_rows(out.data());
   received.scales() = send_rows(out.scales());
   return received;
+}
+
+void ExpertExchange::dispatch(const DispatchRows& d) const {
+  if (d.precision.dispatch == RowWire::kFp8)
+    *d.out_fp8 = dispatch_fp8(*d.rows, d.precision.fp8_scale);
+  else
+    *d.out = dispatch(*d.rows, d.precision);
 }
 
 void ExpertExchange::combine(const Tensor& rows, Tensor& out, const Tensor* residual) const {

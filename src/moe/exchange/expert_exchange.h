@@ -92,6 +92,9 @@ class ExpertExchange {
   // along the row (ops::fp8_quantize with `rule`; f32, bf16 or f64 rows, W a multiple of 128),
   // arriving as those FP8 rows: (Rt, W), bytes and scales as they crossed.
   QuantTensor dispatch_fp8(const Tensor& rows, Fp8ScaleRule rule) const;
+  // d's rows into *d.out (dispatch) or, on the FP8 wire, *d.out_fp8 (dispatch_fp8), as the
+  // plan's own dispatch sets them.
+  void dispatch(const DispatchRows& d) const;
   // rows (Rt, W) -> out (N, W): each token's rows from the ranks it went to, summed in rank
   // order, plus residual[t] when given (float dtypes). The adjoint of dispatch.
   void combine(const Tensor& rows, Tensor& out, const Tensor* residual = nullptr) const;

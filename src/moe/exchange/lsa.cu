@@ -51,26 +51,21 @@ __device__ void send_copy(const Peers& peers, const LsaPart& part, int64_t t, co
   }
 }
 
-// One 16-byte pack of T as floats.
-template <class T, int P>
-__device__ __forceinline__ void load_lane_pack(const T* src, float (&v)[P]) {
-  static_assert(P * sizeof(T) == 16);
+// The 16 / sizeof(T) elements of one 16-byte pack of T as floats.
+template <class T>
+__device__ __forceinline__ void load_pack(const T* src, float* v) {
+  constexpr int kPer = 16 / sizeof(T);
   const uint4 raw = *reinterpret_cast<const uint4*>(src);
   const T* e = reinterpret_cast<const T*>(&raw);
 #pragma unroll
-  for (int i = 0; i < P; ++i) v[i] = cuda::to_float(e[i]);
+  for (int i = 0; i < kPer; ++i) v[i] = cuda::to_float(e[i]);
 }
 
 template <class T>
 __device__ __forceinline__ void load_lane(const T* src, float (&v)[kLaneElems]) {
   constexpr int kPer = 16 / sizeof(T);
 #pragma unroll
-  for (int b = 0; b < kLaneElems / kPer; ++b) {
-    const uint4 raw = reinterpret_cast<const uint4*>(src)[b];
-    const T* e = reinterpret_cast<const T*>(&raw);
-#pragma unroll
-    for (int i = 0; i < kPer; ++i) v[b * kPer + i] = cuda::to_float(e[i]);
-  }
+  for (int b = 0; b < kLaneElems / kPer; ++b) load_pack(src + b * kPer, v + b * kPer);
 }
 
 // Row t quantized along the row (the rule of ops::mx_quantize, bit for bit) and stored to each
@@ -130,7 +125,7 @@ __device__ void send_fp8(const Peers& peers, const LsaPart& part, int64_t t, con
     const int64_t e0 = base + int64_t{lane} * P;
     const bool active = e0 < width;  // the width is a multiple of 128: a block is wholly in or out
     float v[P] = {};
-    if (active) load_lane_pack(src + e0, v);
+    if (active) load_pack(src + e0, v);
     const cuda::Fp8Lane<P> q = cuda::fp8_lane<P>(v, active, part.fp8_scale);
     if (!active) continue;
     const bool first = lane % (kFp8Block / P) == 0;
@@ -138,12 +133,7 @@ __device__ void send_fp8(const Peers& peers, const LsaPart& part, int64_t t, con
       const int32_t s = slot[p];
       if (s < 0) continue;
       const size_t place = static_cast<size_t>(peers.rank()) * capacity + s;
-      char* data = peers.at(p, part.data_offset + place * width + e0);
-      if constexpr (P == 8)
-        *reinterpret_cast<uint2*>(data) = make_uint2(q.pairs[0] | (uint32_t{q.pairs[1]} << 16),
-                                                     q.pairs[2] | (uint32_t{q.pairs[3]} << 16));
-      else
-        *reinterpret_cast<uint32_t*>(data) = q.pairs[0] | (uint32_t{q.pairs[1]} << 16);
+      cuda::store_fp8_bytes<P>(q, peers.at(p, part.data_offset + place * width + e0));
       if (first)
         *reinterpret_cast<float*>(peers.at(
             p, part.scales_offset + (place * blocks + e0 / kFp8Block) * sizeof(float))) = q.s.scale;

@@ -215,12 +215,11 @@ bool make_lsa_plan(const RowScatter& s, int ranks, size_t window_limit, LsaPlan*
              reinterpret_cast<uintptr_t>(out.residual) % a == 0 &&
              static_cast<size_t>(out.width * out.elem_bytes) % a == 0;
     };
-    if (part.wire == RowWire::kMxfp8) {
+    if (part.wire != RowWire::kAsIs) {  // quantized by the send kernel from bf16 or f32 packs
       if (!aligned(16) || !kernel_rows) return false;
-      out.codec = dt == DType::kBF16 ? LsaCodec::kMxfp8Bf16 : LsaCodec::kMxfp8F32;
-    } else if (part.wire == RowWire::kFp8) {
-      if (!aligned(16) || !kernel_rows) return false;
-      out.codec = dt == DType::kBF16 ? LsaCodec::kFp8Bf16 : LsaCodec::kFp8F32;
+      const bool bf16 = dt == DType::kBF16;
+      out.codec = part.wire == RowWire::kMxfp8 ? (bf16 ? LsaCodec::kMxfp8Bf16 : LsaCodec::kMxfp8F32)
+                                               : (bf16 ? LsaCodec::kFp8Bf16 : LsaCodec::kFp8F32);
     } else {
       out.codec = aligned(16)  ? LsaCodec::kCopy16
                   : aligned(4) ? LsaCodec::kCopy4

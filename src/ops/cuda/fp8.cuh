@@ -71,17 +71,22 @@ __device__ __forceinline__ Fp8Lane<P> fp8_lane(const float (&v)[P], bool active,
   for (int k = 0; k < P / 2; ++k) lane.pairs[k] = fp8x2(v[2 * k], v[2 * k + 1], lane.s);
   return lane;
 }
+// A lane's P E4M3 bytes stored at out (aligned to P bytes) in one access.
+template <int P>
+__device__ __forceinline__ void store_fp8_bytes(const Fp8Lane<P>& lane, void* out) {
+  static_assert(P == 4 || P == 8);
+  if constexpr (P == 8)
+    *static_cast<uint2*>(out) = make_uint2(lane.pairs[0] | (uint32_t{lane.pairs[1]} << 16),
+                                           lane.pairs[2] | (uint32_t{lane.pairs[3]} << 16));
+  else
+    *static_cast<uint32_t*>(out) = lane.pairs[0] | (uint32_t{lane.pairs[1]} << 16);
+}
 // An active lane's bytes into kernels::Fp8RowsOut at (row, col) of rows `width` wide, and its
 // block's scale by the block's first lane.
 template <int P>
 __device__ __forceinline__ void store_fp8_lane(const Fp8Lane<P>& lane, int64_t row, int64_t col,
                                                int64_t width, const kernels::Fp8RowsOut& fp8) {
-  uint8_t* out = fp8.data + row * width + col;
-  if constexpr (P == 8)
-    *reinterpret_cast<uint2*>(out) = make_uint2(lane.pairs[0] | (uint32_t{lane.pairs[1]} << 16),
-                                                lane.pairs[2] | (uint32_t{lane.pairs[3]} << 16));
-  else
-    *reinterpret_cast<uint32_t*>(out) = lane.pairs[0] | (uint32_t{lane.pairs[1]} << 16);
+  store_fp8_bytes<P>(lane, fp8.data + row * width + col);
   if ((threadIdx.x % 32) % (kFp8Block / P) == 0)
     fp8.scales[row * (width / kFp8Block) + col / kFp8Block] = lane.s.scale;
 }
