@@ -417,6 +417,27 @@ TEST(MemoryEstimate, TheDeviceExchangeCostsItsOwnWindow) {
   EXPECT_GT(device.activations, host.activations);  // ep times a balanced share of expert rows
 }
 
+// One GPU: an FP8 recipe's expert matrices hold their two 128 x 128 tile layouts (a byte a weight
+// each) in place of the bf16 compute copy (two), so the workspaces equal bf16's; an MX recipe
+// keeps only the copies of the unit in use and the next.
+TEST(MemoryEstimate, OneGpuHoldsFp8TilesInPlaceOfTheComputeCopy) {
+  ModelConfig m;
+  m.device = Device::kCUDA;
+  m.dim = 1024;
+  m.moe_dim = 512;
+  m.n_layers = 8;
+  const ParallelConfig p;
+  const int64_t tokens = 2048;
+  const MemoryEstimate bf16 = estimate_memory(m, p, tokens);
+  m.expert_precision.recipe = ops::ExpertRecipe::kFp8WgradWithHp;
+  const MemoryEstimate fp8 = estimate_memory(m, p, tokens);
+  m.expert_precision.recipe = ops::ExpertRecipe::kMxfp8WgradWithHp;
+  const MemoryEstimate mx = estimate_memory(m, p, tokens);
+  EXPECT_DOUBLE_EQ(fp8.workspaces, bf16.workspaces);
+  EXPECT_LT(mx.workspaces, bf16.workspaces);
+  EXPECT_EQ(fp8.states, bf16.states);
+}
+
 // Context parallelism: a rank's activations are its tokens' (a cp-th of the rows'), plus the
 // rows' gathered keys and values and their gradients; its exchange window is its tokens'.
 TEST(MemoryEstimate, ContextParallelRanksHoldTheirShareOfTheRows) {

@@ -13,8 +13,10 @@
 #include <random>
 #include <tuple>
 
+#include "mx_cases.h"
 #include "op_testing.h"
 #include "ops/elementwise.h"
+#include "ops/fp8.h"
 #include "ops/optim.h"
 #if MOETRAIN_HAS_CUDA
 #include <cuda_runtime_api.h>
@@ -65,6 +67,69 @@ TEST(AdamW, GradScaleEqualsScaledGradients) {
   }
 }
 
+// A weight of three 256 x 384 matrices whose 128 x 128 tiles differ in magnitude (2^-3 .. 2^3), so
+// a scale taken from the wrong tile changes the bytes; with its gradient and moments.
+struct TiledWeight {
+  Tensor p, g, m, v;
+};
+TiledWeight tiled_weight(uint64_t seed, DType dtype = DType::kF64) {
+  const Shape s{3, 256, 384};
+  TiledWeight w{randn(s, seed, 1.0, dtype), randn(s, seed + 1, 0.1, dtype),
+                randn(s, seed + 2, 0.01, dtype), randn(s, seed + 3, 0.01, dtype)};
+  for (int64_t i = 0; i < w.p.numel(); ++i) {
+    const int64_t tile = (i / 384 / 128) * 3 + i % 384 / 128;  // (batch, tile row), tile column
+    w.p.set_item(i, std::ldexp(w.p.item(i), static_cast<int>(tile % 7) - 3));
+    w.v.set_item(i, std::abs(w.v.item(i)));
+  }
+  return w;
+}
+
+void expect_same_quant(const QuantTensor& got, const QuantTensor& want, const char* what) {
+  EXPECT_TRUE(testing::same_bytes(got.data().to(Device::kCPU), want.data())) << what << ": E4M3";
+  EXPECT_TRUE(testing::same_bytes(got.scales().to(Device::kCPU), want.scales()))
+      << what << ": scales";
+}
+
+// The tiles written with the update are the updated weights' as the products read them: rounded
+// to the compute dtype, quantized along each axis on its own.
+TEST(AdamW, WritesTheUpdatedWeightsFp8Tiles) {
+  const ops::AdamWHyper h{1e-2, 0.9, 0.95, 1e-8, 0.1, 4};
+  for (Fp8ScaleRule rule : {Fp8ScaleRule::kFp32, Fp8ScaleRule::kPow2}) {
+    TiledWeight a = tiled_weight(31), b = tiled_weight(31);
+    QuantTensor dim0 = QuantTensor::empty(a.p.shape(), QuantBlock::kTile128, QuantAxis::kDim0);
+    QuantTensor dim1 = QuantTensor::empty(a.p.shape(), QuantBlock::kTile128, QuantAxis::kDim1);
+    ops::adamw_step(a.p, a.g, a.m, a.v, h,
+                    {.tiles_dim0 = &dim0, .tiles_dim1 = &dim1, .rule = rule});
+    ops::adamw_step(b.p, b.g, b.m, b.v, h);
+    EXPECT_TRUE(testing::same_bytes(a.p, b.p)) << "the update itself is unchanged";
+    const Tensor rounded = b.p.to(DType::kBF16);
+    for (auto [got, axis, what] : {std::tuple{&dim0, QuantAxis::kDim0, "dim0"},
+                                   std::tuple{&dim1, QuantAxis::kDim1, "dim1"}}) {
+      QuantTensor want = QuantTensor::empty(b.p.shape(), QuantBlock::kTile128, axis);
+      ops::fp8_quantize(rounded, rule, want);
+      expect_same_quant(*got, want, what);
+    }
+  }
+}
+
+TEST(AdamW, RefusesTilesItCannotWrite) {
+  TiledWeight w = tiled_weight(41);
+  QuantTensor dim0 = QuantTensor::empty(w.p.shape(), QuantBlock::kTile128, QuantAxis::kDim0);
+  QuantTensor dim1 = QuantTensor::empty(w.p.shape(), QuantBlock::kTile128, QuantAxis::kDim1);
+  const ops::AdamWHyper h;
+  const std::string one =
+      error_of([&] { ops::adamw_step(w.p, w.g, w.m, w.v, h, {.tiles_dim0 = &dim0}); });
+  EXPECT_NE(one.find("both layouts or in neither"), std::string::npos) << one;
+  const std::string swapped = error_of(
+      [&] { ops::adamw_step(w.p, w.g, w.m, w.v, h, {.tiles_dim0 = &dim1, .tiles_dim1 = &dim0}); });
+  EXPECT_NE(swapped.find("along dim0"), std::string::npos) << swapped;
+  Tensor p = randn({256, 100}, 1), g = randn({256, 100}, 2), m = randn({256, 100}, 3);
+  Tensor v = Tensor::zeros({256, 100}, DType::kF32);
+  const std::string shape =
+      error_of([&] { ops::adamw_step(p, g, m, v, h, {.tiles_dim0 = &dim0, .tiles_dim1 = &dim1}); });
+  EXPECT_NE(shape.find("128 x 128 tiles, got (256, 100)"), std::string::npos) << shape;
+}
+
 #if MOETRAIN_HAS_CUDA
 
 struct GpuOptim : GpuCase {};
@@ -78,7 +143,7 @@ TEST_P(GpuOptim, AdamWStep) {
   const ops::AdamWHyper hyper{1e-3, 0.9, 0.95, 1e-8, 0.1, 7, 0.5};  // clipped by half
   ops::adamw_step(p, g, m, v, hyper);
   Tensor compute = Tensor::poisoned({n}, DType::kBF16, Device::kCUDA);
-  ops::adamw_step(gp, g.to(Device::kCUDA), gm, gv, hyper, &compute);
+  ops::adamw_step(gp, g.to(Device::kCUDA), gm, gv, hyper, {.compute = &compute});
   // Every operation rounded on its own in the reference's order: bit-identical to the CPU.
   for (auto [gpu_t, cpu_t, what] :
        {std::tuple{&gp, &p, "adamw params"}, std::tuple{&gm, &m, "adamw exp_avg"},
@@ -89,6 +154,33 @@ TEST_P(GpuOptim, AdamWStep) {
   // The bf16 copy written in the same pass is exactly the cast of the new master weights.
   const Tensor cast = gp.to(Device::kCPU).to(DType::kBF16), got = compute.to(Device::kCPU);
   EXPECT_EQ(std::memcmp(cast.raw(), got.raw(), cast.nbytes()), 0) << "adamw compute copy";
+}
+
+// The update that writes a weight's FP8 tiles in its pass: the master state bit for bit with the
+// CPU's update, the tiles with its quantization of the updated weights rounded to the storage
+// dtype under test (bf16: the compute copy's values; f32: none), on poisoned tiles.
+TEST_P(GpuOptim, AdamWWritesFp8TilesInItsPass) {
+  const ops::AdamWHyper h{1e-2, 0.9, 0.95, 1e-8, 0.1, 5, 0.75};
+  for (Fp8ScaleRule rule : {Fp8ScaleRule::kFp32, Fp8ScaleRule::kPow2}) {
+    TiledWeight w = tiled_weight(seed, DType::kF32);  // GPU master state is f32
+    Tensor gp = w.p.to(Device::kCUDA), gm = w.m.to(Device::kCUDA), gv = w.v.to(Device::kCUDA);
+    QuantTensor d0 =
+        QuantTensor::poisoned(w.p.shape(), QuantBlock::kTile128, QuantAxis::kDim0, Device::kCUDA);
+    QuantTensor d1 =
+        QuantTensor::poisoned(w.p.shape(), QuantBlock::kTile128, QuantAxis::kDim1, Device::kCUDA);
+    ops::adamw_step(gp, w.g.to(Device::kCUDA), gm, gv, h,
+                    {.tiles_dim0 = &d0, .tiles_dim1 = &d1, .tiles_from = GetParam(), .rule = rule});
+    QuantTensor c0 = QuantTensor::empty(w.p.shape(), QuantBlock::kTile128, QuantAxis::kDim0);
+    QuantTensor c1 = QuantTensor::empty(w.p.shape(), QuantBlock::kTile128, QuantAxis::kDim1);
+    ops::adamw_step(w.p, w.g, w.m, w.v, h,
+                    {.tiles_dim0 = &c0, .tiles_dim1 = &c1, .tiles_from = GetParam(), .rule = rule});
+    for (auto [gpu_t, cpu_t, what] :
+         {std::tuple{&gp, &w.p, "params"}, std::tuple{&gm, &w.m, "exp_avg"},
+          std::tuple{&gv, &w.v, "exp_avg_sq"}})
+      EXPECT_TRUE(testing::same_bytes(gpu_t->to(Device::kCPU), *cpu_t)) << what;
+    expect_same_quant(d0, c0, "tiles stored as the weight");
+    expect_same_quant(d1, c1, "tiles stored transposed");
+  }
 }
 
 MOETRAIN_GPU_CASES(GpuOptim);

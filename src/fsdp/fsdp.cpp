@@ -57,9 +57,11 @@ void make_quant_copies(ParamGroup& g, ops::CopyUse use) {
 }  // namespace
 
 void make_persistent_copies(ParamGroup& g) {
-  if (g.sharded() || g.compute_dtype == g.params.dtype() || g.compute.defined() ||
-      !g.reads_compute())
-    return;
+  if (g.sharded()) return;
+  // Held FP8 tiles: both layouts, from the masters rounded as the products read them (once; AdamW
+  // rewrites them each step).
+  if (g.holds_fp8_tiles() && !g.copies_made()) make_quant_copies(g, ops::CopyUse::kBoth);
+  if (g.compute_dtype == g.params.dtype() || g.compute.defined() || !g.reads_compute()) return;
   g.compute = Tensor::empty(g.params.shape(), g.compute_dtype, g.params.device());
   ops::convert(g.params, g.compute);  // the ops read a cast copy
 }
@@ -67,6 +69,7 @@ void make_persistent_copies(ParamGroup& g) {
 void gather(ParamGroup& g, ops::CopyUse use) {
   if (!g.sharded()) {
     make_persistent_copies(g);
+    if (g.holds_fp8_tiles()) return;
     return make_quant_copies(g, use);
   }
   if (!g.gathering) g.gathering = start_gather(g);
@@ -92,7 +95,7 @@ void drop_compute_copies(ParamGroup& g) {
 }
 
 void release(ParamGroup& g) {
-  g.copies.clear();
+  if (!g.holds_fp8_tiles()) g.copies.clear();
   if (!g.sharded()) return;              // the unsharded cast copy stays: AdamW keeps it current
   if (g.gathering) g.gathering->wait();  // never free what a collective may still write
   g.gathering.reset();

@@ -23,11 +23,12 @@ void gather(ParamGroup& g, ops::CopyUse use = ops::CopyUse::kBoth);
 // Sharded groups only; a no-op otherwise or when one is already under way.
 void prefetch(ParamGroup& g);
 // Drops the quantized copies, and on a sharded group the gathered params and the compute copy
-// (reshard after forward, and after backward). An unsharded group's compute copy stays: AdamW keeps
-// it.
+// (reshard after forward, and after backward). An unsharded group's compute copy and held FP8
+// tiles stay: AdamW keeps them.
 void release(ParamGroup& g);
-// An unsharded group's persistent compute copy, made now when missing (gather makes it too): what
-// must exist before a CUDA graph is captured, outside its memory pool.
+// An unsharded group's persistent compute copy and held FP8 tiles (ParamGroup::holds_fp8_tiles),
+// made now when missing (gather makes them too): what must exist before a CUDA graph is captured,
+// outside its memory pool.
 void make_persistent_copies(ParamGroup& g);
 // Drops the compute copy and the quantized copies: after something else wrote the parameters (a
 // checkpoint load); the next gather makes them again.

@@ -15,6 +15,15 @@ uint64_t fnv1a(const std::string& s) {
 }
 }  // namespace
 
+std::vector<const void*> ParamGroup::held_tile_buffers() const {
+  std::vector<const void*> out;
+  if (!holds_fp8_tiles()) return out;
+  for (const ops::WeightCopies& q : copies)
+    for (const QuantTensor* t : {&q.fp8_input, &q.fp8_forward})
+      if (t->defined()) out.insert(out.end(), {t->data().raw(), t->scales().raw()});
+  return out;
+}
+
 ParamGroup make_param_group(ParamKind kind, std::vector<ParamSpec> specs, DType dtype) {
   ParamGroup g;
   g.kind = kind;

@@ -35,7 +35,8 @@ struct ParamSpec {
   bool master_weight = false;
   // An expert matrix under an MX or FP8 recipe: the ops read only its quantized copies
   // (ops::WeightCopies), made from the weights at each gather for the pass that gathers
-  // (fsdp::gather) and dropped at release; no compute copy is kept for it.
+  // (fsdp::gather) and dropped at release, or on one rank under an FP8 recipe held across steps
+  // and rewritten by AdamW's pass (ParamGroup::holds_fp8_tiles); no compute copy is kept for it.
   bool quant_copies = false;
 };
 
@@ -76,7 +77,9 @@ struct ParamGroup {
 
   // The quantized copies of the specs with quant_copies (indexed like specs; empty while not
   // made): made by fsdp::gather for the pass it gathers for, as `precision` asks (MX values or
-  // FP8 tiles), dropped by fsdp::release (sharded or not: they live only while the unit is in use).
+  // FP8 tiles), dropped by fsdp::release; except FP8 tiles on one rank (holds_fp8_tiles): both
+  // layouts made at the first gather, rewritten by AdamW's pass from the updated masters, dropped
+  // only with the compute copies (fsdp::drop_compute_copies: a checkpoint load).
   std::vector<ops::WeightCopies> copies;
   ops::ExpertPrecision precision;
 
@@ -86,16 +89,27 @@ struct ParamGroup {
       if (s.quant_copies) return true;
     return false;
   }
+  // One rank under an FP8 recipe: the quantized specs' tiles persist across passes and steps
+  // (2 bytes a weight for both layouts, in place of the 2 of a bf16 compute copy), each step's
+  // written by the optimizer in its pass over the masters (ops::AdamWCopies).
+  bool holds_fp8_tiles() const {
+    return !sharded() && precision.fp8_forward_and_input() && wants_quant_copies();
+  }
+  bool copies_made() const { return !copies.empty(); }
+  // The held tiles' data and scales (none when not held or not yet made): what a captured pass
+  // reads and a captured update writes beside the flat buffers.
+  std::vector<const void*> held_tile_buffers() const;
   const ops::WeightCopies* quant_copies(size_t i) const {
     return i < copies.size() && specs[i].quant_copies ? &copies[i] : nullptr;
   }
   // Some spec is read from the compute copy: neither an fp32 master weight nor quantized copies
-  // only. FP8 tiles are made from the compute copy (the bf16 values the products would quantize
-  // themselves, in one read of 2 bytes a weight; on one rank AdamW keeps it current), MX values
-  // straight from the masters.
+  // only. A sharded group's FP8 tiles are made from the gathered compute copy (the bf16 values the
+  // products would quantize themselves, in one read of 2 bytes a weight); MX values straight from
+  // the masters, and one rank's held FP8 tiles by AdamW.
   bool reads_compute() const {
     for (const ParamSpec& s : specs)
-      if (!s.master_weight && (!s.quant_copies || precision.fp8_forward_and_input())) return true;
+      if (!s.master_weight && (!s.quant_copies || (precision.fp8_forward_and_input() && sharded())))
+        return true;
     return false;
   }
   bool reads_master() const {

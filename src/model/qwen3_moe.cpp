@@ -213,6 +213,8 @@ std::vector<const void*> Qwen3Moe::pass_buffers() const {
     for (const auto& g : u.groups) {
       for (const Tensor* t : {&g.shard, &g.grad_shard, &g.params, &g.compute, &g.grads})
         out.push_back(t->defined() ? t->raw() : nullptr);
+      const std::vector<const void*> tiles = g.held_tile_buffers();
+      out.insert(out.end(), tiles.begin(), tiles.end());
     }
   for (const Tensor& bias : router_bias_) out.push_back(bias.raw());
   return out;
@@ -234,10 +236,10 @@ std::vector<dist::Communicator*> Qwen3Moe::pass_communicators() const {
 void Qwen3Moe::run_graphed(const Batch& b, const LossScale& scale) {
 #if MOETRAIN_HAS_CUDA
   // Persistent state the pass would otherwise create lazily (an unsharded group's bf16 compute
-  // copy) must not come from the graph pool: make it now. (A sharded group's gathered copies live
-  // only inside the pass.) A graph holds the addresses of everything it reads and writes: when
-  // one of those buffers was replaced (a checkpoint load drops the compute copies), every
-  // capture is stale.
+  // copy, its held FP8 tiles) must not come from the graph pool: make it now. (A sharded group's
+  // gathered copies live only inside the pass.) A graph holds the addresses of everything it reads
+  // and writes: when one of those buffers was replaced (a checkpoint load drops the compute
+  // copies), every capture is stale.
   for (auto& u : units_)
     for (auto& g : u.groups) fsdp::make_persistent_copies(g);
   if (std::vector<const void*> now = pass_buffers(); now != graphs_->buffers) {

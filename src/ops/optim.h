@@ -3,6 +3,7 @@
 #pragma once
 #include <cstdint>
 
+#include "core/quant.h"
 #include "core/tensor.h"
 
 namespace mt::ops {
@@ -24,17 +25,33 @@ struct AdamWStepTerms {
 };
 AdamWStepTerms adamw_step_terms(const AdamWHyper& h);
 
-// param, grad, m, v: same shape and dtype (f32 master state, or f64 in checks). compute, when
-// given, receives the updated params in its own dtype (the bf16 copy the ops read) in the
-// same pass.
+// What the update writes beside the master weights, from the updated values in the same pass.
+struct AdamWCopies {
+  // The whole buffer in the compute copy's dtype (the bf16 copy the ops read).
+  Tensor* compute = nullptr;
+  // The weight's FP8 tiles, param (..., R, C) with R and C multiples of 128: the two copies of
+  // ops::fp8_quantize_both_axes (128 x 128 tiles stored as the weight and transposed), made from
+  // the updated values rounded to `tiles_from` (f32 or bf16, as the products read the weight)
+  // with `rule`. Both or neither.
+  QuantTensor* tiles_dim0 = nullptr;
+  QuantTensor* tiles_dim1 = nullptr;
+  DType tiles_from = DType::kBF16;
+  Fp8ScaleRule rule = Fp8ScaleRule::kFp32;
+  bool writes_tiles() const { return tiles_dim0 != nullptr; }
+};
+
+// param, grad, m, v: same shape and dtype (f32 master state, or f64 in checks). The copies in
+// `out` are written as the unfused sequence would: the update, then the cast (compute) and
+// fp8_quantize_both_axes of the rounded weights (tiles); the GPU in the same pass.
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWHyper& h,
-                Tensor* compute = nullptr);
+                const AdamWCopies& out = {});
 
 // The GPU step with its hyper-parameters read on the device: adamw_device_scalars(h) makes the
 // bytes the kernel reads (u8 on the GPU), and a captured optimizer step replays with each step's
-// values once they are copied over the captured ones. f32 master state, compute bf16 or null.
+// values once they are copied over the captured ones. f32 master state, compute bf16 or null,
+// tiles on 16-byte aligned weights.
 Tensor adamw_device_scalars(const AdamWHyper& h);
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
-                const Tensor& device_scalars, Tensor* compute = nullptr);
+                const Tensor& device_scalars, const AdamWCopies& out = {});
 
 }  // namespace mt::ops

@@ -49,6 +49,41 @@ namespace {
 Tensor* persistent_compute(ParamGroup& g) {
   return !g.sharded() && g.compute.defined() ? &g.compute : nullptr;
 }
+
+// One group's update (h: the hyper-parameters, or their device bytes), writing its persistent
+// copies in the same pass: one launch over the flat buffer, or where the group holds FP8 tiles
+// (one rank, an FP8 recipe) one per quantized weight, which writes its tiles, and one per run of
+// other specs between them.
+template <class Hyper>
+void update_group(ParamGroup& g, Tensor& m, Tensor& v, const Hyper& h) {
+  Tensor* compute = persistent_compute(g);
+  if (!g.holds_fp8_tiles() || !g.copies_made())
+    return ops::adamw_step(g.shard, g.grad_shard, m, v, h, {.compute = compute});
+  const auto plain = [&](int64_t begin, int64_t end) {
+    if (end <= begin) return;
+    const Shape s{end - begin};
+    Tensor p = g.shard.view(begin, s), mv = m.view(begin, s), vv = v.view(begin, s);
+    Tensor c = compute ? compute->view(begin, s) : Tensor();
+    ops::adamw_step(p, g.grad_shard.view(begin, s), mv, vv, h, {.compute = compute ? &c : nullptr});
+  };
+  int64_t done = 0;
+  for (size_t i = 0; i < g.specs.size(); ++i) {
+    const ParamSpec& s = g.specs[i];
+    if (!s.quant_copies) continue;
+    MT_CHECK(s.offset >= done, "group of {}: specs out of offset order", s.name);
+    plain(done, s.offset);
+    Tensor p = g.shard.view(s.offset, s.shape), mv = m.view(s.offset, s.shape),
+           vv = v.view(s.offset, s.shape);
+    ops::WeightCopies& q = g.copies[i];
+    ops::adamw_step(p, g.grad_shard.view(s.offset, s.shape), mv, vv, h,
+                    {.tiles_dim0 = &q.fp8_input,
+                     .tiles_dim1 = &q.fp8_forward,
+                     .tiles_from = g.compute_dtype,
+                     .rule = g.precision.fp8_scale});
+    done = s.offset + shape_numel(s.shape);
+  }
+  plain(done, g.shard.numel());
+}
 }  // namespace
 
 AdamW::AdamW(std::vector<ParamUnit>& units, const TrainConfig& t, dist::Communicator* norm_group)
@@ -83,8 +118,7 @@ void AdamW::step(double lr, int64_t step) {
   if (!groups_.empty() && groups_.front()->shard.device() == Device::kCUDA) return step_gpu(h);
   for (size_t i = 0; i < groups_.size(); ++i) {
     ParamGroup& g = *groups_[i];
-    ops::adamw_step(g.shard, g.grad_shard, state_[2 * i], state_[2 * i + 1], h,
-                    persistent_compute(g));
+    update_group(g, state_[2 * i], state_[2 * i + 1], h);
   }
 }
 
@@ -102,8 +136,7 @@ void AdamW::step_gpu(const ops::AdamWHyper& h) {
     for (size_t u = 0; u < units_->size(); ++u) {
       for (size_t k = 0; k < (*units_)[u].groups.size(); ++k, ++i) {
         ParamGroup& g = *groups_[i];
-        ops::adamw_step(g.shard, g.grad_shard, state_[2 * i], state_[2 * i + 1], c.scalars,
-                         persistent_compute(g));
+        update_group(g, state_[2 * i], state_[2 * i + 1], c.scalars);
       }
       if (c.side) c.updated[u]->record();
     }
@@ -124,6 +157,8 @@ void AdamW::step_gpu(const ops::AdamWHyper& h) {
     for (const Tensor* t : std::initializer_list<const Tensor*>{
              &g.shard, &g.grad_shard, &state_[2 * i], &state_[2 * i + 1], compute})
       buffers.push_back(t ? t->raw() : nullptr);
+    const std::vector<const void*> tiles = g.held_tile_buffers();  // the update writes them
+    buffers.insert(buffers.end(), tiles.begin(), tiles.end());
   }
   if (buffers != c.buffers) {  // a buffer moved (a checkpoint load drops the compute copies)
     c.work.drop();

@@ -72,103 +72,23 @@ __global__ void dequantize_rows_kernel(const uint8_t* data, const float* scales,
     reinterpret_cast<uint4*>(out + g * 16)[b] = reinterpret_cast<const uint4*>(e)[b];
 }
 
-// 128 x 128 tiles: one CTA of 256 threads per tile. The tile's rows are read as 16-byte packs, a
-// warp's loads two (bf16) or one (f32) whole rows, so each thread holds one column range of P
-// elements in 64 / P rows; its bytes leave as the dim0 copy directly and, for the dim1 copy,
-// through a shared tile read back as 4 x 4 blocks of 32-bit words, transposed in registers by byte
-// permutes, and written as 16-byte runs of the transposed rows.
-constexpr int kTileThreads = 256;
-constexpr int kTilePitch = kB + 16;  // bytes per shared row (16-byte aligned rows, no conflicts)
-
-// The transpose of a 4 x 4 byte block held as four row words: column c's word (rows 0..3 as its
-// bytes 0..3) into cols[c].
-__device__ __forceinline__ void transpose4x4(const uint32_t (&rows)[4], uint32_t (&cols)[4]) {
-  const uint32_t lo01 = __byte_perm(rows[0], rows[1], 0x5140);  // r0.b0 r1.b0 r0.b1 r1.b1
-  const uint32_t lo23 = __byte_perm(rows[2], rows[3], 0x5140);
-  const uint32_t hi01 = __byte_perm(rows[0], rows[1], 0x7362);  // r0.b2 r1.b2 r0.b3 r1.b3
-  const uint32_t hi23 = __byte_perm(rows[2], rows[3], 0x7362);
-  cols[0] = __byte_perm(lo01, lo23, 0x5410);
-  cols[1] = __byte_perm(lo01, lo23, 0x7632);
-  cols[2] = __byte_perm(hi01, hi23, 0x5410);
-  cols[3] = __byte_perm(hi01, hi23, 0x7632);
-}
-
+// 128 x 128 tiles: one CTA of kTileThreads per tile (fp8.cuh's store_fp8_tile), the tile's rows
+// read as 16-byte packs.
 template <class T>
 __global__ void __launch_bounds__(kTileThreads)
     quantize_tiles_kernel(const T* w, int64_t rows, int64_t cols, Fp8ScaleRule rule, uint8_t* dim0,
                           uint8_t* dim1, float* scales) {
-  constexpr int P = Pack<T>::kSize;
-  constexpr int kPacksPerRow = kB / P;                   // 16 (bf16) or 32 (f32)
-  constexpr int kRowStep = kTileThreads / kPacksPerRow;  // rows between a thread's packs
-  constexpr int kPacks = kB / kRowStep;                  // a thread's packs: 8 or 16
-  __shared__ alignas(16) uint8_t tile[kB * kTilePitch];
-  __shared__ uint32_t warp_amax[kTileThreads / 32];
-  const int64_t tiles_c = cols / kB, tiles_r = rows / kB;
-  const int64_t b = blockIdx.x / (tiles_r * tiles_c);
-  const int64_t tr = blockIdx.x / tiles_c % tiles_r, tc = blockIdx.x % tiles_c;
-  const int r0 = threadIdx.x / kPacksPerRow, c = (threadIdx.x % kPacksPerRow) * P;
-  const T* src = w + (b * rows + tr * kB + r0) * cols + tc * kB + c;
-  float v[kPacks][P];
+  using Tile = Fp8TileThread<Pack<T>::kSize>;
+  const TilePlace at = tile_place(rows, cols);
+  const T* src = w + at.offset(Tile::row0(), Tile::col());
+  float v[Tile::kPacks][Tile::P];
 #pragma unroll
-  for (int i = 0; i < kPacks; ++i) {
-    const Pack<T> p = load_pack(src + int64_t{i} * kRowStep * cols);
+  for (int i = 0; i < Tile::kPacks; ++i) {
+    const Pack<T> p = load_pack(src + int64_t{i} * Tile::kRowStep * cols);
 #pragma unroll
-    for (int j = 0; j < P; ++j) v[i][j] = p.v[j];
+    for (int j = 0; j < Tile::P; ++j) v[i][j] = p.v[j];
   }
-  uint32_t m = 0;
-#pragma unroll
-  for (int i = 0; i < kPacks; ++i)
-#pragma unroll
-    for (int j = 0; j < P; ++j) m = max(m, magnitude(v[i][j]));
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
-  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = m;
-  __syncthreads();
-  m = 0;
-#pragma unroll
-  for (int i = 0; i < kTileThreads / 32; ++i) m = max(m, warp_amax[i]);
-  const Fp8Scale s = fp8_scale(rule, m);
-  if (threadIdx.x == 0) scales[blockIdx.x] = s.scale;  // (b, tr, tc) in that order
-#pragma unroll
-  for (int i = 0; i < kPacks; ++i) {
-    const int r = r0 + i * kRowStep;
-    uint32_t q[P / 4];
-#pragma unroll
-    for (int j = 0; j < P / 4; ++j)
-      q[j] = fp8x2(v[i][4 * j], v[i][4 * j + 1], s) |
-             (static_cast<uint32_t>(fp8x2(v[i][4 * j + 2], v[i][4 * j + 3], s)) << 16);
-    // The pack's P bytes into the dim0 copy and the shared tile.
-    const auto put = [&](uint8_t* at) {
-      if constexpr (P == 8)
-        *reinterpret_cast<uint2*>(at) = make_uint2(q[0], q[1]);
-      else
-        *reinterpret_cast<uint32_t*>(at) = q[0];
-    };
-    if (dim0) put(dim0 + (b * rows + tr * kB + r) * cols + tc * kB + c);
-    put(tile + r * kTilePitch + c);
-  }
-  if (!dim1) return;
-  __syncthreads();
-  // Thread (column quad cq, row group g) writes transposed rows 4 cq .. 4 cq + 3 at the tile's
-  // rows 16 g .. 16 g + 15: four 4 x 4 blocks read as words (a warp reads 32 consecutive words of
-  // a row) and turned.
-  const int cq = threadIdx.x % 32, g = threadIdx.x / 32;
-  uint32_t out[4][4];  // [transposed row][16-byte run's word]
-#pragma unroll
-  for (int blk = 0; blk < 4; ++blk) {
-    uint32_t row_words[4], col_words[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      row_words[j] =
-          *reinterpret_cast<const uint32_t*>(tile + (16 * g + 4 * blk + j) * kTilePitch + 4 * cq);
-    transpose4x4(row_words, col_words);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) out[j][blk] = col_words[j];
-  }
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-    *reinterpret_cast<uint4*>(dim1 + (b * cols + tc * kB + 4 * cq + j) * rows + tr * kB + 16 * g) =
-        make_uint4(out[j][0], out[j][1], out[j][2], out[j][3]);
+  store_fp8_tile<Tile::P>(v, rule, at, dim0, dim1, scales);
 }
 
 // 1 x 128 down the columns: one CTA per 128-row block and 64 columns. The block's rows are read

@@ -99,4 +99,125 @@ __device__ __forceinline__ void fp8_rows_out(const float (&v)[P], bool active, i
   if (active) store_fp8_lane<P>(lane, row, col, width, fp8);
 }
 
+// 128 x 128 tiles (kTile128), one CTA of kTileThreads per tile: the tile's rows are read as packs
+// of P consecutive values, a warp's loads covering one (P 4) or two (P 8) whole rows, so each
+// thread holds one column range of P elements in 128 / kRowStep rows. Its bytes leave as the dim0
+// copy directly and, for the dim1 copy, through a shared tile read back as 4 x 4 blocks of 32-bit
+// words, transposed in registers by byte permutes, and written as 16-byte runs of the transposed
+// rows. Shared by the quantization kernel (fp8.cu) and AdamW's, which writes a weight's tiles from
+// its updated values (optim.cu).
+inline constexpr int kTileThreads = 256;
+
+template <int Width>
+struct Fp8TileThread {
+  static constexpr int P = Width;
+  static constexpr int kPacksPerRow = static_cast<int>(kFp8Block) / P;   // 32 (P 4) or 16 (P 8)
+  static constexpr int kRowStep = kTileThreads / kPacksPerRow;           // rows between packs
+  static constexpr int kPacks = static_cast<int>(kFp8Block) / kRowStep;  // 16 or 8
+  static __device__ __forceinline__ int row0() { return threadIdx.x / kPacksPerRow; }
+  static __device__ __forceinline__ int col() { return (threadIdx.x % kPacksPerRow) * P; }
+};
+
+// The CTA's tile of a (batch, rows, cols) weight: tiles in (b, tr, tc) order, one per CTA.
+struct TilePlace {
+  int64_t b, tr, tc, rows, cols;
+  // The element (tile row r, tile column c) of a (batch, rows, cols) tensor.
+  __device__ __forceinline__ int64_t offset(int r, int c) const {
+    return (b * rows + tr * kFp8Block + r) * cols + tc * kFp8Block + c;
+  }
+};
+__device__ __forceinline__ TilePlace tile_place(int64_t rows, int64_t cols) {
+  const int64_t tiles_c = cols / kFp8Block, tiles_r = rows / kFp8Block;
+  return {blockIdx.x / (tiles_r * tiles_c), blockIdx.x / tiles_c % tiles_r, blockIdx.x % tiles_c,
+          rows, cols};
+}
+
+// The transpose of a 4 x 4 byte block held as four row words: column c's word (rows 0..3 as its
+// bytes 0..3) into cols[c].
+__device__ __forceinline__ void transpose4x4(const uint32_t (&rows)[4], uint32_t (&cols)[4]) {
+  const uint32_t lo01 = __byte_perm(rows[0], rows[1], 0x5140);  // r0.b0 r1.b0 r0.b1 r1.b1
+  const uint32_t lo23 = __byte_perm(rows[2], rows[3], 0x5140);
+  const uint32_t hi01 = __byte_perm(rows[0], rows[1], 0x7362);  // r0.b2 r1.b2 r0.b3 r1.b3
+  const uint32_t hi23 = __byte_perm(rows[2], rows[3], 0x7362);
+  cols[0] = __byte_perm(lo01, lo23, 0x5410);
+  cols[1] = __byte_perm(lo01, lo23, 0x7632);
+  cols[2] = __byte_perm(hi01, hi23, 0x5410);
+  cols[3] = __byte_perm(hi01, hi23, 0x7632);
+}
+
+// The tile's values as this thread holds them (Fp8TileThread<P>) quantized with the tile's amax:
+// E4M3 bytes into dim0 (stored as the weight, (batch, rows, cols)) and dim1 (transposed, (batch,
+// cols, rows)), either may be null; the tile's scale into scales[blockIdx.x] and, when given,
+// scales_dim1[blockIdx.x] (the two copies' scales are the same). Every thread of the CTA calls it.
+template <int P>
+__device__ __forceinline__ void store_fp8_tile(const float (&v)[Fp8TileThread<P>::kPacks][P],
+                                               Fp8ScaleRule rule, const TilePlace& at,
+                                               uint8_t* dim0, uint8_t* dim1, float* scales,
+                                               float* scales_dim1 = nullptr) {
+  using Tile = Fp8TileThread<P>;
+  constexpr int kB = static_cast<int>(kFp8Block);
+  constexpr int kPitch = kB + 16;  // bytes per shared row (16-byte aligned rows, no conflicts)
+  __shared__ alignas(16) uint8_t tile[kB * kPitch];
+  __shared__ uint32_t warp_amax[kTileThreads / 32];
+  uint32_t m = 0;
+#pragma unroll
+  for (int i = 0; i < Tile::kPacks; ++i)
+#pragma unroll
+    for (int j = 0; j < P; ++j) m = max(m, magnitude(v[i][j]));
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) m = max(m, __shfl_xor_sync(0xffffffffu, m, o));
+  if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = m;
+  __syncthreads();
+  m = 0;
+#pragma unroll
+  for (int i = 0; i < kTileThreads / 32; ++i) m = max(m, warp_amax[i]);
+  const Fp8Scale s = fp8_scale(rule, m);
+  if (threadIdx.x == 0) {
+    scales[blockIdx.x] = s.scale;
+    if (scales_dim1) scales_dim1[blockIdx.x] = s.scale;
+  }
+  const int r0 = Tile::row0(), c = Tile::col();
+#pragma unroll
+  for (int i = 0; i < Tile::kPacks; ++i) {
+    const int r = r0 + i * Tile::kRowStep;
+    uint32_t q[P / 4];
+#pragma unroll
+    for (int j = 0; j < P / 4; ++j)
+      q[j] = fp8x2(v[i][4 * j], v[i][4 * j + 1], s) |
+             (static_cast<uint32_t>(fp8x2(v[i][4 * j + 2], v[i][4 * j + 3], s)) << 16);
+    // The pack's P bytes into the dim0 copy and the shared tile.
+    const auto put = [&](uint8_t* out) {
+      if constexpr (P == 8)
+        *reinterpret_cast<uint2*>(out) = make_uint2(q[0], q[1]);
+      else
+        *reinterpret_cast<uint32_t*>(out) = q[0];
+    };
+    if (dim0) put(dim0 + at.offset(r, c));
+    put(tile + r * kPitch + c);
+  }
+  if (!dim1) return;
+  __syncthreads();
+  // Thread (column quad cq, row group g) writes transposed rows 4 cq .. 4 cq + 3 at the tile's
+  // rows 16 g .. 16 g + 15: four 4 x 4 blocks read as words (a warp reads 32 consecutive words of
+  // a row) and turned.
+  const int cq = threadIdx.x % 32, g = threadIdx.x / 32;
+  uint32_t out[4][4];  // [transposed row][16-byte run's word]
+#pragma unroll
+  for (int blk = 0; blk < 4; ++blk) {
+    uint32_t row_words[4], col_words[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      row_words[j] =
+          *reinterpret_cast<const uint32_t*>(tile + (16 * g + 4 * blk + j) * kPitch + 4 * cq);
+    transpose4x4(row_words, col_words);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out[j][blk] = col_words[j];
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    *reinterpret_cast<uint4*>(dim1 + (at.b * at.cols + at.tc * kB + 4 * cq + j) * at.rows +
+                              at.tr * kB + 16 * g) =
+        make_uint4(out[j][0], out[j][1], out[j][2], out[j][3]);
+}
+
 }  // namespace mt::cuda
