@@ -12,6 +12,7 @@
 
 #include "core/cuda/device.h"
 #include "hf_fixture.h"
+#include "mx_cases.h"
 #include "processes.h"
 #include "train/hf_import.h"
 #include "train/safetensors.h"
@@ -310,6 +311,46 @@ TEST(GpuTrain, CudaGraphReplayIsBitIdenticalWithFp8Recipes) {
       {"model.dim=128", "model.moe_dim=128", "model.expert_recipe=fp8_blockwise",
        "model.requant_dim1=true", "parallel.ep_dispatch_dtype=fp8_blockwise"},
       8, /*recast=*/false);
+}
+
+// On one GPU the expert weights' FP8 tiles are written by AdamW in its pass (ParamGroup::
+// holds_fp8_tiles): after captured steps they are, byte for byte, the tiles the quantization
+// kernel makes from the updated masters rounded to bf16, and the CPU's quantization of them.
+TEST(GpuTrain, HeldFp8TilesAreTheUpdatedWeights) {
+  require_gpu();
+  for (const char* rule : {"fp32", "pow2"}) {
+    SCOPED_TRACE(rule);
+    Trainer t(load_config(
+        kTiny, {"model.dim=128", "model.moe_dim=128", "model.expert_recipe=fp8_wgrad_with_hp",
+                fmt::format("model.fp8_scale={}", rule), "train.steps=3", "hardware.device=cuda"}));
+    ASSERT_EQ(t.run({}).size(), 3u);
+    cuda::synchronize();
+    int held = 0;
+    for (auto& u : t.model().units())
+      for (auto& g : u.groups)
+        for (size_t i = 0; g.holds_fp8_tiles() && i < g.specs.size(); ++i) {
+          if (!g.specs[i].quant_copies) continue;
+          ++held;
+          EXPECT_FALSE(g.compute.defined()) << g.specs[i].name << ": a compute copy beside them";
+          ops::WeightCopies gpu, cpu;
+          ops::make_weight_copies(g.param(i), g.precision, g.compute_dtype, ops::CopyUse::kBoth,
+                                  gpu);
+          ops::make_weight_copies(g.param(i).to(Device::kCPU), g.precision, g.compute_dtype,
+                                  ops::CopyUse::kBoth, cpu);
+          for (auto [held_q, gpu_q, cpu_q] :
+               {std::tuple{&g.copies[i].fp8_forward, &gpu.fp8_forward, &cpu.fp8_forward},
+                std::tuple{&g.copies[i].fp8_input, &gpu.fp8_input, &cpu.fp8_input}})
+            for (const QuantTensor* want : {gpu_q, cpu_q}) {
+              EXPECT_TRUE(testing::same_bytes(held_q->data().to(Device::kCPU),
+                                              want->data().to(Device::kCPU)))
+                  << g.specs[i].name;
+              EXPECT_TRUE(testing::same_bytes(held_q->scales().to(Device::kCPU),
+                                              want->scales().to(Device::kCPU)))
+                  << g.specs[i].name;
+            }
+        }
+    EXPECT_EQ(held, 2 * 2);  // the tiny preset's two layers, gate|up and down each
+  }
 }
 
 TEST(GpuTrain, CudaGraphReplayWithAccumulationRecomputeAndBiases) {
