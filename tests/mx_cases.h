@@ -103,6 +103,15 @@ inline ::testing::AssertionResult same_bytes(const Tensor& a, const Tensor& b) {
   return ::testing::AssertionSuccess();
 }
 
+// Two quantized tensors' data and scales equal byte for byte, on whichever devices they live.
+inline ::testing::AssertionResult same_quant(const QuantTensor& a, const QuantTensor& b) {
+  if (auto data = same_bytes(a.data().to(Device::kCPU), b.data().to(Device::kCPU)); !data)
+    return data << " (data)";
+  if (auto scales = same_bytes(a.scales().to(Device::kCPU), b.scales().to(Device::kCPU)); !scales)
+    return scales << " (scales)";
+  return ::testing::AssertionSuccess();
+}
+
 // Element values equal bit for bit after conversion to double, NaN matching NaN.
 inline ::testing::AssertionResult same_values(const Tensor& a, const Tensor& b) {
   if (a.numel() != b.numel()) return ::testing::AssertionFailure() << "sizes differ";
