@@ -7,7 +7,7 @@
 // Rows: balanced (1024 per expert) and ragged (counts 512..1536, segments on 128-row boundaries,
 // as the MoE layer lays them out). Then the quantizations the recipe adds, against a copy's
 // rate. torch._scaled_grouped_mm (row-wise FP8, torchao's Hopper MoE path) is
-// bench/fp8_grouped_mm_torch.py.
+// bench/fp8_grouped_mm_torch.py. Last, the LM head's two row products in FP8 against bf16.
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
@@ -209,6 +209,59 @@ void bench_quantize(const Layout& l) {
       wms, wgbps, wgbps / copy_gbps);
 }
 
+// The LM head's two row products as one FP8 "expert" of all rows (whether `model.dense_recipe`
+// in FP8 would pay): the forward, logits (16384, V) = x (16384, 2048) w with w (2048, V), and the
+// input gradient, dx = dlogits w^T (contraction over V = 151,936), each beside the bf16 GEMM the
+// model runs (ops::gemm, cuBLAS) and with the quantization of its row operand (1 x 128 blocks),
+// which the FP8 product adds: x's in the forward, dlogits' in the backward (unless fused into the
+// cross-entropy backward that writes it).
+void bench_dense(const char* name, int64_t m, int64_t q, int64_t p, bool weight_transposed) {
+  const int64_t k = weight_transposed ? q : p, n = weight_transposed ? p : q;
+  const Tensor a = mt::bench::random_bf16({m, q}, 12, 1.0);
+  const Tensor w = mt::bench::random_bf16({1, k, n}, 13, 0.05);
+  const Tensor w2 = w.view(0, {k, n});
+  Tensor out = Tensor::empty({m, p}, DType::kBF16, Device::kCUDA);
+  const double flops = 2.0 * m * q * p;
+  const std::string shape =
+      std::to_string(m) + " rows, Q " + std::to_string(q) + ", P " + std::to_string(p);
+  const double bf16_ms = mt::bench::median_ms([&] {
+    mt::ops::gemm(a, mt::ops::Transpose::kNo, w2,
+                  weight_transposed ? mt::ops::Transpose::kNo : mt::ops::Transpose::kYes, out,
+                  mt::ops::Accumulate::kNo);
+  });
+  report(std::string("bf16_") + name, shape, flops, bf16_ms, "none", 0);
+  QuantTensor aq =
+      QuantTensor::empty(a.shape(), QuantBlock::kRow128, QuantAxis::kDim0, Device::kCUDA);
+  const double quant_ms =
+      mt::bench::median_ms([&] { mt::ops::fp8_quantize(a, mt::Fp8ScaleRule::kFp32, aq); });
+  QuantTensor w0 =
+      QuantTensor::empty(w.shape(), QuantBlock::kTile128, QuantAxis::kDim0, Device::kCUDA);
+  QuantTensor w1 =
+      QuantTensor::empty(w.shape(), QuantBlock::kTile128, QuantAxis::kDim1, Device::kCUDA);
+  mt::ops::fp8_quantize_both_axes(w, mt::Fp8ScaleRule::kFp32, w0, w1);
+  const QuantTensor& b = weight_transposed ? w1 : w0;
+  const kernels::Fp8Operands ops{aq.data().raw(), aq.scales().data<float>(), b.data().raw(),
+                                 b.scales().data<float>(), out.raw()};
+  Tensor seg = Tensor::empty({2}, DType::kI64);
+  seg.data<int64_t>()[0] = 0;
+  seg.data<int64_t>()[1] = m;
+  seg = seg.to(Device::kCUDA);
+  Tensor ws = Tensor::empty({static_cast<int64_t>(kernels::fp8_gemm_rows_fixed_workspace(m, p))},
+                            DType::kU8, Device::kCUDA);
+  const double ms = mt::bench::median_ms([&] {
+    MT_CUDA_CHECK(kernels::fp8_gemm_rows_fixed(
+        seg.data<int64_t>(), 1, ops,
+        weight_transposed ? kernels::Fp8WeightScales::kMnMajor : kernels::Fp8WeightScales::kKMajor,
+        m, p, q, ws.raw(), ws.nbytes(), mt::cuda::stream()));
+  });
+  report(std::string("fp8_") + name + "_fixed", shape, flops, ms, "bf16", bf16_ms);
+  std::printf(
+      "{\"bench\": \"fp8_%s_with_row_quantization\", \"shape\": \"%s\", \"quantize_ms\": "
+      "%.4f, \"ms\": %.4f, \"comparator\": \"bf16\", \"speedup\": %.3f}\n",
+      name, shape.c_str(), quant_ms, ms + quant_ms, bf16_ms / (ms + quant_ms));
+  std::fflush(stdout);
+}
+
 }  // namespace
 
 int main() {
@@ -221,5 +274,7 @@ int main() {
     bench_weight(l, "down_weight_gradient", 768, 2048);
     if (std::string(l.name) == "balanced") bench_quantize(l);
   }
+  bench_dense("lm_head_forward", 16384, 2048, 151936, true);
+  bench_dense("lm_head_input_gradient", 16384, 151936, 2048, false);
   return 0;
 }

@@ -27,7 +27,6 @@
 #include "moe/moe_layer.h"
 #include "ops/elementwise.h"
 #include "ops/gemm.h"
-#include "ops/optim.h"
 
 int main() {
   using mt::Device;
@@ -214,43 +213,6 @@ int main() {
         make_copies({mt::ops::CopyUse::kForward, mt::ops::CopyUse::kBackward});
       });
       made.held_ms = mt::bench::median_ms([&] { make_copies({mt::ops::CopyUse::kBoth}); });
-    }
-    // One rank's optimizer step over the layer's expert weights: AdamW writing the bf16 compute
-    // copy in its pass (bf16, where the products read it), and AdamW writing both FP8 tile
-    // layouts instead (the FP8 recipes: the tiles no gather makes). Both move 30 bytes a weight
-    // (read weight, gradient and moments, write them back and the copy): the floor at the
-    // measured copy rate is printed beside them.
-    {
-      const mt::ops::AdamWHyper h{1e-4, 0.9, 0.95, 1e-8, 0.1, 3};
-      const Tensor scalars = mt::ops::adamw_device_scalars(h);
-      double plain_ms = 0, tiles_ms = 0;
-      int64_t weights = 0;
-      for (Tensor* w32 : {&gate_up32, &down32}) {
-        weights += w32->numel();
-        Tensor g = w32->clone();  // a gradient of the weights' magnitude
-        Tensor m = Tensor::zeros(w32->shape(), DType::kF32, Device::kCUDA);
-        Tensor v = Tensor::zeros(w32->shape(), DType::kF32, Device::kCUDA);
-        Tensor p = w32->clone(), compute = Tensor::empty(w32->shape(), DType::kBF16, Device::kCUDA);
-        mt::QuantTensor d0 = mt::QuantTensor::empty(p.shape(), mt::QuantBlock::kTile128,
-                                                    mt::QuantAxis::kDim0, Device::kCUDA);
-        mt::QuantTensor d1 = mt::QuantTensor::empty(p.shape(), mt::QuantBlock::kTile128,
-                                                    mt::QuantAxis::kDim1, Device::kCUDA);
-        plain_ms += mt::bench::median_ms(
-            [&] { mt::ops::adamw_step(p, g, m, v, scalars, {.compute = &compute}); });
-        tiles_ms += mt::bench::median_ms([&] {
-          mt::ops::adamw_step(p, g, m, v, scalars, {.tiles_dim0 = &d0, .tiles_dim1 = &d1});
-        });
-      }
-      Tensor copy = Tensor::empty(gate_up32.shape(), DType::kF32, Device::kCUDA);
-      const double copy_ms = mt::bench::median_ms([&] { copy.copy_from(gate_up32); });
-      const double copy_gbps = 2.0 * static_cast<double>(copy.nbytes()) / (copy_ms * 1e-3) / 1e9;
-      const double floor_ms = 30.0 * static_cast<double>(weights) / (copy_gbps * 1e9) * 1e3;
-      std::printf(
-          "{\"bench\": \"moe_layer_adamw\", \"weights\": %lld, \"compute_copy_ms\": %.3f, "
-          "\"fp8_tiles_ms\": %.3f, \"copy_gbps\": %.0f, \"floor_ms\": %.3f, "
-          "\"tiles_to_compute_copy\": %.3f}\n",
-          static_cast<long long>(weights), plain_ms, tiles_ms, copy_gbps, floor_ms,
-          tiles_ms / plain_ms);
     }
     const auto copies_of = [&](const Recipe& r) -> const Copies* {
       mt::ops::ExpertPrecision p = c.expert_precision;

@@ -6,7 +6,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/setup.sh >/dev/null
 rm -rf .gpu && mkdir -p .gpu
-cp build/moetrain build/tests/test_moe_layer build/tests/test_cuda_train build/tests/test_cuda_dist build/bench_gemm build/bench_moe_layer build/bench_attention build/bench_expert_exchange build/bench_mx build/bench_activation build/bench_fp8_gemm build/bench_context_parallel build/bench_expert_gemm_error .gpu/
+cp build/moetrain build/tests/test_moe_layer build/tests/test_cuda_train build/tests/test_cuda_dist build/bench_gemm build/bench_moe_layer build/bench_attention build/bench_expert_exchange build/bench_mx build/bench_activation build/bench_fp8_gemm build/bench_optim build/bench_context_parallel build/bench_expert_gemm_error .gpu/
 # The op families' tests hold their GPU cases (Gpu*) beside the CPU ones.
 for f in core gemm grouped_gemm embedding norm rope attention route permute activation loss optim \
     mx mx_gemm fp8 expert_gemm exchange_layout; do

@@ -39,7 +39,7 @@ grep -E "^\[ *(OK|FAILED) *\]|Failure|error|seed" "$out/gpu_tests.log" | grep -v
 tail -2 "$out/tiny_gpu.log"
 # Benchmarks: GPU_CHECK_BENCH lists which (default all but scaling; 0 for none),
 # GPU_CHECK_LAYERS the layer counts of the full-model step.
-benches=",${GPU_CHECK_BENCH:-gemm,mx,fp8,activation,attention,cp,exchange,moe,model},"
+benches=",${GPU_CHECK_BENCH:-gemm,mx,fp8,activation,optim,attention,cp,exchange,moe,model},"
 run_bench() {  # name, command...: JSON lines to bench.jsonl, failures named on stdout
   local name=$1
   shift
@@ -64,6 +64,9 @@ if [[ $benches == *,fp8,* ]]; then
 fi
 if [[ $benches == *,activation,* ]]; then
   run_bench bench_activation "$bundle/bench_activation"
+fi
+if [[ $benches == *,optim,* ]]; then
+  run_bench bench_optim "$bundle/bench_optim"
 fi
 if [[ $benches == *,attention,* ]]; then
   run_bench bench_attention "$bundle/bench_attention"
