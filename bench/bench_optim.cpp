@@ -6,6 +6,8 @@
 // makes them). Memory-bound: the floor is those bytes at the copy rate of the same run (a
 // device-to-device copy of one f32 matrix). One JSON line per case: ms, GB/s, ratio to the copy.
 #include <cstdio>
+#include <utility>
+#include <vector>
 
 #include "bench/bench_util.h"
 #include "core/quant.h"
