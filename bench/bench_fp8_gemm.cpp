@@ -207,6 +207,14 @@ void bench_quantize(const Layout& l) {
       "{\"bench\": \"fp8_quantize_weight_both_axes\", \"shape\": \"128 x 2048 x 1536 bf16\", "
       "\"ms\": %.4f, \"gbps\": %.0f, \"ratio_to_copy\": %.3f}\n",
       wms, wgbps, wgbps / copy_gbps);
+  // The forward's layout from the input gradient's (one GPU holds only that one): a byte a weight
+  // read and written.
+  const double tms = mt::bench::median_ms([&] { mt::ops::fp8_transpose_tiles(w0, w1); });
+  const double tgbps = 2.0 * static_cast<double>(w0.data().nbytes()) / (tms * 1e-3) / 1e9;
+  std::printf(
+      "{\"bench\": \"fp8_transpose_tiles\", \"shape\": \"128 x 2048 x 1536 e4m3\", \"ms\": %.4f, "
+      "\"gbps\": %.0f, \"ratio_to_copy\": %.3f}\n",
+      tms, tgbps, tgbps / copy_gbps);
 }
 
 // The LM head's two row products as one FP8 "expert" of all rows (whether `model.dense_recipe`

@@ -2,9 +2,11 @@
 // gate|up 2048 x 1536 and down 768 x 2048, 604M weights), one rank's optimizer step as training
 // runs it: the update alone (28 bytes a weight: weight, gradient and both moments read, all but
 // the gradient written back), writing the bf16 compute copy in its pass (30: bf16 experts), and
-// writing both FP8 128 x 128 tile layouts instead (30: the FP8 recipes on one GPU, where no gather
-// makes them). Memory-bound: the floor is those bytes at the copy rate of the same run (a
-// device-to-device copy of one f32 matrix). One JSON line per case: ms, GB/s, ratio to the copy.
+// writing FP8 128 x 128 tiles instead (the FP8 recipes on one GPU, where no gather makes them):
+// both layouts (30), or the input gradient's alone (29: what one GPU holds; bench_fp8_gemm's
+// fp8_transpose_tiles times the forward's layout made from them). Memory-bound: the floor is those
+// bytes at the copy rate of the same run (a device-to-device copy of one f32 matrix). One JSON line
+// per case: ms, GB/s, ratio to the copy.
 #include <cstdio>
 #include <utility>
 #include <vector>
@@ -75,5 +77,7 @@ int main() {
            return mt::ops::AdamWCopies{.tiles_dim0 = &x.dim0, .tiles_dim1 = &x.dim1};
          }),
          copy_gbps);
+  report("fp8_tiles_input_gradient_layout", weights, 29,
+         step_ms([](Matrix& x) { return mt::ops::AdamWCopies{.tiles_dim0 = &x.dim0}; }), copy_gbps);
   return 0;
 }

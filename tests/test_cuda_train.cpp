@@ -13,6 +13,7 @@
 #include "core/cuda/device.h"
 #include "hf_fixture.h"
 #include "mx_cases.h"
+#include "ops/fp8.h"
 #include "processes.h"
 #include "train/hf_import.h"
 #include "train/safetensors.h"
@@ -313,9 +314,11 @@ TEST(GpuTrain, CudaGraphReplayIsBitIdenticalWithFp8Recipes) {
       8, /*recast=*/false);
 }
 
-// On one GPU the expert weights' FP8 tiles are written by AdamW in its pass (ParamGroup::
-// holds_fp8_tiles): after captured steps they are, byte for byte, the tiles the quantization
-// kernel makes from the updated masters rounded to bf16, and the CPU's quantization of them.
+// On one GPU the expert weights' input-gradient FP8 tiles are written by AdamW in its pass
+// (ParamGroup::holds_fp8_tiles): after captured steps they are, byte for byte, the tiles the
+// quantization kernel makes from the updated masters rounded to bf16, and the CPU's quantization
+// of them; their transpose (what a forward's gather makes) is the forward's; none outlives its
+// pass.
 TEST(GpuTrain, HeldFp8TilesAreTheUpdatedWeights) {
   require_gpu();
   for (const char* rule : {"fp32", "pow2"}) {
@@ -332,16 +335,20 @@ TEST(GpuTrain, HeldFp8TilesAreTheUpdatedWeights) {
           if (!g.specs[i].quant_copies) continue;
           ++held;
           EXPECT_FALSE(g.compute.defined()) << g.specs[i].name << ": a compute copy beside them";
+          EXPECT_FALSE(g.copies[i].fp8_forward.defined()) << g.specs[i].name;
           ops::WeightCopies gpu, cpu;
           ops::make_weight_copies(g.param(i), g.precision, g.compute_dtype, ops::CopyUse::kBoth,
                                   gpu);
           ops::make_weight_copies(g.param(i).to(Device::kCPU), g.precision, g.compute_dtype,
                                   ops::CopyUse::kBoth, cpu);
-          for (auto [held_q, gpu_q, cpu_q] :
-               {std::tuple{&g.copies[i].fp8_forward, &gpu.fp8_forward, &cpu.fp8_forward},
-                std::tuple{&g.copies[i].fp8_input, &gpu.fp8_input, &cpu.fp8_input}})
-            for (const QuantTensor* want : {gpu_q, cpu_q})
-              EXPECT_TRUE(testing::same_quant(*held_q, *want)) << g.specs[i].name;
+          const QuantTensor& held_q = g.copies[i].fp8_input;
+          QuantTensor forward = QuantTensor::poisoned(held_q.shape(), QuantBlock::kTile128,
+                                                      QuantAxis::kDim1, Device::kCUDA);
+          ops::fp8_transpose_tiles(held_q, forward);
+          for (const QuantTensor* want : {&gpu.fp8_forward, &cpu.fp8_forward})
+            EXPECT_TRUE(testing::same_quant(forward, *want)) << g.specs[i].name << " forward";
+          for (const QuantTensor* want : {&gpu.fp8_input, &cpu.fp8_input})
+            EXPECT_TRUE(testing::same_quant(held_q, *want)) << g.specs[i].name << " held";
         }
     EXPECT_EQ(held, 2 * 2);  // the tiny preset's two layers, gate|up and down each
   }

@@ -16,10 +16,10 @@
 
 #include "core/quant.h"
 #include "core/rng.h"
+#include "mx_cases.h"
 #include "ops/fp8.h"
 #include "ops/fp8_gemm.h"
 #include "ops/grouped_gemm.h"
-#include "mx_cases.h"
 #include "testing.h"
 #if MOETRAIN_HAS_CUDA
 #include "gpu_case.h"
@@ -143,7 +143,28 @@ TEST(Fp8Quantize, LayoutsAgree) {
     EXPECT_EQ(relative_error(v0, v1), 0.0);
     EXPECT_GT(relative_error(v0, x), 1e-3);
     EXPECT_LT(relative_error(v0, x), 0.2);  // one scale per tile spanning many binades
+    // Either layout's transpose is the other's quantization, bytes and scales.
+    QuantTensor from0 = QuantTensor::poisoned(x.shape(), QuantBlock::kTile128, QuantAxis::kDim1);
+    QuantTensor from1 = QuantTensor::poisoned(x.shape(), QuantBlock::kTile128, QuantAxis::kDim0);
+    ops::fp8_transpose_tiles(w0, from0);
+    ops::fp8_transpose_tiles(w1, from1);
+    EXPECT_TRUE(testing::same_quant(from0, w1));
+    EXPECT_TRUE(testing::same_quant(from1, w0));
   }
+}
+
+TEST(Fp8Quantize, TransposeTilesRefusesWhatIsNotTheOtherLayout) {
+  const Shape s{2, 256, 128};
+  const QuantTensor w0 = QuantTensor::empty(s, QuantBlock::kTile128, QuantAxis::kDim0);
+  QuantTensor same = QuantTensor::empty(s, QuantBlock::kTile128, QuantAxis::kDim0);
+  const std::string axis = testing::error_of([&] { ops::fp8_transpose_tiles(w0, same); });
+  EXPECT_NE(axis.find("into the other axis"), std::string::npos) << axis;
+  QuantTensor rows = QuantTensor::empty(s, QuantBlock::kRow128, QuantAxis::kDim1);
+  const std::string block = testing::error_of([&] { ops::fp8_transpose_tiles(w0, rows); });
+  EXPECT_NE(block.find("1x128 blocks along dim1"), std::string::npos) << block;
+  QuantTensor other = QuantTensor::empty({2, 128, 256}, QuantBlock::kTile128, QuantAxis::kDim1);
+  const std::string shape = testing::error_of([&] { ops::fp8_transpose_tiles(w0, other); });
+  EXPECT_NE(shape.find("(2, 256, 128) and (2, 128, 256)"), std::string::npos) << shape;
 }
 
 TEST(Fp8Quantize, RefusesShapesItCannotBlock) {
@@ -361,6 +382,15 @@ TEST_P(GpuFp8, QuantizationsMatchReferenceBytes) {
     ops::fp8_quantize_both_axes(gpu(w), rule, g0, g1);
     expect_same_bytes(g0, w0, "128x128 dim0");
     expect_same_bytes(g1, w1, "128x128 dim1");
+    // Each layout from the other by the transpose (the forward's tiles from one GPU's held ones).
+    QuantTensor t1 =
+        QuantTensor::poisoned(w.shape(), QuantBlock::kTile128, QuantAxis::kDim1, Device::kCUDA);
+    QuantTensor t0 =
+        QuantTensor::poisoned(w.shape(), QuantBlock::kTile128, QuantAxis::kDim0, Device::kCUDA);
+    ops::fp8_transpose_tiles(g0, t1);
+    ops::fp8_transpose_tiles(g1, t0);
+    expect_same_bytes(t1, w1, "128x128 dim0 transposed");
+    expect_same_bytes(t0, w0, "128x128 dim1 transposed");
   }
 }
 

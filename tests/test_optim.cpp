@@ -89,16 +89,20 @@ TiledWeight tiled_weight(uint64_t seed, DType dtype = DType::kF64) {
 TEST(AdamW, WritesTheUpdatedWeightsFp8Tiles) {
   const ops::AdamWHyper h{1e-2, 0.9, 0.95, 1e-8, 0.1, 4};
   for (Fp8ScaleRule rule : {Fp8ScaleRule::kFp32, Fp8ScaleRule::kPow2}) {
-    TiledWeight a = tiled_weight(31), b = tiled_weight(31);
-    QuantTensor dim0 = QuantTensor::empty(a.p.shape(), QuantBlock::kTile128, QuantAxis::kDim0);
-    QuantTensor dim1 = QuantTensor::empty(a.p.shape(), QuantBlock::kTile128, QuantAxis::kDim1);
+    TiledWeight a = tiled_weight(31), b = tiled_weight(31), c = tiled_weight(31);
+    QuantTensor dim0 = QuantTensor::poisoned(a.p.shape(), QuantBlock::kTile128, QuantAxis::kDim0);
+    QuantTensor dim1 = QuantTensor::poisoned(a.p.shape(), QuantBlock::kTile128, QuantAxis::kDim1);
+    QuantTensor only0 = QuantTensor::poisoned(a.p.shape(), QuantBlock::kTile128, QuantAxis::kDim0);
     ops::adamw_step(a.p, a.g, a.m, a.v, h,
                     {.tiles_dim0 = &dim0, .tiles_dim1 = &dim1, .rule = rule});
     ops::adamw_step(b.p, b.g, b.m, b.v, h);
+    ops::adamw_step(c.p, c.g, c.m, c.v, h, {.tiles_dim0 = &only0, .rule = rule});
     EXPECT_TRUE(testing::same_bytes(a.p, b.p)) << "the update itself is unchanged";
+    EXPECT_TRUE(testing::same_bytes(c.p, b.p)) << "the update itself is unchanged (dim0 only)";
     const Tensor rounded = b.p.to(DType::kBF16);
-    for (auto [got, axis, what] : {std::tuple{&dim0, QuantAxis::kDim0, "dim0"},
-                                   std::tuple{&dim1, QuantAxis::kDim1, "dim1"}}) {
+    for (auto [got, axis, what] :
+         {std::tuple{&dim0, QuantAxis::kDim0, "dim0"}, std::tuple{&dim1, QuantAxis::kDim1, "dim1"},
+          std::tuple{&only0, QuantAxis::kDim0, "dim0 alone"}}) {
       QuantTensor want = QuantTensor::empty(b.p.shape(), QuantBlock::kTile128, axis);
       ops::fp8_quantize(rounded, rule, want);
       EXPECT_TRUE(testing::same_quant(*got, want)) << what;
@@ -112,8 +116,8 @@ TEST(AdamW, RefusesTilesItCannotWrite) {
   QuantTensor dim1 = QuantTensor::empty(w.p.shape(), QuantBlock::kTile128, QuantAxis::kDim1);
   const ops::AdamWHyper h;
   const std::string one =
-      error_of([&] { ops::adamw_step(w.p, w.g, w.m, w.v, h, {.tiles_dim0 = &dim0}); });
-  EXPECT_NE(one.find("both layouts or in neither"), std::string::npos) << one;
+      error_of([&] { ops::adamw_step(w.p, w.g, w.m, w.v, h, {.tiles_dim1 = &dim1}); });
+  EXPECT_NE(one.find("only beside its dim0 tiles"), std::string::npos) << one;
   const std::string swapped = error_of(
       [&] { ops::adamw_step(w.p, w.g, w.m, w.v, h, {.tiles_dim0 = &dim1, .tiles_dim1 = &dim0}); });
   EXPECT_NE(swapped.find("along dim0"), std::string::npos) << swapped;
@@ -174,6 +178,15 @@ TEST_P(GpuOptim, AdamWWritesFp8TilesInItsPass) {
       EXPECT_TRUE(testing::same_bytes(gpu_t->to(Device::kCPU), *cpu_t)) << what;
     EXPECT_TRUE(testing::same_quant(d0, c0)) << "tiles stored as the weight";
     EXPECT_TRUE(testing::same_quant(d1, c1)) << "tiles stored transposed";
+    // The input gradient's layout alone (what one GPU holds): the same bytes, no shared tile.
+    TiledWeight u = tiled_weight(seed, DType::kF32);
+    Tensor up = u.p.to(Device::kCUDA), um = u.m.to(Device::kCUDA), uv = u.v.to(Device::kCUDA);
+    QuantTensor only0 =
+        QuantTensor::poisoned(u.p.shape(), QuantBlock::kTile128, QuantAxis::kDim0, Device::kCUDA);
+    ops::adamw_step(up, u.g.to(Device::kCUDA), um, uv, h,
+                    {.tiles_dim0 = &only0, .tiles_from = GetParam(), .rule = rule});
+    EXPECT_TRUE(testing::same_bytes(up.to(Device::kCPU), w.p)) << "params (dim0 only)";
+    EXPECT_TRUE(testing::same_quant(only0, c0)) << "tiles stored as the weight, alone";
   }
 }
 

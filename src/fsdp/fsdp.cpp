@@ -3,6 +3,7 @@
 #include <algorithm>
 
 #include "ops/elementwise.h"
+#include "ops/fp8.h"
 
 namespace mt::fsdp {
 
@@ -54,13 +55,32 @@ void make_quant_copies(ParamGroup& g, ops::CopyUse use) {
     if (g.specs[i].quant_copies)
       ops::make_weight_copies(g.weight(i), g.precision, g.compute_dtype, use, g.copies[i]);
 }
+
+// One rank's held FP8 tiles are the input gradient's layout (dim0); the forward's (dim1) is
+// their transpose, made for each pass that runs the forward's products and dropped at release:
+// a byte a weight held in place of two.
+void make_forward_tiles(ParamGroup& g, ops::CopyUse use) {
+  if (use == ops::CopyUse::kBackward) return;
+  for (size_t i = 0; i < g.specs.size(); ++i) {
+    if (!g.specs[i].quant_copies) continue;
+    ops::WeightCopies& q = g.copies[i];
+    if (!q.fp8_forward.defined())
+      q.fp8_forward = QuantTensor::empty(q.fp8_input.shape(), QuantBlock::kTile128,
+                                         QuantAxis::kDim1, q.fp8_input.device());
+    ops::fp8_transpose_tiles(q.fp8_input, q.fp8_forward);
+  }
+}
+
+void drop_forward_tiles(ParamGroup& g) {
+  for (ops::WeightCopies& q : g.copies) q.fp8_forward = QuantTensor();
+}
 }  // namespace
 
 void make_persistent_copies(ParamGroup& g) {
   if (g.sharded()) return;
-  // Held FP8 tiles: both layouts, from the masters rounded as the products read them (once; AdamW
-  // rewrites them each step).
-  if (g.holds_fp8_tiles() && !g.copies_made()) make_quant_copies(g, ops::CopyUse::kBoth);
+  // Held FP8 tiles: the input gradient's layout, from the masters rounded as the products read
+  // them (once; AdamW rewrites them each step).
+  if (g.holds_fp8_tiles() && !g.copies_made()) make_quant_copies(g, ops::CopyUse::kBackward);
   if (g.compute_dtype == g.params.dtype() || g.compute.defined() || !g.reads_compute()) return;
   g.compute = Tensor::empty(g.params.shape(), g.compute_dtype, g.params.device());
   ops::convert(g.params, g.compute);  // the ops read a cast copy
@@ -69,7 +89,7 @@ void make_persistent_copies(ParamGroup& g) {
 void gather(ParamGroup& g, ops::CopyUse use) {
   if (!g.sharded()) {
     make_persistent_copies(g);
-    if (g.holds_fp8_tiles()) return;
+    if (g.holds_fp8_tiles()) return make_forward_tiles(g, use);
     return make_quant_copies(g, use);
   }
   if (!g.gathering) g.gathering = start_gather(g);
@@ -95,7 +115,10 @@ void drop_compute_copies(ParamGroup& g) {
 }
 
 void release(ParamGroup& g) {
-  if (!g.holds_fp8_tiles()) g.copies.clear();
+  if (g.holds_fp8_tiles())
+    drop_forward_tiles(g);
+  else
+    g.copies.clear();
   if (!g.sharded()) return;              // the unsharded cast copy stays: AdamW keeps it current
   if (g.gathering) g.gathering->wait();  // never free what a collective may still write
   g.gathering.reset();

@@ -15,8 +15,9 @@ void shard_group(ParamGroup& g, dist::Communicator& comm);
 
 // params (padded) = all-gather of the shards (collective over the group's comm); then, in mixed
 // precision, the compute copy, and the quantized copies `use` needs (ParamSpec::quant_copies; the
-// copies of a unit gathered again for its backward are made again, as its gathered weights are).
-// Call before the unit runs, sharded or not.
+// copies of a unit gathered again for its backward are made again, as its gathered weights are;
+// one rank's held FP8 tiles give the forward's layout by a transpose). Call before the unit runs,
+// sharded or not.
 void gather(ParamGroup& g, ops::CopyUse use = ops::CopyUse::kBoth);
 // Starts gather(g)'s all-gather in the background (NCCL: on the communicator's stream, so it
 // overlaps the compute queued until gather(g), which then waits for it instead of gathering).
@@ -24,7 +25,7 @@ void gather(ParamGroup& g, ops::CopyUse use = ops::CopyUse::kBoth);
 void prefetch(ParamGroup& g);
 // Drops the quantized copies, and on a sharded group the gathered params and the compute copy
 // (reshard after forward, and after backward). An unsharded group's compute copy and held FP8
-// tiles stay: AdamW keeps them.
+// tiles stay: AdamW keeps them (the forward's transposed tiles go).
 void release(ParamGroup& g);
 // An unsharded group's persistent compute copy and held FP8 tiles (ParamGroup::holds_fp8_tiles),
 // made now when missing (gather makes them too): what must exist before a CUDA graph is captured,

@@ -19,8 +19,8 @@ std::vector<const void*> ParamGroup::held_tile_buffers() const {
   std::vector<const void*> out;
   if (!holds_fp8_tiles()) return out;
   for (const ops::WeightCopies& q : copies)
-    for (const QuantTensor* t : {&q.fp8_input, &q.fp8_forward})
-      if (t->defined()) out.insert(out.end(), {t->data().raw(), t->scales().raw()});
+    if (q.fp8_input.defined())
+      out.insert(out.end(), {q.fp8_input.data().raw(), q.fp8_input.scales().raw()});
   return out;
 }
 

@@ -77,9 +77,11 @@ struct ParamGroup {
 
   // The quantized copies of the specs with quant_copies (indexed like specs; empty while not
   // made): made by fsdp::gather for the pass it gathers for, as `precision` asks (MX values or
-  // FP8 tiles), dropped by fsdp::release; except FP8 tiles on one rank (holds_fp8_tiles): both
-  // layouts made at the first gather, rewritten by AdamW's pass from the updated masters, dropped
-  // only with the compute copies (fsdp::drop_compute_copies: a checkpoint load).
+  // FP8 tiles), dropped by fsdp::release; except FP8 tiles on one rank (holds_fp8_tiles): the
+  // input gradient's layout (fp8_input) made at the first gather, rewritten by AdamW's pass from
+  // the updated masters, dropped only with the compute copies (fsdp::drop_compute_copies: a
+  // checkpoint load); the forward's (fp8_forward) its transpose, made by each gather for a forward
+  // and dropped at release.
   std::vector<ops::WeightCopies> copies;
   ops::ExpertPrecision precision;
 
@@ -89,9 +91,10 @@ struct ParamGroup {
       if (s.quant_copies) return true;
     return false;
   }
-  // One rank under an FP8 recipe: the quantized specs' tiles persist across passes and steps
-  // (2 bytes a weight for both layouts, in place of the 2 of a bf16 compute copy), each step's
-  // written by the optimizer in its pass over the masters (ops::AdamWCopies).
+  // One rank under an FP8 recipe: the quantized specs' input-gradient tiles persist across passes
+  // and steps (1 byte a weight, in place of the 2 of a bf16 compute copy), each step's written by
+  // the optimizer in its pass over the masters (ops::AdamWCopies); the forward's layout lives only
+  // while a forward's gather holds it.
   bool holds_fp8_tiles() const {
     return !sharded() && precision.fp8_forward_and_input() && wants_quant_copies();
   }

@@ -124,6 +124,35 @@ void fp8_quantize_both_axes(const Tensor& w, Fp8ScaleRule rule, QuantTensor& dim
   cpu::fp8_quantize(w, rule, dim1);
 }
 
+void fp8_transpose_tiles(const QuantTensor& in, QuantTensor& out) {
+  MT_CHECK(in.defined() && out.defined(), "fp8_transpose_tiles: a tensor is not allocated");
+  MT_CHECK(in.block() == QuantBlock::kTile128 && out.block() == QuantBlock::kTile128 &&
+               in.axis() != out.axis(),
+           "fp8_transpose_tiles: 128x128 tiles into the other axis expected, got {} blocks along "
+           "dim{} into {} blocks along dim{}",
+           quant_block_name(in.block()), in.axis() == QuantAxis::kDim0 ? 0 : 1,
+           quant_block_name(out.block()), out.axis() == QuantAxis::kDim0 ? 0 : 1);
+  MT_CHECK(in.shape() == out.shape(), "fp8_transpose_tiles: shapes {} and {} differ",
+           shape_str(in.shape()), shape_str(out.shape()));
+  MT_CHECK(in.device() == out.device(), "fp8_transpose_tiles: tensors on different devices");
+#if MOETRAIN_HAS_CUDA
+  if (in.device() == Device::kCUDA) {
+    const profile::Phase phase("gpu.fp8_transpose_tiles");
+    check_aligned("fp8_transpose_tiles", in.data().raw());
+    check_aligned("fp8_transpose_tiles", out.data().raw());
+    const Shape& s = in.data().shape();  // stored (..., P, Q)
+    const int64_t p = s[s.size() - 2], q = s[s.size() - 1];
+    const int64_t batch = p * q == 0 ? 0 : in.numel() / (p * q);
+    MT_CUDA_CHECK(cuda::kernels::fp8_transpose_tiles(
+        static_cast<const uint8_t*>(in.data().raw()), batch, p, q,
+        static_cast<uint8_t*>(out.data().raw()), cuda::stream()));
+    out.scales().copy_from(in.scales());
+    return;
+  }
+#endif
+  cpu::fp8_transpose_tiles(in, out);
+}
+
 void fp8_round_trip(const Tensor& x, QuantBlock block, QuantAxis axis, Fp8ScaleRule rule,
                     Tensor& out) {
   MT_CHECK(!on_gpu(x) && !on_gpu(out), "fp8_round_trip is the CPU's definition");

@@ -34,6 +34,13 @@ void write_fp8_rows(const Tensor& out, const Fp8RowsOut& fp8);
 void fp8_quantize_both_axes(const Tensor& w, Fp8ScaleRule rule, QuantTensor& dim0,
                             QuantTensor& dim1);
 
+// A weight's 128 x 128 tiles in the other stored layout: out (kTile128, in's logical shape, along
+// the axis in is not stored along) = in's bytes with each matrix transposed, and in's scales (a
+// tile's scale does not depend on the layout): bit for bit what the quantization writes along
+// out's axis, a byte a weight read and written. What one GPU's held input-gradient tiles give the
+// forward (fsdp::gather). On the GPU: 16-byte aligned data.
+void fp8_transpose_tiles(const QuantTensor& in, QuantTensor& out);
+
 // out (x's dtype and shape) = x's FP8 values: quantized in `block`s along `axis` and dequantized
 // (f64: exact; f32 or bf16: the exact value rounded once). CPU only: the definition the GPU
 // products are held to.

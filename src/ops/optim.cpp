@@ -32,19 +32,20 @@ void check_buffers(const Tensor& param, const Tensor& grad, const Tensor& m, con
     MT_CHECK(out.compute->numel() == n && out.compute->device() == param.device(),
              "adamw compute copy of {} elements for {} parameters (on their device)",
              out.compute->numel(), n);
-  MT_CHECK((out.tiles_dim0 == nullptr) == (out.tiles_dim1 == nullptr),
-           "adamw writes a weight's FP8 tiles in both layouts or in neither");
+  MT_CHECK(out.tiles_dim0 != nullptr || out.tiles_dim1 == nullptr,
+           "adamw writes a weight's transposed FP8 tiles (dim1) only beside its dim0 tiles");
   if (!out.writes_tiles()) return;
   const Shape& s = param.shape();
   MT_CHECK(s.size() >= 2 && s[s.size() - 2] % kFp8Block == 0 && s[s.size() - 1] % kFp8Block == 0,
            "adamw's FP8 tiles need a weight of 128 x 128 tiles, got {}", shape_str(s));
   for (const auto& [q, axis] :
        {std::pair{out.tiles_dim0, QuantAxis::kDim0}, std::pair{out.tiles_dim1, QuantAxis::kDim1}})
-    MT_CHECK(q->defined() && q->shape() == s && q->block() == QuantBlock::kTile128 &&
-                 q->axis() == axis && q->device() == param.device(),
-             "adamw's FP8 tiles of {}: 128 x 128 tiles of that shape along dim{} on the weight's "
-             "device expected",
-             shape_str(s), axis == QuantAxis::kDim0 ? 0 : 1);
+    MT_CHECK(
+        q == nullptr || (q->defined() && q->shape() == s && q->block() == QuantBlock::kTile128 &&
+                         q->axis() == axis && q->device() == param.device()),
+        "adamw's FP8 tiles of {}: 128 x 128 tiles of that shape along dim{} on the weight's "
+        "device expected",
+        shape_str(s), axis == QuantAxis::kDim0 ? 0 : 1);
 }
 }  // namespace
 
@@ -58,12 +59,13 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const A
   cpu::adamw_step(param, grad, m, v, h, out.compute);
   if (!out.writes_tiles()) return;
   // The definition the GPU's fused pass is held to: the weights as the products read them,
-  // quantized in both layouts.
+  // quantized in the layouts asked for.
   Tensor rounded = param;
   if (param.dtype() != out.tiles_from) {
     rounded = Tensor::empty(param.shape(), out.tiles_from, param.device());
     convert(param, rounded);
   }
+  if (!out.tiles_dim1) return fp8_quantize(rounded, out.rule, *out.tiles_dim0);
   fp8_quantize_both_axes(rounded, out.rule, *out.tiles_dim0, *out.tiles_dim1);
 }
 
@@ -109,8 +111,9 @@ void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v,
         param.data<float>(), grad.data<float>(), m.data<float>(), v.data<float>(), scalars,
         n / (rows * cols), rows, cols, out.tiles_from, out.rule,
         static_cast<uint8_t*>(out.tiles_dim0->data().raw()),
-        static_cast<uint8_t*>(out.tiles_dim1->data().raw()), out.tiles_dim0->scales().data<float>(),
-        out.tiles_dim1->scales().data<float>(), cuda::stream()));
+        out.tiles_dim1 ? static_cast<uint8_t*>(out.tiles_dim1->data().raw()) : nullptr,
+        out.tiles_dim0->scales().data<float>(),
+        out.tiles_dim1 ? out.tiles_dim1->scales().data<float>() : nullptr, cuda::stream()));
     return;
   }
   if (out.compute) expect_dtype(*out.compute, DType::kBF16, "adamw compute copy (GPU)");

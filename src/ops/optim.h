@@ -29,10 +29,10 @@ AdamWStepTerms adamw_step_terms(const AdamWHyper& h);
 struct AdamWCopies {
   // The whole buffer in the compute copy's dtype (the bf16 copy the ops read).
   Tensor* compute = nullptr;
-  // The weight's FP8 tiles, param (..., R, C) with R and C multiples of 128: the two copies of
-  // ops::fp8_quantize_both_axes (128 x 128 tiles stored as the weight and transposed), made from
-  // the updated values rounded to `tiles_from` (f32 or bf16, as the products read the weight)
-  // with `rule`. Both or neither.
+  // The weight's FP8 tiles, param (..., R, C) with R and C multiples of 128: 128 x 128 tiles
+  // stored as the weight (dim0) and, when given, transposed (dim1; ops::fp8_quantize_both_axes),
+  // made from the updated values rounded to `tiles_from` (f32 or bf16, as the products read the
+  // weight) with `rule`. dim1 only beside dim0.
   QuantTensor* tiles_dim0 = nullptr;
   QuantTensor* tiles_dim1 = nullptr;
   DType tiles_from = DType::kBF16;
@@ -42,7 +42,7 @@ struct AdamWCopies {
 
 // param, grad, m, v: same shape and dtype (f32 master state, or f64 in checks). The copies in
 // `out` are written as the unfused sequence would: the update, then the cast (compute) and
-// fp8_quantize_both_axes of the rounded weights (tiles); the GPU in the same pass.
+// fp8_quantize (fp8_quantize_both_axes) of the rounded weights (tiles); the GPU in the same pass.
 void adamw_step(Tensor& param, const Tensor& grad, Tensor& m, Tensor& v, const AdamWHyper& h,
                 const AdamWCopies& out = {});
 

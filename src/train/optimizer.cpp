@@ -75,11 +75,9 @@ void update_group(ParamGroup& g, Tensor& m, Tensor& v, const Hyper& h) {
     Tensor p = g.shard.view(s.offset, s.shape), mv = m.view(s.offset, s.shape),
            vv = v.view(s.offset, s.shape);
     ops::WeightCopies& q = g.copies[i];
-    ops::adamw_step(p, g.grad_shard.view(s.offset, s.shape), mv, vv, h,
-                    {.tiles_dim0 = &q.fp8_input,
-                     .tiles_dim1 = &q.fp8_forward,
-                     .tiles_from = g.compute_dtype,
-                     .rule = g.precision.fp8_scale});
+    ops::adamw_step(
+        p, g.grad_shard.view(s.offset, s.shape), mv, vv, h,
+        {.tiles_dim0 = &q.fp8_input, .tiles_from = g.compute_dtype, .rule = g.precision.fp8_scale});
     done = s.offset + shape_numel(s.shape);
   }
   plain(done, g.shard.numel());

@@ -122,6 +122,16 @@ void fp8_dequantize(const QuantTensor& q, Tensor& out) {
       }
 }
 
+void fp8_transpose_tiles(const QuantTensor& in, QuantTensor& out) {
+  const Layout from(in), to(out);
+  const auto* src = static_cast<const uint8_t*>(in.data().raw());
+  auto* dst = static_cast<uint8_t*>(out.data().raw());
+  for (int64_t b = 0; b < from.batch; ++b)
+    for (int64_t r = 0; r < from.rows; ++r)
+      for (int64_t c = 0; c < from.cols; ++c) dst[to.stored(b, r, c)] = src[from.stored(b, r, c)];
+  std::copy_n(in.scales().data<float>(), in.scales().numel(), out.scales().data<float>());
+}
+
 namespace {
 // Calls f(first, n, column) for each 128-row block of each expert's rows: blocks start at the
 // expert's first row, the last one holds n <= 128 rows (the rest its zero padding).

@@ -9,6 +9,7 @@ namespace mt::ops::cpu {
 
 void fp8_quantize(const Tensor& x, Fp8ScaleRule rule, QuantTensor& out);
 void fp8_dequantize(const QuantTensor& q, Tensor& out);
+void fp8_transpose_tiles(const QuantTensor& in, QuantTensor& out);
 void fp8_quantize_expert_rows(const Tensor& x, const ExpertRows& rows, Fp8ScaleRule rule,
                               QuantTensor& out);
 void fp8_round_trip_expert_rows(const Tensor& x, const ExpertRows& rows, Fp8ScaleRule rule,

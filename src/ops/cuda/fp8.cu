@@ -91,6 +91,27 @@ __global__ void __launch_bounds__(kTileThreads)
   store_fp8_tile<Tile::P>(v, rule, at, dim0, dim1, scales);
 }
 
+// A weight's tiles into the other stored layout: one CTA of kTileThreads per 128 x 128 tile, its
+// rows read as 16-byte runs (a warp: four whole rows) into a shared tile, written transposed
+// (fp8.cuh's store_tile_transposed).
+__global__ void __launch_bounds__(kTileThreads)
+    transpose_tiles_kernel(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) {
+  constexpr int kRunsPerRow = kB / 16;
+  constexpr int kRowStep = kTileThreads / kRunsPerRow;
+  __shared__ alignas(16) uint8_t tile[kB * kTilePitch];
+  const TilePlace at = tile_place(rows, cols);
+  const int r0 = threadIdx.x / kRunsPerRow, c = (threadIdx.x % kRunsPerRow) * 16;
+  uint4 run[kB / kRowStep];
+#pragma unroll
+  for (int i = 0; i < kB / kRowStep; ++i)
+    run[i] = *reinterpret_cast<const uint4*>(in + at.offset(r0 + i * kRowStep, c));
+#pragma unroll
+  for (int i = 0; i < kB / kRowStep; ++i)
+    *reinterpret_cast<uint4*>(tile + (r0 + i * kRowStep) * kTilePitch + c) = run[i];
+  __syncthreads();
+  store_tile_transposed(tile, at, out);
+}
+
 // 1 x 128 down the columns: one CTA per 128-row block and 64 columns. The block's rows are read
 // coalesced into shared memory (as floats), each column's amax is reduced by the four threads
 // that share it, their bytes go through a second shared tile and leave as whole 16-byte runs of
@@ -209,6 +230,15 @@ cudaError_t fp8_quantize_tiles(DType in, const void* w, int64_t batch, int64_t r
     quantize_tiles_kernel<T><<<static_cast<unsigned>(tiles), kTileThreads, 0, stream>>>(
         static_cast<const T*>(w), rows, cols, rule, dim0, dim1, scales);
   });
+  return cudaGetLastError();
+}
+
+cudaError_t fp8_transpose_tiles(const uint8_t* in, int64_t batch, int64_t rows, int64_t cols,
+                                uint8_t* out, cudaStream_t stream) {
+  const int64_t tiles = batch * (rows / kB) * (cols / kB);
+  if (tiles == 0) return cudaSuccess;
+  transpose_tiles_kernel<<<static_cast<unsigned>(tiles), kTileThreads, 0, stream>>>(in, rows, cols,
+                                                                                    out);
   return cudaGetLastError();
 }
 

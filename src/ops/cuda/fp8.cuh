@@ -145,10 +145,43 @@ __device__ __forceinline__ void transpose4x4(const uint32_t (&rows)[4], uint32_t
   cols[3] = __byte_perm(hi01, hi23, 0x7632);
 }
 
+// A 128 x 128 byte tile in shared memory (rows kTilePitch bytes apart, 16-byte aligned) written
+// transposed at its place in dim1 ((batch, cols, rows) of at's (batch, rows, cols)): thread
+// (column quad cq, row group g) writes transposed rows 4 cq .. 4 cq + 3 at the tile's rows
+// 16 g .. 16 g + 15, four 4 x 4 blocks read as words (a warp reads 32 consecutive words of a row,
+// conflict-free), turned by byte permutes and written as one 16-byte run each. All kTileThreads
+// threads call it once the tile is complete.
+inline constexpr int kTilePitch = static_cast<int>(kFp8Block) + 16;
+
+__device__ __forceinline__ void store_tile_transposed(const uint8_t* tile, const TilePlace& at,
+                                                      uint8_t* dim1) {
+  constexpr int kB = static_cast<int>(kFp8Block);
+  const int cq = threadIdx.x % 32, g = threadIdx.x / 32;
+  uint32_t out[4][4];  // [transposed row][16-byte run's word]
+#pragma unroll
+  for (int blk = 0; blk < 4; ++blk) {
+    uint32_t row_words[4], col_words[4];
+#pragma unroll
+    for (int j = 0; j < 4; ++j)
+      row_words[j] =
+          *reinterpret_cast<const uint32_t*>(tile + (16 * g + 4 * blk + j) * kTilePitch + 4 * cq);
+    transpose4x4(row_words, col_words);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) out[j][blk] = col_words[j];
+  }
+#pragma unroll
+  for (int j = 0; j < 4; ++j)
+    *reinterpret_cast<uint4*>(dim1 + (at.b * at.cols + at.tc * kB + 4 * cq + j) * at.rows +
+                              at.tr * kB + 16 * g) =
+        make_uint4(out[j][0], out[j][1], out[j][2], out[j][3]);
+}
+
 // The tile's values as this thread holds them (Fp8TileThread<P>) quantized with the tile's amax:
 // E4M3 bytes into dim0 (stored as the weight, (batch, rows, cols)) and dim1 (transposed, (batch,
 // cols, rows)), either may be null; the tile's scale into scales[blockIdx.x] and, when given,
-// scales_dim1[blockIdx.x] (the two copies' scales are the same). Every thread of the CTA calls it.
+// scales_dim1[blockIdx.x] (the two copies' scales are the same). The dim0 bytes leave from
+// registers; the dim1 copy's through a shared tile (store_tile_transposed). Every thread of the
+// CTA calls it.
 template <int P>
 __device__ __forceinline__ void store_fp8_tile(const float (&v)[Fp8TileThread<P>::kPacks][P],
                                                Fp8ScaleRule rule, const TilePlace& at,
@@ -156,8 +189,7 @@ __device__ __forceinline__ void store_fp8_tile(const float (&v)[Fp8TileThread<P>
                                                float* scales_dim1 = nullptr) {
   using Tile = Fp8TileThread<P>;
   constexpr int kB = static_cast<int>(kFp8Block);
-  constexpr int kPitch = kB + 16;  // bytes per shared row (16-byte aligned rows, no conflicts)
-  __shared__ alignas(16) uint8_t tile[kB * kPitch];
+  __shared__ alignas(16) uint8_t tile[kB * kTilePitch];
   __shared__ uint32_t warp_amax[kTileThreads / 32];
   uint32_t m = 0;
 #pragma unroll
@@ -193,31 +225,11 @@ __device__ __forceinline__ void store_fp8_tile(const float (&v)[Fp8TileThread<P>
         *reinterpret_cast<uint32_t*>(out) = q[0];
     };
     if (dim0) put(dim0 + at.offset(r, c));
-    put(tile + r * kPitch + c);
+    if (dim1) put(tile + r * kTilePitch + c);
   }
   if (!dim1) return;
   __syncthreads();
-  // Thread (column quad cq, row group g) writes transposed rows 4 cq .. 4 cq + 3 at the tile's
-  // rows 16 g .. 16 g + 15: four 4 x 4 blocks read as words (a warp reads 32 consecutive words of
-  // a row) and turned.
-  const int cq = threadIdx.x % 32, g = threadIdx.x / 32;
-  uint32_t out[4][4];  // [transposed row][16-byte run's word]
-#pragma unroll
-  for (int blk = 0; blk < 4; ++blk) {
-    uint32_t row_words[4], col_words[4];
-#pragma unroll
-    for (int j = 0; j < 4; ++j)
-      row_words[j] =
-          *reinterpret_cast<const uint32_t*>(tile + (16 * g + 4 * blk + j) * kPitch + 4 * cq);
-    transpose4x4(row_words, col_words);
-#pragma unroll
-    for (int j = 0; j < 4; ++j) out[j][blk] = col_words[j];
-  }
-#pragma unroll
-  for (int j = 0; j < 4; ++j)
-    *reinterpret_cast<uint4*>(dim1 + (at.b * at.cols + at.tc * kB + 4 * cq + j) * at.rows +
-                              at.tr * kB + 16 * g) =
-        make_uint4(out[j][0], out[j][1], out[j][2], out[j][3]);
+  store_tile_transposed(tile, at, dim1);
 }
 
 }  // namespace mt::cuda

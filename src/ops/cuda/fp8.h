@@ -37,6 +37,11 @@ cudaError_t fp8_dequantize_rows(const uint8_t* data, const float* scales, int64_
 cudaError_t fp8_quantize_tiles(DType in, const void* w, int64_t batch, int64_t rows, int64_t cols,
                                Fp8ScaleRule rule, uint8_t* dim0, uint8_t* dim1, float* scales,
                                cudaStream_t stream);
+// E4M3 bytes stored (batch, rows, cols), rows and cols multiples of 128, 16-byte aligned ->
+// out (batch, cols, rows): a weight's 128 x 128 tiles in the other stored layout (the scales are
+// the same).
+cudaError_t fp8_transpose_tiles(const uint8_t* in, int64_t batch, int64_t rows, int64_t cols,
+                                uint8_t* out, cudaStream_t stream);
 // x (m, k), f32 or bf16, 16-byte aligned, m a multiple of 128, k a multiple of 8 -> 1 x 128
 // blocks down the columns (kRow128, dim1): data (k, m), scales (m / 128, k). With `rows` (segments
 // on 128-row boundaries) only each expert's rows are read, the others written as zeros (scale 1);

@@ -22,7 +22,7 @@ cudaError_t adamw(float* p, const float* g, float* m, float* v, void* compute_bf
 // aligned, that also writes its FP8 tiles (kTile128) from the updated values rounded to
 // `tiles_from` (f32 or bf16: as the products read them): E4M3 bytes stored as the weight (dim0) and
 // transposed (dim1, (batch, cols, rows)), either may be null, and the tiles' scales (batch, rows /
-// 128, cols / 128) into scales0 and scales1 (either may be null). Bit for bit with adamw, then
+// 128, cols / 128) into scales0 and, when not null, scales1. Bit for bit with adamw, then
 // fp8_quantize_tiles of the (rounded) weight.
 cudaError_t adamw_fp8_tiles(float* p, const float* g, float* m, float* v, const AdamWScalars* s,
                             int64_t batch, int64_t rows, int64_t cols, DType tiles_from,
