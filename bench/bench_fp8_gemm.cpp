@@ -13,6 +13,7 @@
 #include <cstdio>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "bench/bench_util.h"
@@ -272,17 +273,28 @@ void bench_dense(const char* name, int64_t m, int64_t q, int64_t p, bool weight_
 
 }  // namespace
 
-int main() {
+// Usage: bench_fp8_gemm [products] [quantize] [dense]: the sections named, or all of them.
+int main(int argc, char** argv) {
+  const auto wanted = [&](std::string_view section) {
+    if (argc < 2) return true;
+    for (int i = 1; i < argc; ++i)
+      if (section == argv[i]) return true;
+    return false;
+  };
   for (const Layout& l : {make_layout("balanced", false), make_layout("ragged", true)}) {
-    bench_rows(l, {"gate_up_forward", 2048, 1536, true});
-    bench_rows(l, {"down_forward", 768, 2048, true});
-    bench_rows(l, {"down_input_gradient", 2048, 768, false});
-    bench_rows(l, {"gate_up_input_gradient", 1536, 2048, false});
-    bench_weight(l, "gate_up_weight_gradient", 2048, 1536);
-    bench_weight(l, "down_weight_gradient", 768, 2048);
-    if (std::string(l.name) == "balanced") bench_quantize(l);
+    if (wanted("products")) {
+      bench_rows(l, {"gate_up_forward", 2048, 1536, true});
+      bench_rows(l, {"down_forward", 768, 2048, true});
+      bench_rows(l, {"down_input_gradient", 2048, 768, false});
+      bench_rows(l, {"gate_up_input_gradient", 1536, 2048, false});
+      bench_weight(l, "gate_up_weight_gradient", 2048, 1536);
+      bench_weight(l, "down_weight_gradient", 768, 2048);
+    }
+    if (wanted("quantize") && std::string(l.name) == "balanced") bench_quantize(l);
   }
-  bench_dense("lm_head_forward", 16384, 2048, 151936, true);
-  bench_dense("lm_head_input_gradient", 16384, 151936, 2048, false);
+  if (wanted("dense")) {
+    bench_dense("lm_head_forward", 16384, 2048, 151936, true);
+    bench_dense("lm_head_input_gradient", 16384, 151936, 2048, false);
+  }
   return 0;
 }
