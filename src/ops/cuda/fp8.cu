@@ -98,7 +98,7 @@ __global__ void __launch_bounds__(kTileThreads)
     transpose_tiles_kernel(const uint8_t* in, int64_t rows, int64_t cols, uint8_t* out) {
   constexpr int kRunsPerRow = kB / 16;
   constexpr int kRowStep = kTileThreads / kRunsPerRow;
-  __shared__ alignas(16) uint8_t tile[kB * kTilePitch];
+  __shared__ alignas(16) uint8_t tile[kTileBytes];
   const TilePlace at = tile_place(rows, cols);
   const int r0 = threadIdx.x / kRunsPerRow, c = (threadIdx.x % kRunsPerRow) * 16;
   uint4 run[kB / kRowStep];
@@ -107,7 +107,7 @@ __global__ void __launch_bounds__(kTileThreads)
     run[i] = *reinterpret_cast<const uint4*>(in + at.offset(r0 + i * kRowStep, c));
 #pragma unroll
   for (int i = 0; i < kB / kRowStep; ++i)
-    *reinterpret_cast<uint4*>(tile + (r0 + i * kRowStep) * kTilePitch + c) = run[i];
+    *reinterpret_cast<uint4*>(tile + tile_byte(r0 + i * kRowStep, c)) = run[i];
   __syncthreads();
   store_tile_transposed(tile, at, out);
 }

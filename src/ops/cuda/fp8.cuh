@@ -145,18 +145,23 @@ __device__ __forceinline__ void transpose4x4(const uint32_t (&rows)[4], uint32_t
   cols[3] = __byte_perm(hi01, hi23, 0x7632);
 }
 
-// A 128 x 128 byte tile in shared memory (rows kTilePitch bytes apart, 16-byte aligned) written
-// transposed at its place in dim1 ((batch, cols, rows) of at's (batch, rows, cols)): thread
-// (column quad cq, row group g) writes transposed rows 4 cq .. 4 cq + 3 at the tile's rows
-// 16 g .. 16 g + 15, four 4 x 4 blocks read as words (a warp reads 32 consecutive words of a row,
-// conflict-free), turned by byte permutes and written as one 16-byte run each. All kTileThreads
-// threads call it once the tile is complete.
-inline constexpr int kTilePitch = static_cast<int>(kFp8Block) + 16;
+// A 128 x 128 byte tile in shared memory, 128 bytes a row, its 4-byte words swizzled: word w of
+// row r at w ^ 4 ((r / 16) % 8), so that the transposed read below (eight row groups of a warp
+// reading one column quad each) hits 32 banks; runs of 4 words stay whole and 16-byte aligned.
+inline constexpr int kTileBytes = static_cast<int>(kFp8Block * kFp8Block);
+__device__ __forceinline__ int tile_byte(int r, int c) {
+  return r * static_cast<int>(kFp8Block) + ((c >> 2) ^ (((r >> 4) & 7) << 2)) * 4 + (c & 3);
+}
 
+// The shared tile written transposed at its place in dim1 ((batch, cols, rows) of at's (batch,
+// rows, cols)): thread (row group g = t % 8, column quad cq = t / 8) writes transposed rows
+// 4 cq .. 4 cq + 3 at the tile's rows 16 g .. 16 g + 15, from four 4 x 4 blocks read as words and
+// turned by byte permutes, one 16-byte run each: eight consecutive threads write one transposed
+// row's 128 bytes. All kTileThreads threads call it once the tile is complete.
 __device__ __forceinline__ void store_tile_transposed(const uint8_t* tile, const TilePlace& at,
                                                       uint8_t* dim1) {
   constexpr int kB = static_cast<int>(kFp8Block);
-  const int cq = threadIdx.x % 32, g = threadIdx.x / 32;
+  const int g = threadIdx.x % 8, cq = threadIdx.x / 8;
   uint32_t out[4][4];  // [transposed row][16-byte run's word]
 #pragma unroll
   for (int blk = 0; blk < 4; ++blk) {
@@ -164,7 +169,7 @@ __device__ __forceinline__ void store_tile_transposed(const uint8_t* tile, const
 #pragma unroll
     for (int j = 0; j < 4; ++j)
       row_words[j] =
-          *reinterpret_cast<const uint32_t*>(tile + (16 * g + 4 * blk + j) * kTilePitch + 4 * cq);
+          *reinterpret_cast<const uint32_t*>(tile + tile_byte(16 * g + 4 * blk + j, 4 * cq));
     transpose4x4(row_words, col_words);
 #pragma unroll
     for (int j = 0; j < 4; ++j) out[j][blk] = col_words[j];
@@ -188,8 +193,7 @@ __device__ __forceinline__ void store_fp8_tile(const float (&v)[Fp8TileThread<P>
                                                uint8_t* dim0, uint8_t* dim1, float* scales,
                                                float* scales_dim1 = nullptr) {
   using Tile = Fp8TileThread<P>;
-  constexpr int kB = static_cast<int>(kFp8Block);
-  __shared__ alignas(16) uint8_t tile[kB * kTilePitch];
+  __shared__ alignas(16) uint8_t tile[kTileBytes];
   __shared__ uint32_t warp_amax[kTileThreads / 32];
   uint32_t m = 0;
 #pragma unroll
@@ -225,7 +229,7 @@ __device__ __forceinline__ void store_fp8_tile(const float (&v)[Fp8TileThread<P>
         *reinterpret_cast<uint32_t*>(out) = q[0];
     };
     if (dim0) put(dim0 + at.offset(r, c));
-    if (dim1) put(tile + r * kTilePitch + c);
+    if (dim1) put(tile + tile_byte(r, c));
   }
   if (!dim1) return;
   __syncthreads();
