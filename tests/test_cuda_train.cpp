@@ -412,7 +412,9 @@ TEST(GpuTrain, OptimizerBesideThePassesIsBitIdenticalToInLine) {
   expect_overlap_matches_in_line({}, 6);
   expect_overlap_matches_in_line(kWide, 6);
   // Eager passes; two micro-batches (the gradients zeroed by the first pass of a step only) and
-  // a recompute policy, graphed; an MX recipe (copies made at each gather, after the update).
+  // a recompute policy, graphed; an MX recipe (copies made at each gather, after the update);
+  // an FP8 recipe (the input gradient's tiles written by the update beside the passes, the
+  // forward's transposed from them at each gather, which must wait for it).
   std::vector<std::string> eager = kWide;
   eager.push_back("hardware.cuda_graphs=false");
   expect_overlap_matches_in_line(eager, 4);
@@ -422,6 +424,9 @@ TEST(GpuTrain, OptimizerBesideThePassesIsBitIdenticalToInLine) {
   std::vector<std::string> mx = kWide;
   mx.push_back("model.expert_recipe=mxfp8_wgrad_with_hp");
   expect_overlap_matches_in_line(mx, 4);
+  std::vector<std::string> fp8 = kWide;
+  fp8.insert(fp8.end(), {"model.expert_recipe=fp8_wgrad_with_hp", "model.checkpoint=\"full\""});
+  expect_overlap_matches_in_line(fp8, 4);
 }
 
 }  // namespace
