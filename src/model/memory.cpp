@@ -35,8 +35,8 @@ MemoryEstimate estimate_memory(const ModelConfig& m, const ParallelConfig& p, in
   // compute dtype, FP8 tiles at a byte a weight) beside the gathered or rounded weights they are
   // made from, except on one rank under an FP8 recipe, where every expert matrix holds its input
   // gradient's tiles across steps (AdamW rewrites them) and the unit in use its forward's, their
-  // transpose; the expert exchange's receive buffer, and
-  // 1 GiB for the libraries (cuBLASLt, cuDNN, NCCL).
+  // transpose; the expert exchange's receive buffer, and 1 GiB for the libraries (cuBLASLt,
+  // cuDNN, NCCL).
   const PrecisionPlan plan = plan_precision(m, p);
   const BlockParamCounts block = count_block_params(m);
   const double experts =
