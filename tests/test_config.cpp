@@ -417,8 +417,8 @@ TEST(MemoryEstimate, TheDeviceExchangeCostsItsOwnWindow) {
   EXPECT_GT(device.activations, host.activations);  // ep times a balanced share of expert rows
 }
 
-// One GPU: an FP8 recipe's expert matrices hold their two 128 x 128 tile layouts (a byte a weight
-// each) in place of the bf16 compute copy (two), so the workspaces equal bf16's; an MX recipe
+// One GPU: an FP8 recipe's expert matrices hold their input gradient's 128 x 128 tiles (a byte a
+// weight) in place of the bf16 compute copy (two), and the unit in use its forward's; an MX recipe
 // keeps only the copies of the unit in use and the next.
 TEST(MemoryEstimate, OneGpuHoldsOneFp8TileLayoutInPlaceOfTheComputeCopy) {
   ModelConfig m;

@@ -70,10 +70,9 @@ void fp8_quantize(const Tensor& x, Fp8ScaleRule rule, QuantTensor& out) {
     const DType in = cuda::storage_of(x, "fp8_quantize input");
     check_aligned("fp8_quantize", x.raw());
     const Shape& s = x.shape();
-    const int64_t rows = s[s.size() - 2], cols = s[s.size() - 1];
+    const auto [batch, rows, cols] = cuda::matrices_of(s);
     auto* data = static_cast<uint8_t*>(out.data().raw());
     if (out.block() == QuantBlock::kTile128) {
-      const int64_t batch = rows * cols == 0 ? 0 : x.numel() / (rows * cols);
       const bool dim0 = out.axis() == QuantAxis::kDim0;
       MT_CUDA_CHECK(cuda::kernels::fp8_quantize_tiles(in, x.raw(), batch, rows, cols, rule,
                                                       dim0 ? data : nullptr, dim0 ? nullptr : data,
@@ -110,9 +109,7 @@ void fp8_quantize_both_axes(const Tensor& w, Fp8ScaleRule rule, QuantTensor& dim
     const profile::Phase phase("gpu.fp8_quantize_both_axes");
     const DType in = cuda::storage_of(w, "fp8_quantize_both_axes input");
     check_aligned("fp8_quantize_both_axes", w.raw());
-    const Shape& s = w.shape();
-    const int64_t rows = s[s.size() - 2], cols = s[s.size() - 1];
-    const int64_t batch = rows * cols == 0 ? 0 : w.numel() / (rows * cols);
+    const auto [batch, rows, cols] = cuda::matrices_of(w.shape());
     MT_CUDA_CHECK(cuda::kernels::fp8_quantize_tiles(
         in, w.raw(), batch, rows, cols, rule, static_cast<uint8_t*>(dim0.data().raw()),
         static_cast<uint8_t*>(dim1.data().raw()), dim0.scales().data<float>(), cuda::stream()));
@@ -140,9 +137,7 @@ void fp8_transpose_tiles(const QuantTensor& in, QuantTensor& out) {
     const profile::Phase phase("gpu.fp8_transpose_tiles");
     check_aligned("fp8_transpose_tiles", in.data().raw());
     check_aligned("fp8_transpose_tiles", out.data().raw());
-    const Shape& s = in.data().shape();  // stored (..., P, Q)
-    const int64_t p = s[s.size() - 2], q = s[s.size() - 1];
-    const int64_t batch = p * q == 0 ? 0 : in.numel() / (p * q);
+    const auto [batch, p, q] = cuda::matrices_of(in.data().shape());  // stored (..., P, Q)
     MT_CUDA_CHECK(cuda::kernels::fp8_transpose_tiles(
         static_cast<const uint8_t*>(in.data().raw()), batch, p, q,
         static_cast<uint8_t*>(out.data().raw()), cuda::stream()));

@@ -38,19 +38,10 @@ Tensor rounded_to(const Tensor& x, DType dtype) {
 }
 
 #if MOETRAIN_HAS_CUDA
-struct Matrices {  // the logical shape as (batch, rows, cols)
-  int64_t batch, rows, cols;
-};
-
-Matrices matrices_of(const Shape& s) {
-  const int64_t rows = s[s.size() - 2], cols = s[s.size() - 1];
-  return {rows * cols == 0 ? 0 : shape_numel(s) / (rows * cols), rows, cols};
-}
-
 // The kernels move 16 bytes at a time through the unquantized side; along dim1 they also step
 // down its rows, which must keep that alignment.
 void check_readable(const char* op, const Tensor& t, QuantAxis axis) {
-  const Matrices m = matrices_of(t.shape());
+  const cuda::Matrices m = cuda::matrices_of(t.shape());
   MT_CHECK(reinterpret_cast<uintptr_t>(t.raw()) % 16 == 0,
            "{} on the GPU needs a 16-byte aligned tensor", op);
   MT_CHECK(axis == QuantAxis::kDim0 || (m.cols * dtype_size(t.dtype())) % 16 == 0,
@@ -64,7 +55,7 @@ void gpu_round_trip(const char* op, const Tensor& x, QuantAxis axis, MxScaleRule
   const profile::Phase phase("gpu.mx_round_trip");
   const DType in = cuda::storage_of(x, "mx_round_trip input");
   const DType dt = cuda::storage_of(out, "mx_round_trip output");
-  const Matrices m = matrices_of(x.shape());
+  const cuda::Matrices m = cuda::matrices_of(x.shape());
   check_readable(op, x, axis);
   check_readable(op, out, QuantAxis::kDim0);
   MT_CUDA_CHECK(cuda::kernels::mx_round_trip(in, x.raw(), axis, rule, m.batch, m.rows, m.cols, dt,
@@ -80,7 +71,7 @@ void mx_quantize(const Tensor& x, MxScaleRule rule, QuantTensor& out) {
   if (on_gpu(x)) {
     const profile::Phase phase("gpu.mx_quantize");
     const DType in = cuda::storage_of(x, "mx_quantize input");
-    const Matrices m = matrices_of(x.shape());
+    const cuda::Matrices m = cuda::matrices_of(x.shape());
     check_readable("mx_quantize", x, out.axis());
     MT_CUDA_CHECK(cuda::kernels::mx_quantize(in, x.raw(), out.axis(), rule, m.batch, m.rows, m.cols,
                                              static_cast<uint8_t*>(out.data().raw()),
@@ -98,7 +89,7 @@ void mx_dequantize(const QuantTensor& q, Tensor& out) {
   if (on_gpu(out)) {
     const profile::Phase phase("gpu.mx_dequantize");
     const DType dt = cuda::storage_of(out, "mx_dequantize output");
-    const Matrices m = matrices_of(q.shape());
+    const cuda::Matrices m = cuda::matrices_of(q.shape());
     check_readable("mx_dequantize", out, q.axis());
     MT_CUDA_CHECK(cuda::kernels::mx_dequantize(dt, static_cast<const uint8_t*>(q.data().raw()),
                                                static_cast<const uint8_t*>(q.scales().raw()),
@@ -170,7 +161,7 @@ void mx_round_trip_both_axes(const Tensor& x, MxScaleRule rule, Tensor& dim0, Te
     const profile::Phase phase("gpu.mx_round_trip_both_axes");
     const DType in = cuda::storage_of(x, "mx_round_trip_both_axes input");
     const DType dt = cuda::storage_of(dim0, "mx_round_trip_both_axes output");
-    const Matrices m = matrices_of(x.shape());
+    const cuda::Matrices m = cuda::matrices_of(x.shape());
     check_readable("mx_round_trip_both_axes", x, QuantAxis::kDim1);
     check_readable("mx_round_trip_both_axes", dim0, QuantAxis::kDim0);
     check_readable("mx_round_trip_both_axes", transposed, QuantAxis::kDim0);

@@ -42,6 +42,15 @@ inline void same_storage_type(const Tensor& a, const Tensor& b, const char* name
            b.device() == Device::kCUDA ? "the GPU" : "the CPU", dtype_name(a.dtype()));
 }
 
+// A shape of at least two dims as (batch, rows, cols): the matrices of its last two dims.
+struct Matrices {
+  int64_t batch, rows, cols;
+};
+inline Matrices matrices_of(const Shape& s) {
+  const int64_t rows = s[s.size() - 2], cols = s[s.size() - 1];
+  return {rows * cols == 0 ? 0 : shape_numel(s) / (rows * cols), rows, cols};
+}
+
 inline Tensor gpu_empty(const Shape& s, DType d) {
   return Tensor::empty(s, d, Device::kCUDA);
 }
