@@ -4,8 +4,9 @@
 // see which part bounds a width. JSON lines: time, TFLOP/s over the rows, the ratio to the
 // 128-wide product (`vs_shipped`; kernels::fp8_fixed_tile_n picks the width that ships per P),
 // and each variant's output against that one's (bits that differ; a probe's output is not the
-// product and differs). Built twice (CMakeLists.txt): as the product is compiled, and with
-// ptxas's --register-usage-level=10 (`ptxas` in each line says which).
+// product and differs). `cluster` 2: two CTAs over a row tile's column tiles, A multicast to both
+// (not shipped: slower, docs/benchmarks-history.md). Built twice (CMakeLists.txt): as the product
+// is compiled, and with ptxas's --register-usage-level=10 (`ptxas` in each line says which).
 #include <cuda_runtime.h>
 
 #include <cstdio>
@@ -55,12 +56,13 @@ struct Buffers {
   int64_t capacity;
 };
 
-template <int kTileN, f::Probe kProbe>
+template <int kTileN, f::Probe kProbe, int kCluster = 1>
 void time_variant(const Product& pr, const Buffers& b, const __nv_bfloat16* shipped,
                   double shipped_ms, double* ms_out) {
   const auto call = [&] {
-    WORKBENCH_CHECK((f::run<kTileN, kProbe>(b.segments, kExperts, b.ops, pr.scales, b.capacity,
-                                            pr.p, pr.q, b.workspace, b.workspace_bytes, nullptr)));
+    WORKBENCH_CHECK(
+        (f::run<kTileN, kProbe, kCluster>(b.segments, kExperts, b.ops, pr.scales, b.capacity, pr.p,
+                                          pr.q, b.workspace, b.workspace_bytes, nullptr)));
   };
   WORKBENCH_CHECK(cudaMemset(b.ops.out, 0xFF, b.capacity * pr.p * 2));  // poison: NaN
   call();
@@ -74,10 +76,11 @@ void time_variant(const Product& pr, const Buffers& b, const __nv_bfloat16* ship
   const double flops = 2.0 * b.capacity * pr.p * pr.q;
   std::printf(
       "{\"bench\": \"fp8_fixed_variant\", \"product\": \"%s\", \"shape\": \"%lld rows, Q %lld, P "
-      "%lld\", \"tile_n\": %d, \"probe\": \"%s\", \"ptxas\": \"%s\", \"ms\": %.4f, "
+      "%lld\", \"tile_n\": %d, \"cluster\": %d, \"probe\": \"%s\", \"ptxas\": \"%s\", \"ms\": "
+      "%.4f, "
       "\"tflops\": %.1f, \"vs_shipped\": %.3f, \"differing\": %llu, \"max_abs\": %.3g}\n",
       pr.name, static_cast<long long>(b.capacity), static_cast<long long>(pr.q),
-      static_cast<long long>(pr.p), kTileN, probe_name(kProbe), WORKBENCH_PTXAS, ms,
+      static_cast<long long>(pr.p), kTileN, kCluster, probe_name(kProbe), WORKBENCH_PTXAS, ms,
       flops / (ms * 1e-3) / 1e12, shipped_ms > 0 ? shipped_ms / ms : 1.0, d.differing, d.max_abs);
   std::fflush(stdout);
 }
@@ -116,6 +119,10 @@ void run_product(const Product& pr) {
   time_variant<128, Probe::kNoMma>(pr, b, shipped, shipped_ms, nullptr);
   time_variant<160, Probe::kNone>(pr, b, shipped, shipped_ms, nullptr);
   time_variant<160, Probe::kNoPromotion>(pr, b, shipped, shipped_ms, nullptr);
+  time_variant<128, Probe::kNone, 2>(pr, b, shipped, shipped_ms, nullptr);
+  time_variant<128, Probe::kNoPromotion, 2>(pr, b, shipped, shipped_ms, nullptr);
+  time_variant<128, Probe::kNoMma, 2>(pr, b, shipped, shipped_ms, nullptr);
+  time_variant<160, Probe::kNone, 2>(pr, b, shipped, shipped_ms, nullptr);
 
   for (void* p : {static_cast<void*>(segments), static_cast<void*>(a), static_cast<void*>(w),
                   static_cast<void*>(sfa), static_cast<void*>(sfb), static_cast<void*>(out),

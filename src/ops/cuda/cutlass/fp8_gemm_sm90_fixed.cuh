@@ -31,6 +31,12 @@
 // the first tile's scale left of it and the second's right of it, the boundary a template
 // argument chosen per tile (four cases at most). Columns past P are computed from whatever b rows
 // follow (the next expert's, or TMA's zeros) and never stored.
+//
+// Clusters (kCluster 2 or 4, the workbench's; the product runs 1): the CTAs of a cluster take one
+// row tile's next column tiles, each loads its share of A's rows and multicasts it to all, and a
+// stage is free once every CTA's consumers have read it. A crosses from L2 once per cluster; on
+// an H100 that made the loads alone faster and the product slower (the CTAs wait on each other
+// at every stage; docs/benchmarks-history.md, "Two designs that did not pay").
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -179,7 +185,7 @@ __device__ __forceinline__ void copy_f32_async(float* dst, const float* src, boo
                : "memory");
 }
 
-template <int kTileN, Probe kProbe>
+template <int kTileN, Probe kProbe, int kCluster>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_gemm_fixed_kernel(const __grid_constant__ CUtensorMap map_a,
                           const __grid_constant__ CUtensorMap map_b,
@@ -194,24 +200,41 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int warpgroup = threadIdx.x / 128;
   const int lane = threadIdx.x % 32;
   // A stage is full when its TMA bytes have landed (the first lane's arrival) and every lane of
-  // the producer warp's scale copies have (32 more).
-  ws_sm90::init_ring(s.full, s.empty, kStages, 2, 1 + 32);
+  // the producer warp's scale copies have (32 more). It is free when both consumer warpgroups of
+  // every CTA of the cluster have read it (each CTA's A tile is the cluster's: see below).
+  ws_sm90::init_ring(s.full, s.empty, kStages, 2 * kCluster, 1 + 32);
+  // In a cluster the CTAs share the row tile and take the next column tiles: each loads its share
+  // of A's rows and multicasts it to all, so that A crosses from L2 once per cluster. The peer's
+  // barriers must be ready before anything arrives at them.
+  static_assert(kCluster == 1 || kCluster == 2 || kCluster == 4);
+  const int rank = kCluster == 1 ? 0 : static_cast<int>(cute::block_rank_in_cluster());
+  if constexpr (kCluster > 1) cute::cluster_sync();
 
   if (warpgroup == 0) {  // the producer: its first warp (56 registers: 40 spill at kTileN 160)
-    ws_sm90::produce<kStages, 32, 56>(
+    ws_sm90::produce<kStages, 32, 56, kCluster>(
         map_a, map_b, map_out, p.tiles, p.tile_count, p.k_blocks, s.full, s.empty,
         S::kStageBytesA + S::kStageBytesB, [&](int stage, int4 tile, int kb) {
+          const int column_tile = tile.y * kCluster + rank;
           if (lane == 0) {
             auto& st = s.stages[stage];
-            cute::SM90_TMA_LOAD_2D::copy(&map_a, &s.full[stage], ws_sm90::kEvictNormal, st.a,
-                                         kb * kTileK, tile.x * kTileM);
+            if constexpr (kCluster == 1) {
+              cute::SM90_TMA_LOAD_2D::copy(&map_a, &s.full[stage], ws_sm90::kEvictNormal, st.a,
+                                           kb * kTileK, tile.x * kTileM);
+            } else {  // map_a's box is kTileM / kCluster rows
+              constexpr int kRows = kTileM / kCluster;
+              cute::SM90_TMA_LOAD_MULTICAST_2D::copy(
+                  &map_a, &s.full[stage], (1 << kCluster) - 1, ws_sm90::kEvictNormal,
+                  st.a + rank * kRows * kTileK, kb * kTileK, tile.x * kTileM + rank * kRows);
+            }
             cute::SM90_TMA_LOAD_2D::copy(&map_b, &s.full[stage], ws_sm90::kEvictNormal, st.b,
-                                         kb * kTileK, tile.z * p.p_rows + tile.y * kTileN);
+                                         kb * kTileK, tile.z * p.p_rows + column_tile * kTileN);
           }
           // The block's scales into the stage's slot, each lane's copies completing on the full
-          // barrier. Rows past the capacity (TMA's zeros) and weight tiles past P take scale 0.
+          // barrier. Rows past the capacity (TMA's zeros) and weight tiles past P take scale 0
+          // (in a cluster a whole column tile can lie past P: computed, never stored).
           const int64_t row0 = int64_t{tile.x} * kTileM;
-          const int nb = tile.y * kTileN / 128;  // the weight tile under the tile's first column
+          const int nb = column_tile * kTileN / 128;  // the weight tile under its first column
+          const bool first = nb < p.n_blocks;
           const bool second = kTileN % 128 != 0 && nb + 1 < p.n_blocks;
           float* slot = s.scales[stage];
 #pragma unroll
@@ -221,7 +244,8 @@ __global__ void __launch_bounds__(kThreads, 1)
             copy_f32_async(slot + row, p.sfa + (valid ? (row0 + row) * p.k_blocks + kb : 0), valid);
           }
           const float* sfb = p.sfb + tile.z * p.sfb_expert + int64_t{kb} * p.sfb_k;
-          if (lane == 0) copy_f32_async(slot + S::kScaleB, sfb + int64_t{nb} * p.sfb_n, true);
+          if (lane == 0)
+            copy_f32_async(slot + S::kScaleB, first ? sfb + int64_t{nb} * p.sfb_n : sfb, first);
           if (lane == 1)
             copy_f32_async(slot + S::kScaleB + 1, second ? sfb + int64_t{nb + 1} * p.sfb_n : sfb,
                            second);
@@ -237,11 +261,12 @@ __global__ void __launch_bounds__(kThreads, 1)
   float acc[kAcc], result[kAcc];
   constexpr auto seq = std::make_index_sequence<kAcc>{};
   if constexpr (kProbe == Probe::kNoMma) set(acc, 1.0f, seq);
-  for (int t = blockIdx.x; t < p.tile_count; t += gridDim.x) {
+  for (int t = blockIdx.x / kCluster; t < p.tile_count; t += gridDim.x / kCluster) {
     const int4 tile = p.tiles[t];
     if (tile.x < 0) break;
+    const int column_tile = tile.y * kCluster + rank;
     // Groups of 8 columns left of the weight tiles' boundary (>= 16: none in the tile).
-    const int split = ((tile.y * kTileN / 128 + 1) * 128 - tile.y * kTileN) / 8;
+    const int split = ((column_tile * kTileN / 128 + 1) * 128 - column_tile * kTileN) / 8;
     set(result, 0.0f, seq);
     for (int kb = 0; kb < p.k_blocks; ++kb) {
       Full::wait(&s.full[stage], phase);
@@ -268,7 +293,12 @@ __global__ void __launch_bounds__(kThreads, 1)
         // sees the first fill, and that warp would wait for the third).
         cutlass::arch::NamedBarrier::sync(128, 3 + consumer);
       }
-      if (threadIdx.x % 128 == 0) Empty::arrive(&s.empty[stage]);
+      if (threadIdx.x % 128 == 0) {
+        Empty::arrive(&s.empty[stage]);
+#pragma unroll
+        for (int peer = 1; peer < kCluster; ++peer)
+          Empty::arrive(&s.empty[stage], (rank + peer) % kCluster, true);
+      }
       if (++stage == kStages) {
         stage = 0;
         phase ^= 1;
@@ -277,7 +307,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     }
     if constexpr (kProbe == Probe::kNoPromotion) copy_to(acc, result, seq);
     ws_sm90::store_bf16<kTileN>(result, s.out.warpgroup[consumer], map_out, consumer,
-                                r0 - consumer * 64, q, tile.y * kTileN,
+                                r0 - consumer * 64, q, column_tile * kTileN,
                                 tile.x * kTileM + consumer * 64);
   }
   if (threadIdx.x % 128 == 0) cute::tma_store_wait<0>();
@@ -289,13 +319,15 @@ size_t workspace_bytes(int64_t capacity, int64_t p) {
 }
 
 // The product with tiles kTileN wide (P, Q multiples of 128), leaving out what kProbe says.
-template <int kTileN, Probe kProbe = Probe::kNone>
+// The product with tiles kTileN wide (P, Q multiples of 128) on clusters of kCluster CTAs (the
+// column tiles of a row tile taken kCluster at a time), leaving out what kProbe says.
+template <int kTileN, Probe kProbe = Probe::kNone, int kCluster = 1>
 cudaError_t run(const int64_t* segments, int experts, const kernels::Fp8Operands& ops,
                 kernels::Fp8WeightScales b_scales, int64_t capacity, int64_t p, int64_t q,
                 void* workspace, size_t workspace_size, cudaStream_t stream) {
   if (q % kTileK != 0 || p % 128 != 0) return cudaErrorInvalidValue;
   const fixed_sm90::TileTable table = fixed_sm90::tile_table_in(
-      workspace, workspace_size, segments, experts, capacity, p, kTileN, stream);
+      workspace, workspace_size, segments, experts, capacity, p, kTileN * kCluster, stream);
   if (table.err != cudaSuccess || table.count == 0) return table.err;
   // A row-major (outer, inner) E4M3 matrix's TMA descriptor, box (box_outer, 128), 128-byte
   // swizzle.
@@ -308,7 +340,7 @@ cudaError_t run(const int64_t* segments, int experts, const kernels::Fp8Operands
                                CU_TENSOR_MAP_SWIZZLE_128B);
   };
   CUtensorMap map_a, map_b, map_out;
-  if (encode_fp8(&map_a, ops.a, q, capacity, kTileM) != CUDA_SUCCESS ||
+  if (encode_fp8(&map_a, ops.a, q, capacity, kTileM / kCluster) != CUDA_SUCCESS ||
       encode_fp8(&map_b, ops.b, q, experts * p, kTileN) != CUDA_SUCCESS ||
       ws_sm90::encode_out<kTileN>(&map_out, ops.out, p, capacity) != CUDA_SUCCESS)
     return cudaErrorInvalidValue;
@@ -320,14 +352,31 @@ cudaError_t run(const int64_t* segments, int experts, const kernels::Fp8Operands
       ops.sfa,          ops.sfb,     table.tiles, static_cast<int>(table.count), qb,      pb,
       int64_t{pb} * qb, mn ? pb : 1, mn ? 1 : qb, static_cast<int>(p),           capacity};
   constexpr size_t smem = ws_sm90::storage_bytes<typename Shape<kTileN>::SharedStorage>();
-  static const cudaError_t configured =
-      cudaFuncSetAttribute(fp8_gemm_fixed_kernel<kTileN, kProbe>,
-                           cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
-  if (configured != cudaSuccess) return configured;
-  const unsigned grid = static_cast<unsigned>(std::min<int64_t>(table.count, sm_count()));
-  fp8_gemm_fixed_kernel<kTileN, kProbe>
-      <<<grid, kThreads, smem, stream>>>(map_a, map_b, map_out, params);
-  return cudaGetLastError();
+  constexpr auto kernel = fp8_gemm_fixed_kernel<kTileN, kProbe, kCluster>;
+  cudaLaunchConfig_t config{};
+  cudaLaunchAttribute cluster{};
+  cluster.id = cudaLaunchAttributeClusterDimension;
+  cluster.val.clusterDim = {static_cast<unsigned>(kCluster), 1, 1};
+  config.blockDim = kThreads;
+  config.dynamicSmemBytes = smem;
+  config.stream = stream;
+  config.attrs = &cluster;
+  config.numAttrs = 1;
+  // Persistent CTAs: as many clusters as can run at once, at most one a tile.
+  static const std::pair<cudaError_t, int> resident = [&] {
+    cudaError_t err = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                           static_cast<int>(smem));
+    int clusters = sm_count() / kCluster;
+    if (err == cudaSuccess && kCluster > 1) {
+      config.gridDim = static_cast<unsigned>(clusters * kCluster);
+      err = cudaOccupancyMaxActiveClusters(&clusters, kernel, &config);
+    }
+    return std::pair{err, clusters};
+  }();
+  if (resident.first != cudaSuccess) return resident.first;
+  config.gridDim =
+      static_cast<unsigned>(kCluster * std::min<int64_t>(table.count, resident.second));
+  return cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_out, params);
 }
 
 }  // namespace mt::cuda::fp8_fixed_sm90

@@ -53,12 +53,13 @@ inline constexpr uint64_t kEvictNormal =
     static_cast<uint64_t>(cute::TMA::CacheHintSm90::EVICT_NORMAL);
 
 // Warpgroup 0's part: it gives its registers to the consumers (keeping kRegisters), and its first
-// kLanes threads walk this CTA's tiles of the table (t = blockIdx.x, then every gridDim.x; tiles
+// kLanes threads walk this CTA's tiles of the table (t = blockIdx.x / kCluster, then every
+// gridDim.x / kCluster: the CTAs of a cluster walk the same tiles; tiles
 // past the last segment come last, so the first of them ends the walk): for each of a tile's
 // k_blocks they wait for a free stage, thread 0 arms its full barrier with stage_bytes, and each
 // calls load(stage, tile, k) to issue the copies (with kLanes > 1 the full barrier counts their
 // arrivals beside thread 0's: init_ring's producers).
-template <int kStages, int kLanes = 1, int kRegisters = 40, class Load>
+template <int kStages, int kLanes = 1, int kRegisters = 40, int kCluster = 1, class Load>
 __device__ __forceinline__ void produce(const CUtensorMap& map_a, const CUtensorMap& map_b,
                                         const CUtensorMap& map_out, const int4* tiles,
                                         int tile_count, int k_blocks, uint64_t* full,
@@ -74,19 +75,30 @@ __device__ __forceinline__ void produce(const CUtensorMap& map_a, const CUtensor
   }
   int stage = 0;
   uint32_t phase = 0;
-  for (int t = blockIdx.x; t < tile_count; t += gridDim.x) {
+  const auto advance = [&] {
+    if (++stage == kStages) {
+      stage = 0;
+      phase ^= 1;
+    }
+  };
+  for (int t = blockIdx.x / kCluster; t < tile_count; t += gridDim.x / kCluster) {
     const int4 tile = tiles[t];
     if (tile.x < 0) break;
     for (int k = 0; k < k_blocks; ++k) {
       Empty::wait(&empty[stage], phase ^ 1);
       if (first) Full::arrive_and_expect_tx(&full[stage], stage_bytes);
       load(stage, tile, k);
-      if (++stage == kStages) {
-        stage = 0;
-        phase ^= 1;
-      }
+      advance();
     }
   }
+  // In a cluster the peer's consumers free this CTA's stages (they read what this CTA multicast)
+  // and its multicasts land here: wait until every stage is free again, so that nothing arrives
+  // at a barrier or into shared memory of a CTA that has exited.
+  if constexpr (kCluster > 1)
+    for (int i = 0; i < kStages; ++i) {
+      Empty::wait(&empty[stage], phase ^ 1);
+      advance();
+    }
 }
 
 // A consumer thread's place (warpgroups 1 and 2; warpgroup 0 produces): its warpgroup's rows
