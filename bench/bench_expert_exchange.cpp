@@ -73,7 +73,7 @@ void layer_chunks(int rank, int world, mt::dist::Communicator& ep, int ctas) {
   const Tensor hn = mt::bench::random_bf16({kTokens, kDim}, 14 + rank, 1.0);
   const Tensor dout = mt::bench::random_bf16({kTokens, kDim}, 15 + rank, 1.0);
   Tensor out = Tensor::empty({kTokens, kDim}, DType::kBF16, Device::kCUDA);
-  mt::moe::ExchangeLane lane;
+  mt::Lane lane(mt::moe::kExchangeExposedSpan);
   // The chunks in turn and on the lane: what chunking costs the experts, what the lane hides.
   // Each its own captured graph, timed in three alternating rounds.
   struct Run {

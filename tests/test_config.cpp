@@ -418,8 +418,8 @@ TEST(MemoryEstimate, TheDeviceExchangeCostsItsOwnWindow) {
 }
 
 // One GPU: an FP8 recipe's expert matrices hold their input gradient's 128 x 128 tiles (a byte a
-// weight) in place of the bf16 compute copy (two), and the unit in use its forward's; an MX recipe
-// keeps only the copies of the unit in use and the next.
+// weight) in place of the bf16 compute copy (two), and the unit in use and the next their
+// forward's; an MX recipe keeps only the copies of the unit in use and the next.
 TEST(MemoryEstimate, OneGpuHoldsOneFp8TileLayoutInPlaceOfTheComputeCopy) {
   ModelConfig m;
   m.device = Device::kCUDA;
@@ -434,12 +434,12 @@ TEST(MemoryEstimate, OneGpuHoldsOneFp8TileLayoutInPlaceOfTheComputeCopy) {
   m.expert_precision.recipe = ops::ExpertRecipe::kMxfp8WgradWithHp;
   const MemoryEstimate mx = estimate_memory(m, p, tokens);
   // bf16: a compute copy of every expert matrix (2 bytes a weight); FP8: a byte a weight of every
-  // layer's input-gradient tiles, and of one layer's forward tiles.
+  // layer's input-gradient tiles, and of two layers' forward tiles.
   const BlockParamCounts block = count_block_params(m);
   const double experts = static_cast<double>(m.n_experts * block.per_expert);
   EXPECT_DOUBLE_EQ(
       bf16.workspaces - fp8.workspaces,
-      experts * (2.0 * static_cast<double>(m.n_layers) - static_cast<double>(m.n_layers + 1)));
+      experts * (2.0 * static_cast<double>(m.n_layers) - static_cast<double>(m.n_layers + 2)));
   EXPECT_LT(mx.workspaces, bf16.workspaces);
   EXPECT_EQ(fp8.states, bf16.states);
 }

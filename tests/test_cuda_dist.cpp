@@ -773,7 +773,7 @@ TEST(MoeLayer, OneRankChunksOnTheLaneGiveTheChunksInTurn) {
           r.g.router.to(Device::kCPU), r.g.w_gate_up.to(Device::kCPU), r.g.w_down.to(Device::kCPU)};
     };
     const char* names[] = {"output", "d hn", "d router", "d w_gate_up", "d w_down"};
-    moe::ExchangeLane lane;
+    Lane lane(moe::kExchangeExposedSpan);
     const moe::MoeComms in_turn{&comm, nullptr, moe::ExchangeMode::kDeviceCounts, 3, nullptr};
     const moe::MoeComms beside{&comm, nullptr, moe::ExchangeMode::kDeviceCounts, 3, &lane};
     const moe::MoeComms whole{&comm, nullptr, moe::ExchangeMode::kDeviceCounts, 1, nullptr};

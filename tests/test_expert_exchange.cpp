@@ -191,7 +191,7 @@ TEST(MoeLayer, ChunksGiveTheUnchunkedLayersOutputAndGradients) {
           Tensor out, dhn;
           moe::MoeWeights g;
         };
-        auto layer = [&](int64_t chunks, moe::ExchangeLane* lane) {
+        auto layer = [&](int64_t chunks, Lane* lane) {
           moe::MoeComms comms{&comm, &comm, mode, chunks, lane};
           moe::MoeActivations a;
           moe::moe_fill(w, c, comms, bias, hn, a);
@@ -211,9 +211,9 @@ TEST(MoeLayer, ChunksGiveTheUnchunkedLayersOutputAndGradients) {
           return res;
         };
         const Result one = layer(1, nullptr);
-        moe::ExchangeLane lane;
+        Lane lane(moe::kExchangeExposedSpan);
         for (const int64_t chunks : {1, 2, 3, 5})
-          for (moe::ExchangeLane* l : {static_cast<moe::ExchangeLane*>(nullptr), &lane}) {
+          for (Lane* l : {static_cast<Lane*>(nullptr), &lane}) {
             const std::string what = routing + " " + std::string(moe::exchange_mode_name(mode)) +
                                      " chunks " + std::to_string(chunks) +
                                      (l ? " on the lane" : "") + " rank " + std::to_string(r);

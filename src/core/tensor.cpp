@@ -33,7 +33,7 @@ thread_local bool in_graph_pool = false;
 // drives one GPU, or one per thread in the NCCL tests). A block is reused only on the stream it
 // was allocated on (the thread's cuda::stream() then), in that stream's order; a tensor that
 // another stream also uses must stay alive until its own stream has waited for that use
-// (moe/exchange/lane.h).
+// (core/lane.h).
 struct DeviceAllocator {
   explicit DeviceAllocator(Device d) : device(d) {}
   const Device device;

@@ -59,19 +59,39 @@ void make_quant_copies(ParamGroup& g, ops::CopyUse use) {
 // One rank's held FP8 tiles are the input gradient's layout (dim0); the forward's (dim1) is
 // their transpose, made for each pass that runs the forward's products and dropped at release:
 // a byte a weight held in place of two.
-void make_forward_tiles(ParamGroup& g, ops::CopyUse use) {
-  if (use == ops::CopyUse::kBackward) return;
+// Each forward tile tensor allocated on the thread's stream (a lane's run writes them beside it).
+void allocate_forward_tiles(ParamGroup& g) {
   for (size_t i = 0; i < g.specs.size(); ++i) {
-    if (!g.specs[i].quant_copies) continue;
     ops::WeightCopies& q = g.copies[i];
-    if (!q.fp8_forward.defined())
+    if (g.specs[i].quant_copies && !q.fp8_forward.defined())
       q.fp8_forward = QuantTensor::empty(q.fp8_input.shape(), QuantBlock::kTile128,
                                          QuantAxis::kDim1, q.fp8_input.device());
-    ops::fp8_transpose_tiles(q.fp8_input, q.fp8_forward);
   }
 }
 
+void transpose_forward_tiles(ParamGroup& g) {
+  for (size_t i = 0; i < g.specs.size(); ++i)
+    if (g.specs[i].quant_copies)
+      ops::fp8_transpose_tiles(g.copies[i].fp8_input, g.copies[i].fp8_forward);
+}
+
+// The thread's stream waits for forward tiles made ahead on a lane, if any.
+void join_forward_tiles(ParamGroup& g) {
+  if (!g.tiles_lane) return;
+  g.tiles_lane->join(g.tiles_made);
+  g.tiles_lane = nullptr;
+  g.tiles_made = -1;
+}
+
+void make_forward_tiles(ParamGroup& g, ops::CopyUse use) {
+  if (g.tiles_lane) return join_forward_tiles(g);
+  if (use == ops::CopyUse::kBackward) return;
+  allocate_forward_tiles(g);
+  transpose_forward_tiles(g);
+}
+
 void drop_forward_tiles(ParamGroup& g) {
+  join_forward_tiles(g);  // never free what the lane may still write
   for (ops::WeightCopies& q : g.copies) q.fp8_forward = QuantTensor();
 }
 }  // namespace
@@ -158,6 +178,7 @@ void finish_reduction(ParamGroup& g) {
 }
 
 void abandon_in_flight(ParamGroup& g) {
+  join_forward_tiles(g);
   g.gathering.reset();
   g.reducing.reset();
   g.reduced = Tensor();
@@ -183,6 +204,21 @@ void prefetch(ParamUnit& u) {
     await_update(u);
   for (auto& g : u.groups) prefetch(g);
 }
+void prefetch_forward_tiles(ParamUnit& u, Lane& lane) {
+  std::vector<ParamGroup*> ahead;
+  for (ParamGroup& g : u.groups)
+    if (g.holds_fp8_tiles() && g.copies_made() && !g.tiles_lane) ahead.push_back(&g);
+  if (ahead.empty()) return;
+  await_update(u);  // the held tiles are the update's
+  for (ParamGroup* g : ahead) allocate_forward_tiles(*g);
+  const Lane::Point end = lane.run(ahead.front()->params.device(), [&] {
+    for (ParamGroup* g : ahead) transpose_forward_tiles(*g);
+  });
+  for (ParamGroup* g : ahead) {
+    g->tiles_lane = &lane;
+    g->tiles_made = end;
+  }
+}
 void release(ParamUnit& u) {
   for (auto& g : u.groups) release(g);
 }
@@ -199,8 +235,9 @@ void finish_reduction(ParamUnit& u) {
 
 UnitSchedule::UnitSchedule(std::vector<ParamUnit>& units, double grad_divide_factor,
                            std::vector<bool> backward_reads_params, ops::CopyUse backward_copies,
-                           Reshard reshard)
+                           Reshard reshard, Lane* tiles_lane)
     : units_(&units),
+      tiles_lane_(tiles_lane),
       divide_(grad_divide_factor),
       backward_copies_(backward_copies),
       reshard_(reshard),
@@ -229,7 +266,10 @@ void UnitSchedule::forward_begin(size_t i) {
   for (ParamGroup& g : u.groups)
     gather(g, hold && g.sharded() ? ops::CopyUse::kBoth : ops::CopyUse::kForward);
   held_[i] = hold ? Held::kForBackward : Held::kForForward;
-  if (i + 1 < units_->size()) prefetch((*units_)[i + 1]);
+  if (i + 1 < units_->size()) {
+    prefetch((*units_)[i + 1]);
+    if (tiles_lane_) prefetch_forward_tiles((*units_)[i + 1], *tiles_lane_);
+  }
 }
 
 void UnitSchedule::forward_end(size_t i) {
@@ -261,6 +301,9 @@ void UnitSchedule::backward_begin(size_t i) {
   }
   begin_gradients(i);
   if (i > 0 && reads_[i - 1] && held_[i - 1] == Held::kNothing) prefetch((*units_)[i - 1]);
+  // A backward that reruns the forward's products reads the forward's tiles.
+  if (tiles_lane_ && i > 0 && reads_[i - 1] && backward_copies_ != ops::CopyUse::kBackward)
+    prefetch_forward_tiles((*units_)[i - 1], *tiles_lane_);
 }
 
 void UnitSchedule::backward_end(size_t i) {

@@ -67,17 +67,20 @@ enum class Reshard : uint8_t { kAfterForward, kAfterBackward };
 // is not held); once its backward is queued, its reduce-scatter starts in the background, the
 // reduction of the unit above is finished and the unit released, so (NCCL) each reduction
 // overlaps the next unit's backward and at most two units' full gradients live. Unsharded units
-// only get their compute and quantized copies, as with the functions above.
+// only get their compute and quantized copies, as with the functions above; with a tiles lane,
+// a one-rank unit's forward FP8 tiles are made on it while the unit before (forward) or after
+// (a backward that reruns the forward) runs, and joined at the unit's gather.
 class UnitSchedule {
  public:
   // backward_reads_params[i]: unit i's backward needs its parameters (an embedding's does not).
   // backward_copies: the quantized copies a backward needs (kBoth when it reruns the forward's
   // products: a full activation-checkpointing policy). reshard: see Reshard; a unit whose backward
-  // reads no parameters is released after its forward either way.
+  // reads no parameters is released after its forward either way. tiles_lane: where held FP8
+  // tiles are transposed ahead (null: at each gather, in the pass's order).
   UnitSchedule(std::vector<ParamUnit>& units, double grad_divide_factor,
                std::vector<bool> backward_reads_params,
                ops::CopyUse backward_copies = ops::CopyUse::kBackward,
-               Reshard reshard = Reshard::kAfterForward);
+               Reshard reshard = Reshard::kAfterForward, Lane* tiles_lane = nullptr);
   void forward_begin(size_t i);
   void forward_end(size_t i);
   // Allocates unit i's full gradients (once per pass): before its backward_begin when another
@@ -94,6 +97,7 @@ class UnitSchedule {
   void release_unit(size_t i);
 
   std::vector<ParamUnit>* units_;
+  Lane* tiles_lane_;
   double divide_;
   ops::CopyUse backward_copies_;
   Reshard reshard_;
@@ -107,6 +111,10 @@ class UnitSchedule {
 void await_update(ParamUnit& u);
 void gather(ParamUnit& u, ops::CopyUse use);
 void prefetch(ParamUnit& u);
+// Starts the forward FP8 tiles of u's one-rank groups (holding their tiles, made before) on lane:
+// allocated on the thread's stream after u's update, transposed on the lane; the group's gather
+// joins the run (and its release, if no gather came).
+void prefetch_forward_tiles(ParamUnit& u, Lane& lane);
 void release(ParamUnit& u);
 void begin_backward(ParamUnit& u);
 void reduce_gradients(ParamUnit& u, double divide_factor);

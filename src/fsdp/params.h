@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "core/lane.h"
 #include "core/tensor.h"
 #include "dist/communicator.h"
 #include "ops/expert_gemm.h"
@@ -81,8 +82,12 @@ struct ParamGroup {
   // input gradient's layout (fp8_input) made at the first gather, rewritten by AdamW's pass from
   // the updated masters, dropped only with the compute copies (fsdp::drop_compute_copies: a
   // checkpoint load); the forward's (fp8_forward) its transpose, made by each gather for a forward
-  // and dropped at release.
+  // (or ahead of it on a lane: fsdp::prefetch_forward_tiles) and dropped at release.
   std::vector<ops::WeightCopies> copies;
+  // The lane making fp8_forward ahead of the gather, and the run's end (null: none under way):
+  // the gather joins it before the pass reads the tiles; release joins it before dropping them.
+  Lane* tiles_lane = nullptr;
+  Lane::Point tiles_made = -1;
   ops::ExpertPrecision precision;
 
   bool sharded() const { return comm != nullptr; }

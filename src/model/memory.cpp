@@ -35,8 +35,8 @@ MemoryEstimate estimate_memory(const ModelConfig& m, const ParallelConfig& p, in
   // compute dtype, FP8 tiles at a byte a weight) beside the gathered or rounded weights they are
   // made from, except on one rank under an FP8 recipe, where every expert matrix holds its input
   // gradient's tiles across steps (AdamW rewrites them) and the unit in use its forward's, their
-  // transpose; the expert exchange's receive buffer, and 1 GiB for the libraries (cuBLASLt,
-  // cuDNN, NCCL).
+  // transpose (on the GPU the next unit's too, made beside it); the expert exchange's receive
+  // buffer, and 1 GiB for the libraries (cuBLASLt, cuDNN, NCCL).
   const PrecisionPlan plan = plan_precision(m, p);
   const BlockParamCounts block = count_block_params(m);
   const double experts =
@@ -49,11 +49,12 @@ MemoryEstimate estimate_memory(const ModelConfig& m, const ParallelConfig& p, in
   const double table = static_cast<double>(m.vocab_size * m.dim);
   // One rank: every compute copy persists except the expert matrices' under an MX or FP8 recipe;
   // MX: the quantized copies of the unit in use and the next; FP8: every layer's input-gradient
-  // tiles and the forward's of the unit in use.
+  // tiles and the forward's of the unit in use (and of the next, on the GPU).
   const double expert_all = experts * static_cast<double>(m.n_layers);
+  const double forward_tiles = m.device == Device::kCUDA ? 2.0 : 1.0;
   const double all = !mx ? params
                      : plan.experts.fp8_forward_and_input()
-                         ? params - expert_all + (expert_all + experts) * copy_size
+                         ? params - expert_all + (expert_all + forward_tiles * experts) * copy_size
                          : params - expert_all + 2 * experts * expert_in_use;
   e.workspaces = (world > 1 ? 2 * std::max(layer, table) : all) * compute_bytes + double{1 << 30};
   // Held from forward to backward (parallel.reshard_after_forward = false): the other blocks'

@@ -26,7 +26,7 @@ struct ParallelConfig {
   // With ep > 1: the MoE layer's tokens in this many chunks, each chunk's exchange beside the
   // experts' work on another (moe::MoeComms::chunks), 1 to moe::kMaxExchangeChunks.
   int64_t ep_chunks = 1;
-  // With ep > 1 on the GPU: the exchanges on a stream beside the experts' (moe/exchange/lane.h);
+  // With ep > 1 on the GPU: the exchanges on a stream beside the experts' (core/lane.h);
   // false runs them in turn on the pass's stream.
   bool ep_overlap = true;
   // With world > 1: when a block's gathered weights are dropped within a training pass, after

@@ -111,7 +111,7 @@ Qwen3Moe::Qwen3Moe(const ModelConfig& c, uint64_t seed, dist::DeviceMesh* mesh,
     comms_.exchange = parallel.ep_exchange;
     comms_.chunks = parallel.ep_chunks;
     if (mesh->ep_size() > 1 && parallel.ep_overlap) {
-      lane_ = std::make_unique<moe::ExchangeLane>();
+      lane_ = std::make_unique<Lane>(moe::kExchangeExposedSpan);
       comms_.lane = lane_.get();
     }
     if (mesh->world().size() > 1) comms_.batch = &mesh->world();
@@ -335,9 +335,17 @@ void Qwen3Moe::pass(const Batch& b, const LossScale* scale, Tensor* token_losses
   reads[0] = false;
   // A full checkpointing policy reruns the forward's expert products in the backward; a pass
   // without a backward holds nothing for one.
-  fsdp::UnitSchedule schedule(units_, kGradDivideFactor, std::move(reads),
-                              precision_.backward_copies,
-                              scale ? parallel_.reshard : fsdp::Reshard::kAfterForward);
+  // One GPU holding FP8 tiles: each block's forward layout is transposed on a lane while the
+  // block before it runs (fsdp::prefetch_forward_tiles).
+  if (!tiles_lane_ && dev == Device::kCUDA &&
+      std::any_of(units_.begin(), units_.end(), [](const ParamUnit& u) {
+        return std::any_of(u.groups.begin(), u.groups.end(),
+                           [](const ParamGroup& g) { return g.holds_fp8_tiles(); });
+      }))
+    tiles_lane_ = std::make_unique<Lane>("exposed.fp8_tiles");
+  fsdp::UnitSchedule schedule(
+      units_, kGradDivideFactor, std::move(reads), precision_.backward_copies,
+      scale ? parallel_.reshard : fsdp::Reshard::kAfterForward, tiles_lane_.get());
   const size_t head_unit = units_.size() - 1;
 
   schedule.forward_begin(0);

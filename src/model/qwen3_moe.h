@@ -106,9 +106,10 @@ class Qwen3Moe {
   PrecisionPlan precision_;
   dist::DeviceMesh* mesh_ = nullptr;
   moe::MoeComms comms_;
-  dist::Communicator* cp_ = nullptr;         // the CP group (parallel.cp > 1)
-  std::unique_ptr<moe::ExchangeLane> lane_;  // with ep > 1: where the exchanges run
-  std::vector<ParamUnit> units_;             // [0] embed, [1..L] layers, [L+1] head
+  dist::Communicator* cp_ = nullptr;  // the CP group (parallel.cp > 1)
+  std::unique_ptr<Lane> lane_;        // with ep > 1: where the exchanges run
+  std::unique_ptr<Lane> tiles_lane_;  // one GPU holding FP8 tiles: where they are transposed
+  std::vector<ParamUnit> units_;      // [0] embed, [1..L] layers, [L+1] head
   std::vector<Tensor> router_bias_;
   std::vector<Tensor> expert_load_;
   // On the model's device, written by pass(): [0] the loss sum, [1 + l] layer l's aux loss (f64);

@@ -153,7 +153,7 @@ PermutedOperands permute_expert_rows(const MoeConfig& c, const MoeChunk& ch, con
 }
 
 // The layer's exchanges: on the comms' lane when there is one, else in the caller's order. Keeps
-// what the thread's stream made for a run until the run is joined (moe/exchange/lane.h).
+// what the thread's stream made for a run until the run is joined (core/lane.h).
 class Exchanges {
  public:
   Exchanges(const MoeComms& comms, Device device) : lane_(comms.lane), device_(device) {}
@@ -161,7 +161,7 @@ class Exchanges {
   Exchanges(const Exchanges&) = delete;
   Exchanges& operator=(const Exchanges&) = delete;
 
-  ExchangeLane::Point run(const std::function<void()>& work, std::vector<Tensor> keep = {}) {
+  Lane::Point run(const std::function<void()>& work, std::vector<Tensor> keep = {}) {
     if (!lane_) {
       work();
       return 0;
@@ -169,7 +169,7 @@ class Exchanges {
     for (Tensor& t : keep) kept_.push_back(std::move(t));
     return last_ = lane_->run(device_, work);
   }
-  void join(ExchangeLane::Point p) {
+  void join(Lane::Point p) {
     if (lane_) lane_->join(p);
   }
   void join_all() {
@@ -179,9 +179,9 @@ class Exchanges {
   }
 
  private:
-  ExchangeLane* lane_;
+  Lane* lane_;
   Device device_;
-  ExchangeLane::Point last_ = -1;
+  Lane::Point last_ = -1;
   std::vector<Tensor> kept_;
 };
 
@@ -221,7 +221,7 @@ void make_chunks(const MoeConfig& c, const MoeComms& comms, const Tensor& hn, Mo
                                  segment_align(c, hn));
     return;
   }
-  std::vector<ExchangeLane::Point> planned(count);
+  std::vector<Lane::Point> planned(count);
   for (int64_t i = 0; i < count; ++i) {
     MoeChunk& ch = a.chunks[i];
     planned[i] = ex.run([&] {
@@ -380,7 +380,7 @@ Tensor moe_backward(const MoeWeights& w, MoeWeights& g, const MoeConfig& c, cons
   // hidden dimension with an MXFP8 dispatch, FP8 rows with an FP8 one): each chunk's on the lane
   // before any expert work, so that the next chunk's crosses while the experts take this one.
   std::vector<TokensHere> dy_here(a.chunks.size());
-  std::vector<ExchangeLane::Point> dispatched(a.chunks.size());
+  std::vector<Lane::Point> dispatched(a.chunks.size());
   for (size_t i = 0; i < a.chunks.size(); ++i) {
     const MoeChunk& ch = a.chunks[i];
     const Tensor rows = ch.rows_of(dout);

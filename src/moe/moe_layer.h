@@ -10,10 +10,10 @@
 #include <memory>
 #include <string_view>
 
+#include "core/lane.h"
 #include "core/tensor.h"
 #include "dist/communicator.h"
 #include "moe/exchange/expert_exchange.h"
-#include "moe/exchange/lane.h"
 #include "ops/expert_gemm.h"
 #include "ops/gemm.h"
 #include "ops/permute.h"
@@ -50,7 +50,9 @@ struct MoeWeights {
 // The most chunks a layer's tokens go through the experts in (MoeComms::chunks): each takes two
 // of the lane's points a pass.
 inline constexpr int64_t kMaxExchangeChunks = 16;
-static_assert(2 * kMaxExchangeChunks + 2 <= ExchangeLane::kPoints);
+static_assert(2 * kMaxExchangeChunks + 2 <= Lane::kPoints);
+// The exchange lane's exposed time (Lane's exposed_span): what the overlap left exposed.
+inline constexpr const char* kExchangeExposedSpan = "exposed.ep_exchange";
 
 // The process groups the layer talks to; null members mean "not split".
 struct MoeComms {
@@ -65,7 +67,7 @@ struct MoeComms {
   // accumulates its share of the experts' weight gradients (docs/benchmarks-history.md has the
   // costs). Without a lane everything runs in turn, with the same results (the CPU ranks' tests).
   int64_t chunks = 1;
-  ExchangeLane* lane = nullptr;
+  Lane* lane = nullptr;
 };
 
 // One chunk of the layer's tokens on its way through the experts. Rt tokens here (with EP: the

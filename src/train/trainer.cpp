@@ -21,7 +21,6 @@
 #include "model/context_parallel.h"
 #include "model/flops.h"
 #include "model/precision.h"
-#include "moe/exchange/lane.h"
 #include "train/checkpoint.h"
 #include "train/evaluate.h"
 #include "train/hf_export.h"
@@ -356,7 +355,7 @@ std::optional<StepMetrics> Trainer::train_step() {
   const bool waits_timed = cfg_.model.device == Device::kCUDA && cfg_.parallel.ep_overlap;
   for (const auto& [name, ms] : profile::take_spans()) {
     if (name.starts_with("ep.")) m.exchange_ms += ms;
-    if (name == moe::ExchangeLane::kExposedSpan) m.exchange_exposed_ms += ms;
+    if (name == moe::kExchangeExposedSpan) m.exchange_exposed_ms += ms;
   }
   if (!waits_timed) m.exchange_exposed_ms = m.exchange_ms;
   if (profile::enabled() && is_rank0()) {

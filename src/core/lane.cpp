@@ -1,4 +1,4 @@
-#include "moe/exchange/lane.h"
+#include "core/lane.h"
 
 #include "core/error.h"
 #include "core/profile.h"
@@ -6,9 +6,9 @@
 #include "core/cuda/stream.h"
 #endif
 
-namespace mt::moe {
+namespace mt {
 
-struct ExchangeLane::Streams {
+struct Lane::Streams {
 #if MOETRAIN_HAS_CUDA
   Streams() {
     for (auto& e : ends) e = std::make_unique<cuda::Fence>(cuda::FenceReach::kWithinGraph);
@@ -19,10 +19,10 @@ struct ExchangeLane::Streams {
 #endif
 };
 
-ExchangeLane::ExchangeLane() = default;
-ExchangeLane::~ExchangeLane() = default;
+Lane::Lane(const char* exposed_span) : exposed_span_(exposed_span) {}
+Lane::~Lane() = default;
 
-ExchangeLane::Point ExchangeLane::run(Device device, const std::function<void()>& work) {
+Lane::Point Lane::run(Device device, const std::function<void()>& work) {
   const Point p = next_++;
   on_gpu_[p % kPoints] = device == Device::kCUDA;
   if (device != Device::kCUDA) {
@@ -40,22 +40,22 @@ ExchangeLane::Point ExchangeLane::run(Device device, const std::function<void()>
     s.ends[p % kPoints]->record();
   }
 #else
-  MT_CHECK(false, "a GPU exchange in a build without CUDA");
+  MT_CHECK(false, "lane {}: GPU work in a build without CUDA", exposed_span_);
 #endif
   return p;
 }
 
-void ExchangeLane::join(Point p) {
+void Lane::join(Point p) {
   MT_CHECK(p >= 0 && p < next_ && next_ - p <= kPoints,
-           "exchange lane: point {} joined with {} runs made (the lane keeps the last {})", p,
-           next_, kPoints);
+           "lane {}: point {} joined with {} runs made (the lane keeps the last {})", exposed_span_,
+           p, next_, kPoints);
   if (!on_gpu_[p % kPoints]) return;
 #if MOETRAIN_HAS_CUDA
   // Marks on the thread's stream before and after the wait: the time between them is the time
-  // it stood still for the exchange (zero when the run ended before the stream got here).
-  const profile::Span exposed(kExposedSpan, true);
+  // it stood still for the lane (zero when the run ended before the stream got here).
+  const profile::Span exposed(exposed_span_, true);
   streams_->ends[p % kPoints]->wait();
 #endif
 }
 
-}  // namespace mt::moe
+}  // namespace mt

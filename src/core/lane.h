@@ -1,9 +1,9 @@
-// Where a layer's expert exchanges run. On the GPU, a stream beside the thread's own: the
-// experts compute on one chunk of tokens while another chunk's exchange crosses (moe_layer.h,
-// MoeComms::chunks). Each run starts after the work the thread's stream has queued so far; the
-// layer joins a run before it reads what the run made, and joins every run before it returns, so
-// that a captured pass holds both streams' work in its one graph. On the CPU a run is the
-// caller's own code, in order.
+// Work beside the thread's stream. On the GPU, a stream of its own: the expert exchanges, which
+// cross while the experts compute on another chunk of tokens (moe_layer.h, MoeComms::chunks), and
+// a block's forward FP8 tiles, made while the block before it runs (fsdp.h, UnitSchedule). Each
+// run starts after the work the thread's stream has queued so far; its user joins a run before
+// it reads what the run made, and joins every run before its pass ends, so that a captured pass
+// holds both streams' work in its one graph. On the CPU a run is the caller's own code, in order.
 //
 // Memory (core/tensor.cpp): a block returns to the stream it was allocated on and only that
 // stream reuses it, so what a run allocates is safe from the thread's stream. What the thread's
@@ -17,14 +17,16 @@
 
 #include "core/tensor.h"
 
-namespace mt::moe {
+namespace mt {
 
-class ExchangeLane {
+class Lane {
  public:
-  ExchangeLane();
-  ~ExchangeLane();
-  ExchangeLane(const ExchangeLane&) = delete;
-  ExchangeLane& operator=(const ExchangeLane&) = delete;
+  // exposed_span: the profile span (core/profile.h) that times the thread's stream standing still
+  // at a join, a literal.
+  explicit Lane(const char* exposed_span);
+  ~Lane();
+  Lane(const Lane&) = delete;
+  Lane& operator=(const Lane&) = delete;
 
   // The end of a run: what join() waits for. The lane keeps the last kPoints ends; a point is
   // joined before that many more runs have started (a layer makes at most two per chunk).
@@ -34,15 +36,15 @@ class ExchangeLane {
   // Runs `work` (host code whose GPU work on `device` goes to the lane) and returns its end.
   Point run(Device device, const std::function<void()>& work);
   // The thread's stream waits for the lane's work up to p (every run before it included). On the
-  // GPU the wait is a profile::Span named kExposedSpan: the exchange time the overlap left exposed.
+  // GPU the wait is a profile::Span named exposed_span: the lane's time the overlap left exposed.
   void join(Point p);
-  static constexpr const char* kExposedSpan = "exposed.ep_exchange";
 
  private:
+  const char* exposed_span_;
   struct Streams;  // the CUDA stream and the marks, made at the first GPU run
   std::unique_ptr<Streams> streams_;
   Point next_ = 0;
   std::array<bool, kPoints> on_gpu_{};  // whether point p % kPoints ended GPU work
 };
 
-}  // namespace mt::moe
+}  // namespace mt
