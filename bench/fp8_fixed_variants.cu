@@ -76,9 +76,9 @@ void time_variant(const Product& pr, const Buffers& b, const __nv_bfloat16* ship
   const double flops = 2.0 * b.capacity * pr.p * pr.q;
   std::printf(
       "{\"bench\": \"fp8_fixed_variant\", \"product\": \"%s\", \"shape\": \"%lld rows, Q %lld, P "
-      "%lld\", \"tile_n\": %d, \"cluster\": %d, \"probe\": \"%s\", \"ptxas\": \"%s\", \"ms\": "
-      "%.4f, "
-      "\"tflops\": %.1f, \"vs_shipped\": %.3f, \"differing\": %llu, \"max_abs\": %.3g}\n",
+      "%lld\", \"tile_n\": %d, \"cluster\": %d, \"probe\": \"%s\", \"ptxas\": \"%s\", "
+      "\"ms\": %.4f, \"tflops\": %.1f, \"vs_shipped\": %.3f, \"differing\": %llu, "
+      "\"max_abs\": %.3g}\n",
       pr.name, static_cast<long long>(b.capacity), static_cast<long long>(pr.q),
       static_cast<long long>(pr.p), kTileN, kCluster, probe_name(kProbe), WORKBENCH_PTXAS, ms,
       flops / (ms * 1e-3) / 1e12, shipped_ms > 0 ? shipped_ms / ms : 1.0, d.differing, d.max_abs);

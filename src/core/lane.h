@@ -29,7 +29,8 @@ class Lane {
   Lane& operator=(const Lane&) = delete;
 
   // The end of a run: what join() waits for. The lane keeps the last kPoints ends; a point is
-  // joined before that many more runs have started (a layer makes at most two per chunk).
+  // joined before that many more runs have started (an MoE layer makes at most two per chunk;
+  // FSDP's tiles one a unit, joined before the next starts).
   using Point = int64_t;
   static constexpr int kPoints = 64;
 

@@ -140,6 +140,14 @@ Qwen3Moe::Qwen3Moe(const ModelConfig& c, uint64_t seed, dist::DeviceMesh* mesh,
           g.kind == ParamKind::kExpert ? mesh->dp_shard_mod_ep() : mesh->world();
       if (group.size() > 1) fsdp::shard_group(g, group);
     }
+  // One GPU holding FP8 tiles: each block's forward layout is transposed on a lane while the
+  // block before it runs (fsdp::prefetch_forward_tiles).
+  if (cfg_.device == Device::kCUDA &&
+      std::any_of(units_.begin(), units_.end(), [](const ParamUnit& u) {
+        return std::any_of(u.groups.begin(), u.groups.end(),
+                           [](const ParamGroup& g) { return g.holds_fp8_tiles(); });
+      }))
+    tiles_lane_ = std::make_unique<Lane>("exposed.fp8_tiles");
   for (int64_t l = 0; l < c.n_layers; ++l) {
     router_bias_.push_back(Tensor::zeros({c.n_experts}, cfg_.stat_dtype(), cfg_.device));
     expert_load_.push_back(Tensor::zeros({c.n_experts}, DType::kI64));
@@ -335,14 +343,6 @@ void Qwen3Moe::pass(const Batch& b, const LossScale* scale, Tensor* token_losses
   reads[0] = false;
   // A full checkpointing policy reruns the forward's expert products in the backward; a pass
   // without a backward holds nothing for one.
-  // One GPU holding FP8 tiles: each block's forward layout is transposed on a lane while the
-  // block before it runs (fsdp::prefetch_forward_tiles).
-  if (!tiles_lane_ && dev == Device::kCUDA &&
-      std::any_of(units_.begin(), units_.end(), [](const ParamUnit& u) {
-        return std::any_of(u.groups.begin(), u.groups.end(),
-                           [](const ParamGroup& g) { return g.holds_fp8_tiles(); });
-      }))
-    tiles_lane_ = std::make_unique<Lane>("exposed.fp8_tiles");
   fsdp::UnitSchedule schedule(
       units_, kGradDivideFactor, std::move(reads), precision_.backward_copies,
       scale ? parallel_.reshard : fsdp::Reshard::kAfterForward, tiles_lane_.get());

@@ -318,7 +318,6 @@ size_t workspace_bytes(int64_t capacity, int64_t p) {
   return fixed_sm90::table_bytes(fixed_sm90::tile_count(capacity, p, kTileN));
 }
 
-// The product with tiles kTileN wide (P, Q multiples of 128), leaving out what kProbe says.
 // The product with tiles kTileN wide (P, Q multiples of 128) on clusters of kCluster CTAs (the
 // column tiles of a row tile taken kCluster at a time), leaving out what kProbe says.
 template <int kTileN, Probe kProbe = Probe::kNone, int kCluster = 1>
