@@ -59,16 +59,14 @@ struct GpuCase : ::testing::TestWithParam<DType> {
   uint64_t counter = 0;
 };
 
-// A skewed routing of `tokens` tokens, top-2 over `experts` (expert 0 takes a third of the
-// choices, the last none), permuted on the GPU with segments aligned to `align` rows.
-// The expert rows of a random routing of `tokens` tokens (top-2 of `experts`), on the GPU, padded
-// to 128-row segments as the MoE layer lays them out on one GPU (align 1: dense).
+// The expert rows of a skewed routing of `tokens` tokens, top-2 over `experts` (expert 0 takes a
+// third of the first choices, the last expert none), permuted on the GPU with segments aligned to
+// `align` rows (128: as the MoE layer lays them out on one GPU; 1: dense).
 inline ops::ExpertPermutation random_expert_rows(int64_t tokens, int64_t experts, int64_t align,
                                                  uint64_t seed) {
   Tensor index = Tensor::empty({tokens, 2}, DType::kI32);
   std::mt19937_64 rng(seed);
   for (int64_t t = 0; t < tokens; ++t) {
-    // Skewed: expert 0 takes a third of the choices, the last expert none.
     const int32_t a = static_cast<int32_t>(rng() % 3 == 0 ? 0 : rng() % (experts - 1));
     int32_t b = static_cast<int32_t>(rng() % (experts - 1));
     if (b == a) b = (a + 1) % static_cast<int32_t>(experts - 1);

@@ -14,29 +14,40 @@
 //
 // Structure (the MX kernel's, mx_gemm_sm90.cu, with both operands FP8 in shared memory):
 // persistent CTAs over the tile table; the producer warp's first lane issues TMA copies of A's
-// 128 x 128 and b's kTileN x 128 tiles into a ring of stages (full/empty barriers), running on
-// across tiles so the next tile's loads overlap the epilogue, and its 32 lanes copy the block's
-// scales (the row tile's 128 of A, the weight tiles' of b) into the stage's slot with cp.async,
-// each lane's copies completing on the stage's full barrier. Two consumer warpgroups of 64 rows x
-// kTileN columns each run the four k32 FP8 wgmmas of a 128-deep block into a fresh f32
+// 128 x 128 (a box per row tile) and b's kTileN x 128 tiles into a ring of stages (full/empty
+// barriers), running on across tiles so the next tile's loads overlap the epilogue, and its 32
+// lanes copy the block's scales (the rows' of A, the weight tiles' of b) into the stage's slot with
+// cp.async, each lane's copies completing on the stage's full barrier. Two consumer warpgroups of
+// 64 rows x kTileN columns each run the four k32 FP8 wgmmas of a 128-deep block into a fresh f32
 // accumulator, then promote it into the result with the block's scales, result += partial *
 // (sa[row] * sb): DeepSeek-V3's promotion every 128 of the contraction, in f32 registers. The
 // epilogue stages bf16 rows in swizzled shared memory and leaves by TMA stores. What bounds it
 // (docs/benchmarks-history.md, "What bounds our FP8 kernel"): the promotion; and, before they came
 // through the stages, the scales each consumer thread loaded from L2.
 //
-// Tile widths. kTileN 128 is one weight tile; a wider tile that is not a multiple of 128 (160:
-// fewer tiles, and each b row read from shared memory serves more of the MMA's work) spans
-// two weight tiles, whose boundary falls at a multiple of 32 columns into it: the promotion takes
-// the first tile's scale left of it and the second's right of it, the boundary a template
-// argument chosen per tile (four cases at most). Columns past P are computed from whatever b rows
-// follow (the next expert's, or TMA's zeros) and never stored.
+// Two row tiles a CTA (kWaves 2, what ships): a CTA's tile is a run of up to two row tiles of one
+// expert (256 rows) by 128 columns. Each consumer warpgroup takes its 64 rows of each row tile in
+// turn with one accumulator (the wave's MMAs, then its promotion into that wave's result: 3 x 64
+// f32 registers a thread), so each weight tile crosses from L2 into shared memory once for 256
+// rows instead of 128: a stage is 48 KB against 32, three fit, and the loads per MMA drop by a
+// quarter. Each wave stores through its own staging, so that its store waits only for the same
+// wave's of the tile before. The table lists each expert's row tiles in runs of two from its
+// first; an odd count ends in a run of one, whose second wave is neither loaded, computed nor
+// stored. (docs/benchmarks-history.md, "Two row tiles a CTA".)
 //
-// Clusters (kCluster 2 or 4, the workbench's; the product runs 1): the CTAs of a cluster take one
-// row tile's next column tiles, each loads its share of A's rows and multicasts it to all, and a
+// Tile widths (one wave; the workbench's). kTileN 128 is one weight tile; a wider tile that is not
+// a multiple of 128 (160: fewer tiles, and each b row read from shared memory serves more of the
+// MMA's work) spans two weight tiles, whose boundary falls at a multiple of 32 columns into it: the
+// promotion takes the first tile's scale left of it and the second's right of it, the boundary a
+// template argument chosen per tile (four cases at most). Columns past P are computed from whatever
+// b rows follow (the next expert's, or TMA's zeros) and never stored.
+//
+// Clusters (kCluster 2 or 4; the workbench's, the product runs 1): the CTAs of a cluster take one
+// run's next column tiles, each loads its share of the run's rows and multicasts it to all, and a
 // stage is free once every CTA's consumers have read it. A crosses from L2 once per cluster; on
-// an H100 that made the loads alone faster and the product slower (the CTAs wait on each other
-// at every stage; docs/benchmarks-history.md, "Two designs that did not pay").
+// H100s that made the loads alone faster and the product slower, with one wave or two (the CTAs
+// wait on each other at every stage; docs/benchmarks-history.md, "Two designs that did not pay"
+// and "Two row tiles a CTA").
 #pragma once
 #include <cuda.h>
 #include <cuda_bf16.h>
@@ -57,8 +68,9 @@ namespace mt::cuda::fp8_fixed_sm90 {
 // What a run leaves out, to time the rest (bench/fp8_fixed_variants.cu); kNone is the product.
 enum class Probe : uint8_t {
   kNone,
-  kNoPromotion,  // one accumulator over the whole contraction, no per-block scaling
-  kNoMma,        // no wgmmas: loads, barriers and promotion only
+  kNoPromotion,   // one accumulator over the whole contraction, no per-block scaling
+  kNoMma,         // no wgmmas: loads, barriers and promotion only
+  kNoScaleLoads,  // A's scales not copied (the slots keep whatever they hold): their loads' cost
 };
 
 constexpr int kTileM = 128;    // = fixed_sm90::kRowTile: a row tile is one expert's
@@ -66,25 +78,28 @@ constexpr int kTileK = 128;    // one scale block deep
 constexpr int kThreads = 384;  // producer warpgroup + two consumer warpgroups
 static_assert(kTileM == fixed_sm90::kRowTile);
 
-template <int kTileN>
+// A CTA's tile: kWaves row tiles of one expert (kTileM rows each) by kTileN columns.
+template <int kTileN, int kWaves = 1>
 struct Shape {
   static_assert(kTileN == 128 || kTileN == 160);
-  static constexpr uint32_t kStageBytesA = kTileM * kTileK;
+  static_assert(kWaves == 1 || (kWaves == 2 && kTileN == 128));  // registers: see the kernel
+  static constexpr int kRows = kWaves * kTileM;
+  static constexpr uint32_t kStageBytesA = kRows * kTileK;
   static constexpr uint32_t kStageBytesB = kTileN * kTileK;
   struct alignas(1024) Stage {
-    uint8_t a[kStageBytesA];  // (128, 128) E4M3, 128-byte swizzle (1024-byte aligned)
+    uint8_t a[kStageBytesA];  // (kRows, 128) E4M3, 128-byte swizzle (1024-byte aligned)
     uint8_t b[kStageBytesB];  // (kTileN, 128) E4M3, 128-byte swizzle
   };
-  // A stage's scales: the row tile's 128 of A, then the one or two weight tiles' (b0, b1).
-  static constexpr int kScaleSlot = kTileM + 4;
-  static constexpr int kScaleB = kTileM;
+  // A stage's scales: the rows' kRows of A, then the one or two weight tiles' (b0, b1).
+  static constexpr int kScaleSlot = kRows + 4;
+  static constexpr int kScaleB = kRows;
   // As many stages as fit beside the epilogue's staging (at most 6: more did not pay at 128).
   static constexpr int kStages =
-      std::min<int>(6, (227 * 1024 - 2048 - sizeof(ws_sm90::OutStaging<kTileN>)) /
+      std::min<int>(6, (227 * 1024 - 2048 - kWaves * sizeof(ws_sm90::OutStaging<kTileN>)) /
                            (sizeof(Stage) + kScaleSlot * sizeof(float)));
   struct SharedStorage {
     Stage stages[kStages];
-    ws_sm90::OutStaging<kTileN> out;
+    ws_sm90::OutStaging<kTileN> out[kWaves];  // a wave's store need not wait for the other's
     float scales[kStages][kScaleSlot];
     uint64_t full[kStages];
     uint64_t empty[kStages];
@@ -95,7 +110,7 @@ struct Shape {
 struct Params {
   const float* sfa;   // (capacity, Q / 128)
   const float* sfb;   // (E, P / 128, Q / 128) or (E, Q / 128, P / 128): see sfb_k, sfb_n
-  const int4* tiles;  // {row tile, column tile, expert, 0}; row tile < 0: none
+  const int4* tiles;  // {row tile, column tile, expert, row tiles}; row tile < 0: none
   int tile_count;
   int k_blocks;        // Q / 128
   int n_blocks;        // P / 128
@@ -185,12 +200,13 @@ __device__ __forceinline__ void copy_f32_async(float* dst, const float* src, boo
                : "memory");
 }
 
-template <int kTileN, Probe kProbe, int kCluster>
+template <int kTileN, Probe kProbe, int kCluster, int kWaves>
 __global__ void __launch_bounds__(kThreads, 1)
     fp8_gemm_fixed_kernel(const __grid_constant__ CUtensorMap map_a,
+                          const __grid_constant__ CUtensorMap map_a_run,
                           const __grid_constant__ CUtensorMap map_b,
                           const __grid_constant__ CUtensorMap map_out, const Params p) {
-  using S = Shape<kTileN>;
+  using S = Shape<kTileN, kWaves>;
   constexpr int kStages = S::kStages;
   constexpr int kAcc = S::kAcc;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -211,36 +227,51 @@ __global__ void __launch_bounds__(kThreads, 1)
   if constexpr (kCluster > 1) cute::cluster_sync();
 
   if (warpgroup == 0) {  // the producer: its first warp (56 registers: 40 spill at kTileN 160)
+    if (kWaves > 1 && threadIdx.x == 0) cute::prefetch_tma_descriptor(&map_a_run);
     ws_sm90::produce<kStages, 32, 56, kCluster>(
         map_a, map_b, map_out, p.tiles, p.tile_count, p.k_blocks, s.full, s.empty,
-        S::kStageBytesA + S::kStageBytesB, [&](int stage, int4 tile, int kb) {
+        kTileM * kTileK + S::kStageBytesB, [&](int stage, int4 tile, int kb) {
           const int column_tile = tile.y * kCluster + rank;
+          const int waves = kWaves == 1 ? 1 : tile.w;
           if (lane == 0) {
             auto& st = s.stages[stage];
             if constexpr (kCluster == 1) {
-              cute::SM90_TMA_LOAD_2D::copy(&map_a, &s.full[stage], ws_sm90::kEvictNormal, st.a,
-                                           kb * kTileK, tile.x * kTileM);
-            } else {  // map_a's box is kTileM / kCluster rows
-              constexpr int kRows = kTileM / kCluster;
-              cute::SM90_TMA_LOAD_MULTICAST_2D::copy(
-                  &map_a, &s.full[stage], (1 << kCluster) - 1, ws_sm90::kEvictNormal,
-                  st.a + rank * kRows * kTileK, kb * kTileK, tile.x * kTileM + rank * kRows);
+              // A whole run in one box of kWaves row tiles (map_a_run), a shorter one in a box of
+              // one (map_a): it loads no rows of the next expert. produce armed the barrier for
+              // one row tile; the lanes' pending arrivals keep the phase open until the rest
+              // counts.
+              if (waves == kWaves && kWaves > 1) {
+                Full::expect_transaction(&s.full[stage], (kWaves - 1) * kTileM * kTileK);
+                cute::SM90_TMA_LOAD_2D::copy(&map_a_run, &s.full[stage], ws_sm90::kEvictNormal,
+                                             st.a, kb * kTileK, tile.x * kTileM);
+              } else {
+                cute::SM90_TMA_LOAD_2D::copy(&map_a, &s.full[stage], ws_sm90::kEvictNormal, st.a,
+                                             kb * kTileK, tile.x * kTileM);
+              }
+            } else {  // this CTA's share of the run's rows (the boxes: 1 / kCluster of each)
+              const bool whole = waves == kWaves && kWaves > 1;
+              const int rows = (whole ? kWaves * kTileM : kTileM) / kCluster;
+              if (whole) Full::expect_transaction(&s.full[stage], (kWaves - 1) * kTileM * kTileK);
+              cute::SM90_TMA_LOAD_MULTICAST_2D::copy(whole ? &map_a_run : &map_a, &s.full[stage],
+                                                     (1 << kCluster) - 1, ws_sm90::kEvictNormal,
+                                                     st.a + rank * rows * kTileK, kb * kTileK,
+                                                     tile.x * kTileM + rank * rows);
             }
             cute::SM90_TMA_LOAD_2D::copy(&map_b, &s.full[stage], ws_sm90::kEvictNormal, st.b,
                                          kb * kTileK, tile.z * p.p_rows + column_tile * kTileN);
           }
           // The block's scales into the stage's slot, each lane's copies completing on the full
-          // barrier. Rows past the capacity (TMA's zeros) and weight tiles past P take scale 0
-          // (in a cluster a whole column tile can lie past P: computed, never stored).
+          // barrier. Rows past the capacity (TMA's zeros) or the run and weight tiles past P take
+          // scale 0 (in a cluster a whole column tile can lie past P: computed, never stored).
           const int64_t row0 = int64_t{tile.x} * kTileM;
           const int nb = column_tile * kTileN / 128;  // the weight tile under its first column
           const bool first = nb < p.n_blocks;
           const bool second = kTileN % 128 != 0 && nb + 1 < p.n_blocks;
           float* slot = s.scales[stage];
 #pragma unroll
-          for (int i = 0; i < kTileM / 32; ++i) {
+          for (int i = 0; i < (kProbe == Probe::kNoScaleLoads ? 0 : S::kRows / 32); ++i) {
             const int row = lane + 32 * i;
-            const bool valid = row0 + row < p.capacity;
+            const bool valid = row0 + row < p.capacity && row < waves * kTileM;
             copy_f32_async(slot + row, p.sfa + (valid ? (row0 + row) * p.k_blocks + kb : 0), valid);
           }
           const float* sfb = p.sfb + tile.z * p.sfb_expert + int64_t{kb} * p.sfb_k;
@@ -258,74 +289,164 @@ __global__ void __launch_bounds__(kThreads, 1)
   const auto [consumer, q, r0, r1] = ws_sm90::consumer_thread();
   int stage = 0;  // the next stage to wait for
   uint32_t phase = 0;
-  float acc[kAcc], result[kAcc];
+  // Each wave w < kWaves has its own result; one accumulator serves them in turn (the registers:
+  // 3 x 64 a thread at kTileN 128 and two waves).
+  float acc[kAcc], result[kWaves][kAcc];
   constexpr auto seq = std::make_index_sequence<kAcc>{};
   if constexpr (kProbe == Probe::kNoMma) set(acc, 1.0f, seq);
   for (int t = blockIdx.x / kCluster; t < p.tile_count; t += gridDim.x / kCluster) {
     const int4 tile = p.tiles[t];
     if (tile.x < 0) break;
+    const int waves = kWaves == 1 ? 1 : tile.w;  // the row tiles of this entry: 1 .. kWaves
     const int column_tile = tile.y * kCluster + rank;
     // Groups of 8 columns left of the weight tiles' boundary (>= 16: none in the tile).
     const int split = ((column_tile * kTileN / 128 + 1) * 128 - column_tile * kTileN) / 8;
-    set(result, 0.0f, seq);
+#pragma unroll
+    for (int w = 0; w < kWaves; ++w) set(result[w], 0.0f, seq);
     for (int kb = 0; kb < p.k_blocks; ++kb) {
       Full::wait(&s.full[stage], phase);
       const float* slot = s.scales[stage];
-      const BlockScales sc{slot[r0], slot[r1], slot[S::kScaleB], slot[S::kScaleB + 1]};
-      if constexpr (kProbe != Probe::kNoMma) {
-        const auto& st = s.stages[stage];
-        ws_sm90::fence(acc);
-        cute::warpgroup_arrive();
+      BlockScales sc[kWaves];
 #pragma unroll
-        for (int j = 0; j < kTileK / 32; ++j)
-          wgmma<kTileN>(ws_sm90::swizzle128_descriptor(st.a + consumer * 64 * kTileK, j),
-                        ws_sm90::swizzle128_descriptor(st.b, j), acc,
-                        j == 0 && (kProbe != Probe::kNoPromotion || kb == 0)
-                            ? cute::GMMA::ScaleOut::Zero
-                            : cute::GMMA::ScaleOut::One,
-                        seq);
-        cute::warpgroup_commit_batch();
-        cute::warpgroup_wait<0>();
-        ws_sm90::fence(acc);
-      } else {
-        // Without wgmmas nothing keeps the warpgroup's warps together: its first thread must not
-        // free a stage another warp still waits on (the stage could fill again before that warp
-        // sees the first fill, and that warp would wait for the third).
-        cutlass::arch::NamedBarrier::sync(128, 3 + consumer);
-      }
-      if (threadIdx.x % 128 == 0) {
-        Empty::arrive(&s.empty[stage]);
+      for (int w = 0; w < kWaves; ++w)
+        sc[w] = {slot[r0 + w * kTileM], slot[r1 + w * kTileM], slot[S::kScaleB],
+                 slot[S::kScaleB + 1]};
+      const auto& st = s.stages[stage];
 #pragma unroll
-        for (int peer = 1; peer < kCluster; ++peer)
-          Empty::arrive(&s.empty[stage], (rank + peer) % kCluster, true);
+      for (int w = 0; w < kWaves; ++w) {
+        if (w > 0 && w >= waves) break;  // uniform over the CTA
+        if constexpr (kProbe != Probe::kNoMma) {
+          ws_sm90::fence(acc);
+          cute::warpgroup_arrive();
+#pragma unroll
+          for (int j = 0; j < kTileK / 32; ++j)
+            wgmma<kTileN>(
+                ws_sm90::swizzle128_descriptor(st.a + (w * kTileM + consumer * 64) * kTileK, j),
+                ws_sm90::swizzle128_descriptor(st.b, j), acc,
+                j == 0 && (kProbe != Probe::kNoPromotion || kb == 0) ? cute::GMMA::ScaleOut::Zero
+                                                                     : cute::GMMA::ScaleOut::One,
+                seq);
+          cute::warpgroup_commit_batch();
+          cute::warpgroup_wait<0>();
+          ws_sm90::fence(acc);
+        } else {
+          // Without wgmmas nothing keeps the warpgroup's warps together: its first thread must
+          // not free a stage another warp still waits on (the stage could fill again before that
+          // warp sees the first fill, and that warp would wait for the third).
+          cutlass::arch::NamedBarrier::sync(128, 3 + consumer);
+        }
+        if (w == waves - 1 && threadIdx.x % 128 == 0) {  // the stage's last read
+          Empty::arrive(&s.empty[stage]);
+#pragma unroll
+          for (int peer = 1; peer < kCluster; ++peer)
+            Empty::arrive(&s.empty[stage], (rank + peer) % kCluster, true);
+        }
+        if constexpr (kProbe == Probe::kNoPromotion) {
+          if constexpr (kWaves > 1) copy_to(acc, result[w], seq);  // one accumulator for both
+        } else {
+          promote_block<kTileN>(acc, sc[w], split, result[w]);
+        }
       }
       if (++stage == kStages) {
         stage = 0;
         phase ^= 1;
       }
-      if constexpr (kProbe != Probe::kNoPromotion) promote_block<kTileN>(acc, sc, split, result);
     }
-    if constexpr (kProbe == Probe::kNoPromotion) copy_to(acc, result, seq);
-    ws_sm90::store_bf16<kTileN>(result, s.out.warpgroup[consumer], map_out, consumer,
-                                r0 - consumer * 64, q, column_tile * kTileN,
-                                tile.x * kTileM + consumer * 64);
+#pragma unroll
+    for (int w = 0; w < kWaves; ++w) {
+      if (w > 0 && w >= waves) break;
+      if constexpr (kProbe == Probe::kNoPromotion && kWaves == 1) copy_to(acc, result[w], seq);
+      ws_sm90::store_bf16<kTileN, kWaves - 1>(result[w], s.out[w].warpgroup[consumer], map_out,
+                                              consumer, r0 - consumer * 64, q, column_tile * kTileN,
+                                              (tile.x + w) * kTileM + consumer * 64);
+    }
   }
   if (threadIdx.x % 128 == 0) cute::tma_store_wait<0>();
 }
 
+// Entries of a table whose rows come kWaves row tiles at a time: each expert's row tiles in runs
+// of kWaves from its first (its last run may be shorter). An expert of t row tiles has
+// ceil(t / kWaves) runs, at most t and at most (t + kWaves - 1) / kWaves: summed over the
+// experts, at most the row tiles and at most (row tiles + experts (kWaves - 1)) / kWaves; times
+// the columns.
+template <int kWaves>
+int64_t entry_count(int64_t capacity, int experts, int64_t p, int tile_n) {
+  const int64_t row_tiles = (capacity + kTileM - 1) / kTileM;
+  const int64_t runs = std::min<int64_t>(
+      row_tiles, (row_tiles + int64_t{experts} * (kWaves - 1) + kWaves - 1) / kWaves);
+  return runs * ((p + tile_n - 1) / tile_n);
+}
+
+// Workspace for any kWaves (runs <= row tiles) and any width from 128.
 template <int kTileN>
 size_t workspace_bytes(int64_t capacity, int64_t p) {
   return fixed_sm90::table_bytes(fixed_sm90::tile_count(capacity, p, kTileN));
 }
 
+// The table of runs of up to kWaves row tiles: entry i = (run j, column c) holds {first row tile,
+// c, expert, row tiles in the run}, or row tile -1 past the last run. One CTA: its first thread
+// counts each expert's runs (row tiles: from its start to the next expert's, rounded up) into
+// shared memory, then every thread fills entries by a search over those counts.
+template <int kWaves>
+__global__ void run_table_kernel(const int64_t* segments, int experts, int tiles_n, int64_t count,
+                                 int4* table) {
+  extern __shared__ int64_t first_run[];  // experts + 1: the runs before each expert
+  if (threadIdx.x == 0) {
+    int64_t runs = 0;
+    for (int e = 0; e < experts; ++e) {
+      first_run[e] = runs;
+      const int64_t tiles = (segments[e + 1] - segments[e] + kTileM - 1) / kTileM;
+      runs += (tiles + kWaves - 1) / kWaves;
+    }
+    first_run[experts] = runs;
+  }
+  __syncthreads();
+  for (int64_t i = threadIdx.x; i < count; i += blockDim.x) {
+    const int64_t run = i / tiles_n;
+    const int col = static_cast<int>(i - run * tiles_n);
+    int4 t = make_int4(-1, 0, 0, 0);
+    if (run < first_run[experts]) {
+      const int lo = fixed_sm90::last_start_at_or_before(first_run, experts, run);  // its expert
+      const int64_t tiles = (segments[lo + 1] - segments[lo] + kTileM - 1) / kTileM;
+      const int64_t first = (run - first_run[lo]) * kWaves;  // within the expert
+      t = make_int4(static_cast<int>(segments[lo] / kTileM + first), col, lo,
+                    static_cast<int>(std::min<int64_t>(kWaves, tiles - first)));
+    }
+    table[i] = t;
+  }
+}
+
+// The table for kWaves row tiles a CTA: fixed_sm90's (one entry per row tile and column tile) or
+// the runs above, at the head of the workspace.
+template <int kWaves>
+fixed_sm90::TileTable tile_table(void* workspace, size_t workspace_size, const int64_t* segments,
+                                 int experts, int64_t capacity, int64_t p, int tile_n,
+                                 cudaStream_t stream) {
+  if constexpr (kWaves == 1) {
+    return fixed_sm90::tile_table_in(workspace, workspace_size, segments, experts, capacity, p,
+                                     tile_n, stream);
+  } else {
+    const int64_t count = entry_count<kWaves>(capacity, experts, p, tile_n);
+    const size_t counts_bytes = (experts + 1) * sizeof(int64_t);  // the kernel's shared memory
+    if (workspace_size < fixed_sm90::table_bytes(count) || counts_bytes > 48 * 1024)
+      return {nullptr, 0, cudaErrorInvalidValue};
+    auto* table = static_cast<int4*>(workspace);
+    if (count > 0)
+      run_table_kernel<kWaves><<<1, 1024, counts_bytes, stream>>>(
+          segments, experts, static_cast<int>((p + tile_n - 1) / tile_n), count, table);
+    return {table, count, cudaGetLastError()};
+  }
+}
+
 // The product with tiles kTileN wide (P, Q multiples of 128) on clusters of kCluster CTAs (the
-// column tiles of a row tile taken kCluster at a time), leaving out what kProbe says.
-template <int kTileN, Probe kProbe = Probe::kNone, int kCluster = 1>
+// column tiles of a row tile taken kCluster at a time), each CTA's tile up to kWaves row tiles of
+// one expert, leaving out what kProbe says.
+template <int kTileN, Probe kProbe = Probe::kNone, int kCluster = 1, int kWaves = 1>
 cudaError_t run(const int64_t* segments, int experts, const kernels::Fp8Operands& ops,
                 kernels::Fp8WeightScales b_scales, int64_t capacity, int64_t p, int64_t q,
                 void* workspace, size_t workspace_size, cudaStream_t stream) {
   if (q % kTileK != 0 || p % 128 != 0) return cudaErrorInvalidValue;
-  const fixed_sm90::TileTable table = fixed_sm90::tile_table_in(
+  const fixed_sm90::TileTable table = tile_table<kWaves>(
       workspace, workspace_size, segments, experts, capacity, p, kTileN * kCluster, stream);
   if (table.err != cudaSuccess || table.count == 0) return table.err;
   // A row-major (outer, inner) E4M3 matrix's TMA descriptor, box (box_outer, 128), 128-byte
@@ -338,8 +459,9 @@ cudaError_t run(const int64_t* segments, int experts, const kernels::Fp8Operands
     return ws_sm90::encode_tma(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base, dims, strides, box,
                                CU_TENSOR_MAP_SWIZZLE_128B);
   };
-  CUtensorMap map_a, map_b, map_out;
+  CUtensorMap map_a, map_a_run, map_b, map_out;
   if (encode_fp8(&map_a, ops.a, q, capacity, kTileM / kCluster) != CUDA_SUCCESS ||
+      encode_fp8(&map_a_run, ops.a, q, capacity, kWaves * kTileM / kCluster) != CUDA_SUCCESS ||
       encode_fp8(&map_b, ops.b, q, experts * p, kTileN) != CUDA_SUCCESS ||
       ws_sm90::encode_out<kTileN>(&map_out, ops.out, p, capacity) != CUDA_SUCCESS)
     return cudaErrorInvalidValue;
@@ -350,8 +472,8 @@ cudaError_t run(const int64_t* segments, int experts, const kernels::Fp8Operands
   const Params params{
       ops.sfa,          ops.sfb,     table.tiles, static_cast<int>(table.count), qb,      pb,
       int64_t{pb} * qb, mn ? pb : 1, mn ? 1 : qb, static_cast<int>(p),           capacity};
-  constexpr size_t smem = ws_sm90::storage_bytes<typename Shape<kTileN>::SharedStorage>();
-  constexpr auto kernel = fp8_gemm_fixed_kernel<kTileN, kProbe, kCluster>;
+  constexpr size_t smem = ws_sm90::storage_bytes<typename Shape<kTileN, kWaves>::SharedStorage>();
+  constexpr auto kernel = fp8_gemm_fixed_kernel<kTileN, kProbe, kCluster, kWaves>;
   cudaLaunchConfig_t config{};
   cudaLaunchAttribute cluster{};
   cluster.id = cudaLaunchAttributeClusterDimension;
@@ -375,7 +497,7 @@ cudaError_t run(const int64_t* segments, int experts, const kernels::Fp8Operands
   if (resident.first != cudaSuccess) return resident.first;
   config.gridDim =
       static_cast<unsigned>(kCluster * std::min<int64_t>(table.count, resident.second));
-  return cudaLaunchKernelEx(&config, kernel, map_a, map_b, map_out, params);
+  return cudaLaunchKernelEx(&config, kernel, map_a, map_a_run, map_b, map_out, params);
 }
 
 }  // namespace mt::cuda::fp8_fixed_sm90

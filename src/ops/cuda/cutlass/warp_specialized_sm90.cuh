@@ -160,9 +160,11 @@ struct alignas(1024) OutStaging {
 // One consumer warpgroup's 64 x kCols f32 accumulator (wgmma's m64nN layout: acc[4 i + {0, 1}] is
 // row `row`, columns 8 i + 2 q + {0, 1}; acc[4 i + {2, 3}] row `row` + 8) out as bf16 at (col0,
 // row0) of map_out (box kOutChunkFor<kCols> x 64, swizzle kOutSwizzle of it): into the chunks,
-// then TMA stores by the warpgroup's first thread. The previous tile's stores must have left the
-// chunks first: waited for here. Named barrier 1 + consumer.
-template <int kCols>
+// then TMA stores by the warpgroup's first thread, one bulk group. The stores that last used these
+// chunks must have left them first: waited for here, with up to kLater groups committed after
+// them still pending (a warpgroup that stages through kLater + 1 buffers in turn). Named barrier
+// 1 + consumer.
+template <int kCols, int kLater = 0>
 __device__ __forceinline__ void store_bf16(const float (&acc)[kCols / 2], uint8_t* chunks,
                                            const CUtensorMap& map_out, int consumer, uint32_t row,
                                            int q, int col0, int row0) {
@@ -175,7 +177,7 @@ __device__ __forceinline__ void store_bf16(const float (&acc)[kCols / 2], uint8_
   const uint32_t mask = kChunkCols == 64 ? row % 8 : (row / 2) % 4;
   const int id = consumer + 1;
   const bool leader = threadIdx.x % 128 == 0;
-  if (leader) cute::tma_store_wait<0>();
+  if (leader) cute::tma_store_wait<kLater>();
   cutlass::arch::NamedBarrier::sync(128, id);
 #pragma unroll
   for (int i = 0; i < kCols / 8; ++i) {
