@@ -128,7 +128,7 @@ void bench_rows(const Layout& l, const RowsProduct& pr) {
     report(std::string("fp8_") + pr.name + "_" + sname, shape, flops, ms, "bf16", bf16_ms);
   }
   Tensor fixed_ws =
-      Tensor::empty({static_cast<int64_t>(kernels::fp8_gemm_rows_fixed_workspace(m, pr.p))},
+      Tensor::empty({static_cast<int64_t>(kernels::fp8_gemm_rows_fixed_workspace(m, pr.p, pr.q))},
                     DType::kU8, Device::kCUDA);
   const double fixed_ms = mt::bench::median_ms([&] {
     MT_CUDA_CHECK(kernels::fp8_gemm_rows_fixed(
@@ -255,7 +255,7 @@ void bench_dense(const char* name, int64_t m, int64_t q, int64_t p, bool weight_
   seg.data<int64_t>()[0] = 0;
   seg.data<int64_t>()[1] = m;
   seg = seg.to(Device::kCUDA);
-  Tensor ws = Tensor::empty({static_cast<int64_t>(kernels::fp8_gemm_rows_fixed_workspace(m, p))},
+  Tensor ws = Tensor::empty({static_cast<int64_t>(kernels::fp8_gemm_rows_fixed_workspace(m, p, q))},
                             DType::kU8, Device::kCUDA);
   const double ms = mt::bench::median_ms([&] {
     MT_CUDA_CHECK(kernels::fp8_gemm_rows_fixed(

@@ -107,7 +107,7 @@ void run_product(const Product& pr, bool ragged) {
   float *sfa = nullptr, *sfb = nullptr;
   __nv_bfloat16 *out = nullptr, *shipped = nullptr;
   void* ws = nullptr;
-  const size_t ws_bytes = f::workspace_bytes<128>(capacity, pr.p);  // the most tiles of any width
+  const size_t ws_bytes = f::workspace_bytes<128>(capacity, pr.p, pr.q);
   WORKBENCH_CHECK(cudaMalloc(&segments, seg.size() * sizeof(int64_t)));
   WORKBENCH_CHECK(
       cudaMemcpy(segments, seg.data(), seg.size() * sizeof(int64_t), cudaMemcpyHostToDevice));

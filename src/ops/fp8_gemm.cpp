@@ -71,7 +71,7 @@ void fp8_grouped_gemm(const QuantTensor& a, const QuantTensor& b, const ExpertRo
       expect_dtype(rows.segments, DType::kI64, "expert segments");
       MT_CHECK(rows.segments.device() == Device::kCUDA && rows.segments.numel() == experts + 1,
                "expert segments must be {} i64 on the GPU", experts + 1);
-      Tensor ws = cuda::gpu_workspace(cuda::kernels::fp8_gemm_rows_fixed_workspace(m, p));
+      Tensor ws = cuda::gpu_workspace(cuda::kernels::fp8_gemm_rows_fixed_workspace(m, p, q));
       MT_CUDA_CHECK(cuda::kernels::fp8_gemm_rows_fixed(rows.segments.data<int64_t>(), e, ops,
                                                        b_scales, m, p, q, ws.raw(), ws.nbytes(),
                                                        cuda::stream()));

@@ -41,9 +41,9 @@ cudaError_t fp8_gemm_rows(ExpertSegments rows, int experts, const Fp8Operands& o
 // align 128): capacity rows, padding included (its output rows are written and meaningless); one
 // TMA descriptor per operand, every tile's expert from a table built on the device from the
 // segments, each CTA's tile up to two row tiles of one expert by 128 columns. workspace: at least
-// fp8_gemm_rows_fixed_workspace(capacity, p) bytes. Faster than CUTLASS's grouped kernel on each
+// fp8_gemm_rows_fixed_workspace(capacity, p, q) bytes. Faster than CUTLASS's grouped kernel on each
 // of the MoE layer's products (docs/benchmarks.md); the front door runs it on padded layouts.
-size_t fp8_gemm_rows_fixed_workspace(int64_t capacity, int64_t p);
+size_t fp8_gemm_rows_fixed_workspace(int64_t capacity, int64_t p, int64_t q);
 cudaError_t fp8_gemm_rows_fixed(const int64_t* segments, int experts, const Fp8Operands& ops,
                                 Fp8WeightScales b_scales, int64_t capacity, int64_t p, int64_t q,
                                 void* workspace, size_t workspace_size, cudaStream_t stream);

@@ -5,8 +5,8 @@
 
 namespace mt::cuda::kernels {
 
-size_t fp8_gemm_rows_fixed_workspace(int64_t capacity, int64_t p) {
-  return fp8_fixed_sm90::workspace_bytes<128>(capacity, p);
+size_t fp8_gemm_rows_fixed_workspace(int64_t capacity, int64_t p, int64_t q) {
+  return fp8_fixed_sm90::workspace_bytes<128>(capacity, p, q);
 }
 
 cudaError_t fp8_gemm_rows_fixed(const int64_t* segments, int experts, const Fp8Operands& ops,

@@ -14,16 +14,19 @@
 //
 // Structure (the MX kernel's, mx_gemm_sm90.cu, with both operands FP8 in shared memory):
 // persistent CTAs over the tile table; the producer warp's first lane issues TMA copies of A's
-// 128 x 128 (a box per row tile) and b's kTileN x 128 tiles into a ring of stages (full/empty
-// barriers), running on across tiles so the next tile's loads overlap the epilogue, and its 32
-// lanes copy the block's scales (the rows' of A, the weight tiles' of b) into the stage's slot with
-// cp.async, each lane's copies completing on the stage's full barrier. Two consumer warpgroups of
-// 64 rows x kTileN columns each run the four k32 FP8 wgmmas of a 128-deep block into a fresh f32
-// accumulator, then promote it into the result with the block's scales, result += partial *
-// (sa[row] * sb): DeepSeek-V3's promotion every 128 of the contraction, in f32 registers. The
-// epilogue stages bf16 rows in swizzled shared memory and leaves by TMA stores. What bounds it
-// (docs/benchmarks-history.md, "What bounds our FP8 kernel"): the promotion; and, before they came
-// through the stages, the scales each consumer thread loaded from L2.
+// 128 x 128 (a box per row tile), b's kTileN x 128 tiles and the block's scales of A's rows into a
+// ring of stages (full/empty barriers), running on across tiles so the next tile's loads overlap
+// the epilogue; its first two lanes copy the weight tiles' scales with cp.async, completing on the
+// stage's full barrier with every lane's arrival. A's scales come from an MN-major copy made
+// before the kernel (mn_scales_kernel, a few microseconds): a stage's rows' scales are then one
+// TMA box, where from the K-major (rows, Q / 128) layout they were one four-byte copy a row, each
+// a separate request to the L1 that the wgmmas read their operands from (5-7% of the product).
+// Two consumer warpgroups of 64 rows x kTileN columns each run the four k32 FP8 wgmmas of a
+// 128-deep block into a fresh f32 accumulator, then promote it into the result with the block's
+// scales, result += partial * (sa[row] * sb): DeepSeek-V3's promotion every 128 of the
+// contraction, in f32 registers. The epilogue stages bf16 rows in swizzled shared memory and
+// leaves by TMA stores. What bounds it (docs/benchmarks-history.md, "What bounds our FP8 kernel",
+// "Two row tiles a CTA"): the operands' loads.
 //
 // Two row tiles a CTA (kWaves 2, what ships): a CTA's tile is a run of up to two row tiles of one
 // expert (256 rows) by 128 columns. Each consumer warpgroup takes its 64 rows of each row tile in
@@ -70,7 +73,7 @@ enum class Probe : uint8_t {
   kNone,
   kNoPromotion,   // one accumulator over the whole contraction, no per-block scaling
   kNoMma,         // no wgmmas: loads, barriers and promotion only
-  kNoScaleLoads,  // A's scales not copied (the slots keep whatever they hold): their loads' cost
+  kNoScaleLoads,  // A's scales not loaded (the slots keep whatever they hold): their loads' cost
 };
 
 constexpr int kTileM = 128;    // = fixed_sm90::kRowTile: a row tile is one expert's
@@ -90,17 +93,17 @@ struct Shape {
     uint8_t a[kStageBytesA];  // (kRows, 128) E4M3, 128-byte swizzle (1024-byte aligned)
     uint8_t b[kStageBytesB];  // (kTileN, 128) E4M3, 128-byte swizzle
   };
-  // A stage's scales: the rows' kRows of A, then the one or two weight tiles' (b0, b1).
-  static constexpr int kScaleSlot = kRows + 4;
-  static constexpr int kScaleB = kRows;
+  // A stage's scales: the rows' kRows of A (one TMA box), the one or two weight tiles' (b0, b1).
+  static constexpr uint32_t kScaleBytesA = kRows * sizeof(float);
   // As many stages as fit beside the epilogue's staging (at most 6: more did not pay at 128).
   static constexpr int kStages =
       std::min<int>(6, (227 * 1024 - 2048 - kWaves * sizeof(ws_sm90::OutStaging<kTileN>)) /
-                           (sizeof(Stage) + kScaleSlot * sizeof(float)));
+                           (sizeof(Stage) + kScaleBytesA + 2 * sizeof(float)));
   struct SharedStorage {
     Stage stages[kStages];
     ws_sm90::OutStaging<kTileN> out[kWaves];  // a wave's store need not wait for the other's
-    float scales[kStages][kScaleSlot];
+    alignas(128) float sfa[kStages][kRows];   // TMA's destination: 128-byte aligned
+    float sfb[kStages][2];
     uint64_t full[kStages];
     uint64_t empty[kStages];
   };
@@ -108,7 +111,6 @@ struct Shape {
 };
 
 struct Params {
-  const float* sfa;   // (capacity, Q / 128)
   const float* sfb;   // (E, P / 128, Q / 128) or (E, Q / 128, P / 128): see sfb_k, sfb_n
   const int4* tiles;  // {row tile, column tile, expert, row tiles}; row tile < 0: none
   int tile_count;
@@ -205,6 +207,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     fp8_gemm_fixed_kernel(const __grid_constant__ CUtensorMap map_a,
                           const __grid_constant__ CUtensorMap map_a_run,
                           const __grid_constant__ CUtensorMap map_b,
+                          const __grid_constant__ CUtensorMap map_sfa,
                           const __grid_constant__ CUtensorMap map_out, const Params p) {
   using S = Shape<kTileN, kWaves>;
   constexpr int kStages = S::kStages;
@@ -227,10 +230,14 @@ __global__ void __launch_bounds__(kThreads, 1)
   if constexpr (kCluster > 1) cute::cluster_sync();
 
   if (warpgroup == 0) {  // the producer: its first warp (56 registers: 40 spill at kTileN 160)
-    if (kWaves > 1 && threadIdx.x == 0) cute::prefetch_tma_descriptor(&map_a_run);
+    if (threadIdx.x == 0) {
+      if (kWaves > 1) cute::prefetch_tma_descriptor(&map_a_run);
+      cute::prefetch_tma_descriptor(&map_sfa);
+    }
     ws_sm90::produce<kStages, 32, 56, kCluster>(
         map_a, map_b, map_out, p.tiles, p.tile_count, p.k_blocks, s.full, s.empty,
-        kTileM * kTileK + S::kStageBytesB, [&](int stage, int4 tile, int kb) {
+        kTileM * kTileK + S::kStageBytesB + (kProbe == Probe::kNoScaleLoads ? 0 : S::kScaleBytesA),
+        [&](int stage, int4 tile, int kb) {
           const int column_tile = tile.y * kCluster + rank;
           const int waves = kWaves == 1 ? 1 : tile.w;
           if (lane == 0) {
@@ -259,26 +266,23 @@ __global__ void __launch_bounds__(kThreads, 1)
             }
             cute::SM90_TMA_LOAD_2D::copy(&map_b, &s.full[stage], ws_sm90::kEvictNormal, st.b,
                                          kb * kTileK, tile.z * p.p_rows + column_tile * kTileN);
+            // The run's rows' scales of this block: one box of kRows from the MN-major copy
+            // (rows past the capacity read as 0; those of a run's missing row tile go unread).
+            if constexpr (kProbe != Probe::kNoScaleLoads)
+              cute::SM90_TMA_LOAD_2D::copy(&map_sfa, &s.full[stage], ws_sm90::kEvictNormal,
+                                           s.sfa[stage], tile.x * kTileM, kb);
           }
-          // The block's scales into the stage's slot, each lane's copies completing on the full
-          // barrier. Rows past the capacity (TMA's zeros) or the run and weight tiles past P take
-          // scale 0 (in a cluster a whole column tile can lie past P: computed, never stored).
-          const int64_t row0 = int64_t{tile.x} * kTileM;
+          // The weight tiles' scales by the first two lanes' async copies, completing on the full
+          // barrier with every lane's arrival. A weight tile past P takes scale 0 (in a cluster a
+          // whole column tile can lie past P: computed, never stored).
           const int nb = column_tile * kTileN / 128;  // the weight tile under its first column
           const bool first = nb < p.n_blocks;
           const bool second = kTileN % 128 != 0 && nb + 1 < p.n_blocks;
-          float* slot = s.scales[stage];
-#pragma unroll
-          for (int i = 0; i < (kProbe == Probe::kNoScaleLoads ? 0 : S::kRows / 32); ++i) {
-            const int row = lane + 32 * i;
-            const bool valid = row0 + row < p.capacity && row < waves * kTileM;
-            copy_f32_async(slot + row, p.sfa + (valid ? (row0 + row) * p.k_blocks + kb : 0), valid);
-          }
           const float* sfb = p.sfb + tile.z * p.sfb_expert + int64_t{kb} * p.sfb_k;
           if (lane == 0)
-            copy_f32_async(slot + S::kScaleB, first ? sfb + int64_t{nb} * p.sfb_n : sfb, first);
+            copy_f32_async(&s.sfb[stage][0], first ? sfb + int64_t{nb} * p.sfb_n : sfb, first);
           if (lane == 1)
-            copy_f32_async(slot + S::kScaleB + 1, second ? sfb + int64_t{nb + 1} * p.sfb_n : sfb,
+            copy_f32_async(&s.sfb[stage][1], second ? sfb + int64_t{nb + 1} * p.sfb_n : sfb,
                            second);
           cutlass::arch::cpasync_barrier_arrive_noinc(&s.full[stage]);
         });
@@ -305,12 +309,11 @@ __global__ void __launch_bounds__(kThreads, 1)
     for (int w = 0; w < kWaves; ++w) set(result[w], 0.0f, seq);
     for (int kb = 0; kb < p.k_blocks; ++kb) {
       Full::wait(&s.full[stage], phase);
-      const float* slot = s.scales[stage];
+      const float* sfa = s.sfa[stage];
       BlockScales sc[kWaves];
 #pragma unroll
       for (int w = 0; w < kWaves; ++w)
-        sc[w] = {slot[r0 + w * kTileM], slot[r1 + w * kTileM], slot[S::kScaleB],
-                 slot[S::kScaleB + 1]};
+        sc[w] = {sfa[r0 + w * kTileM], sfa[r1 + w * kTileM], s.sfb[stage][0], s.sfb[stage][1]};
       const auto& st = s.stages[stage];
 #pragma unroll
       for (int w = 0; w < kWaves; ++w) {
@@ -377,10 +380,43 @@ int64_t entry_count(int64_t capacity, int experts, int64_t p, int tile_n) {
   return runs * ((p + tile_n - 1) / tile_n);
 }
 
-// Workspace for any kWaves (runs <= row tiles) and any width from 128.
+// A's scales MN-major, as the kernel loads them (a stage's rows in one TMA box): (Q / 128, stride)
+// f32, the stride the capacity rounded up to 4 (TMA's strides are multiples of 16 bytes).
+inline int64_t mn_scales_stride(int64_t capacity) {
+  return (capacity + 3) / 4 * 4;
+}
+inline size_t mn_scales_bytes(int64_t capacity, int64_t q) {
+  return (sizeof(float) * mn_scales_stride(capacity) * (q / kTileK) + 255) / 256 * 256;
+}
+
+// Workspace for any kWaves (runs <= row tiles) and any width from 128: the tile table, then A's
+// scales MN-major.
 template <int kTileN>
-size_t workspace_bytes(int64_t capacity, int64_t p) {
-  return fixed_sm90::table_bytes(fixed_sm90::tile_count(capacity, p, kTileN));
+size_t workspace_bytes(int64_t capacity, int64_t p, int64_t q) {
+  return fixed_sm90::table_bytes(fixed_sm90::tile_count(capacity, p, kTileN)) +
+         mn_scales_bytes(capacity, q);
+}
+
+// out (k_blocks, stride) = in (rows, k_blocks)^T: each CTA 128 rows, 32 blocks at a time through
+// shared memory (reads along the rows' blocks, writes along the rows, both coalesced). Internal
+// linkage, as fixed_sm90's table kernel.
+static __global__ void mn_scales_kernel(const float* in, int64_t rows, int k_blocks, int64_t stride,
+                                        float* out) {
+  constexpr int kRowsPerCta = 128, kChunk = 32;
+  __shared__ float tile[kChunk][kRowsPerCta + 1];
+  const int64_t row0 = int64_t{blockIdx.x} * kRowsPerCta;
+  const int n_rows = static_cast<int>(std::min<int64_t>(kRowsPerCta, rows - row0));
+  for (int kb0 = 0; kb0 < k_blocks; kb0 += kChunk) {
+    const int n = std::min(kChunk, k_blocks - kb0);
+    for (int i = threadIdx.x; i < n_rows * n; i += blockDim.x)
+      tile[i % n][i / n] = in[(row0 + i / n) * k_blocks + kb0 + i % n];
+    __syncthreads();
+    for (int i = threadIdx.x; i < kRowsPerCta * n; i += blockDim.x)
+      if (i % kRowsPerCta < n_rows)
+        out[(kb0 + i / kRowsPerCta) * stride + row0 + i % kRowsPerCta] =
+            tile[i / kRowsPerCta][i % kRowsPerCta];
+    __syncthreads();
+  }
 }
 
 // The table of runs of up to kWaves row tiles: entry i = (run j, column c) holds {first row tile,
@@ -446,9 +482,17 @@ cudaError_t run(const int64_t* segments, int experts, const kernels::Fp8Operands
                 kernels::Fp8WeightScales b_scales, int64_t capacity, int64_t p, int64_t q,
                 void* workspace, size_t workspace_size, cudaStream_t stream) {
   if (q % kTileK != 0 || p % 128 != 0) return cudaErrorInvalidValue;
-  const fixed_sm90::TileTable table = tile_table<kWaves>(
-      workspace, workspace_size, segments, experts, capacity, p, kTileN * kCluster, stream);
+  // The workspace: the tile table (sized for the most tiles), then A's scales MN-major.
+  const size_t table_size = fixed_sm90::table_bytes(fixed_sm90::tile_count(capacity, p, 128));
+  if (workspace_size < table_size + mn_scales_bytes(capacity, q)) return cudaErrorInvalidValue;
+  const fixed_sm90::TileTable table = tile_table<kWaves>(workspace, table_size, segments, experts,
+                                                         capacity, p, kTileN * kCluster, stream);
   if (table.err != cudaSuccess || table.count == 0) return table.err;
+  const int64_t stride = mn_scales_stride(capacity);
+  float* sfa = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace) + table_size);
+  mn_scales_kernel<<<static_cast<unsigned>((capacity + 127) / 128), 256, 0, stream>>>(
+      ops.sfa, capacity, static_cast<int>(q / kTileK), stride, sfa);
+  if (const cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
   // A row-major (outer, inner) E4M3 matrix's TMA descriptor, box (box_outer, 128), 128-byte
   // swizzle.
   const auto encode_fp8 = [](CUtensorMap* map, const void* base, int64_t inner, int64_t outer,
@@ -459,8 +503,18 @@ cudaError_t run(const int64_t* segments, int experts, const kernels::Fp8Operands
     return ws_sm90::encode_tma(map, CU_TENSOR_MAP_DATA_TYPE_UINT8, 2, base, dims, strides, box,
                                CU_TENSOR_MAP_SWIZZLE_128B);
   };
-  CUtensorMap map_a, map_a_run, map_b, map_out;
+  // A's scales: (Q / 128, capacity) f32 with rows `stride` apart, box (1, kRows).
+  const auto encode_sfa = [&](CUtensorMap* map) {
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(capacity),
+                                static_cast<cuuint64_t>(q / kTileK)};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(stride * sizeof(float))};
+    const cuuint32_t box[2] = {Shape<kTileN, kWaves>::kRows, 1};
+    return ws_sm90::encode_tma(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 2, sfa, dims, strides, box,
+                               CU_TENSOR_MAP_SWIZZLE_NONE);
+  };
+  CUtensorMap map_a, map_a_run, map_b, map_sfa, map_out;
   if (encode_fp8(&map_a, ops.a, q, capacity, kTileM / kCluster) != CUDA_SUCCESS ||
+      encode_sfa(&map_sfa) != CUDA_SUCCESS ||
       encode_fp8(&map_a_run, ops.a, q, capacity, kWaves * kTileM / kCluster) != CUDA_SUCCESS ||
       encode_fp8(&map_b, ops.b, q, experts * p, kTileN) != CUDA_SUCCESS ||
       ws_sm90::encode_out<kTileN>(&map_out, ops.out, p, capacity) != CUDA_SUCCESS)
@@ -470,8 +524,8 @@ cudaError_t run(const int64_t* segments, int experts, const kernels::Fp8Operands
   // its rows (P = N), b = w (the input gradient) along its contraction (Q = N).
   const bool mn = b_scales == kernels::Fp8WeightScales::kMnMajor;
   const Params params{
-      ops.sfa,          ops.sfb,     table.tiles, static_cast<int>(table.count), qb,      pb,
-      int64_t{pb} * qb, mn ? pb : 1, mn ? 1 : qb, static_cast<int>(p),           capacity};
+      ops.sfb,     table.tiles, static_cast<int>(table.count), qb,      pb, int64_t{pb} * qb,
+      mn ? pb : 1, mn ? 1 : qb, static_cast<int>(p),           capacity};
   constexpr size_t smem = ws_sm90::storage_bytes<typename Shape<kTileN, kWaves>::SharedStorage>();
   constexpr auto kernel = fp8_gemm_fixed_kernel<kTileN, kProbe, kCluster, kWaves>;
   cudaLaunchConfig_t config{};
@@ -497,7 +551,7 @@ cudaError_t run(const int64_t* segments, int experts, const kernels::Fp8Operands
   if (resident.first != cudaSuccess) return resident.first;
   config.gridDim =
       static_cast<unsigned>(kCluster * std::min<int64_t>(table.count, resident.second));
-  return cudaLaunchKernelEx(&config, kernel, map_a, map_a_run, map_b, map_out, params);
+  return cudaLaunchKernelEx(&config, kernel, map_a, map_a_run, map_b, map_sfa, map_out, params);
 }
 
 }  // namespace mt::cuda::fp8_fixed_sm90
