@@ -1,15 +1,16 @@
 // Workbench for our FP8 kernel over the padded layout (src/ops/cuda/cutlass/
-// fp8_gemm_sm90_fixed.cuh): the MoE layer's four row products (128 experts of 1024 rows) with each
-// tile width, and with the probes that leave one part out (the promotion, the MMAs) to
-// see which part bounds a width. JSON lines: time, TFLOP/s over the rows, the ratio to the
-// 128 x 128 tile (`vs_shipped`, the product before two row tiles a CTA shipped), and each
-// variant's output against that one's (bits that differ; a probe's output is not the
-// product and differs). `cluster` 2: two CTAs over a row tile's column tiles, A multicast to both
-// (not shipped: slower, docs/benchmarks-history.md). `waves` 2: a CTA's tile is two row tiles of
-// one expert (256 rows), each weight tile read into shared memory once for both; `rows` ragged:
-// experts of 512 to 1536 rows, odd row-tile counts among them. Built twice (CMakeLists.txt): as the
-// product is compiled, and with ptxas's --register-usage-level=10 (`ptxas` in each line says
-// which).
+// fp8_gemm_sm90_fixed.cuh): the MoE layer's four row products (128 experts of about 1024 rows)
+// with each tile shape, and with the probes that leave one part out (the promotion, the MMAs, A's
+// scale loads) to see which part bounds a shape. JSON lines: time, TFLOP/s over the rows, the
+// ratio to the 128 x 128 tile (`vs_shipped`, the product before two row tiles a CTA shipped), and
+// each variant's output against that one's (bits that differ; a probe's output is not the
+// product and differs). `waves` 2: a CTA's tile is two row tiles of one expert (256 rows, what
+// ships), each weight tile read into shared memory once for both. `cluster` 2: two CTAs over a
+// run's column tiles, A multicast to both (not shipped: slower, docs/benchmarks-history.md).
+// `rows` ragged: experts of 512 to 1536 rows, odd row-tile counts among them. The variants run
+// twice in turn: the GPU slows as it warms within a job, so compare neighbours. Built twice
+// (CMakeLists.txt): as the product is compiled, and with ptxas's --register-usage-level=10 (`ptxas`
+// in each line says which).
 #include <cuda_runtime.h>
 
 #include <cstdio>

@@ -218,12 +218,13 @@ __global__ void __launch_bounds__(kThreads, 1)
   using ws_sm90::Full;
   const int warpgroup = threadIdx.x / 128;
   const int lane = threadIdx.x % 32;
-  // A stage is full when its TMA bytes have landed (the first lane's arrival) and every lane of
-  // the producer warp's scale copies have (32 more). It is free when both consumer warpgroups of
-  // every CTA of the cluster have read it (each CTA's A tile is the cluster's: see below).
+  // A stage is full when its TMA bytes have landed (the first lane's arrival) and each lane of the
+  // producer warp has arrived once its async copies have (32 more; the first two copy the weight
+  // tiles' scales). It is free when both consumer warpgroups of every CTA of the cluster have
+  // read it (each CTA's A tile is the cluster's: see below).
   ws_sm90::init_ring(s.full, s.empty, kStages, 2 * kCluster, 1 + 32);
-  // In a cluster the CTAs share the row tile and take the next column tiles: each loads its share
-  // of A's rows and multicasts it to all, so that A crosses from L2 once per cluster. The peer's
+  // In a cluster the CTAs share the run and take the next column tiles: each loads its share of
+  // the run's rows and multicasts it to all, so that A crosses from L2 once per cluster. The peer's
   // barriers must be ready before anything arrives at them.
   static_assert(kCluster == 1 || kCluster == 2 || kCluster == 4);
   const int rank = kCluster == 1 ? 0 : static_cast<int>(cute::block_rank_in_cluster());
