@@ -210,6 +210,8 @@ __global__ void __launch_bounds__(kThreads, 1)
                           const __grid_constant__ CUtensorMap map_sfa,
                           const __grid_constant__ CUtensorMap map_out, const Params p) {
   using S = Shape<kTileN, kWaves>;
+  // Without the promotion one accumulator holds a row tile's whole contraction: one row tile.
+  static_assert(kProbe != Probe::kNoPromotion || kWaves == 1);
   constexpr int kStages = S::kStages;
   constexpr int kAcc = S::kAcc;
   extern __shared__ __align__(1024) uint8_t smem_raw[];
@@ -345,11 +347,8 @@ __global__ void __launch_bounds__(kThreads, 1)
           for (int peer = 1; peer < kCluster; ++peer)
             Empty::arrive(&s.empty[stage], (rank + peer) % kCluster, true);
         }
-        if constexpr (kProbe == Probe::kNoPromotion) {
-          if constexpr (kWaves > 1) copy_to(acc, result[w], seq);  // one accumulator for both
-        } else {
+        if constexpr (kProbe != Probe::kNoPromotion)
           promote_block<kTileN>(acc, sc[w], split, result[w]);
-        }
       }
       if (++stage == kStages) {
         stage = 0;
@@ -359,7 +358,7 @@ __global__ void __launch_bounds__(kThreads, 1)
 #pragma unroll
     for (int w = 0; w < kWaves; ++w) {
       if (w > 0 && w >= waves) break;
-      if constexpr (kProbe == Probe::kNoPromotion && kWaves == 1) copy_to(acc, result[w], seq);
+      if constexpr (kProbe == Probe::kNoPromotion) copy_to(acc, result[w], seq);
       ws_sm90::store_bf16<kTileN, kWaves - 1>(result[w], s.out[w].warpgroup[consumer], map_out,
                                               consumer, r0 - consumer * 64, q, column_tile * kTileN,
                                               (tile.x + w) * kTileM + consumer * 64);
