@@ -14,6 +14,7 @@
 #include <tuple>
 
 #include "op_testing.h"
+#include "ops/cuda/expert_tiles.h"
 #include "ops/gemm.h"
 #include "ops/grouped_gemm.h"
 #if MOETRAIN_HAS_CUDA
@@ -27,6 +28,71 @@
 
 namespace mt {
 namespace {
+
+// The fixed-layout kernels' table of runs (ops/cuda/expert_tiles.h, built on the device by the
+// same functions): over padded layouts with empty experts, experts of one row tile or an odd
+// count of them, an end inside a row tile and capacity past the last expert, every row tile of
+// every expert appears once per column tile, in runs of at most `waves` row tiles of one expert
+// (shorter only as an expert's last), the runs in the experts' order, and every entry past them
+// is empty; the table's bound holds them all.
+TEST(ExpertTiles, RunsCoverEveryRowTileOnceWithinItsExpert) {
+  using namespace cuda::kernels;
+  std::mt19937_64 rng(7);
+  const int64_t sizes[] = {0, 1, 127, 128, 129, 300, 1000};
+  for (int trial = 0; trial < 200; ++trial) {
+    const int experts = 1 + static_cast<int>(rng() % 9);
+    std::vector<int64_t> seg(experts + 1, 0);
+    for (int e = 0; e < experts; ++e) {
+      const int64_t rows = sizes[rng() % std::size(sizes)];
+      // Each start on a multiple of 128; the last expert's end wherever its rows end.
+      seg[e + 1] = e + 1 < experts ? seg[e] + (rows + 127) / 128 * 128 : seg[e] + rows;
+    }
+    const int64_t capacity = seg[experts] + static_cast<int64_t>(rng() % 300);
+    for (const int waves : {1, 2, 3}) {
+      for (const int columns : {1, 3}) {
+        SCOPED_TRACE(fmt::format("trial {}, {} experts, waves {}, columns {}", trial, experts,
+                                 waves, columns));
+        std::vector<int64_t> first_run(experts + 1);
+        count_expert_runs(seg.data(), experts, waves, first_run.data());
+        const int64_t count = expert_run_entries(capacity, experts, waves, columns);
+        ASSERT_LE(first_run[experts] * columns, count) << "the table's bound";
+        // covered[e][tile][column]
+        std::vector<std::vector<std::vector<int>>> covered(experts);
+        for (int e = 0; e < experts; ++e)
+          covered[e].assign(static_cast<size_t>(expert_row_tiles(seg.data(), e)),
+                            std::vector<int>(columns, 0));
+        int last_expert = 0;
+        bool ended = false;
+        for (int64_t i = 0; i < count; ++i) {
+          const ExpertRun r =
+              expert_run_entry(seg.data(), first_run.data(), experts, waves, columns, i);
+          if (r.row_tile < 0) {
+            ended = true;
+            continue;
+          }
+          ASSERT_FALSE(ended) << "entry " << i << " follows an empty one";
+          ASSERT_GE(r.expert, last_expert) << "entry " << i;
+          last_expert = r.expert;
+          ASSERT_EQ(r.column, i % columns);
+          ASSERT_GE(r.row_tiles, 1);
+          ASSERT_LE(r.row_tiles, waves);
+          const int64_t first = r.row_tile - seg[r.expert] / 128;
+          const int64_t tiles = expert_row_tiles(seg.data(), r.expert);
+          ASSERT_GE(first, 0) << "entry " << i << " starts before its expert";
+          ASSERT_LE(first + r.row_tiles, tiles) << "entry " << i << " runs past its expert";
+          ASSERT_TRUE(r.row_tiles == waves || first + r.row_tiles == tiles)
+              << "entry " << i << ": a short run not at its expert's end";
+          for (int t = 0; t < r.row_tiles; ++t) ++covered[r.expert][first + t][r.column];
+        }
+        for (int e = 0; e < experts; ++e)
+          for (size_t t = 0; t < covered[e].size(); ++t)
+            for (int c = 0; c < columns; ++c)
+              ASSERT_EQ(covered[e][t][c], 1)
+                  << "expert " << e << ", row tile " << t << ", column " << c;
+      }
+    }
+  }
+}
 
 // The grouped GEMMs over a padded layout give the dense layout's products on every expert's rows
 // (and the same weight gradients); padding rows are not read.

@@ -7,6 +7,8 @@
 
 #include <cstdint>
 
+#include "ops/cuda/expert_tiles.h"  // kFixedRowTile
+
 namespace mt::cuda::kernels {
 
 // Where the experts' rows are, on the device (ops::ExpertRows): expert e has
@@ -39,7 +41,6 @@ cudaError_t zero_empty_groups(const int64_t* offsets, int experts, void* out, in
 // The forward's configuration for inner sizes up to this (pingpong square tiles; above it, the
 // wide cooperative tile).
 inline constexpr int64_t kCutlassShortK = 1024;
-inline constexpr int64_t kFixedRowTile = 128;  // the segments' alignment the fixed kernels need
 #if MOETRAIN_HAS_CUTLASS
 size_t cutlass_grouped_forward_workspace(int experts);
 size_t cutlass_grouped_input_gradient_workspace(int experts);

@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "ops/cuda/common.cuh"
+#include "ops/cuda/expert_tiles.h"
 #include "ops/cuda/mx.cuh"
 #include "ops/cuda/mx.h"
 
@@ -411,14 +412,7 @@ __global__ void mx_round_trip_expert_rows_kernel(const T* __restrict__ x, int64_
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= k) return;
   for (int64_t g = blockIdx.y; g < prefix[experts]; g += gridDim.y) {
-    int lo = 0, hi = experts - 1;  // the last expert whose first block is at or before g
-    while (lo < hi) {
-      const int mid = (lo + hi + 1) / 2;
-      if (prefix[mid] <= g)
-        lo = mid;
-      else
-        hi = mid - 1;
-    }
+    const int lo = kernels::last_start_at_or_before(prefix, experts, g);  // g's expert
     const int64_t b = g - prefix[lo];
     const int64_t first = rows.segments[lo] + b * kMxBlock;
     const int64_t remaining = rows.offsets[lo + 1] - rows.offsets[lo] - b * kMxBlock;

@@ -367,19 +367,6 @@ __global__ void __launch_bounds__(kThreads, 1)
   if (threadIdx.x % 128 == 0) cute::tma_store_wait<0>();
 }
 
-// Entries of a table whose rows come kWaves row tiles at a time: each expert's row tiles in runs
-// of kWaves from its first (its last run may be shorter). An expert of t row tiles has
-// ceil(t / kWaves) runs, at most t and at most (t + kWaves - 1) / kWaves: summed over the
-// experts, at most the row tiles and at most (row tiles + experts (kWaves - 1)) / kWaves; times
-// the columns.
-template <int kWaves>
-int64_t entry_count(int64_t capacity, int experts, int64_t p, int tile_n) {
-  const int64_t row_tiles = (capacity + kTileM - 1) / kTileM;
-  const int64_t runs = std::min<int64_t>(
-      row_tiles, (row_tiles + int64_t{experts} * (kWaves - 1) + kWaves - 1) / kWaves);
-  return runs * ((p + tile_n - 1) / tile_n);
-}
-
 // A's scales MN-major, as the kernel loads them (a stage's rows in one TMA box): (Q / 128, stride)
 // f32, the stride the capacity rounded up to 4 (TMA's strides are multiples of 16 bytes).
 inline int64_t mn_scales_stride(int64_t capacity) {
@@ -419,41 +406,23 @@ static __global__ void mn_scales_kernel(const float* in, int64_t rows, int k_blo
   }
 }
 
-// The table of runs of up to kWaves row tiles: entry i = (run j, column c) holds {first row tile,
-// c, expert, row tiles in the run}, or row tile -1 past the last run. One CTA: its first thread
-// counts each expert's runs (row tiles: from its start to the next expert's, rounded up) into
-// shared memory, then every thread fills entries by a search over those counts.
+// The table of runs of up to kWaves row tiles (kernels::expert_run_entry). One CTA: its first
+// thread counts each expert's runs into shared memory, then every thread fills entries.
 template <int kWaves>
 __global__ void run_table_kernel(const int64_t* segments, int experts, int tiles_n, int64_t count,
                                  int4* table) {
   extern __shared__ int64_t first_run[];  // experts + 1: the runs before each expert
-  if (threadIdx.x == 0) {
-    int64_t runs = 0;
-    for (int e = 0; e < experts; ++e) {
-      first_run[e] = runs;
-      const int64_t tiles = (segments[e + 1] - segments[e] + kTileM - 1) / kTileM;
-      runs += (tiles + kWaves - 1) / kWaves;
-    }
-    first_run[experts] = runs;
-  }
+  if (threadIdx.x == 0) kernels::count_expert_runs(segments, experts, kWaves, first_run);
   __syncthreads();
   for (int64_t i = threadIdx.x; i < count; i += blockDim.x) {
-    const int64_t run = i / tiles_n;
-    const int col = static_cast<int>(i - run * tiles_n);
-    int4 t = make_int4(-1, 0, 0, 0);
-    if (run < first_run[experts]) {
-      const int lo = fixed_sm90::last_start_at_or_before(first_run, experts, run);  // its expert
-      const int64_t tiles = (segments[lo + 1] - segments[lo] + kTileM - 1) / kTileM;
-      const int64_t first = (run - first_run[lo]) * kWaves;  // within the expert
-      t = make_int4(static_cast<int>(segments[lo] / kTileM + first), col, lo,
-                    static_cast<int>(std::min<int64_t>(kWaves, tiles - first)));
-    }
-    table[i] = t;
+    const kernels::ExpertRun r =
+        kernels::expert_run_entry(segments, first_run, experts, kWaves, tiles_n, i);
+    table[i] = make_int4(r.row_tile, r.column, r.expert, r.row_tiles);
   }
 }
 
 // The table for kWaves row tiles a CTA: fixed_sm90's (one entry per row tile and column tile) or
-// the runs above, at the head of the workspace.
+// the runs' (run_table_kernel), at the head of the workspace.
 template <int kWaves>
 fixed_sm90::TileTable tile_table(void* workspace, size_t workspace_size, const int64_t* segments,
                                  int experts, int64_t capacity, int64_t p, int tile_n,
@@ -462,7 +431,8 @@ fixed_sm90::TileTable tile_table(void* workspace, size_t workspace_size, const i
     return fixed_sm90::tile_table_in(workspace, workspace_size, segments, experts, capacity, p,
                                      tile_n, stream);
   } else {
-    const int64_t count = entry_count<kWaves>(capacity, experts, p, tile_n);
+    const int64_t count =
+        kernels::expert_run_entries(capacity, experts, kWaves, (p + tile_n - 1) / tile_n);
     const size_t counts_bytes = (experts + 1) * sizeof(int64_t);  // the kernel's shared memory
     if (workspace_size < fixed_sm90::table_bytes(count) || counts_bytes > 48 * 1024)
       return {nullptr, 0, cudaErrorInvalidValue};

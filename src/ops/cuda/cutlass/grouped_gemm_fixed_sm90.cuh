@@ -208,20 +208,6 @@ inline size_t workspace_bytes(int64_t capacity, int64_t out_width, int tile_n) {
   return table_bytes(tile_count(capacity, out_width, tile_n)) + 256;
 }
 
-// The last i in [0, n) with starts[i] <= v, for ascending starts with starts[0] <= v.
-template <class T>
-__device__ __forceinline__ int last_start_at_or_before(const T* starts, int n, int64_t v) {
-  int lo = 0, hi = n - 1;
-  while (lo < hi) {
-    const int mid = (lo + hi + 1) / 2;
-    if (starts[mid] <= v)
-      lo = mid;
-    else
-      hi = mid - 1;
-  }
-  return lo;
-}
-
 // Every tile of the capacity: {row tile, column tile, expert of the row tile, 0}, or row tile -1
 // past the last segment. The expert of row tile r is the last e with segments[e] <= 128 r (an
 // expert without rows shares its start with the next one).
@@ -235,7 +221,7 @@ static __global__ void tile_table_kernel(const int64_t* segments, int experts, i
   const int64_t row = int64_t{block} * kRowTile;
   int4 t = make_int4(-1, 0, 0, 0);
   if (row < segments[experts])
-    t = make_int4(block, col, last_start_at_or_before(segments, experts, row), 0);
+    t = make_int4(block, col, kernels::last_start_at_or_before(segments, experts, row), 0);
   table[i] = t;
 }
 
