@@ -262,23 +262,27 @@ int main() {
           copies_of(recipes[r]) ? copies_of(recipes[r])->ms : 0.0,
           copies_of(recipes[r]) ? copies_of(recipes[r])->held_ms : 0.0);
     }
+    // MOETRAIN_PROFILE=1: one more real-routing layer under bf16 and each FP8 recipe, every op
+    // timed on its own (device waits at both ends of each), as one JSON line of milliseconds per
+    // op and recipe.
+    if (mt::profile::enabled()) {
+      mt::profile::set_device_sync(&mt::cuda::synchronize);
+      c.routing = mt::ops::RoutingMode::kLearned;
+      for (const int r : {0, 4, 5}) {
+        use_recipe(recipes[r]);
+        for (int pass = 0; pass < 2; ++pass) {  // the first pass warms the caches
+          (void)mt::profile::take();
+          layer();
+        }
+        std::printf("{\"bench\": \"moe_layer_ops\", \"routing\": \"real\", \"recipe\": \"%s\"",
+                    std::string(mt::ops::expert_recipe_name(recipes[r].recipe)).c_str());
+        for (const auto& [name, op_ms] : mt::profile::take())
+          std::printf(", \"%s\": %.3f", name.c_str(), op_ms);
+        std::printf("}\n");
+      }
+    }
     use_recipe(recipes[0]);
     std::fflush(stdout);
-  }
-  // MOETRAIN_PROFILE=1: one more real-routing layer, every op timed on its own (device waits at
-  // both ends of each), as one JSON line of milliseconds per op.
-  if (mt::profile::enabled()) {
-    mt::profile::set_device_sync(&mt::cuda::synchronize);
-    c.routing = mt::ops::RoutingMode::kLearned;
-    c.pad_expert_rows = true;
-    for (int pass = 0; pass < 2; ++pass) {  // the first pass warms the caches, the second counts
-      (void)mt::profile::take();
-      layer();
-    }
-    std::printf("{\"bench\": \"moe_layer_ops\", \"routing\": \"real\"");
-    for (const auto& [name, op_ms] : mt::profile::take())
-      std::printf(", \"%s\": %.3f", name.c_str(), op_ms);
-    std::printf("}\n");
   }
   return 0;
 }

@@ -194,67 +194,72 @@ Tensor real_rows(const Tensor& t, const std::vector<int64_t>& off,
 // The grouped GEMMs against the CPU reference, dense and with 128-row segments (the layout
 // whose forward and input gradient run on fixed descriptors): uneven experts, empty ones, partial
 // tiles in every dimension, outputs poisoned (padding rows are not compared: nothing reads them).
+// Both sides of each product's configuration choice by k (the forward's inner size, the weight
+// gradient's rows: kCutlassShortK, kCutlassFewWeightRows).
 TEST_P(GpuGroupedGemm, GroupedGemmWithDeviceOffsets) {
   if (GetParam() != DType::kBF16) GTEST_SKIP() << "grouped gemm v1 is bf16";
   const std::vector<int64_t> counts = {300, 0, 129, 1, 0, 517, 128, 64};
-  const int64_t e = static_cast<int64_t>(counts.size()), k = 136, n = 200;
-  for (const int64_t align : {int64_t{1}, int64_t{128}}) {
-    SCOPED_TRACE(fmt::format("segments aligned to {} rows", align));
-    std::vector<int64_t> off(e + 1, 0), seg(e + 1, 0);
-    for (int64_t i = 0; i < e; ++i) {
-      off[i + 1] = off[i] + counts[i];
-      seg[i + 1] = seg[i] + (counts[i] + align - 1) / align * align;
-    }
-    Tensor toff = Tensor::empty({e + 1}, DType::kI64), tseg = Tensor::empty({e + 1}, DType::kI64);
-    for (int64_t i = 0; i <= e; ++i) {
-      toff.set_item(i, static_cast<double>(off[i]));
-      tseg.set_item(i, static_cast<double>(seg[i]));
-    }
-    const int64_t m = seg[e];
-    const ops::ExpertRows rows(toff, tseg, align);
-    const Tensor x = input({m, k}), w = input({e, k, n}, 0.1), dy = input({m, n});
-    Tensor out = Tensor::empty({m, n}, DType::kF32), dx = Tensor::empty({m, k}, DType::kF32);
-    Tensor dw = input({e, k, n}, 0.01);
-    const Tensor dw0 = dw.clone();
-    Tensor gdw = dw.to(Device::kCUDA);  // f32 accumulation target
-    ops::grouped_gemm_forward(x, w, rows, out);
-    ops::grouped_gemm_backward_input(dy, w, rows, dx);
-    ops::grouped_gemm_backward_weight(x, dy, rows, dw);
-    const ops::ExpertRows grows(toff.to(Device::kCUDA), tseg.to(Device::kCUDA), align);
-    const Tensor gx = gpu(x), gw = gpu(w), gdy = gpu(dy);
-    Tensor gout = gpu_out({m, n}), gdx = gpu_out({m, k});
-    ops::grouped_gemm_forward(gx, gw, grows, gout);
-    ops::grouped_gemm_backward_input(gdy, gw, grows, gdx);
-    ops::grouped_gemm_backward_weight(gx, gdy, grows, gdw);
-    expect_close(real_rows(gout, off, seg), real_rows(out, off, seg), "grouped forward");
-    expect_close(real_rows(gdx, off, seg), real_rows(dx, off, seg), "grouped dx");
-    expect_close(gdw, dw, "grouped dw (accumulated, f32)");
-    // Overwriting into a poisoned buffer: experts 1 and 4 have no rows and must come out zero.
-    Tensor fresh = Tensor::empty({e, k, n}, DType::kF32);
-    ops::grouped_gemm_backward_weight(x, dy, rows, fresh, ops::Accumulate::kNo);
-    Tensor gfresh = gpu_out({e, k, n}, DType::kF32);
-    ops::grouped_gemm_backward_weight(gx, gdy, grows, gfresh, ops::Accumulate::kNo);
-    expect_close(gfresh, fresh, "grouped dw (overwritten, f32)");
-    EXPECT_EQ(fresh.to(DType::kF32).item(1 * k * n + 5), 0.0);
+  static_assert(cuda::kernels::kCutlassShortK < 1160 &&
+                cuda::kernels::kCutlassFewWeightRows < 1160);
+  const int64_t e = static_cast<int64_t>(counts.size()), n = 200;
+  for (const int64_t k : {int64_t{136}, int64_t{1160}})
+    for (const int64_t align : {int64_t{1}, int64_t{128}}) {
+      SCOPED_TRACE(fmt::format("k {}, segments aligned to {} rows", k, align));
+      std::vector<int64_t> off(e + 1, 0), seg(e + 1, 0);
+      for (int64_t i = 0; i < e; ++i) {
+        off[i + 1] = off[i] + counts[i];
+        seg[i + 1] = seg[i] + (counts[i] + align - 1) / align * align;
+      }
+      Tensor toff = Tensor::empty({e + 1}, DType::kI64), tseg = Tensor::empty({e + 1}, DType::kI64);
+      for (int64_t i = 0; i <= e; ++i) {
+        toff.set_item(i, static_cast<double>(off[i]));
+        tseg.set_item(i, static_cast<double>(seg[i]));
+      }
+      const int64_t m = seg[e];
+      const ops::ExpertRows rows(toff, tseg, align);
+      const Tensor x = input({m, k}), w = input({e, k, n}, 0.1), dy = input({m, n});
+      Tensor out = Tensor::empty({m, n}, DType::kF32), dx = Tensor::empty({m, k}, DType::kF32);
+      Tensor dw = input({e, k, n}, 0.01);
+      const Tensor dw0 = dw.clone();
+      Tensor gdw = dw.to(Device::kCUDA);  // f32 accumulation target
+      ops::grouped_gemm_forward(x, w, rows, out);
+      ops::grouped_gemm_backward_input(dy, w, rows, dx);
+      ops::grouped_gemm_backward_weight(x, dy, rows, dw);
+      const ops::ExpertRows grows(toff.to(Device::kCUDA), tseg.to(Device::kCUDA), align);
+      const Tensor gx = gpu(x), gw = gpu(w), gdy = gpu(dy);
+      Tensor gout = gpu_out({m, n}), gdx = gpu_out({m, k});
+      ops::grouped_gemm_forward(gx, gw, grows, gout);
+      ops::grouped_gemm_backward_input(gdy, gw, grows, gdx);
+      ops::grouped_gemm_backward_weight(gx, gdy, grows, gdw);
+      expect_close(real_rows(gout, off, seg), real_rows(out, off, seg), "grouped forward");
+      expect_close(real_rows(gdx, off, seg), real_rows(dx, off, seg), "grouped dx");
+      expect_close(gdw, dw, "grouped dw (accumulated, f32)");
+      // Overwriting into a poisoned buffer: experts 1 and 4 have no rows and must come out zero.
+      Tensor fresh = Tensor::empty({e, k, n}, DType::kF32);
+      ops::grouped_gemm_backward_weight(x, dy, rows, fresh, ops::Accumulate::kNo);
+      Tensor gfresh = gpu_out({e, k, n}, DType::kF32);
+      ops::grouped_gemm_backward_weight(gx, gdy, grows, gfresh, ops::Accumulate::kNo);
+      expect_close(gfresh, fresh, "grouped dw (overwritten, f32)");
+      EXPECT_EQ(fresh.to(DType::kF32).item(1 * k * n + 5), 0.0);
 
-    // Version 1 (the fallback without CUTLASS) through its kernel API, on the same data.
-    Tensor vout = gpu_out({m, n}), vdx = gpu_out({m, k}), vdw = dw0.to(Device::kCUDA);
-    const cuda::kernels::ExpertSegments o{grows.offsets.data<int64_t>(),
-                                          grows.segments.data<int64_t>()};
-    const int ne = static_cast<int>(e);
-    ASSERT_EQ(cuda::kernels::grouped_gemm_rows(gx.raw(), gw.raw(), o, ne, m, k, n, false,
-                                               vout.raw(), false, nullptr),
-              cudaSuccess);
-    ASSERT_EQ(cuda::kernels::grouped_gemm_rows(gdy.raw(), gw.raw(), o, ne, m, n, k, true, vdx.raw(),
-                                               false, nullptr),
-              cudaSuccess);
-    ASSERT_EQ(cuda::kernels::grouped_gemm_weight(gx.raw(), gdy.raw(), o, ne, k, n, vdw.raw(), true,
-                                                 true, nullptr),
-              cudaSuccess);
-    expect_close(real_rows(vout, off, seg), real_rows(out, off, seg), "grouped forward v1");
-    expect_close(real_rows(vdx, off, seg), real_rows(dx, off, seg), "grouped dx v1");
-    expect_close(vdw, dw, "grouped dw v1");
-  }
+      // Version 1 (the fallback without CUTLASS) through its kernel API, on the same data.
+      Tensor vout = gpu_out({m, n}), vdx = gpu_out({m, k}), vdw = dw0.to(Device::kCUDA);
+      const cuda::kernels::ExpertSegments o{grows.offsets.data<int64_t>(),
+                                            grows.segments.data<int64_t>()};
+      const int ne = static_cast<int>(e);
+      ASSERT_EQ(cuda::kernels::grouped_gemm_rows(gx.raw(), gw.raw(), o, ne, m, k, n, false,
+                                                 vout.raw(), false, nullptr),
+                cudaSuccess);
+      ASSERT_EQ(cuda::kernels::grouped_gemm_rows(gdy.raw(), gw.raw(), o, ne, m, n, k, true,
+                                                 vdx.raw(), false, nullptr),
+                cudaSuccess);
+      ASSERT_EQ(cuda::kernels::grouped_gemm_weight(gx.raw(), gdy.raw(), o, ne, k, n, vdw.raw(),
+                                                   true, true, nullptr),
+                cudaSuccess);
+      expect_close(real_rows(vout, off, seg), real_rows(out, off, seg), "grouped forward v1");
+      expect_close(real_rows(vdx, off, seg), real_rows(dx, off, seg), "grouped dx v1");
+      expect_close(vdw, dw, "grouped dw v1");
+    }
 }
 
 MOETRAIN_GPU_CASES(GpuGroupedGemm);

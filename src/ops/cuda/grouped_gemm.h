@@ -41,6 +41,9 @@ cudaError_t zero_empty_groups(const int64_t* offsets, int experts, void* out, in
 // The forward's configuration for inner sizes up to this (pingpong square tiles; above it, the
 // wide cooperative tile).
 inline constexpr int64_t kCutlassShortK = 1024;
+// The weight gradient's configuration for gradients of up to this many rows (k; pingpong square
+// tiles; above it, the wide cooperative tile).
+inline constexpr int64_t kCutlassFewWeightRows = 1024;
 #if MOETRAIN_HAS_CUTLASS
 size_t cutlass_grouped_forward_workspace(int experts);
 size_t cutlass_grouped_input_gradient_workspace(int experts);

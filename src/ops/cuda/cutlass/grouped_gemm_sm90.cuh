@@ -50,6 +50,14 @@ using WideTile = Shape<_128, _256, _64>;
 using SquareTile = Shape<_128, _128, _64>;
 using NoCluster = Shape<_1, _1, _1>;
 
+// The order in which the persistent scheduler walks each group's output tiles: consecutive tiles
+// down M (CUTLASS's default for groups) or along N, in bands of `swizzle` tiles across.
+struct TileOrder {
+  enum class Raster { kAlongM, kAlongN };
+  Raster raster = Raster::kAlongM;
+  int swizzle = 1;  // 1, 2, 4 or 8
+};
+
 template <class LayoutA, class LayoutB, class ElementOut, class Tile, class Cluster, class Schedule>
 struct Config {
   using ProblemShape = cutlass::gemm::GroupProblemShape<Shape<int, int, int>>;
@@ -160,7 +168,7 @@ size_t array_bytes(int experts) {
 
 template <Product P, class C>
 typename C::Gemm::Arguments make_arguments(char* base, int experts, GroupArrays<C>& g,
-                                           bool accumulate) {
+                                           bool accumulate, TileOrder order = {}) {
   carve(g, base, experts);
   const cutlass::KernelHardwareInfo& hw = cutlass_groups::hardware_info<typename C::Kernel>();
   typename C::Gemm::Arguments args;
@@ -172,6 +180,10 @@ typename C::Gemm::Arguments make_arguments(char* base, int experts, GroupArrays<
       {g.a, g.stride_a, g.b, g.stride_b},
       {fusion, g.c, g.stride_c, g.d, g.stride_d},
       hw};
+  using RasterOptions = decltype(args.scheduler.raster_order);
+  args.scheduler.raster_order =
+      order.raster == TileOrder::Raster::kAlongN ? RasterOptions::AlongN : RasterOptions::AlongM;
+  args.scheduler.max_swizzle_size = order.swizzle;
   return args;
 }
 
@@ -187,7 +199,7 @@ size_t workspace_bytes(int experts) {
 template <Product P, class C>
 cudaError_t run(kernels::ExpertSegments layout, int experts, const void* lhs, const void* rhs,
                 void* out, int64_t m, int64_t k, int64_t n, void* workspace, size_t workspace_size,
-                cudaStream_t stream, bool accumulate = false) {
+                cudaStream_t stream, bool accumulate = false, TileOrder order = {}) {
   if (workspace_size < workspace_bytes<P, C>(experts)) return cudaErrorInvalidValue;
   // The strides do not depend on the ragged dimension: computed once here, written per group.
   int M = 0, N = 0, K = 0;
@@ -203,7 +215,7 @@ cudaError_t run(kernels::ExpertSegments layout, int experts, const void* lhs, co
   const auto sc = cutlass::make_cute_packed_stride(typename C::StrideC{}, {M, N, 1});
   GroupArrays<C> g{};
   char* base = static_cast<char*>(workspace);
-  const auto args = make_arguments<P, C>(base, experts, g, accumulate);
+  const auto args = make_arguments<P, C>(base, experts, g, accumulate, order);
   fill_group_arrays<P, C><<<(experts + 127) / 128, 128, 0, stream>>>(g, layout, experts, lhs, rhs,
                                                                      out, k, n, sa, sb, sc);
   if (cudaError_t err = cudaGetLastError(); err != cudaSuccess) return err;
