@@ -422,7 +422,7 @@ TEST_P(GpuFp8, ExpertRowsMatchReferenceBytes) {
   const ops::ExpertPermutation perm = random_expert_rows(700, 9, 128, seed);
   const ops::ExpertRows rows = perm.expert_rows();
   const int64_t m = perm.rows();
-  const Tensor x = input({m, 192});
+  const Tensor x = input({m, 200});  // the last CTA's 64 columns partly past the row
   for (Fp8ScaleRule rule : kRules) {
     const Shape s = ops::fp8_expert_rows_shape(x);
     QuantTensor want = QuantTensor::empty(s, QuantBlock::kRow128, QuantAxis::kDim1);

@@ -147,19 +147,31 @@ __global__ void __launch_bounds__(kColumnThreads)
       end = min(r0 + kB, rows.segments[lo] + rows.offsets[lo + 1] - rows.offsets[lo]);
     }
   }
-  // Load: 16-byte packs of a row; columns past k (a last partial CTA) read as zeros.
+  // Load: 16-byte packs of a row, every one of a thread's loads issued before the first is used;
+  // columns past k (a last partial CTA) read as zeros. Then into shared memory four floats a
+  // store.
   constexpr int kPack = Pack<T>::kSize;
   constexpr int kPacksPerRow = kColumnWidth / kPack;
-  for (int i = threadIdx.x; i < kB * kPacksPerRow; i += kColumnThreads) {
+  constexpr int kLoads = kB * kPacksPerRow / kColumnThreads;
+  static_assert(kLoads * kColumnThreads == kB * kPacksPerRow && kPack % 4 == 0);
+  uint4 raw[kLoads];
+#pragma unroll
+  for (int l = 0; l < kLoads; ++l) {
+    const int i = threadIdx.x + l * kColumnThreads;
     const int r = i / kPacksPerRow, c = (i % kPacksPerRow) * kPack;
-    float v[kPack] = {};
-    if (r0 + r < end && c0 + c < k) {
-      const Pack<T> p = load_pack(x + (r0 + r) * k + c0 + c);
+    raw[l] = r0 + r < end && c0 + c < k
+                 ? *reinterpret_cast<const uint4*>(x + (r0 + r) * k + c0 + c)
+                 : make_uint4(0, 0, 0, 0);  // zero bits are zero in bf16 and f32
+  }
 #pragma unroll
-      for (int j = 0; j < kPack; ++j) v[j] = p.v[j];
-    }
+  for (int l = 0; l < kLoads; ++l) {
+    const int i = threadIdx.x + l * kColumnThreads;
+    const int r = i / kPacksPerRow, c = (i % kPacksPerRow) * kPack;
+    const T* e = reinterpret_cast<const T*>(&raw[l]);
 #pragma unroll
-    for (int j = 0; j < kPack; ++j) values[r * kValuePitch + c + j] = v[j];
+    for (int j = 0; j < kPack; j += 4)
+      *reinterpret_cast<float4*>(&values[r * kValuePitch + c + j]) =
+          make_float4(to_float(e[j]), to_float(e[j + 1]), to_float(e[j + 2]), to_float(e[j + 3]));
   }
   __syncthreads();
   // Column c, rows q, q + 4, ...: the four threads of a column are adjacent lanes.
