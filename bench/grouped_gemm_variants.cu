@@ -57,6 +57,14 @@ const char* product_name(Product p) {
 
 using mt::cuda::grouped_sm90::TileOrder;
 
+const char* raster_name(TileOrder order) {
+  return order.raster == TileOrder::Raster::kAlongN ? "n" : "m";
+}
+
+double tflops(const Problem& pr, double ms) {
+  return 2.0 * pr.m * pr.k * pr.n / (ms * 1e-3) / 1e12;
+}
+
 // VARIANTS_ONCE=1: each variant launched once, untimed (for a profiler's counters).
 const bool kOnce = std::getenv("VARIANTS_ONCE") != nullptr;
 
@@ -79,7 +87,7 @@ std::function<void()> make_call(const Problem& pr, TileOrder order) {
 template <Product P, class C>
 void time_variant(const char* name, const Problem& pr, TileOrder order = {}) {
   const std::function<void()> call = make_call<P, C>(pr, order);
-  const char* raster = order.raster == TileOrder::Raster::kAlongN ? "n" : "m";
+  const char* raster = raster_name(order);
   if (kOnce) {
     call();
     CHECK(cudaDeviceSynchronize());
@@ -111,7 +119,7 @@ void time_variant(const char* name, const Problem& pr, TileOrder order = {}) {
       "\"out\": \"%s\", \"ms\": %.4f, \"tflops\": %.1f, \"ms_queued\": %.4f}\n",
       product_name(P), static_cast<long>(pr.k), static_cast<long>(pr.n), pr.routing, name, raster,
       order.swizzle, std::is_same_v<typename C::ElementOutput, float> ? "f32" : "bf16", med,
-      2.0 * pr.m * pr.k * pr.n / (med * 1e-3) / 1e12, queued);
+      tflops(pr, med), queued);
   std::fflush(stdout);
   cudaEventDestroy(a);
   cudaEventDestroy(b);
@@ -166,8 +174,7 @@ void time_orders(const Problem& pr) {
         "\"ms\": %.4f, \"tflops\": %.1f, \"speedup_vs_shipped\": %.3f, \"min_max\": [%.3f, "
         "%.3f]}\n",
         product_name(P), static_cast<long>(pr.k), static_cast<long>(pr.n), pr.routing, v.name,
-        v.order.raster == R::kAlongN ? "n" : "m", v.order.swizzle, ms,
-        2.0 * pr.m * pr.k * pr.n / (ms * 1e-3) / 1e12, median(v.ratio),
+        raster_name(v.order), v.order.swizzle, ms, tflops(pr, ms), median(v.ratio),
         *std::min_element(v.ratio.begin(), v.ratio.end()),
         *std::max_element(v.ratio.begin(), v.ratio.end()));
     std::fflush(stdout);
