@@ -7,7 +7,8 @@
 // Rows: balanced (1024 per expert) and ragged (counts 512..1536, segments on 128-row boundaries,
 // as the MoE layer lays them out). Then the quantizations the recipe adds, against a copy's
 // rate. torch._scaled_grouped_mm (row-wise FP8, torchao's Hopper MoE path) is
-// bench/fp8_grouped_mm_torch.py. Last, the LM head's two row products in FP8 against bf16.
+// bench/fp8_grouped_mm_torch.py. Last, the dense layers' products in FP8 (model.dense_recipe)
+// against bf16.
 #include <cuda_runtime_api.h>
 
 #include <cstdio>
@@ -218,57 +219,41 @@ void bench_quantize(const Layout& l) {
       tms, tgbps, tgbps / copy_gbps);
 }
 
-// The LM head's two row products as one FP8 "expert" of all rows (whether `model.dense_recipe`
-// in FP8 would pay): the forward, logits (16384, V) = x (16384, 2048) w with w (2048, V), and the
-// input gradient, dx = dlogits w^T (contraction over V = 151,936), each beside the bf16 GEMM the
-// model runs (ops::gemm, cuBLAS) and with the quantization of its row operand (1 x 128 blocks),
-// which the FP8 product adds: x's in the forward, dlogits' in the backward (unless fused into the
-// cross-entropy backward that writes it).
-void bench_dense(const char* name, int64_t m, int64_t q, int64_t p, bool weight_transposed) {
-  const int64_t k = weight_transposed ? q : p, n = weight_transposed ? p : q;
+// The dense layers' products (model.dense_recipe) at the 8-layer preset's step, 16,384 tokens:
+// the attention projections' forward and input gradient and the LM head's, each beside the bf16
+// GEMM the model runs otherwise (ops::gemm, cuBLAS): the FP8 product alone (ops::fp8_gemm, both
+// operands quantized before), then the whole call the model makes (ops::fp8_linear_forward or
+// _backward_input: the row operand's 1 x 128 quantization and the weight's tiles included).
+enum class Product { kForward, kInputGradient };
+void bench_dense(const char* name, int64_t m, int64_t in, int64_t out, Product product) {
+  const bool forward = product == Product::kForward;
+  const int64_t q = forward ? in : out, p = forward ? out : in;  // contraction, output width
   const Tensor a = mt::bench::random_bf16({m, q}, 12, 1.0);
-  const Tensor w = mt::bench::random_bf16({1, k, n}, 13, 0.05);
-  const Tensor w2 = w.view(0, {k, n});
-  Tensor out = Tensor::empty({m, p}, DType::kBF16, Device::kCUDA);
+  const Tensor w = mt::bench::random_bf16({in, out}, 13, 0.05);
+  Tensor y = Tensor::empty({m, p}, DType::kBF16, Device::kCUDA);
   const double flops = 2.0 * m * q * p;
   const std::string shape =
-      std::to_string(m) + " rows, Q " + std::to_string(q) + ", P " + std::to_string(p);
+      std::to_string(m) + " rows, in " + std::to_string(in) + ", out " + std::to_string(out);
+  const auto no = mt::ops::Transpose::kNo;
   const double bf16_ms = mt::bench::median_ms([&] {
-    mt::ops::gemm(a, mt::ops::Transpose::kNo, w2,
-                  weight_transposed ? mt::ops::Transpose::kNo : mt::ops::Transpose::kYes, out,
-                  mt::ops::Accumulate::kNo);
+    mt::ops::gemm(a, no, w, forward ? no : mt::ops::Transpose::kYes, y, mt::ops::Accumulate::kNo);
   });
   report(std::string("bf16_") + name, shape, flops, bf16_ms, "none", 0);
-  QuantTensor aq =
-      QuantTensor::empty(a.shape(), QuantBlock::kRow128, QuantAxis::kDim0, Device::kCUDA);
-  const double quant_ms =
-      mt::bench::median_ms([&] { mt::ops::fp8_quantize(a, mt::Fp8ScaleRule::kFp32, aq); });
-  QuantTensor w0 =
-      QuantTensor::empty(w.shape(), QuantBlock::kTile128, QuantAxis::kDim0, Device::kCUDA);
-  QuantTensor w1 =
-      QuantTensor::empty(w.shape(), QuantBlock::kTile128, QuantAxis::kDim1, Device::kCUDA);
-  mt::ops::fp8_quantize_both_axes(w, mt::Fp8ScaleRule::kFp32, w0, w1);
-  const QuantTensor& b = weight_transposed ? w1 : w0;
-  const kernels::Fp8Operands ops{aq.data().raw(), aq.scales().data<float>(), b.data().raw(),
-                                 b.scales().data<float>(), out.raw()};
-  Tensor seg = Tensor::empty({2}, DType::kI64);
-  seg.data<int64_t>()[0] = 0;
-  seg.data<int64_t>()[1] = m;
-  seg = seg.to(Device::kCUDA);
-  Tensor ws = Tensor::empty({static_cast<int64_t>(kernels::fp8_gemm_rows_fixed_workspace(m, p, q))},
-                            DType::kU8, Device::kCUDA);
-  const double ms = mt::bench::median_ms([&] {
-    MT_CUDA_CHECK(kernels::fp8_gemm_rows_fixed(
-        seg.data<int64_t>(), 1, ops,
-        weight_transposed ? kernels::Fp8WeightScales::kMnMajor : kernels::Fp8WeightScales::kKMajor,
-        m, p, q, ws.raw(), ws.nbytes(), mt::cuda::stream()));
+  const QuantTensor aq = rows_fp8(a);
+  QuantTensor b = QuantTensor::empty(w.shape(), QuantBlock::kTile128,
+                                     forward ? QuantAxis::kDim1 : QuantAxis::kDim0, Device::kCUDA);
+  mt::ops::fp8_quantize(w, mt::Fp8ScaleRule::kFp32, b);
+  const double ms = mt::bench::median_ms([&] { mt::ops::fp8_gemm(aq, b, y); });
+  report(std::string("fp8_") + name, shape, flops, ms, "bf16", bf16_ms);
+  const double whole_ms = mt::bench::median_ms([&] {
+    if (forward)
+      mt::ops::fp8_linear_forward(mt::ops::fp8_rows(a, mt::Fp8ScaleRule::kFp32), w, no,
+                                  mt::Fp8ScaleRule::kFp32, y);
+    else
+      mt::ops::fp8_linear_backward_input(a, w, no, mt::Fp8ScaleRule::kFp32, y);
   });
-  report(std::string("fp8_") + name + "_fixed", shape, flops, ms, "bf16", bf16_ms);
-  std::printf(
-      "{\"bench\": \"fp8_%s_with_row_quantization\", \"shape\": \"%s\", \"quantize_ms\": "
-      "%.4f, \"ms\": %.4f, \"comparator\": \"bf16\", \"speedup\": %.3f}\n",
-      name, shape.c_str(), quant_ms, ms + quant_ms, bf16_ms / (ms + quant_ms));
-  std::fflush(stdout);
+  report(std::string("fp8_") + name + "_with_quantization", shape, flops, whole_ms, "bf16",
+         bf16_ms);
 }
 
 }  // namespace
@@ -293,8 +278,15 @@ int main(int argc, char** argv) {
     if (wanted("quantize") && std::string(l.name) == "balanced") bench_quantize(l);
   }
   if (wanted("dense")) {
-    bench_dense("lm_head_forward", 16384, 2048, 151936, true);
-    bench_dense("lm_head_input_gradient", 16384, 151936, 2048, false);
+    constexpr int64_t kTokens = 16384;
+    for (const Product product : {Product::kForward, Product::kInputGradient}) {
+      const bool fwd = product == Product::kForward;
+      bench_dense(fwd ? "attn_q_forward" : "attn_q_input_gradient", kTokens, 2048, 4096, product);
+      bench_dense(fwd ? "attn_kv_forward" : "attn_kv_input_gradient", kTokens, 2048, 512, product);
+      bench_dense(fwd ? "attn_o_forward" : "attn_o_input_gradient", kTokens, 4096, 2048, product);
+      bench_dense(fwd ? "lm_head_forward" : "lm_head_input_gradient", kTokens, 2048, 151936,
+                  product);
+    }
   }
   return 0;
 }

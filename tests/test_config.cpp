@@ -171,6 +171,12 @@ TEST(Cli, HostileConfigsExitWithCode2NamingTheValue) {
       {t + "model.routing=random", "model.routing = \"random\" (valid: learned, balanced, skewed)"},
       {t + "model.routing=skewed --set model.n_experts=4 --set model.top_k=4",
        "needs model.n_experts >= 8"},
+      {t + "model.dense_recipe=fp8",
+       "model.dense_recipe = \"fp8\" (valid: bf16, fp8_wgrad_with_hp)"},
+      {t + "model.dense_recipe=fp8_wgrad_with_hp",  // tiny's dim 64
+       "model.dim = 64 must be a multiple of 128 with model.dense_recipe = \"fp8_wgrad_with_hp\""},
+      {t + "model.dense_recipe=fp8_wgrad_with_hp --set model.dim=128",  // heads 4 x 16
+       "model.n_heads x model.head_dim = 64 must be a multiple of 128"},
       {t + "parallel.ep_exchange=nvshmem",
        "parallel.ep_exchange = \"nvshmem\" (valid: device, host)"},
       {t + "parallel.ep_exchange_ctas=0", "parallel.ep_exchange_ctas = 0 must be in [1, 1024]"},

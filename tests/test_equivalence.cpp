@@ -236,6 +236,26 @@ TEST_P(EquivalenceMx, OneStepGradientsThenThreeStepsParameters) {
   }
 }
 
+// model.dense_recipe in FP8: the attention projections' operands are quantized along each
+// token's row and each weight in whole tiles, so every (W, ep) gives the single rank's gradients.
+TEST(EquivalenceDenseFp8, OneStepGradientsMatchOneRank) {
+  const std::vector<std::string> dims = {"model.dim=128", "model.moe_dim=128",
+                                         "model.head_dim=128", "model.vocab_size=128"};
+  std::vector<std::string> fp8 = dims;
+  fp8.push_back("model.dense_recipe=fp8_wgrad_with_hp");
+  const Snapshot ref = train(0, 1, 1, fp8);
+  for (const auto& [world, ep] : {std::pair{2, 1}, std::pair{4, 2}}) {
+    SCOPED_TRACE("W " + std::to_string(world) + ", ep " + std::to_string(ep));
+    const Snapshot got = train(world, ep, 1, fp8);
+    EXPECT_NEAR(got.metrics[0].loss, ref.metrics[0].loss, 1e-10 * ref.metrics[0].loss);
+    expect_same(got.grads, ref.grads, 1e-10, "gradient");
+  }
+  // Not the bf16 run: the recipe changed the attention's and the head's gradients.
+  const Snapshot plain = train(0, 1, 1, dims);
+  for (const char* name : {"layers.0.attn.wq", "layers.1.attn.wo", "head.out"})
+    EXPECT_GT(relative_error(ref.grads.at(name), plain.grads.at(name)), 1e-4) << name;
+}
+
 INSTANTIATE_TEST_SUITE_P(
     WorldEpRecipe, EquivalenceMx,
     ::testing::Values(

@@ -1,11 +1,12 @@
-// FP8 blockwise quantization (ops/fp8.h) and the FP8 expert products (ops/fp8_gemm.h): the CPU
-// reference on hand-checked blocks, the layouts against each other, the products against plain
-// loops and against the unquantized product; in the Gpu* cases (ctest label `gpu`) every kernel
-// against the CPU reference on fresh random inputs, bytes for the quantizations and a relative
-// error for the products.
+// FP8 blockwise quantization (ops/fp8.h) and the FP8 expert and dense products (ops/fp8_gemm.h):
+// the CPU reference on hand-checked blocks, the layouts against each other, the products against
+// plain loops and against the unquantized product; in the Gpu* cases (ctest label `gpu`) every
+// kernel against the CPU reference on fresh random inputs, bytes for the quantizations and a
+// relative error for the products.
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <bit>
 #include <cmath>
 #include <cstring>
@@ -305,6 +306,62 @@ TEST(Fp8GroupedGemm, ProductsOfTheDequantizedOperands) {
             1e-6);  // f32 output
 }
 
+// The dense layers' FP8 products (model.dense_recipe): y = x w and dx = dy w^T for w stored
+// (in, out) and, used transposed, (out, in) (a tied LM head), against plain loops over the
+// operands' FP8 values (fp8_round_trip: x and dy in 1 x 128 blocks, w in 128 x 128 tiles, whose
+// scales do not depend on the layout), and away from the unquantized product by FP8's error.
+TEST(Fp8Gemm, DenseLinearIsTheProductOfTheRoundedOperands) {
+  const int64_t m = 200, in = 256, out = 384;
+  const Tensor x = testing::randn({m, in}, 21, 1.0, DType::kF32);
+  const Tensor dy = testing::randn({m, out}, 22, 1.0, DType::kF32);
+  const Tensor w = testing::randn({in, out}, 23, 0.05, DType::kF32);
+  Tensor wt = Tensor::empty({out, in}, DType::kF32);
+  for (int64_t i = 0; i < in; ++i)
+    for (int64_t j = 0; j < out; ++j) wt.set_item(j * in + i, w.item(i * out + j));
+  Tensor xr = Tensor::empty(x.shape(), DType::kF64), dyr = Tensor::empty(dy.shape(), DType::kF64),
+         wr = Tensor::empty(w.shape(), DType::kF64);
+  ops::fp8_round_trip(x.to(DType::kF64), QuantBlock::kRow128, QuantAxis::kDim0, Fp8ScaleRule::kFp32,
+                      xr);
+  ops::fp8_round_trip(dy.to(DType::kF64), QuantBlock::kRow128, QuantAxis::kDim0,
+                      Fp8ScaleRule::kFp32, dyr);
+  ops::fp8_round_trip(w.to(DType::kF64), QuantBlock::kTile128, QuantAxis::kDim0,
+                      Fp8ScaleRule::kFp32, wr);
+  Tensor y_want = Tensor::zeros({m, out}, DType::kF64),
+         dx_want = Tensor::zeros({m, in}, DType::kF64),
+         y_exact = Tensor::zeros({m, out}, DType::kF64);
+  for (int64_t r = 0; r < m; ++r)
+    for (int64_t i = 0; i < in; ++i)
+      for (int64_t j = 0; j < out; ++j) {
+        const double wij = wr.item(i * out + j);
+        y_want.set_item(r * out + j, y_want.item(r * out + j) + xr.item(r * in + i) * wij);
+        y_exact.set_item(r * out + j,
+                         y_exact.item(r * out + j) + x.item(r * in + i) * w.item(i * out + j));
+        dx_want.set_item(r * in + i, dx_want.item(r * in + i) + dyr.item(r * out + j) * wij);
+      }
+  for (const auto& [weight, tw] :
+       std::array{std::pair<const Tensor*, ops::Transpose>{&w, ops::Transpose::kNo},
+                  std::pair<const Tensor*, ops::Transpose>{&wt, ops::Transpose::kYes}}) {
+    SCOPED_TRACE(tw == ops::Transpose::kNo ? "w (in, out)" : "w (out, in), transposed");
+    Tensor y = Tensor::poisoned({m, out}, DType::kF32), dx = Tensor::poisoned({m, in}, DType::kF32);
+    ops::fp8_linear_forward(ops::fp8_rows(x, Fp8ScaleRule::kFp32), *weight, tw, Fp8ScaleRule::kFp32,
+                            y);
+    ops::fp8_linear_backward_input(dy, *weight, tw, Fp8ScaleRule::kFp32, dx);
+    EXPECT_LT(relative_error(y.to(DType::kF64), y_want), 1e-6) << "forward";
+    EXPECT_LT(relative_error(dx.to(DType::kF64), dx_want), 1e-6) << "input gradient";
+    const double err = relative_error(y.to(DType::kF64), y_exact);
+    EXPECT_LT(err, 0.06);
+    EXPECT_GT(err, 1e-3);
+  }
+  // A width that the tiles cannot block is refused, naming it.
+  const std::string bad = testing::error_of([&] {
+    const Tensor w_odd = testing::randn({in, 200}, 24, 0.05, DType::kF32);
+    Tensor y = Tensor::empty({m, 200}, DType::kF32);
+    ops::fp8_linear_forward(ops::fp8_rows(x, Fp8ScaleRule::kFp32), w_odd, ops::Transpose::kNo,
+                            Fp8ScaleRule::kFp32, y);
+  });
+  EXPECT_NE(bad.find("200"), std::string::npos) << bad;
+}
+
 TEST(Fp8GroupedGemm, WeightGradientOfTheDequantizedOperands) {
   const ops::ExpertRows rows = padded_rows();
   const Tensor x = testing::randn({400, 256}, 5, 1.0, DType::kF32);
@@ -540,6 +597,47 @@ TEST_P(GpuFp8Gemm, WeightGradientMatchesDefinition) {
   Tensor twice = dw_ref;
   for (int64_t i = 0; i < twice.numel(); ++i) twice.set_item(i, 2 * dw_ref.item(i));
   EXPECT_LT(relative_error(dw.to(Device::kCPU).to(DType::kF64), twice), 1e-3) << "accumulated";
+}
+
+// The dense layers' products (one segment of all rows, any count) against the CPU's on the same
+// inputs: x and w bf16 as the model holds them, w (in, out) and used transposed, bf16 out poisoned
+// first, row by row.
+TEST_P(GpuFp8Gemm, DenseLinearMatchesDefinition) {
+  if (GetParam() != DType::kBF16) GTEST_SKIP() << "the FP8 products take one input dtype";
+  const int64_t in = 384, out = 640;
+  for (const int64_t m : {int64_t{200}, int64_t{384}}) {
+    SCOPED_TRACE(std::to_string(m) + " rows");
+    const Tensor x = blocky({m, in}, seed + 4, 1, 128), dy = blocky({m, out}, seed + 5, 1, 128);
+    const Tensor w = blocky({in, out}, seed + 6, 128, 128);
+    Tensor wt = Tensor::empty({out, in}, DType::kF32);
+    for (int64_t i = 0; i < in; ++i)
+      for (int64_t j = 0; j < out; ++j) wt.set_item(j * in + i, w.item(i * out + j));
+    // The CPU reads the bf16 values the GPU does.
+    const auto bf16 = [](const Tensor& t) { return t.to(DType::kBF16).to(DType::kF32); };
+    Tensor all_rows = Tensor::empty({2}, DType::kI64);
+    all_rows.data<int64_t>()[0] = 0;
+    all_rows.data<int64_t>()[1] = m;
+    const ops::ExpertRows host_rows(all_rows);
+    for (const auto& [weight, tw] :
+         std::array{std::pair<const Tensor*, ops::Transpose>{&w, ops::Transpose::kNo},
+                    std::pair<const Tensor*, ops::Transpose>{&wt, ops::Transpose::kYes}}) {
+      SCOPED_TRACE(tw == ops::Transpose::kNo ? "w (in, out)" : "w (out, in), transposed");
+      Tensor y = gpu_out({m, out}, DType::kBF16), dx = gpu_out({m, in}, DType::kBF16);
+      const Tensor wg = gpu(*weight);
+      ops::fp8_linear_forward(ops::fp8_rows(gpu(x), Fp8ScaleRule::kFp32), wg, tw,
+                              Fp8ScaleRule::kFp32, y);
+      ops::fp8_linear_backward_input(gpu(dy), wg, tw, Fp8ScaleRule::kFp32, dx);
+      Tensor y_ref = Tensor::empty({m, out}, DType::kF64),
+             dx_ref = Tensor::empty({m, in}, DType::kF64);
+      ops::fp8_linear_forward(ops::fp8_rows(bf16(x), Fp8ScaleRule::kFp32), bf16(*weight), tw,
+                              Fp8ScaleRule::kFp32, y_ref);
+      ops::fp8_linear_backward_input(bf16(dy), bf16(*weight), tw, Fp8ScaleRule::kFp32, dx_ref);
+      EXPECT_LT(worst_row_error(y.to(Device::kCPU).to(DType::kF64), y_ref, host_rows), 4e-3)
+          << "forward";
+      EXPECT_LT(worst_row_error(dx.to(Device::kCPU).to(DType::kF64), dx_ref, host_rows), 4e-3)
+          << "input gradient";
+    }
+  }
 }
 
 MOETRAIN_GPU_CASES(GpuFp8Gemm);

@@ -15,6 +15,7 @@
 
 #include "op_testing.h"
 #include "ops/cuda/expert_tiles.h"
+#include "ops/cuda/tile_walk.h"
 #include "ops/gemm.h"
 #include "ops/grouped_gemm.h"
 #if MOETRAIN_HAS_CUDA
@@ -35,6 +36,42 @@ namespace {
 // every expert appears once per column tile, in runs of at most `waves` row tiles of one expert
 // (shorter only as an expert's last), the runs in the experts' order, and every entry past them
 // is empty; the table's bound holds them all.
+// The banded walk (ops/cuda/tile_walk.h): a permutation of the entries that takes each band's
+// runs (the last band shorter) column by column, and the row-major order for bands of one run.
+TEST(ExpertTiles, BandedWalkTakesEachEntryOnceBandByBand) {
+  using cuda::kernels::banded_entry;
+  for (const int64_t runs : {1, 2, 5, 16, 17, 64})
+    for (const int64_t columns : {1, 3, 1187})
+      for (const int64_t band : {1, 2, 16, 64}) {
+        SCOPED_TRACE(fmt::format("runs {}, columns {}, band {}", runs, columns, band));
+        std::vector<int> taken(static_cast<size_t>(runs * columns), 0);
+        int64_t last_band = 0, last_column = -1, last_run = -1;
+        for (int64_t i = 0; i < runs * columns; ++i) {
+          const int64_t e = banded_entry(i, runs, columns, band);
+          ASSERT_GE(e, 0);
+          ASSERT_LT(e, runs * columns);
+          ++taken[static_cast<size_t>(e)];
+          const int64_t run = e / columns, column = e % columns,
+                        b = run / std::max<int64_t>(band, 1);
+          if (band <= 1) {
+            ASSERT_EQ(e, i);
+            continue;
+          }
+          ASSERT_GE(b, last_band) << "entry " << i << " goes back a band";
+          if (b == last_band && column == last_column) {
+            ASSERT_EQ(run, last_run + 1) << "entry " << i;
+          } else if (b == last_band) {
+            ASSERT_EQ(column, last_column + 1) << "entry " << i;
+          }
+          last_band = b;
+          last_column = column;
+          last_run = run;
+        }
+        for (size_t k = 0; k < taken.size(); ++k) ASSERT_EQ(taken[k], 1) << "entry " << k;
+        EXPECT_EQ(banded_entry(runs * columns + 3, runs, columns, band), runs * columns + 3);
+      }
+}
+
 TEST(ExpertTiles, RunsCoverEveryRowTileOnceWithinItsExpert) {
   using namespace cuda::kernels;
   std::mt19937_64 rng(7);

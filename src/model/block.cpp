@@ -7,6 +7,8 @@
 #include "model/context_parallel.h"
 #include "ops/attention.h"
 #include "ops/elementwise.h"
+#include "ops/fp8.h"
+#include "ops/fp8_gemm.h"
 #include "ops/gemm.h"
 #include "ops/norm.h"
 #include "ops/rope.h"
@@ -54,6 +56,10 @@ void drop_for_policy(BlockActivations& a, CheckpointPolicy policy) {
   a.moe = moe::MoeActivations();
 }
 
+bool dense_fp8(const ModelConfig& c) {
+  return c.dense_recipe == DenseRecipe::kFp8WgradWithHp;
+}
+
 double attention_scale(const ModelConfig& c) {
   return 1.0 / std::sqrt(static_cast<double>(c.head_dim));
 }
@@ -78,9 +84,17 @@ void block_fill(const BlockParams& p, const ModelConfig& c, const BlockInputs& i
     a.q = Tensor::empty({n, c.q_dim()}, dt, dev);
     a.k = Tensor::empty({n, c.kv_dim()}, dt, dev);
     a.v = Tensor::empty({n, c.kv_dim()}, dt, dev);
-    ops::linear_forward(a.xn, p.wq, a.q);
-    ops::linear_forward(a.xn, p.wk, a.k);
-    ops::linear_forward(a.xn, p.wv, a.v);
+    if (dense_fp8(c)) {  // xn quantized once for the three products
+      const Fp8ScaleRule rule = c.expert_precision.fp8_scale;
+      const QuantTensor xq = ops::fp8_rows(a.xn, rule);
+      ops::fp8_linear_forward(xq, p.wq, ops::Transpose::kNo, rule, a.q);
+      ops::fp8_linear_forward(xq, p.wk, ops::Transpose::kNo, rule, a.k);
+      ops::fp8_linear_forward(xq, p.wv, ops::Transpose::kNo, rule, a.v);
+    } else {
+      ops::linear_forward(a.xn, p.wq, a.q);
+      ops::linear_forward(a.xn, p.wk, a.k);
+      ops::linear_forward(a.xn, p.wv, a.v);
+    }
   }
   // Context parallelism: the rows' V gathered while this rank's norms and RoPE run, then K.
   const bool attend = !a.attn.defined();
@@ -125,7 +139,14 @@ void block_fill(const BlockParams& p, const ModelConfig& c, const BlockInputs& i
   }
   if (!a.h.defined()) {  // h = x + attn wo: the residual added in the GEMM's epilogue
     a.h = new_like(a.x);
-    ops::linear_forward_residual(a.attn.reshape({n, c.q_dim()}), p.wo, a.x, a.h);
+    const Tensor attn = a.attn.reshape({n, c.q_dim()});
+    if (dense_fp8(c)) {  // the FP8 kernel writes the product; the residual added after
+      const Fp8ScaleRule rule = c.expert_precision.fp8_scale;
+      ops::fp8_linear_forward(ops::fp8_rows(attn, rule), p.wo, ops::Transpose::kNo, rule, a.h);
+      ops::add_(a.h, a.x);
+    } else {
+      ops::linear_forward_residual(attn, p.wo, a.x, a.h);
+    }
   }
   if (!a.hn.defined()) {
     a.hn = new_like(a.x);
@@ -222,7 +243,13 @@ Tensor block_backward(const BlockParams& p, BlockParams& g, const ModelConfig& c
   phase.emplace("attention_half.backward");
   Tensor dx = dh.clone();
   Tensor dattn = Tensor::empty({n, c.q_dim()}, dt, dev);
-  ops::linear_backward(a.attn.reshape({n, c.q_dim()}), p.wo, dh, dattn, g.wo);
+  if (dense_fp8(c)) {
+    ops::fp8_linear_backward_input(dh, p.wo, ops::Transpose::kNo, c.expert_precision.fp8_scale,
+                                   dattn);
+    ops::linear_backward_weight(a.attn.reshape({n, c.q_dim()}), dh, g.wo);
+  } else {
+    ops::linear_backward(a.attn.reshape({n, c.q_dim()}), p.wo, dh, dattn, g.wo);
+  }
   Tensor dqr = new_like(a.qr), dkr = new_like(a.kr);
   Tensor dv = Tensor::empty({n, c.n_kv_heads, c.head_dim}, dt, dev);
   std::optional<ContextRowsReduce> dk_sum, dv_sum;  // context parallelism: in flight below
@@ -257,7 +284,13 @@ Tensor block_backward(const BlockParams& p, BlockParams& g, const ModelConfig& c
   Tensor dq = new_like(a.qn), dk = new_like(a.kn);
   ops::rmsnorm_backward(a.q.reshape(a.qn.shape()), p.q_norm, a.q_rstd, dqn, dq, g.q_norm);
   Tensor dxn = new_like(a.x);
-  ops::linear_backward(a.xn, p.wq, dq.reshape({n, c.q_dim()}), dxn, g.wq);
+  if (dense_fp8(c)) {  // k's and v's input gradients below sum into this one in bf16
+    ops::fp8_linear_backward_input(dq.reshape({n, c.q_dim()}), p.wq, ops::Transpose::kNo,
+                                   c.expert_precision.fp8_scale, dxn);
+    ops::linear_backward_weight(a.xn, dq.reshape({n, c.q_dim()}), g.wq);
+  } else {
+    ops::linear_backward(a.xn, p.wq, dq.reshape({n, c.q_dim()}), dxn, g.wq);
+  }
   if (dk_sum) {
     const profile::Phase reduce("cp.reduce_scatter_dk");
     dk_sum->wait();

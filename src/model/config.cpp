@@ -51,6 +51,15 @@ void ModelConfig::validate() const {
             "config: model.{} = {} must be a multiple of {} with model.expert_recipe = \"{}\" (the "
             "recipe's quantization blocks run along it)",
             key, v, block, ops::expert_recipe_name(expert_precision.recipe)));
+  if (dense_recipe != DenseRecipe::kBf16)
+    for (const auto& [key, v] :
+         {std::pair{"dim", dim}, std::pair{"n_heads x model.head_dim", q_dim()},
+          std::pair{"n_kv_heads x model.head_dim", kv_dim()}, std::pair{"vocab_size", vocab_size}})
+      if (v % kFp8Block != 0)
+        throw ConfigError(fmt::format(
+            "config: model.{} = {} must be a multiple of {} with model.dense_recipe = \"{}\" (the "
+            "recipe's 128 x 128 weight tiles run along it)",
+            key, v, kFp8Block, enum_name(kDenseRecipes, dense_recipe)));
   for (const auto& [key, v] :
        {std::pair{"rms_norm_eps", rms_norm_eps}, std::pair{"rope_theta", rope_theta}})
     if (!(v > 0)) throw ConfigError(fmt::format("config: model.{} = {} must be > 0", key, v));

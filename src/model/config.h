@@ -28,6 +28,16 @@ enum class AuxLossForm { kPerLayer, kTransformers };
 inline constexpr std::array<EnumName<AuxLossForm>, 2> kAuxLossForms{
     {{AuxLossForm::kPerLayer, "per_layer"}, {AuxLossForm::kTransformers, "transformers"}}};
 
+// The dense layers' products (docs/numerics.md): kBf16, or kFp8WgradWithHp, DeepSeek-V3's
+// blockwise FP8 for the forward and input-gradient products of the attention projections and the
+// LM head's forward (activations in 1 x 128 blocks, weights in 128 x 128 tiles, model.fp8_scale),
+// the weight gradients in bf16. The two 512-wide input gradients (k, v) and the LM head's stay
+// bf16: they sum into their output inside cuBLAS's epilogue, or need dlogits quantized in a pass
+// of its own, either costing more than FP8 saves there (docs/benchmarks.md).
+enum class DenseRecipe { kBf16, kFp8WgradWithHp };
+inline constexpr std::array<EnumName<DenseRecipe>, 2> kDenseRecipes{
+    {{DenseRecipe::kBf16, "bf16"}, {DenseRecipe::kFp8WgradWithHp, "fp8_wgrad_with_hp"}}};
+
 struct ModelConfig {
   // --- architecture (HF Qwen3MoeConfig names in comments) ---
   int64_t vocab_size = 256;          // vocab_size
@@ -59,6 +69,9 @@ struct ModelConfig {
   // precision plan (model/precision.h), which takes the dispatch dtype from
   // parallel.ep_dispatch_dtype; here it stays bf16 unless a caller of the MoE layer sets it.
   ops::ExpertPrecision expert_precision;
+  // The attention projections' and the LM head's products; FP8 takes expert_precision.fp8_scale
+  // and needs dim, the heads' widths and vocab_size to be multiples of 128.
+  DenseRecipe dense_recipe = DenseRecipe::kBf16;
   double init_std = 0.02;
   DType compute_dtype = DType::kF32;  // CPU: f32 to train, f64 for gradient checks
   // Mixed precision (GPU): the router's weights and GEMMs in f32 (its fp32 master weights and the

@@ -57,6 +57,9 @@ MemoryEstimate estimate_memory(const ModelConfig& m, const ParallelConfig& p, in
                          ? params - expert_all + (expert_all + forward_tiles * experts) * copy_size
                          : params - expert_all + 2 * experts * expert_in_use;
   e.workspaces = (world > 1 ? 2 * std::max(layer, table) : all) * compute_bytes + double{1 << 30};
+  // model.dense_recipe in FP8: the LM head's weight tiles for its forward (a byte a weight),
+  // made beside the logits.
+  if (m.dense_recipe != DenseRecipe::kBf16) e.workspaces += table;
   // Held from forward to backward (parallel.reshard_after_forward = false): the other blocks'
   // gathered weights at the end of the forward (a sharded MX expert group: both passes' copies).
   if (world > 1 && p.reshard == fsdp::Reshard::kAfterBackward && m.n_layers > 2) {

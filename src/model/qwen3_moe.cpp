@@ -14,6 +14,8 @@
 #include "ops/attention.h"
 #include "ops/elementwise.h"
 #include "ops/embedding.h"
+#include "ops/fp8.h"
+#include "ops/fp8_gemm.h"
 #include "ops/gemm.h"
 #include "ops/loss.h"
 #include "ops/norm.h"
@@ -464,7 +466,12 @@ void Qwen3Moe::head_and_loss(const Batch& b, const Tensor& xf, HeadGradients* gr
     const Tensor x = xf.slice_rows(r0, r0 + rows);
     const Tensor targets = b.targets.view(r0, {rows}), mask = b.loss_mask.view(r0, {rows});
     Tensor logits = logits_buffer.view(0, {rows, v}), lse = lse_buffer.view(0, {rows});
-    ops::gemm(x, ops::Transpose::kNo, w_out, w_op, logits, ops::Accumulate::kNo);
+    if (c.dense_recipe == DenseRecipe::kFp8WgradWithHp) {
+      const Fp8ScaleRule rule = c.expert_precision.fp8_scale;
+      ops::fp8_linear_forward(ops::fp8_rows(x, rule), w_out, w_op, rule, logits);
+    } else {
+      ops::gemm(x, ops::Transpose::kNo, w_out, w_op, logits, ops::Accumulate::kNo);
+    }
     Tensor token_loss = token_losses ? token_losses->view(r0, {rows}) : Tensor();
     ops::cross_entropy_forward(logits, targets, mask, lse, loss_sum,
                                token_losses ? &token_loss : nullptr);

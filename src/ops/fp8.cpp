@@ -97,6 +97,13 @@ void fp8_quantize(const Tensor& x, Fp8ScaleRule rule, QuantTensor& out) {
   cpu::fp8_quantize(x, rule, out);
 }
 
+QuantTensor fp8_rows(const Tensor& x, Fp8ScaleRule rule) {
+  QuantTensor out =
+      QuantTensor::empty(x.shape(), QuantBlock::kRow128, QuantAxis::kDim0, x.device());
+  fp8_quantize(x, rule, out);
+  return out;
+}
+
 void fp8_quantize_both_axes(const Tensor& w, Fp8ScaleRule rule, QuantTensor& dim0,
                             QuantTensor& dim1) {
   check_fp8("fp8_quantize_both_axes", "w", w, dim0);

@@ -14,6 +14,9 @@ namespace mt::ops {
 // kTile128 (either axis).
 void fp8_quantize(const Tensor& x, Fp8ScaleRule rule, QuantTensor& out);
 
+// x (rows, C) quantized in 1 x 128 blocks along its rows: a new kRow128 dim0 tensor.
+QuantTensor fp8_rows(const Tensor& x, Fp8ScaleRule rule);
+
 // A second output of the ops that write expert rows (swiglu_forward): the rows they write,
 // quantized as fp8_quantize of the output into *rows (kRow128 along dim0, the output's shape and
 // device), the operand of the FP8 product that reads them. On the GPU the op's kernel makes them

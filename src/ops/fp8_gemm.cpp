@@ -145,4 +145,68 @@ void fp8_grouped_gemm_weight(const QuantTensor& x, const QuantTensor& dy, const 
   write_result(dw64, dw);
 }
 
+void fp8_gemm(const QuantTensor& a, const QuantTensor& b, Tensor& out) {
+  check_quant("fp8_gemm", "a", a, QuantBlock::kRow128, QuantAxis::kDim0, 2);
+  MT_CHECK(b.defined() && b.block() == QuantBlock::kTile128 && b.shape().size() == 2,
+           "fp8_gemm: b must be a matrix in 128x128 tiles, got {} in {} blocks",
+           shape_str(b.shape()), quant_block_name(b.block()));
+  const Shape& bs = b.data().shape();  // stored (P, Q)
+  const int64_t m = a.shape()[0], q = a.shape()[1], p = bs[0];
+  MT_CHECK(bs[1] == q, "fp8_gemm: b's stored rows must be {} wide (a's), got {}", q, shape_str(bs));
+  expect_shape(out, {m, p}, "fp8_gemm out");
+  MT_CHECK(a.device() == b.device() && out.device() == b.device(),
+           "fp8_gemm: operands and output must be on one device");
+#if MOETRAIN_HAS_CUDA
+  if (on_gpu(out)) {
+#if MOETRAIN_HAS_CUTLASS
+    const profile::Phase phase("gpu.fp8_gemm");
+    expect_dtype(out, DType::kBF16, "fp8_gemm out (the GPU writes bf16)");
+    const cuda::kernels::Fp8Operands ops{a.data().raw(), a.scales().data<float>(), b.data().raw(),
+                                         b.scales().data<float>(), out.raw()};
+    const auto b_scales = b.axis() == QuantAxis::kDim1 ? cuda::kernels::Fp8WeightScales::kMnMajor
+                                                       : cuda::kernels::Fp8WeightScales::kKMajor;
+    Tensor ws = cuda::gpu_workspace(cuda::kernels::fp8_gemm_dense_workspace(m, p, q));
+    MT_CUDA_CHECK(cuda::kernels::fp8_gemm_dense(ops, b_scales, m, p, q, ws.raw(), ws.nbytes(),
+                                                cuda::stream()));
+    return;
+#else
+    MT_CHECK(false, "fp8_gemm on the GPU needs the CUTLASS build (MOETRAIN_HAS_CUTLASS)");
+#endif
+  }
+#endif
+  MT_CHECK(out.dtype() == DType::kF32 || out.dtype() == DType::kF64,
+           "fp8_gemm: out must be f32 or f64 on the CPU, got {}", dtype_name(out.dtype()));
+  // b's logical matrix is w (Q, P) for a dim1 copy, w (P, Q) for a dim0 copy.
+  Tensor out64 = Tensor::empty({m, p}, DType::kF64);
+  gemm(dequantized(a), Transpose::kNo, dequantized(b),
+       b.axis() == QuantAxis::kDim1 ? Transpose::kNo : Transpose::kYes, out64, Accumulate::kNo);
+  write_result(out64, out);
+}
+
+namespace {
+
+// w's tiles stored (P, Q): the product's b for out = a w' with w' = op(w) of shape (Q, P).
+QuantTensor weight_tiles(const Tensor& w, Transpose tw, bool forward, Fp8ScaleRule rule) {
+  MT_CHECK(w.ndim() == 2, "FP8 linear: w must be a matrix, got {}", shape_str(w.shape()));
+  // Stored (out, in) for the forward, (in, out) for the input gradient: along dim1 of w (in,
+  // out) gives its transpose, along dim0 its own layout.
+  const bool along_dim1 = forward == (tw == Transpose::kNo);
+  QuantTensor t = QuantTensor::empty(w.shape(), QuantBlock::kTile128,
+                                     along_dim1 ? QuantAxis::kDim1 : QuantAxis::kDim0, w.device());
+  fp8_quantize(w, rule, t);
+  return t;
+}
+
+}  // namespace
+
+void fp8_linear_forward(const QuantTensor& x, const Tensor& w, Transpose tw, Fp8ScaleRule rule,
+                        Tensor& y) {
+  fp8_gemm(x, weight_tiles(w, tw, true, rule), y);
+}
+
+void fp8_linear_backward_input(const Tensor& dy, const Tensor& w, Transpose tw, Fp8ScaleRule rule,
+                               Tensor& dx) {
+  fp8_gemm(fp8_rows(dy, rule), weight_tiles(w, tw, false, rule), dx);
+}
+
 }  // namespace mt::ops

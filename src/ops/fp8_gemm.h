@@ -26,4 +26,21 @@ void fp8_grouped_gemm(const QuantTensor& a, const QuantTensor& b, const ExpertRo
 void fp8_grouped_gemm_weight(const QuantTensor& x, const QuantTensor& dy, const ExpertRows& rows,
                              Tensor& dw, Accumulate accumulate = Accumulate::kYes);
 
+// out (M, P) = a (M, Q) b^T for one matrix b, stored (P, Q) in 128 x 128 tiles: a weight w's
+// dim1 copy for the forward y = x w, its dim0 copy for the input gradient dx = dy w^T. a in 1 x
+// 128 blocks along dim0. out bf16 on the GPU (our kernel over one segment of all rows, any M),
+// f32 or f64 on the CPU (the definition: both dequantized exactly, the product in f64).
+void fp8_gemm(const QuantTensor& a, const QuantTensor& b, Tensor& out);
+
+// The dense layers' FP8 products (model.dense_recipe = "fp8_wgrad_with_hp"; the weight gradient
+// stays the bf16 one, ops::gemm over the unquantized x and dy). w is (in, out) as stored by
+// the model (tw = kNo), or (out, in) used transposed (tw = kYes: a tied LM head's embedding
+// table); in and out multiples of 128. Its tiles are quantized from w at each call.
+// y (N, out) = x w, x quantized already (kRow128 along dim0, (N, in)).
+void fp8_linear_forward(const QuantTensor& x, const Tensor& w, Transpose tw, Fp8ScaleRule rule,
+                        Tensor& y);
+// dx (N, in) = dy w^T, dy (N, out) quantized here in 1 x 128 blocks, dx overwritten.
+void fp8_linear_backward_input(const Tensor& dy, const Tensor& w, Transpose tw, Fp8ScaleRule rule,
+                               Tensor& dx);
+
 }  // namespace mt::ops

@@ -91,6 +91,10 @@ void linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor&
     const profile::Phase phase("linear_backward.dx");
     gemm(dy, Transpose::kNo, w, Transpose::kYes, dx, dx_accumulate);
   }
+  linear_backward_weight(x, dy, dw);
+}
+
+void linear_backward_weight(const Tensor& x, const Tensor& dy, Tensor& dw) {
   const profile::Phase phase("linear_backward.dw");
   gemm(x, Transpose::kYes, dy, Transpose::kNo, dw, Accumulate::kYes);
 }

@@ -19,5 +19,7 @@ void linear_forward_residual(const Tensor& x, const Tensor& w, const Tensor& res
 // input gradients inside the GEMM); dw += x^T dy.
 void linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor& dx, Tensor& dw,
                      Accumulate dx_accumulate = Accumulate::kNo);
+// dw += x^T dy alone (linear_backward's second product, beside an input gradient made elsewhere).
+void linear_backward_weight(const Tensor& x, const Tensor& dy, Tensor& dw);
 
 }  // namespace mt::ops

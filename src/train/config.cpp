@@ -165,6 +165,12 @@ const std::vector<Field>& fields() {
                "fp8_blockwise, fp8_wgrad_with_hp)",
                shown(v.s)));
        }},
+      {"model", "dense_recipe", FieldType::kString,
+       [](Config& c, const Value& v) {
+         if (!parse_enum(kDenseRecipes, v.s, &c.model.dense_recipe))
+           throw ConfigError(fmt::format(
+               "config: model.dense_recipe = \"{}\" (valid: bf16, fp8_wgrad_with_hp)", shown(v.s)));
+       }},
       {"model", "fp8_scale", FieldType::kString,
        [](Config& c, const Value& v) {
          if (!parse_fp8_scale_rule(v.s, &c.model.expert_precision.fp8_scale))

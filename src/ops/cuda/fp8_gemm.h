@@ -47,6 +47,12 @@ size_t fp8_gemm_rows_fixed_workspace(int64_t capacity, int64_t p, int64_t q);
 cudaError_t fp8_gemm_rows_fixed(const int64_t* segments, int experts, const Fp8Operands& ops,
                                 Fp8WeightScales b_scales, int64_t capacity, int64_t p, int64_t q,
                                 void* workspace, size_t workspace_size, cudaStream_t stream);
+// One matrix's product (model.dense_recipe): out (m, p) bf16 = a (m, q) b^T, b (p, q), any m;
+// the fixed kernel over one segment of m rows, the segment written on the device (nothing from
+// the host: graph-capturable). workspace: at least fp8_gemm_dense_workspace(m, p, q) bytes.
+size_t fp8_gemm_dense_workspace(int64_t m, int64_t p, int64_t q);
+cudaError_t fp8_gemm_dense(const Fp8Operands& ops, Fp8WeightScales b_scales, int64_t m, int64_t p,
+                           int64_t q, void* workspace, size_t workspace_size, cudaStream_t stream);
 // dw (E, k, n) f32 (+)= x_e^T dy_e from x^T (k, m) and dy^T (n, m) with scales (m / 128, k) and
 // (m / 128, n), segments on 128-row boundaries (the padding rows zeros); experts with no rows
 // are left alone (zero_empty_groups).

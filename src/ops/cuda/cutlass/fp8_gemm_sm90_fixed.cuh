@@ -63,6 +63,7 @@
 #include "ops/cuda/cutlass/grouped_gemm_fixed_sm90.cuh"
 #include "ops/cuda/cutlass/warp_specialized_sm90.cuh"
 #include "ops/cuda/fp8_gemm.h"
+#include "ops/cuda/tile_walk.h"
 // After mma_sm90_gmma.hpp (through warp_specialized_sm90.cuh): the n160 wgmma.
 #include "cute/arch/mma_sm90_gmma_ext.hpp"
 
@@ -408,15 +409,17 @@ static __global__ void mn_scales_kernel(const float* in, int64_t rows, int k_blo
 
 // The table of runs of up to kWaves row tiles (kernels::expert_run_entry). One CTA: its first
 // thread counts each expert's runs into shared memory, then every thread fills entries.
+// Entries in bands of `band` runs walked column by column (kernels::banded_entry).
 template <int kWaves>
 __global__ void run_table_kernel(const int64_t* segments, int experts, int tiles_n, int64_t count,
-                                 int4* table) {
+                                 int band, int4* table) {
   extern __shared__ int64_t first_run[];  // experts + 1: the runs before each expert
   if (threadIdx.x == 0) kernels::count_expert_runs(segments, experts, kWaves, first_run);
   __syncthreads();
   for (int64_t i = threadIdx.x; i < count; i += blockDim.x) {
+    const int64_t entry = kernels::banded_entry(i, first_run[experts], tiles_n, band);
     const kernels::ExpertRun r =
-        kernels::expert_run_entry(segments, first_run, experts, kWaves, tiles_n, i);
+        kernels::expert_run_entry(segments, first_run, experts, kWaves, tiles_n, entry);
     table[i] = make_int4(r.row_tile, r.column, r.expert, r.row_tiles);
   }
 }
@@ -425,7 +428,7 @@ __global__ void run_table_kernel(const int64_t* segments, int experts, int tiles
 // the runs' (run_table_kernel), at the head of the workspace.
 template <int kWaves>
 fixed_sm90::TileTable tile_table(void* workspace, size_t workspace_size, const int64_t* segments,
-                                 int experts, int64_t capacity, int64_t p, int tile_n,
+                                 int experts, int64_t capacity, int64_t p, int tile_n, int band,
                                  cudaStream_t stream) {
   if constexpr (kWaves == 1) {
     return fixed_sm90::tile_table_in(workspace, workspace_size, segments, experts, capacity, p,
@@ -439,24 +442,25 @@ fixed_sm90::TileTable tile_table(void* workspace, size_t workspace_size, const i
     auto* table = static_cast<int4*>(workspace);
     if (count > 0)
       run_table_kernel<kWaves><<<1, 1024, counts_bytes, stream>>>(
-          segments, experts, static_cast<int>((p + tile_n - 1) / tile_n), count, table);
+          segments, experts, static_cast<int>((p + tile_n - 1) / tile_n), count, band, table);
     return {table, count, cudaGetLastError()};
   }
 }
 
 // The product with tiles kTileN wide (P, Q multiples of 128) on clusters of kCluster CTAs (the
 // column tiles of a row tile taken kCluster at a time), each CTA's tile up to kWaves row tiles of
-// one expert, leaving out what kProbe says.
+// one expert, leaving out what kProbe says; with kWaves > 1 the runs taken in bands of `band`
+// (kernels::banded_entry; 1: row-major).
 template <int kTileN, Probe kProbe = Probe::kNone, int kCluster = 1, int kWaves = 1>
 cudaError_t run(const int64_t* segments, int experts, const kernels::Fp8Operands& ops,
                 kernels::Fp8WeightScales b_scales, int64_t capacity, int64_t p, int64_t q,
-                void* workspace, size_t workspace_size, cudaStream_t stream) {
+                void* workspace, size_t workspace_size, cudaStream_t stream, int band = 1) {
   if (q % kTileK != 0 || p % 128 != 0) return cudaErrorInvalidValue;
   // The workspace: the tile table (sized for the most tiles), then A's scales MN-major.
   const size_t table_size = fixed_sm90::table_bytes(fixed_sm90::tile_count(capacity, p, 128));
   if (workspace_size < table_size + mn_scales_bytes(capacity, q)) return cudaErrorInvalidValue;
-  const fixed_sm90::TileTable table = tile_table<kWaves>(workspace, table_size, segments, experts,
-                                                         capacity, p, kTileN * kCluster, stream);
+  const fixed_sm90::TileTable table = tile_table<kWaves>(
+      workspace, table_size, segments, experts, capacity, p, kTileN * kCluster, band, stream);
   if (table.err != cudaSuccess || table.count == 0) return table.err;
   const int64_t stride = mn_scales_stride(capacity);
   float* sfa = reinterpret_cast<float*>(static_cast<uint8_t*>(workspace) + table_size);
