@@ -95,12 +95,15 @@ void expect_recipe_step_matches_cpu(const std::vector<std::string>& sets, const 
                 label.c_str(), i, g.kinds[i] == ParamKind::kExpert ? "experts" : "dense", err,
                 to_bf16, recipe);
     const bool attention = quantized == Quantized::kExpertsAndAttention && g.attention[i];
+    // With the dense layers in FP8 every gradient passes through the head's and the attention's
+    // quantized products too, each adding the bf16-versus-f32 flips of E4M3 steps: 1e-1.
+    const double bound = quantized == Quantized::kExperts ? 6e-2 : 1e-1;
     if (g.kinds[i] != ParamKind::kExpert && !attention) {
-      EXPECT_LT(err, quantized == Quantized::kExperts ? 3e-2 : 6e-2) << "gradient group " << i;
+      EXPECT_LT(err, quantized == Quantized::kExperts ? 3e-2 : bound) << "gradient group " << i;
       continue;
     }
     experts += g.kinds[i] == ParamKind::kExpert;
-    EXPECT_LT(err, 6e-2) << "gradient group " << i;
+    EXPECT_LT(err, bound) << "gradient group " << i;
     EXPECT_LT(err, to_bf16) << "gradient group " << i << " is nearer bf16's than its recipe's";
   }
   EXPECT_GT(experts, 0);

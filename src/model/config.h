@@ -30,10 +30,10 @@ inline constexpr std::array<EnumName<AuxLossForm>, 2> kAuxLossForms{
 
 // The dense layers' products (docs/numerics.md): kBf16, or kFp8WgradWithHp, DeepSeek-V3's
 // blockwise FP8 for the forward and input-gradient products of the attention projections and the
-// LM head's forward (activations in 1 x 128 blocks, weights in 128 x 128 tiles, model.fp8_scale),
-// the weight gradients in bf16. The two 512-wide input gradients (k, v) and the LM head's stay
-// bf16: they sum into their output inside cuBLAS's epilogue, or need dlogits quantized in a pass
-// of its own, either costing more than FP8 saves there (docs/benchmarks.md).
+// LM head (activations and gradients in 1 x 128 blocks, weights in 128 x 128 tiles,
+// model.fp8_scale), the weight gradients in bf16. The two 512-wide input gradients (k, v) stay
+// bf16: they sum into their output inside cuBLAS's epilogue, which an FP8 product and an add
+// would cost more than FP8 saves there (docs/benchmarks.md).
 enum class DenseRecipe { kBf16, kFp8WgradWithHp };
 inline constexpr std::array<EnumName<DenseRecipe>, 2> kDenseRecipes{
     {{DenseRecipe::kBf16, "bf16"}, {DenseRecipe::kFp8WgradWithHp, "fp8_wgrad_with_hp"}}};

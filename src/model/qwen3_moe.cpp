@@ -479,7 +479,14 @@ void Qwen3Moe::head_and_loss(const Batch& b, const Tensor& xf, HeadGradients* gr
     Tensor dlogits = dlogits_buffer.view(0, {rows, v});
     ops::cross_entropy_backward(logits, targets, mask, lse, *grads->ce_scale, dlogits);
     Tensor dx = grads->dxf->slice_rows(r0, r0 + rows);
-    if (tied) {  // w_out is the embedding table (V, D)
+    if (c.dense_recipe == DenseRecipe::kFp8WgradWithHp) {  // dlogits quantized in a pass
+      ops::fp8_linear_backward_input(dlogits, w_out, w_op, c.expert_precision.fp8_scale, dx);
+      if (tied)
+        ops::gemm(dlogits, ops::Transpose::kYes, x, ops::Transpose::kNo, grads->dw,
+                  ops::Accumulate::kYes);
+      else
+        ops::linear_backward_weight(x, dlogits, grads->dw);
+    } else if (tied) {  // w_out is the embedding table (V, D)
       ops::gemm(dlogits, ops::Transpose::kNo, w_out, ops::Transpose::kNo, dx, ops::Accumulate::kNo);
       ops::gemm(dlogits, ops::Transpose::kYes, x, ops::Transpose::kNo, grads->dw,
                 ops::Accumulate::kYes);
