@@ -38,6 +38,21 @@ void write_result(const Tensor& f64, Tensor& out) {
   for (int64_t i = 0; i < out.numel(); ++i) out.set_item(i, f64.item(i));
 }
 
+#if MOETRAIN_HAS_CUDA && MOETRAIN_HAS_CUTLASS
+// The kernels' view of a product: both operands' E4M3 data and f32 scales, and the output.
+cuda::kernels::Fp8Operands operands(const QuantTensor& a, const QuantTensor& b, Tensor& out) {
+  return {a.data().raw(), a.scales().data<float>(), b.data().raw(), b.scales().data<float>(),
+          out.raw()};
+}
+
+// b's scales are (K / 128, N / 128) of the weight: along b's rows for w^T (dim1), along its
+// contraction for w (dim0).
+cuda::kernels::Fp8WeightScales weight_scales(const QuantTensor& b) {
+  return b.axis() == QuantAxis::kDim1 ? cuda::kernels::Fp8WeightScales::kMnMajor
+                                      : cuda::kernels::Fp8WeightScales::kKMajor;
+}
+#endif
+
 }  // namespace
 
 void fp8_grouped_gemm(const QuantTensor& a, const QuantTensor& b, const ExpertRows& rows,
@@ -61,12 +76,8 @@ void fp8_grouped_gemm(const QuantTensor& a, const QuantTensor& b, const ExpertRo
     const profile::Phase phase("gpu.fp8_grouped_gemm");
     expect_dtype(out, DType::kBF16, "fp8_grouped_gemm out (the GPU writes bf16)");
     const int e = static_cast<int>(experts);
-    const cuda::kernels::Fp8Operands ops{a.data().raw(), a.scales().data<float>(), b.data().raw(),
-                                         b.scales().data<float>(), out.raw()};
-    // b's scales are (K / 128, N / 128) of the weight: along b's rows for w^T (dim1), along its
-    // contraction for w (dim0).
-    const auto b_scales = b.axis() == QuantAxis::kDim1 ? cuda::kernels::Fp8WeightScales::kMnMajor
-                                                       : cuda::kernels::Fp8WeightScales::kKMajor;
+    const cuda::kernels::Fp8Operands ops = operands(a, b, out);
+    const cuda::kernels::Fp8WeightScales b_scales = weight_scales(b);
     if (rows.align % cuda::kernels::kFixedRowTile == 0) {
       expect_dtype(rows.segments, DType::kI64, "expert segments");
       MT_CHECK(rows.segments.device() == Device::kCUDA && rows.segments.numel() == experts + 1,
@@ -124,8 +135,7 @@ void fp8_grouped_gemm_weight(const QuantTensor& x, const QuantTensor& dy, const 
       MT_CUDA_CHECK(cuda::kernels::zero_empty_groups(rows.offsets.data<int64_t>(), e, dw.raw(),
                                                      k * n, true, cuda::stream()));
     Tensor ws = cuda::gpu_workspace(cuda::kernels::fp8_gemm_weight_workspace(e));
-    const cuda::kernels::Fp8Operands ops{x.data().raw(), x.scales().data<float>(), dy.data().raw(),
-                                         dy.scales().data<float>(), dw.raw()};
+    const cuda::kernels::Fp8Operands ops = operands(x, dy, dw);
     MT_CUDA_CHECK(cuda::kernels::fp8_gemm_weight(cuda::device_segments(rows), e, ops, m, k, n, acc,
                                                  cuda::kernels::Fp8Schedule::kCooperative, ws.raw(),
                                                  ws.nbytes(), cuda::stream()));
@@ -161,13 +171,9 @@ void fp8_gemm(const QuantTensor& a, const QuantTensor& b, Tensor& out) {
 #if MOETRAIN_HAS_CUTLASS
     const profile::Phase phase("gpu.fp8_gemm");
     expect_dtype(out, DType::kBF16, "fp8_gemm out (the GPU writes bf16)");
-    const cuda::kernels::Fp8Operands ops{a.data().raw(), a.scales().data<float>(), b.data().raw(),
-                                         b.scales().data<float>(), out.raw()};
-    const auto b_scales = b.axis() == QuantAxis::kDim1 ? cuda::kernels::Fp8WeightScales::kMnMajor
-                                                       : cuda::kernels::Fp8WeightScales::kKMajor;
     Tensor ws = cuda::gpu_workspace(cuda::kernels::fp8_gemm_dense_workspace(m, p, q));
-    MT_CUDA_CHECK(cuda::kernels::fp8_gemm_dense(ops, b_scales, m, p, q, ws.raw(), ws.nbytes(),
-                                                cuda::stream()));
+    MT_CUDA_CHECK(cuda::kernels::fp8_gemm_dense(operands(a, b, out), weight_scales(b), m, p, q,
+                                                ws.raw(), ws.nbytes(), cuda::stream()));
     return;
 #else
     MT_CHECK(false, "fp8_gemm on the GPU needs the CUTLASS build (MOETRAIN_HAS_CUTLASS)");
