@@ -450,6 +450,33 @@ TEST(MemoryEstimate, OneGpuHoldsOneFp8TileLayoutInPlaceOfTheComputeCopy) {
   EXPECT_EQ(fp8.states, bf16.states);
 }
 
+// The LM head's buffers: one (chunk, vocab) buffer in the activation dtype (dlogits written over
+// the logits); the FP8 dense recipe adds the head weight's two tile layouts (a byte a weight each)
+// and one slice of dlogits' FP8 rows (kHeadFp8GradientRows rows, or the chunk where shorter).
+TEST(MemoryEstimate, TheHeadHoldsOneLogitsBufferAndTheFp8RecipeASliceOfItsRows) {
+  ModelConfig m;
+  m.device = Device::kCUDA;
+  const ParallelConfig p;
+  const int64_t tokens = 16384;
+  const double v = static_cast<double>(m.vocab_size), table = v * static_cast<double>(m.dim);
+  for (const int64_t chunk : {int64_t{0}, int64_t{8192}, int64_t{1024}}) {
+    SCOPED_TRACE(::testing::Message() << "loss_chunk_tokens " << chunk);
+    m.loss_chunk_tokens = chunk;
+    m.dense_recipe = DenseRecipe::kBf16;
+    const MemoryEstimate bf16 = estimate_memory(m, p, tokens);
+    m.loss_chunk_tokens = 1;
+    const MemoryEstimate one_row = estimate_memory(m, p, tokens);
+    const double rows = chunk > 0 ? static_cast<double>(chunk) : static_cast<double>(tokens);
+    EXPECT_DOUBLE_EQ(bf16.activations - one_row.activations, (rows - 1) * v * 2);
+    m.loss_chunk_tokens = chunk;
+    m.dense_recipe = DenseRecipe::kFp8WgradWithHp;
+    const MemoryEstimate fp8 = estimate_memory(m, p, tokens);
+    const double slice = std::min(rows, static_cast<double>(kHeadFp8GradientRows));
+    EXPECT_DOUBLE_EQ(fp8.workspaces - bf16.workspaces, 2 * table + slice * v * (1 + 4.0 / 128));
+    EXPECT_EQ(fp8.activations, bf16.activations);
+  }
+}
+
 // Context parallelism: a rank's activations are its tokens' (a cp-th of the rows'), plus the
 // rows' gathered keys and values and their gradients; its exchange window is its tokens'.
 TEST(MemoryEstimate, ContextParallelRanksHoldTheirShareOfTheRows) {

@@ -351,6 +351,26 @@ TEST(Fp8Gemm, DenseLinearIsTheProductOfTheRoundedOperands) {
     const double err = relative_error(y.to(DType::kF64), y_exact);
     EXPECT_LT(err, 0.06);
     EXPECT_GT(err, 1e-3);
+    // Both layouts from one read (the LM head's, quantized once for its chunks): the same
+    // products.
+    const ops::Fp8LinearWeight both =
+        ops::fp8_linear_weight(*weight, tw, Fp8ScaleRule::kFp32, ops::Fp8LinearUse::kBoth);
+    Tensor y2 = Tensor::poisoned({m, out}, DType::kF32),
+           dx2 = Tensor::poisoned({m, in}, DType::kF32);
+    ops::fp8_gemm(ops::fp8_rows(x, Fp8ScaleRule::kFp32), both.forward, y2);
+    ops::fp8_gemm(ops::fp8_rows(dy, Fp8ScaleRule::kFp32), both.input_gradient, dx2);
+    EXPECT_EQ(std::memcmp(y2.raw(), y.raw(), y.nbytes()), 0) << "forward, both layouts";
+    EXPECT_EQ(std::memcmp(dx2.raw(), dx.raw(), dx.nbytes()), 0) << "input gradient, both layouts";
+  }
+  // The backward's pair: the FP8 input gradient and the bf16-recipe weight gradient x^T dy.
+  {
+    Tensor dx = Tensor::poisoned({m, in}, DType::kF32), dw = Tensor::zeros({in, out}, DType::kF32);
+    ops::fp8_linear_backward(x, w, dy, Fp8ScaleRule::kFp32, dx, dw);
+    EXPECT_LT(relative_error(dx.to(DType::kF64), dx_want), 1e-6) << "pair's input gradient";
+    Tensor dw_want = Tensor::zeros({in, out}, DType::kF32);
+    ops::gemm(x, ops::Transpose::kYes, dy, ops::Transpose::kNo, dw_want, ops::Accumulate::kNo);
+    EXPECT_LT(relative_error(dw, dw_want), 1e-6) << "pair's weight gradient";
+    EXPECT_GT(dw_want.item(0) * dw_want.item(0), 0.0);
   }
   // A width that the tiles cannot block is refused, naming it.
   const std::string bad = testing::error_of([&] {

@@ -59,6 +59,25 @@ TEST(Linear, Gradients) {
   EXPECT_LT(gradcheck(loss, w, dw), kGradTol);
 }
 
+// The weight gradient alone adds x^T dy, or for a weight stored (out, in) and used transposed (a
+// tied LM head's table) its transpose dy^T x, to what dw held.
+TEST(Linear, WeightGradientAloneInEitherStoredOrientation) {
+  const Tensor x = randn({4, 6}, 1), g = randn({4, 5}, 3), w = randn({6, 5}, 2);
+  Tensor want = w.clone(), want_t = Tensor::empty({5, 6}, DType::kF64);
+  Tensor dx = like(x);
+  ops::linear_backward(x, w, g, dx, want);
+  for (int64_t j = 0; j < 5; ++j)
+    for (int64_t i = 0; i < 6; ++i) want_t.set_item(j * 6 + i, want.item(i * 5 + j));
+  Tensor dw = w.clone(), dw_t = Tensor::empty({5, 6}, DType::kF64);
+  for (int64_t j = 0; j < 5; ++j)
+    for (int64_t i = 0; i < 6; ++i) dw_t.set_item(j * 6 + i, w.item(i * 5 + j));
+  ops::linear_backward_weight(x, g, dw);
+  ops::linear_backward_weight(x, g, dw_t, ops::Transpose::kYes);
+  EXPECT_LT(relative_error(dw, want), 1e-14);
+  EXPECT_LT(relative_error(dw_t, want_t), 1e-14);
+  EXPECT_GT(relative_error(want, w), 1e-3);  // the gradient added something
+}
+
 TEST(Linear, ResidualInTheEpilogueEqualsTheSum) {
   const Tensor x = randn({4, 6}, 1), w = randn({6, 5}, 2), r = randn({4, 5}, 3);
   Tensor plain = Tensor::empty({4, 5}, DType::kF64), fused = Tensor::poisoned({4, 5}, DType::kF64);

@@ -14,6 +14,7 @@
 #include <tuple>
 
 #include "op_testing.h"
+#include "ops/fp8.h"
 #include "ops/loss.h"
 #if MOETRAIN_HAS_CUDA
 #include <cuda_runtime_api.h>
@@ -66,6 +67,41 @@ TEST(CrossEntropy, HandCheckedMaskAndGradients) {
             std::string::npos);
 }
 
+// The backward may write dlogits over the logits (the head keeps one buffer), and with
+// ops::Fp8RowsOut also writes their FP8 rows: the same values as into a separate buffer, and the
+// rows fp8_quantize makes of them, under both scale rules, masked rows included; rows of another
+// shape are refused.
+TEST(CrossEntropy, BackwardInPlaceAndItsFp8Rows) {
+  const int64_t n = 6, v = 384;
+  const Tensor logits = randn({n, v}, 11, 3.0, DType::kF32);
+  Tensor targets = Tensor::empty({n}, DType::kI32), mask = Tensor::empty({n}, DType::kU8);
+  for (int64_t i = 0; i < n; ++i) {
+    targets.set_item(i, static_cast<double>((37 * i + 5) % v));
+    mask.set_item(i, i == 2 ? 0 : 1);
+  }
+  Tensor lse = Tensor::empty({n}, DType::kF32);
+  ops::cross_entropy_forward(logits, targets, mask, lse);
+  Tensor apart = Tensor::poisoned({n, v}, DType::kF32);
+  ops::cross_entropy_backward(logits, targets, mask, lse, 0.25, apart);
+  for (const Fp8ScaleRule rule : {Fp8ScaleRule::kFp32, Fp8ScaleRule::kPow2}) {
+    Tensor in_place = logits.clone();
+    QuantTensor q = QuantTensor::poisoned({n, v}, QuantBlock::kRow128, QuantAxis::kDim0);
+    const ops::Fp8RowsOut fp8{&q, rule};
+    ops::cross_entropy_backward(in_place, targets, mask, lse, 0.25, in_place, &fp8);
+    EXPECT_EQ(std::memcmp(in_place.raw(), apart.raw(), apart.nbytes()), 0);
+    QuantTensor want = QuantTensor::empty({n, v}, QuantBlock::kRow128, QuantAxis::kDim0);
+    ops::fp8_quantize(apart, rule, want);
+    EXPECT_EQ(std::memcmp(q.data().raw(), want.data().raw(), want.data().nbytes()), 0);
+    EXPECT_EQ(std::memcmp(q.scales().raw(), want.scales().raw(), want.scales().nbytes()), 0);
+  }
+  EXPECT_NE(apart.item(5), 0.0);
+  QuantTensor wrong = QuantTensor::empty({n, 256}, QuantBlock::kRow128, QuantAxis::kDim0);
+  const ops::Fp8RowsOut bad{&wrong, Fp8ScaleRule::kFp32};
+  const std::string e =
+      error_of([&] { ops::cross_entropy_backward(logits, targets, mask, lse, 0.25, apart, &bad); });
+  EXPECT_NE(e.find("cross_entropy_backward"), std::string::npos) << e;
+}
+
 #if MOETRAIN_HAS_CUDA
 
 struct GpuLoss : GpuCase {
@@ -103,6 +139,38 @@ void GpuLoss::check_cross_entropy(int64_t n, int64_t v) {
   ops::cross_entropy_forward(gl, gt, gm, glse, gsum, &geach);
   expect_close(geach, each, "cross-entropy per-token loss");
   EXPECT_NEAR(gsum.item(0), sum.item(0), 1e-5 * std::abs(sum.item(0)));
+}
+
+// The backward on the GPU written over the logits with its FP8 rows from the same kernel (the
+// LM head's FP8 input gradient): dlogits as into a separate buffer, bit for bit, and the rows the
+// CPU reference quantizes from them, under both scale rules. 2176 columns leave part of a row's
+// last step idle (half a warp under bf16 packs).
+TEST_P(GpuLoss, CrossEntropyBackwardWritesItsFp8RowsInPlace) {
+  for (const int64_t v : {int64_t{32000}, int64_t{2176}})
+    for (const Fp8ScaleRule rule : {Fp8ScaleRule::kFp32, Fp8ScaleRule::kPow2}) {
+      SCOPED_TRACE(::testing::Message() << "v " << v << ", rule " << static_cast<int>(rule));
+      const int64_t n = 300;
+      const Tensor gl = gpu(input({n, v}, 3.0));
+      Tensor targets = Tensor::empty({n}, DType::kI32), mask = Tensor::empty({n}, DType::kU8);
+      const CounterRng rng{seed, 9};
+      for (int64_t i = 0; i < n; ++i) {
+        targets.set_item(i, rng.below(2 * i, v));
+        mask.set_item(i, rng.below(2 * i + 1, 4) != 0);
+      }
+      const Tensor gt = targets.to(Device::kCUDA), gm = mask.to(Device::kCUDA);
+      Tensor glse = gpu_out({n}, DType::kF32), apart = gpu_out({n, v});
+      ops::cross_entropy_forward(gl, gt, gm, glse);
+      ops::cross_entropy_backward(gl, gt, gm, glse, 1.0 / n, apart);
+      Tensor in_place = gl.clone();
+      QuantTensor q =
+          QuantTensor::poisoned({n, v}, QuantBlock::kRow128, QuantAxis::kDim0, Device::kCUDA);
+      const ops::Fp8RowsOut fp8{&q, rule};
+      ops::cross_entropy_backward(in_place, gt, gm, glse, 1.0 / n, in_place, &fp8);
+      const Tensor a = apart.to(Device::kCPU), b = in_place.to(Device::kCPU);
+      ASSERT_TRUE(all_finite(a.to(DType::kF32)));
+      EXPECT_EQ(std::memcmp(a.raw(), b.raw(), a.nbytes()), 0);
+      EXPECT_EQ(fp8_rows_differing(q, in_place, rule, [](int64_t) { return false; }), 0);
+    }
 }
 
 MOETRAIN_GPU_CASES(GpuLoss);

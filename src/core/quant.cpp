@@ -121,4 +121,17 @@ QuantTensor QuantTensor::stored_as_dim0() const {
   return t;
 }
 
+QuantTensor QuantTensor::rows(int64_t begin, int64_t end) const {
+  MT_CHECK(shape_.size() == 2 && axis_ == QuantAxis::kDim0 && block_ != QuantBlock::kTile128,
+           "QuantTensor::rows: a matrix stored along dim0 in 1 x n blocks, got {} in {} blocks "
+           "along {}",
+           shape_str(shape_), quant_block_name(block_),
+           axis_ == QuantAxis::kDim0 ? "dim0" : "dim1");
+  QuantTensor t = *this;
+  t.data_ = data_.slice_rows(begin, end);
+  t.scales_ = scales_.slice_rows(begin, end);
+  t.shape_ = {end - begin, shape_[1]};
+  return t;
+}
+
 }  // namespace mt

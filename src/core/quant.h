@@ -62,6 +62,9 @@ class QuantTensor {
   // The same bytes read as stored along dim0 of the stored shape: a dim1 tensor of logical
   // (..., R, C) is the dim0 tensor of (..., C, R) (its transpose). A dim0 tensor is returned as is.
   QuantTensor stored_as_dim0() const;
+  // Rows [begin, end) of a matrix stored along dim0 in 1 x n blocks (kMx32 or kRow128): a view
+  // of its data and scales.
+  QuantTensor rows(int64_t begin, int64_t end) const;
 
  private:
   static QuantTensor allocate(const Shape& shape, QuantBlock block, QuantAxis axis, Device device,

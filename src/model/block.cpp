@@ -56,10 +56,6 @@ void drop_for_policy(BlockActivations& a, CheckpointPolicy policy) {
   a.moe = moe::MoeActivations();
 }
 
-bool dense_fp8(const ModelConfig& c) {
-  return c.dense_recipe == DenseRecipe::kFp8WgradWithHp;
-}
-
 double attention_scale(const ModelConfig& c) {
   return 1.0 / std::sqrt(static_cast<double>(c.head_dim));
 }
@@ -84,7 +80,7 @@ void block_fill(const BlockParams& p, const ModelConfig& c, const BlockInputs& i
     a.q = Tensor::empty({n, c.q_dim()}, dt, dev);
     a.k = Tensor::empty({n, c.kv_dim()}, dt, dev);
     a.v = Tensor::empty({n, c.kv_dim()}, dt, dev);
-    if (dense_fp8(c)) {  // xn quantized once for the three products
+    if (c.dense_fp8()) {  // xn quantized once for the three products
       const Fp8ScaleRule rule = c.expert_precision.fp8_scale;
       const QuantTensor xq = ops::fp8_rows(a.xn, rule);
       ops::fp8_linear_forward(xq, p.wq, ops::Transpose::kNo, rule, a.q);
@@ -140,7 +136,7 @@ void block_fill(const BlockParams& p, const ModelConfig& c, const BlockInputs& i
   if (!a.h.defined()) {  // h = x + attn wo: the residual added in the GEMM's epilogue
     a.h = new_like(a.x);
     const Tensor attn = a.attn.reshape({n, c.q_dim()});
-    if (dense_fp8(c)) {  // the FP8 kernel writes the product; the residual added after
+    if (c.dense_fp8()) {  // the FP8 kernel writes the product; the residual added after
       const Fp8ScaleRule rule = c.expert_precision.fp8_scale;
       ops::fp8_linear_forward(ops::fp8_rows(attn, rule), p.wo, ops::Transpose::kNo, rule, a.h);
       ops::add_(a.h, a.x);
@@ -243,10 +239,9 @@ Tensor block_backward(const BlockParams& p, BlockParams& g, const ModelConfig& c
   phase.emplace("attention_half.backward");
   Tensor dx = dh.clone();
   Tensor dattn = Tensor::empty({n, c.q_dim()}, dt, dev);
-  if (dense_fp8(c)) {
-    ops::fp8_linear_backward_input(dh, p.wo, ops::Transpose::kNo, c.expert_precision.fp8_scale,
-                                   dattn);
-    ops::linear_backward_weight(a.attn.reshape({n, c.q_dim()}), dh, g.wo);
+  if (c.dense_fp8()) {
+    ops::fp8_linear_backward(a.attn.reshape({n, c.q_dim()}), p.wo, dh, c.expert_precision.fp8_scale,
+                             dattn, g.wo);
   } else {
     ops::linear_backward(a.attn.reshape({n, c.q_dim()}), p.wo, dh, dattn, g.wo);
   }
@@ -284,10 +279,9 @@ Tensor block_backward(const BlockParams& p, BlockParams& g, const ModelConfig& c
   Tensor dq = new_like(a.qn), dk = new_like(a.kn);
   ops::rmsnorm_backward(a.q.reshape(a.qn.shape()), p.q_norm, a.q_rstd, dqn, dq, g.q_norm);
   Tensor dxn = new_like(a.x);
-  if (dense_fp8(c)) {  // k's and v's input gradients below sum into this one in bf16
-    ops::fp8_linear_backward_input(dq.reshape({n, c.q_dim()}), p.wq, ops::Transpose::kNo,
-                                   c.expert_precision.fp8_scale, dxn);
-    ops::linear_backward_weight(a.xn, dq.reshape({n, c.q_dim()}), g.wq);
+  if (c.dense_fp8()) {  // k's and v's input gradients below sum into this one in bf16
+    ops::fp8_linear_backward(a.xn, p.wq, dq.reshape({n, c.q_dim()}), c.expert_precision.fp8_scale,
+                             dxn, g.wq);
   } else {
     ops::linear_backward(a.xn, p.wq, dq.reshape({n, c.q_dim()}), dxn, g.wq);
   }

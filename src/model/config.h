@@ -37,6 +37,11 @@ inline constexpr std::array<EnumName<AuxLossForm>, 2> kAuxLossForms{
 enum class DenseRecipe { kBf16, kFp8WgradWithHp };
 inline constexpr std::array<EnumName<DenseRecipe>, 2> kDenseRecipes{
     {{DenseRecipe::kBf16, "bf16"}, {DenseRecipe::kFp8WgradWithHp, "fp8_wgrad_with_hp"}}};
+// Under an FP8 dense recipe the LM head's backward quantizes its output gradient (dlogits) this
+// many rows at a time, each slice's FP8 rows written by the cross-entropy backward and consumed
+// by the input-gradient product before the next (a band of the FP8 kernel's walk, so the head's
+// weight is read once a slice): the FP8 copy costs this many rows of the vocabulary, not a chunk.
+inline constexpr int64_t kHeadFp8GradientRows = 4096;
 
 struct ModelConfig {
   // --- architecture (HF Qwen3MoeConfig names in comments) ---
@@ -79,7 +84,8 @@ struct ModelConfig {
   DType router_dtype = DType::kF32;
   CheckpointPolicy checkpoint = CheckpointPolicy::kNone;
   // The LM head and loss run over this many tokens at a time (forward and backward together),
-  // so at most chunk x vocab logits and their gradient exist at once; 0 = all tokens at once.
+  // so at most chunk x vocab logits exist at once (the backward writes dlogits over them); 0 = all
+  // tokens at once.
   int64_t loss_chunk_tokens = 8192;
   // Where the model runs (set by the trainer from hardware.device). On the GPU: fp32 master
   // weights and gradients, bf16 compute copies and activations, f32 statistics (RMSNorm rstd,
@@ -108,6 +114,7 @@ struct ModelConfig {
   }
   int64_t q_dim() const { return n_heads * head_dim; }
   int64_t kv_dim() const { return n_kv_heads * head_dim; }
+  bool dense_fp8() const { return dense_recipe != DenseRecipe::kBf16; }
   // Throws ConfigError naming the first impossible field ("model.<key>").
   void validate() const;
 };

@@ -58,7 +58,8 @@ double activation_bytes(const ModelConfig& c, int64_t tokens, double expert_rows
     total += n * (attention + router + experts);  // the block being recomputed
   const double chunk =
       c.loss_chunk_tokens > 0 ? std::min(n, static_cast<double>(c.loss_chunk_tokens)) : n;
-  total += chunk * static_cast<double>(c.vocab_size) * stat;  // the logits (counted once)
+  // The head's (chunk, vocab) logits; the backward writes dlogits over them.
+  total += chunk * static_cast<double>(c.vocab_size) * act;
   return total;
 }
 

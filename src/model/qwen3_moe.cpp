@@ -458,40 +458,56 @@ void Qwen3Moe::head_and_loss(const Batch& b, const Tensor& xf, HeadGradients* gr
   const Device dev = xf.device();
   const Tensor w_out = head_weight();
   const ops::Transpose w_op = tied ? ops::Transpose::kYes : ops::Transpose::kNo;
+  // One (chunk, V) buffer: the backward writes dlogits over the logits.
   Tensor logits_buffer = Tensor::empty({chunk, v}, dt, dev),
          lse_buffer = Tensor::empty({chunk}, st, dev);
-  Tensor dlogits_buffer = grads ? Tensor::empty({chunk, v}, dt, dev) : Tensor();
+  // FP8 dense recipe: the head's weight tiles for both products, from one read, once for all
+  // chunks; dlogits' FP8 rows a slice at a time (kHeadFp8GradientRows).
+  const Fp8ScaleRule rule = c.expert_precision.fp8_scale;
+  ops::Fp8LinearWeight w_fp8;
+  QuantTensor dlogits_fp8;
+  if (c.dense_fp8()) {
+    w_fp8 = ops::fp8_linear_weight(w_out, w_op, rule,
+                                   grads ? ops::Fp8LinearUse::kBoth : ops::Fp8LinearUse::kForward);
+    if (grads)
+      dlogits_fp8 = QuantTensor::empty({std::min(chunk, kHeadFp8GradientRows), v},
+                                       QuantBlock::kRow128, QuantAxis::kDim0, dev);
+  }
   for (int64_t r0 = 0; r0 < n; r0 += chunk) {
     const int64_t rows = std::min(chunk, n - r0);
     const Tensor x = xf.slice_rows(r0, r0 + rows);
     const Tensor targets = b.targets.view(r0, {rows}), mask = b.loss_mask.view(r0, {rows});
     Tensor logits = logits_buffer.view(0, {rows, v}), lse = lse_buffer.view(0, {rows});
-    if (c.dense_recipe == DenseRecipe::kFp8WgradWithHp) {
-      const Fp8ScaleRule rule = c.expert_precision.fp8_scale;
-      ops::fp8_linear_forward(ops::fp8_rows(x, rule), w_out, w_op, rule, logits);
-    } else {
+    if (c.dense_fp8())
+      ops::fp8_gemm(ops::fp8_rows(x, rule), w_fp8.forward, logits);
+    else
       ops::gemm(x, ops::Transpose::kNo, w_out, w_op, logits, ops::Accumulate::kNo);
-    }
     Tensor token_loss = token_losses ? token_losses->view(r0, {rows}) : Tensor();
     ops::cross_entropy_forward(logits, targets, mask, lse, loss_sum,
                                token_losses ? &token_loss : nullptr);
     if (!grads) continue;
-    Tensor dlogits = dlogits_buffer.view(0, {rows, v});
-    ops::cross_entropy_backward(logits, targets, mask, lse, *grads->ce_scale, dlogits);
+    Tensor& dlogits = logits;  // written over the logits
     Tensor dx = grads->dxf->slice_rows(r0, r0 + rows);
-    if (c.dense_recipe == DenseRecipe::kFp8WgradWithHp) {  // dlogits quantized in a pass
-      ops::fp8_linear_backward_input(dlogits, w_out, w_op, c.expert_precision.fp8_scale, dx);
-      if (tied)
-        ops::gemm(dlogits, ops::Transpose::kYes, x, ops::Transpose::kNo, grads->dw,
-                  ops::Accumulate::kYes);
-      else
-        ops::linear_backward_weight(x, dlogits, grads->dw);
-    } else if (tied) {  // w_out is the embedding table (V, D)
-      ops::gemm(dlogits, ops::Transpose::kNo, w_out, ops::Transpose::kNo, dx, ops::Accumulate::kNo);
-      ops::gemm(dlogits, ops::Transpose::kYes, x, ops::Transpose::kNo, grads->dw,
-                ops::Accumulate::kYes);
+    if (c.dense_fp8()) {
+      for (int64_t s0 = 0; s0 < rows; s0 += kHeadFp8GradientRows) {
+        const int64_t s1 = std::min(rows, s0 + kHeadFp8GradientRows);
+        Tensor slice = dlogits.slice_rows(s0, s1), dx_slice = dx.slice_rows(s0, s1);
+        QuantTensor q = dlogits_fp8.rows(0, s1 - s0);
+        const ops::Fp8RowsOut fp8{&q, rule};
+        ops::cross_entropy_backward(slice, targets.view(s0, {s1 - s0}), mask.view(s0, {s1 - s0}),
+                                    lse.view(s0, {s1 - s0}), *grads->ce_scale, slice, &fp8);
+        ops::fp8_gemm(q, w_fp8.input_gradient, dx_slice);
+      }
+      ops::linear_backward_weight(x, dlogits, grads->dw, w_op);
     } else {
-      ops::linear_backward(x, w_out, dlogits, dx, grads->dw);
+      ops::cross_entropy_backward(logits, targets, mask, lse, *grads->ce_scale, dlogits);
+      if (tied) {  // w_out is the embedding table (V, D)
+        ops::gemm(dlogits, ops::Transpose::kNo, w_out, ops::Transpose::kNo, dx,
+                  ops::Accumulate::kNo);
+        ops::linear_backward_weight(x, dlogits, grads->dw, ops::Transpose::kYes);
+      } else {
+        ops::linear_backward(x, w_out, dlogits, dx, grads->dw);
+      }
     }
   }
 }

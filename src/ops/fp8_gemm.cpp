@@ -189,30 +189,44 @@ void fp8_gemm(const QuantTensor& a, const QuantTensor& b, Tensor& out) {
   write_result(out64, out);
 }
 
-namespace {
-
-// w's tiles stored (P, Q): the product's b for out = a w' with w' = op(w) of shape (Q, P).
-QuantTensor weight_tiles(const Tensor& w, Transpose tw, bool forward, Fp8ScaleRule rule) {
+Fp8LinearWeight fp8_linear_weight(const Tensor& w, Transpose tw, Fp8ScaleRule rule,
+                                  Fp8LinearUse use) {
   MT_CHECK(w.ndim() == 2, "FP8 linear: w must be a matrix, got {}", shape_str(w.shape()));
   // Stored (out, in) for the forward, (in, out) for the input gradient: along dim1 of w (in,
   // out) gives its transpose, along dim0 its own layout.
-  const bool along_dim1 = forward == (tw == Transpose::kNo);
-  QuantTensor t = QuantTensor::empty(w.shape(), QuantBlock::kTile128,
-                                     along_dim1 ? QuantAxis::kDim1 : QuantAxis::kDim0, w.device());
-  fp8_quantize(w, rule, t);
+  const QuantAxis forward_axis = tw == Transpose::kNo ? QuantAxis::kDim1 : QuantAxis::kDim0;
+  const QuantAxis input_axis = tw == Transpose::kNo ? QuantAxis::kDim0 : QuantAxis::kDim1;
+  const auto tiles = [&](QuantAxis axis) {
+    return QuantTensor::empty(w.shape(), QuantBlock::kTile128, axis, w.device());
+  };
+  Fp8LinearWeight t;
+  if (use != Fp8LinearUse::kInputGradient) t.forward = tiles(forward_axis);
+  if (use != Fp8LinearUse::kForward) t.input_gradient = tiles(input_axis);
+  if (use == Fp8LinearUse::kBoth) {
+    QuantTensor& dim0 = forward_axis == QuantAxis::kDim0 ? t.forward : t.input_gradient;
+    QuantTensor& dim1 = forward_axis == QuantAxis::kDim0 ? t.input_gradient : t.forward;
+    fp8_quantize_both_axes(w, rule, dim0, dim1);
+  } else {
+    fp8_quantize(w, rule, use == Fp8LinearUse::kForward ? t.forward : t.input_gradient);
+  }
   return t;
 }
 
-}  // namespace
-
 void fp8_linear_forward(const QuantTensor& x, const Tensor& w, Transpose tw, Fp8ScaleRule rule,
                         Tensor& y) {
-  fp8_gemm(x, weight_tiles(w, tw, true, rule), y);
+  fp8_gemm(x, fp8_linear_weight(w, tw, rule, Fp8LinearUse::kForward).forward, y);
 }
 
 void fp8_linear_backward_input(const Tensor& dy, const Tensor& w, Transpose tw, Fp8ScaleRule rule,
                                Tensor& dx) {
-  fp8_gemm(fp8_rows(dy, rule), weight_tiles(w, tw, false, rule), dx);
+  fp8_gemm(fp8_rows(dy, rule),
+           fp8_linear_weight(w, tw, rule, Fp8LinearUse::kInputGradient).input_gradient, dx);
+}
+
+void fp8_linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Fp8ScaleRule rule,
+                         Tensor& dx, Tensor& dw) {
+  fp8_linear_backward_input(dy, w, Transpose::kNo, rule, dx);
+  linear_backward_weight(x, dy, dw);
 }
 
 }  // namespace mt::ops

@@ -35,12 +35,28 @@ void fp8_gemm(const QuantTensor& a, const QuantTensor& b, Tensor& out);
 // The dense layers' FP8 products (model.dense_recipe = "fp8_wgrad_with_hp"; the weight gradient
 // stays the bf16 one, ops::gemm over the unquantized x and dy). w is (in, out) as stored by
 // the model (tw = kNo), or (out, in) used transposed (tw = kYes: a tied LM head's embedding
-// table); in and out multiples of 128. Its tiles are quantized from w at each call.
+// table); in and out multiples of 128.
+
+// w's tiles in the layouts of its products (fp8_gemm's b): `forward` for y = x w, `input_gradient`
+// for dx = dy w^T, each made where `use` asks for it (both from one read of w). For a layer whose
+// products run several times (the LM head over its loss chunks): quantized once.
+enum class Fp8LinearUse { kForward, kInputGradient, kBoth };
+struct Fp8LinearWeight {
+  QuantTensor forward, input_gradient;
+};
+Fp8LinearWeight fp8_linear_weight(const Tensor& w, Transpose tw, Fp8ScaleRule rule,
+                                  Fp8LinearUse use);
+
+// The products with w's tiles quantized at each call.
 // y (N, out) = x w, x quantized already (kRow128 along dim0, (N, in)).
 void fp8_linear_forward(const QuantTensor& x, const Tensor& w, Transpose tw, Fp8ScaleRule rule,
                         Tensor& y);
 // dx (N, in) = dy w^T, dy (N, out) quantized here in 1 x 128 blocks, dx overwritten.
 void fp8_linear_backward_input(const Tensor& dy, const Tensor& w, Transpose tw, Fp8ScaleRule rule,
                                Tensor& dx);
+// linear_backward's pair in this recipe: dx (N, in) = dy w^T in FP8 (overwritten), dw += x^T dy
+// in bf16 (w (in, out), tw = kNo).
+void fp8_linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Fp8ScaleRule rule,
+                         Tensor& dx, Tensor& dw);
 
 }  // namespace mt::ops

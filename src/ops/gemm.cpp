@@ -94,9 +94,12 @@ void linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor&
   linear_backward_weight(x, dy, dw);
 }
 
-void linear_backward_weight(const Tensor& x, const Tensor& dy, Tensor& dw) {
+void linear_backward_weight(const Tensor& x, const Tensor& dy, Tensor& dw, Transpose tw) {
   const profile::Phase phase("linear_backward.dw");
-  gemm(x, Transpose::kYes, dy, Transpose::kNo, dw, Accumulate::kYes);
+  if (tw == Transpose::kYes)
+    gemm(dy, Transpose::kYes, x, Transpose::kNo, dw, Accumulate::kYes);
+  else
+    gemm(x, Transpose::kYes, dy, Transpose::kNo, dw, Accumulate::kYes);
 }
 
 }  // namespace mt::ops

@@ -19,7 +19,10 @@ void linear_forward_residual(const Tensor& x, const Tensor& w, const Tensor& res
 // input gradients inside the GEMM); dw += x^T dy.
 void linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor& dx, Tensor& dw,
                      Accumulate dx_accumulate = Accumulate::kNo);
-// dw += x^T dy alone (linear_backward's second product, beside an input gradient made elsewhere).
-void linear_backward_weight(const Tensor& x, const Tensor& dy, Tensor& dw);
+// dw += x^T dy alone (linear_backward's second product, beside an input gradient made elsewhere);
+// with tw = kYes the weight is stored (out, in) and used transposed (a tied LM head's embedding
+// table): dw += dy^T x.
+void linear_backward_weight(const Tensor& x, const Tensor& dy, Tensor& dw,
+                            Transpose tw = Transpose::kNo);
 
 }  // namespace mt::ops

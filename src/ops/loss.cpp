@@ -61,8 +61,7 @@ void cross_entropy_forward(const Tensor& logits, const Tensor& targets, const Te
     MT_CUDA_CHECK(cuda::kernels::cross_entropy_forward(
         cuda::storage_of(logits, "logits"), logits.raw(), targets.data<int32_t>(),
         mask.data<uint8_t>(), lse.data<float>(), loss.data<float>(), loss_sum.data<double>(), n,
-        logits.dim(1),
-        cuda::stream()));
+        logits.dim(1), cuda::stream()));
     return;
   }
 #endif
@@ -77,29 +76,35 @@ double cross_entropy_forward(const Tensor& logits, const Tensor& targets, const 
 }
 
 void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
-                            const Tensor& lse, double grad_scale, Tensor& dlogits) {
+                            const Tensor& lse, double grad_scale, Tensor& dlogits,
+                            const Fp8RowsOut* fp8) {
   Tensor scale = Tensor::empty({1}, DType::kF64, logits.device());
   scale.set_item(0, grad_scale);
-  cross_entropy_backward(logits, targets, mask, lse, scale, dlogits);
+  cross_entropy_backward(logits, targets, mask, lse, scale, dlogits, fp8);
 }
 
 void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
-                            const Tensor& lse, const Tensor& grad_scale, Tensor& dlogits) {
+                            const Tensor& lse, const Tensor& grad_scale, Tensor& dlogits,
+                            const Fp8RowsOut* fp8) {
   check_loss_inputs(logits, targets, mask, lse);
   check_scalar(grad_scale, logits.device(), "loss grad scale");
   expect_shape(dlogits, logits.shape(), "dlogits");
+  check_fp8_rows("cross_entropy_backward", dlogits, fp8);
 #if MOETRAIN_HAS_CUDA
   if (on_gpu(logits)) {
     const profile::Phase phase("gpu.cross_entropy_backward");
     cuda::same_storage_type(logits, dlogits, "dlogits");
-    MT_CUDA_CHECK(cuda::kernels::cross_entropy_backward(
-        cuda::storage_of(logits, "logits"), logits.raw(), targets.data<int32_t>(),
-        mask.data<uint8_t>(), lse.data<float>(), grad_scale.data<double>(), dlogits.raw(),
-        logits.dim(0), logits.dim(1), cuda::stream()));
+    cuda::launch_with_fp8_rows(fp8, dlogits, [&](cuda::kernels::Fp8RowsOut rows_fp8) {
+      return cuda::kernels::cross_entropy_backward(
+          cuda::storage_of(logits, "logits"), logits.raw(), targets.data<int32_t>(),
+          mask.data<uint8_t>(), lse.data<float>(), grad_scale.data<double>(), dlogits.raw(),
+          logits.dim(0), logits.dim(1), rows_fp8, cuda::stream());
+    });
     return;
   }
 #endif
   cpu::cross_entropy_backward(logits, targets, mask, lse, grad_scale.data<double>()[0], dlogits);
+  if (fp8) write_fp8_rows(dlogits, *fp8);
 }
 
 }  // namespace mt::ops

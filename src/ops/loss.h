@@ -2,6 +2,7 @@
 // counted tokens of the whole step (all micro-batches), passed in as grad_scale.
 #pragma once
 #include "core/tensor.h"
+#include "ops/fp8.h"
 
 namespace mt::ops {
 
@@ -17,9 +18,14 @@ double cross_entropy_forward(const Tensor& logits, const Tensor& targets, const 
                              Tensor& lse);
 // dlogits (N, V) overwritten: grad_scale * mask * (softmax - onehot(target)); grad_scale is one
 // f64 element on the logits' device (read there, so a captured step replays with each step's).
+// dlogits may be logits (each element is read before it is written): the head's backward keeps
+// one (N, V) buffer. fp8, where given, also receives dlogits' FP8 rows (ops::Fp8RowsOut: the
+// operand of the head's FP8 input gradient), written by the same kernel on the GPU.
 void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
-                            const Tensor& lse, const Tensor& grad_scale, Tensor& dlogits);
+                            const Tensor& lse, const Tensor& grad_scale, Tensor& dlogits,
+                            const Fp8RowsOut* fp8 = nullptr);
 void cross_entropy_backward(const Tensor& logits, const Tensor& targets, const Tensor& mask,
-                            const Tensor& lse, double grad_scale, Tensor& dlogits);
+                            const Tensor& lse, double grad_scale, Tensor& dlogits,
+                            const Fp8RowsOut* fp8 = nullptr);
 
 }  // namespace mt::ops

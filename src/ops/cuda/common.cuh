@@ -9,7 +9,6 @@
 
 #include "core/dtype.h"
 
-
 namespace mt::cuda {
 
 constexpr int kBlock = 256;  // threads per block for row-wise kernels (8 warps)
@@ -81,6 +80,14 @@ __device__ __forceinline__ void store_n(T* p, const float* v) {
     for (int i = 0; i < P; ++i) pk.v[i] = v[i];
     store_pack(p, pk);
   }
+}
+
+// The values a store of v to T holds (bf16: rounded), as floats: what the MX values or FP8 rows
+// of a stored output are computed from.
+template <class T, int P>
+__device__ __forceinline__ void round_to(float (&v)[P]) {
+#pragma unroll
+  for (int i = 0; i < P; ++i) v[i] = to_float(from_float<T>(v[i]));
 }
 
 // True when every pointer is 16-byte aligned and rows of `width` elements keep it so.

@@ -118,14 +118,6 @@ __device__ __forceinline__ void mx_round_trip_lanes(float (&v)[P], MxScaleRule r
   }
 }
 
-// The values a store of v to T holds (bf16: rounded), as floats: what the MX values of a stored
-// output are computed from.
-template <class T, int P>
-__device__ __forceinline__ void round_to(float (&v)[P]) {
-#pragma unroll
-  for (int i = 0; i < P; ++i) v[i] = to_float(from_float<T>(v[i]));
-}
-
 // P values stored as T at p with the widest accesses their bytes allow (16 or 8 bytes; p aligned
 // to them).
 template <class T, int P>
