@@ -11,6 +11,7 @@
 // against bf16.
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <random>
 #include <string>
@@ -20,10 +21,12 @@
 #include "bench/bench_util.h"
 #include "core/cuda/check.h"
 #include "core/quant.h"
+#include "model/config.h"
 #include "ops/cuda/fp8_gemm.h"
 #include "ops/fp8.h"
 #include "ops/fp8_gemm.h"
 #include "ops/grouped_gemm.h"
+#include "ops/loss.h"
 
 namespace {
 
@@ -256,6 +259,57 @@ void bench_dense(const char* name, int64_t m, int64_t in, int64_t out, Product p
          bf16_ms);
 }
 
+// The LM head's input gradient as the model runs it from the logits (Qwen3Moe::head_and_loss),
+// 16,384 tokens: bf16, the cross-entropy backward writing dlogits over the logits and cuBLAS's
+// dx = dlogits w^T; FP8, the same backward writing each slice of kHeadFp8GradientRows rows' FP8
+// rows in its kernel, each slice's dx on ops::fp8_gemm (the weight's tiles made before, once a
+// step). The rate is the product's FLOPs over the whole time, the backward's included.
+void bench_head_input_gradient(int64_t m, int64_t dim, int64_t vocab) {
+  Tensor logits = mt::bench::random_bf16({m, vocab}, 14, 2.0);
+  const Tensor w = mt::bench::random_bf16({dim, vocab}, 15, 0.05);
+  Tensor targets = Tensor::empty({m}, DType::kI32), mask = Tensor::empty({m}, DType::kU8);
+  for (int64_t i = 0; i < m; ++i) {
+    targets.set_item(i, static_cast<double>((i * 7919) % vocab));
+    mask.set_item(i, 1);
+  }
+  targets = targets.to(Device::kCUDA);
+  mask = mask.to(Device::kCUDA);
+  Tensor lse = Tensor::empty({m}, DType::kF32, Device::kCUDA);
+  Tensor scale = Tensor::empty({1}, DType::kF64);
+  scale.set_item(0, 1.0 / static_cast<double>(m));
+  scale = scale.to(Device::kCUDA);
+  mt::ops::cross_entropy_forward(logits, targets, mask, lse);
+  Tensor dx = Tensor::empty({m, dim}, DType::kBF16, Device::kCUDA);
+  const double flops = 2.0 * m * dim * vocab;
+  const std::string shape = std::to_string(m) + " rows, dim " + std::to_string(dim) +
+                            ", vocabulary " + std::to_string(vocab);
+  const auto no = mt::ops::Transpose::kNo;
+  // In place, as the model runs it: each repetition reads the last one's dlogits as its logits
+  // (finite; the kernels' work does not depend on the values).
+  const double bf16_ms = mt::bench::median_ms([&] {
+    mt::ops::cross_entropy_backward(logits, targets, mask, lse, scale, logits);
+    mt::ops::gemm(logits, no, w, mt::ops::Transpose::kYes, dx, mt::ops::Accumulate::kNo);
+  });
+  report("bf16_lm_head_backward_input_from_logits", shape, flops, bf16_ms, "none", 0);
+  const mt::ops::Fp8LinearWeight tiles = mt::ops::fp8_linear_weight(
+      w, no, mt::Fp8ScaleRule::kFp32, mt::ops::Fp8LinearUse::kInputGradient);
+  const int64_t slice = std::min(m, mt::kHeadFp8GradientRows);
+  QuantTensor q =
+      QuantTensor::empty({slice, vocab}, QuantBlock::kRow128, QuantAxis::kDim0, Device::kCUDA);
+  const double ms = mt::bench::median_ms([&] {
+    for (int64_t s0 = 0; s0 < m; s0 += slice) {
+      const int64_t s1 = std::min(m, s0 + slice);
+      Tensor rows = logits.slice_rows(s0, s1), dx_rows = dx.slice_rows(s0, s1);
+      QuantTensor qs = q.rows(0, s1 - s0);
+      const mt::ops::Fp8RowsOut fp8{&qs, mt::Fp8ScaleRule::kFp32};
+      mt::ops::cross_entropy_backward(rows, targets.view(s0, {s1 - s0}), mask.view(s0, {s1 - s0}),
+                                      lse.view(s0, {s1 - s0}), scale, rows, &fp8);
+      mt::ops::fp8_gemm(qs, tiles.input_gradient, dx_rows);
+    }
+  });
+  report("fp8_lm_head_backward_input_from_logits", shape, flops, ms, "bf16", bf16_ms);
+}
+
 }  // namespace
 
 // Usage: bench_fp8_gemm [products] [quantize] [dense]: the sections named, or all of them.
@@ -287,6 +341,7 @@ int main(int argc, char** argv) {
       bench_dense(fwd ? "lm_head_forward" : "lm_head_input_gradient", kTokens, 2048, 151936,
                   product);
     }
+    bench_head_input_gradient(kTokens, 2048, 151936);
   }
   return 0;
 }
