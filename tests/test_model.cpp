@@ -1,6 +1,8 @@
 // The model: whole-model fp64 finite-difference gradients (every parameter tensor, blocks
 // included), identical gradients under every activation checkpoint policy, FLOP counting.
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "model/config.h"
 #include "model/flops.h"
@@ -87,6 +89,61 @@ TEST(Model, GradientsMatchFiniteDifferencesChunkedLoss) {
   ModelConfig c = small_config();
   c.loss_chunk_tokens = 5;
   check_model_gradients(c);
+}
+
+// The FP8 dense recipe's LM head quantizes each row on its own (x and dlogits in 1 x 128 blocks
+// along the row; the weight's tiles made once), so its gradients cannot depend on how the rows
+// are cut: one chunk of 5096 tokens, whose backward writes dlogits' FP8 rows in two slices (4096
+// and 1000 rows, kHeadFp8GradientRows), gives every parameter the gradient that six chunks of at
+// most 1000 tokens (one slice each) give, up to the order the head's weight gradient sums in.
+TEST(Model, Fp8HeadGradientsDoNotDependOnChunksOrSlices) {
+  ModelConfig c;
+  c.vocab_size = 256;
+  c.dim = 128;
+  c.n_layers = 1;
+  c.n_heads = 1;
+  c.n_kv_heads = 1;
+  c.head_dim = 128;
+  c.n_experts = 4;
+  c.top_k = 2;
+  c.moe_dim = 32;
+  c.compute_dtype = DType::kF64;
+  c.dense_recipe = DenseRecipe::kFp8WgradWithHp;
+  const int64_t n = kHeadFp8GradientRows + 1000, doc = 256;
+  ASSERT_GT(n, kHeadFp8GradientRows);
+  Batch b;
+  b.tokens = Tensor::empty({n}, DType::kI32);
+  b.targets = Tensor::empty({n}, DType::kI32);
+  b.loss_mask = Tensor::empty({n}, DType::kU8);
+  b.positions = Tensor::empty({n}, DType::kI32);
+  const CounterRng rng{17, 5};
+  for (int64_t i = 0; i < n; ++i) {
+    b.tokens.data<int32_t>()[i] = static_cast<int32_t>(rng.below(2 * i, c.vocab_size));
+    b.targets.data<int32_t>()[i] = static_cast<int32_t>(rng.below(2 * i + 1, c.vocab_size));
+    b.loss_mask.data<uint8_t>()[i] = i % 7 != 3;
+    b.positions.data<int32_t>()[i] = static_cast<int32_t>(i % doc);
+  }
+  const int64_t docs = (n + doc - 1) / doc;
+  b.cu_seqlens = Tensor::empty({docs + 1}, DType::kI32);
+  for (int64_t d = 0; d <= docs; ++d)
+    b.cu_seqlens.data<int32_t>()[d] = static_cast<int32_t>(std::min(d * doc, n));
+  b.max_seqlen = doc;
+  std::vector<std::vector<Tensor>> grads;
+  for (const int64_t chunk : {int64_t{0}, int64_t{1000}}) {
+    c.loss_chunk_tokens = chunk;
+    Qwen3Moe model(c, 3);
+    model.zero_grad();
+    model.forward_backward(b, {1.0 / b.masked_tokens(), c.aux_loss_coef});
+    std::vector<Tensor> g;
+    for (auto& u : model.units())
+      for (auto& grp : u.groups) g.push_back(grp.grads.clone());
+    grads.push_back(std::move(g));
+  }
+  ASSERT_EQ(grads[0].size(), grads[1].size());
+  for (size_t i = 0; i < grads[0].size(); ++i) {
+    EXPECT_GT(testing::dot(grads[0][i], grads[0][i]), 0.0) << "group " << i;
+    EXPECT_LT(relative_error(grads[1][i], grads[0][i]), 1e-12) << "group " << i;
+  }
 }
 
 TEST(Model, GradientsMatchFiniteDifferencesForcedBalanced) {

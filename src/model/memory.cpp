@@ -57,14 +57,15 @@ MemoryEstimate estimate_memory(const ModelConfig& m, const ParallelConfig& p, in
                          ? params - expert_all + (expert_all + forward_tiles * experts) * copy_size
                          : params - expert_all + 2 * experts * expert_in_use;
   e.workspaces = (world > 1 ? 2 * std::max(layer, table) : all) * compute_bytes + double{1 << 30};
-  // model.dense_recipe in FP8: the LM head's weight tiles for its forward and input gradient (a
-  // byte a weight each), made beside the logits, and a slice of dlogits' FP8 rows (a byte an
-  // element and an f32 scale per 128).
+  // model.dense_recipe in FP8: beside the logits, the LM head's weight tiles for its forward and
+  // input gradient (a byte a weight each) and a slice of dlogits' FP8 rows (a byte an element and
+  // an f32 scale per 128). With one chunk the forward's tiles are dropped before the slice is
+  // made; with several, all three live through the chunks.
   if (m.dense_fp8()) {
-    const double chunk =
-        static_cast<double>(m.loss_chunk_tokens > 0 ? std::min(local, m.loss_chunk_tokens) : local);
-    const double slice = std::min(chunk, static_cast<double>(kHeadFp8GradientRows));
-    e.workspaces += 2 * table + slice * static_cast<double>(m.vocab_size) * (1.0 + 4.0 / 128);
+    const int64_t chunk = m.loss_chunk_tokens > 0 ? std::min(local, m.loss_chunk_tokens) : local;
+    const double slice = static_cast<double>(std::min(chunk, kHeadFp8GradientRows)) *
+                         static_cast<double>(m.vocab_size) * (1.0 + 4.0 / 128);
+    e.workspaces += chunk >= local ? table + std::max(table, slice) : 2 * table + slice;
   }
   // Held from forward to backward (parallel.reshard_after_forward = false): the other blocks'
   // gathered weights at the end of the forward (a sharded MX expert group: both passes' copies).

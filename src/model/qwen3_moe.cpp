@@ -462,26 +462,28 @@ void Qwen3Moe::head_and_loss(const Batch& b, const Tensor& xf, HeadGradients* gr
   Tensor logits_buffer = Tensor::empty({chunk, v}, dt, dev),
          lse_buffer = Tensor::empty({chunk}, st, dev);
   // FP8 dense recipe: the head's weight tiles for both products, from one read, once for all
-  // chunks; dlogits' FP8 rows a slice at a time (kHeadFp8GradientRows).
+  // chunks (the forward's dropped after the last chunk's forward); dlogits' FP8 rows a slice at a
+  // time (kHeadFp8GradientRows).
   const Fp8ScaleRule rule = c.expert_precision.fp8_scale;
   ops::Fp8LinearWeight w_fp8;
   QuantTensor dlogits_fp8;
-  if (c.dense_fp8()) {
+  if (c.dense_fp8())
     w_fp8 = ops::fp8_linear_weight(w_out, w_op, rule,
                                    grads ? ops::Fp8LinearUse::kBoth : ops::Fp8LinearUse::kForward);
-    if (grads)
-      dlogits_fp8 = QuantTensor::empty({std::min(chunk, kHeadFp8GradientRows), v},
-                                       QuantBlock::kRow128, QuantAxis::kDim0, dev);
-  }
   for (int64_t r0 = 0; r0 < n; r0 += chunk) {
     const int64_t rows = std::min(chunk, n - r0);
     const Tensor x = xf.slice_rows(r0, r0 + rows);
     const Tensor targets = b.targets.view(r0, {rows}), mask = b.loss_mask.view(r0, {rows});
     Tensor logits = logits_buffer.view(0, {rows, v}), lse = lse_buffer.view(0, {rows});
-    if (c.dense_fp8())
+    if (c.dense_fp8()) {
       ops::fp8_gemm(ops::fp8_rows(x, rule), w_fp8.forward, logits);
-    else
+      if (r0 + rows == n) w_fp8.forward = QuantTensor();
+      if (grads && !dlogits_fp8.defined())
+        dlogits_fp8 = QuantTensor::empty({std::min(chunk, kHeadFp8GradientRows), v},
+                                         QuantBlock::kRow128, QuantAxis::kDim0, dev);
+    } else {
       ops::gemm(x, ops::Transpose::kNo, w_out, w_op, logits, ops::Accumulate::kNo);
+    }
     Tensor token_loss = token_losses ? token_losses->view(r0, {rows}) : Tensor();
     ops::cross_entropy_forward(logits, targets, mask, lse, loss_sum,
                                token_losses ? &token_loss : nullptr);
