@@ -54,6 +54,17 @@ Batch small_batch(int64_t vocab, uint64_t seed) {
   return b;
 }
 
+// Every parameter group's gradient after one forward and backward of b (model seed 3).
+std::vector<Tensor> one_step_gradients(const ModelConfig& c, const Batch& b) {
+  Qwen3Moe model(c, 3);
+  model.zero_grad();
+  model.forward_backward(b, {1.0 / b.masked_tokens(), c.aux_loss_coef});
+  std::vector<Tensor> g;
+  for (auto& u : model.units())
+    for (auto& grp : u.groups) g.push_back(grp.grads.clone());
+  return g;
+}
+
 void check_model_gradients(const ModelConfig& c) {
   Qwen3Moe model(c, 3);
   const Batch b = small_batch(c.vocab_size, 9);
@@ -97,17 +108,13 @@ TEST(Model, GradientsMatchFiniteDifferencesChunkedLoss) {
 // and 1000 rows, kHeadFp8GradientRows), gives every parameter the gradient that six chunks of at
 // most 1000 tokens (one slice each) give, up to the order the head's weight gradient sums in.
 TEST(Model, Fp8HeadGradientsDoNotDependOnChunksOrSlices) {
-  ModelConfig c;
+  ModelConfig c = small_config();  // widths the FP8 blocks divide
   c.vocab_size = 256;
   c.dim = 128;
   c.n_layers = 1;
-  c.n_heads = 1;
-  c.n_kv_heads = 1;
+  c.n_heads = c.n_kv_heads = 1;
   c.head_dim = 128;
-  c.n_experts = 4;
-  c.top_k = 2;
-  c.moe_dim = 32;
-  c.compute_dtype = DType::kF64;
+  c.init_std = 0.02;
   c.dense_recipe = DenseRecipe::kFp8WgradWithHp;
   const int64_t n = kHeadFp8GradientRows + 1000, doc = 256;
   ASSERT_GT(n, kHeadFp8GradientRows);
@@ -131,13 +138,7 @@ TEST(Model, Fp8HeadGradientsDoNotDependOnChunksOrSlices) {
   std::vector<std::vector<Tensor>> grads;
   for (const int64_t chunk : {int64_t{0}, int64_t{1000}}) {
     c.loss_chunk_tokens = chunk;
-    Qwen3Moe model(c, 3);
-    model.zero_grad();
-    model.forward_backward(b, {1.0 / b.masked_tokens(), c.aux_loss_coef});
-    std::vector<Tensor> g;
-    for (auto& u : model.units())
-      for (auto& grp : u.groups) g.push_back(grp.grads.clone());
-    grads.push_back(std::move(g));
+    grads.push_back(one_step_gradients(c, b));
   }
   ASSERT_EQ(grads[0].size(), grads[1].size());
   for (size_t i = 0; i < grads[0].size(); ++i) {
@@ -172,14 +173,7 @@ TEST(Model, CheckpointPoliciesGiveIdenticalGradients) {
     ModelConfig c = small_config();
     c.compute_dtype = DType::kF32;
     c.checkpoint = policy;
-    Qwen3Moe model(c, 3);
-    const Batch b = small_batch(c.vocab_size, 9);
-    model.zero_grad();
-    model.forward_backward(b, {1.0 / b.masked_tokens(), c.aux_loss_coef});
-    std::vector<Tensor> g;
-    for (auto& u : model.units())
-      for (auto& grp : u.groups) g.push_back(grp.grads.clone());
-    grads.push_back(std::move(g));
+    grads.push_back(one_step_gradients(c, small_batch(c.vocab_size, 9)));
   }
   for (size_t p = 1; p < grads.size(); ++p)
     for (size_t i = 0; i < grads[0].size(); ++i) {
