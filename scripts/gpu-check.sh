@@ -37,7 +37,7 @@ grep -E "^\[ *(OK|FAILED) *\]|Failure|error|seed" "$out/gpu_tests.log" | grep -v
 "$bundle/moetrain" train --config configs/tiny.toml --set train.log_every=100 \
   --metrics "$out/tiny_gpu.jsonl" >"$out/tiny_gpu.log" 2>&1 || status=1
 tail -2 "$out/tiny_gpu.log"
-# Benchmarks: GPU_CHECK_BENCH lists which (default all but scaling; 0 for none),
+# Benchmarks: GPU_CHECK_BENCH lists which (default all but recipes and scaling; 0 for none),
 # GPU_CHECK_LAYERS the layer counts of the full-model step.
 benches=",${GPU_CHECK_BENCH:-gemm,mx,fp8,activation,optim,attention,cp,exchange,moe,model},"
 run_bench() {  # name, command...: JSON lines to bench.jsonl, failures named on stdout
@@ -84,6 +84,9 @@ if [[ $benches == *,moe,* ]]; then
 fi
 if [[ $benches == *,model,* ]]; then
   run_bench bench-model env OUT="$out" scripts/bench-model.sh "$bundle/moetrain" ${GPU_CHECK_LAYERS:-}
+fi
+if [[ $benches == *,recipes,* ]]; then  # the FP8 recipes' step against bf16's, alternating
+  run_bench bench-recipes env OUT="$out" scripts/bench-recipes.sh "$bundle/moetrain" ${GPU_CHECK_LAYERS:-}
 fi
 if [[ $benches == *,scaling,* ]]; then  # two or more GPUs: every ep of W = all GPUs
   run_bench bench-scaling env OUT="$out" scripts/bench-scaling.sh "$bundle/moetrain" "" ${GPU_CHECK_LAYERS:-}
