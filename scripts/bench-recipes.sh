@@ -3,9 +3,9 @@
 # scripts/bench-model.sh's step (configs/qwen3-30b-a3b-bench.toml, or BENCH_CONFIG) at one layer
 # count under bf16, the experts in FP8 (model.expert_recipe = "fp8_wgrad_with_hp") and the
 # experts and dense layers in FP8 (model.dense_recipe too), run in turn ROUNDS times, so that a
-# drift of the machine's clocks falls on all three. Each run's JSON line goes to $OUT/recipes.jsonl;
-# last, a table of each run's tokens/s, peak memory and final loss, and its ratio to the bf16 run
-# of its round.
+# drift of the machine's clocks falls on all three. Each run's JSON line goes to stdout and
+# $OUT/recipes.jsonl; last, on stderr, a table of each run's tokens/s, peak memory and final loss,
+# and its ratio to the bf16 run of its round.
 # Usage: scripts/bench-recipes.sh [moetrain binary] [layers]; ROUNDS (default 2), STEPS (default
 # 20), BENCH_SET (overrides added to every run), BENCH_CONFIG as scripts/bench-model.sh takes.
 set -uo pipefail
@@ -34,7 +34,8 @@ for round in $(seq "${ROUNDS:-2}"); do
       "$line" "$recipe" "$round" >>"$lines" || status=1
   done
 done
-python3 - "$lines" <<'PY'
+# The table on stderr: stdout stays JSON lines (scripts/gpu-check.sh collects them).
+python3 - "$lines" >&2 <<'PY'
 import json, sys
 rows = [json.loads(l) for l in open(sys.argv[1])]
 base = {r["round"]: r for r in rows if r["recipe"] == "bf16" and "error" not in r}
