@@ -22,6 +22,7 @@
 #include "core/cuda/check.h"
 #include "core/quant.h"
 #include "model/config.h"
+#include "model/qwen3_moe.h"
 #include "ops/cuda/fp8_gemm.h"
 #include "ops/fp8.h"
 #include "ops/fp8_gemm.h"
@@ -261,9 +262,10 @@ void bench_dense(const char* name, int64_t m, int64_t in, int64_t out, Product p
 
 // The LM head's input gradient as the model runs it from the logits (Qwen3Moe::head_and_loss),
 // 16,384 tokens: bf16, the cross-entropy backward writing dlogits over the logits and cuBLAS's
-// dx = dlogits w^T; FP8, the same backward writing each slice of kHeadFp8GradientRows rows' FP8
-// rows in its kernel, each slice's dx on ops::fp8_gemm (the weight's tiles made before, once a
-// step). The rate is the product's FLOPs over the whole time, the backward's included.
+// dx = dlogits w^T; FP8, the model's own mt::fp8_head_backward_input (the same backward writing
+// each slice of kHeadFp8GradientRows rows' FP8 rows in its kernel, each slice's dx on
+// ops::fp8_gemm; the weight's tiles made before, once a step). The rate is the product's FLOPs over
+// the whole time, the backward's included.
 void bench_head_input_gradient(int64_t m, int64_t dim, int64_t vocab) {
   Tensor logits = mt::bench::random_bf16({m, vocab}, 14, 2.0);
   const Tensor w = mt::bench::random_bf16({dim, vocab}, 15, 0.05);
@@ -297,15 +299,8 @@ void bench_head_input_gradient(int64_t m, int64_t dim, int64_t vocab) {
   QuantTensor q =
       QuantTensor::empty({slice, vocab}, QuantBlock::kRow128, QuantAxis::kDim0, Device::kCUDA);
   const double ms = mt::bench::median_ms([&] {
-    for (int64_t s0 = 0; s0 < m; s0 += slice) {
-      const int64_t s1 = std::min(m, s0 + slice);
-      Tensor rows = logits.slice_rows(s0, s1), dx_rows = dx.slice_rows(s0, s1);
-      QuantTensor qs = q.rows(0, s1 - s0);
-      const mt::ops::Fp8RowsOut fp8{&qs, mt::Fp8ScaleRule::kFp32};
-      mt::ops::cross_entropy_backward(rows, targets.view(s0, {s1 - s0}), mask.view(s0, {s1 - s0}),
-                                      lse.view(s0, {s1 - s0}), scale, rows, &fp8);
-      mt::ops::fp8_gemm(qs, tiles.input_gradient, dx_rows);
-    }
+    mt::fp8_head_backward_input(logits, targets, mask, lse, scale, tiles.input_gradient,
+                                mt::Fp8ScaleRule::kFp32, q, dx);
   });
   report("fp8_lm_head_backward_input_from_logits", shape, flops, ms, "bf16", bf16_ms);
 }

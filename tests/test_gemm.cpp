@@ -60,7 +60,8 @@ TEST(Linear, Gradients) {
 }
 
 // The weight gradient alone adds x^T dy, or for a weight stored (out, in) and used transposed (a
-// tied LM head's table) its transpose dy^T x, to what dw held.
+// tied LM head's table) its transpose dy^T x, to what dw held; the pair with a transposed weight
+// gives the input gradient dy w of the stored (out, in) w.
 TEST(Linear, WeightGradientAloneInEitherStoredOrientation) {
   const Tensor x = randn({4, 6}, 1), g = randn({4, 5}, 3), w = randn({6, 5}, 2);
   Tensor want = w.clone(), want_t = Tensor::empty({5, 6}, DType::kF64);
@@ -75,7 +76,16 @@ TEST(Linear, WeightGradientAloneInEitherStoredOrientation) {
   ops::linear_backward_weight(x, g, dw_t, ops::Transpose::kYes);
   EXPECT_LT(relative_error(dw, want), 1e-14);
   EXPECT_LT(relative_error(dw_t, want_t), 1e-14);
-  EXPECT_GT(relative_error(want, w), 1e-3);  // the gradient added something
+  EXPECT_GT(relative_error(want, w), 1e-3);        // the gradient added something
+  Tensor wt = Tensor::empty({5, 6}, DType::kF64);  // w stored (out, in)
+  for (int64_t j = 0; j < 5; ++j)
+    for (int64_t i = 0; i < 6; ++i) wt.set_item(j * 6 + i, w.item(i * 5 + j));
+  Tensor dx_t = like(x), dw_pair = Tensor::zeros({5, 6}, DType::kF64),
+         want_dw = Tensor::zeros({5, 6}, DType::kF64);
+  ops::linear_backward_weight(x, g, want_dw, ops::Transpose::kYes);
+  ops::linear_backward(x, wt, g, dx_t, dw_pair, ops::Accumulate::kNo, ops::Transpose::kYes);
+  EXPECT_LT(relative_error(dx_t, dx), 1e-14);  // dy (w^T)^T = dy w^T of the (in, out) weight
+  EXPECT_LT(relative_error(dw_pair, want_dw), 1e-14);
 }
 
 TEST(Linear, ResidualInTheEpilogueEqualsTheSum) {

@@ -448,6 +448,21 @@ MicroBatchLosses Qwen3Moe::collect() {
   return out;
 }
 
+void fp8_head_backward_input(Tensor& logits, const Tensor& targets, const Tensor& mask,
+                             const Tensor& lse, const Tensor& ce_scale, const QuantTensor& w_tiles,
+                             Fp8ScaleRule rule, QuantTensor& slice, Tensor& dx) {
+  const int64_t rows = logits.dim(0);
+  for (int64_t s0 = 0; s0 < rows; s0 += kHeadFp8GradientRows) {
+    const int64_t s1 = std::min(rows, s0 + kHeadFp8GradientRows), k = s1 - s0;
+    Tensor dlogits = logits.slice_rows(s0, s1), dx_rows = dx.slice_rows(s0, s1);
+    QuantTensor q = slice.rows(0, k);
+    const ops::Fp8RowsOut fp8{&q, rule};
+    ops::cross_entropy_backward(dlogits, targets.view(s0, {k}), mask.view(s0, {k}),
+                                lse.view(s0, {k}), ce_scale, dlogits, &fp8);
+    ops::fp8_gemm(q, w_tiles, dx_rows);
+  }
+}
+
 void Qwen3Moe::head_and_loss(const Batch& b, const Tensor& xf, HeadGradients* grads,
                              Tensor& loss_sum, Tensor* token_losses) {
   const ModelConfig& c = cfg_;
@@ -491,25 +506,12 @@ void Qwen3Moe::head_and_loss(const Batch& b, const Tensor& xf, HeadGradients* gr
     Tensor& dlogits = logits;  // written over the logits
     Tensor dx = grads->dxf->slice_rows(r0, r0 + rows);
     if (c.dense_fp8()) {
-      for (int64_t s0 = 0; s0 < rows; s0 += kHeadFp8GradientRows) {
-        const int64_t s1 = std::min(rows, s0 + kHeadFp8GradientRows);
-        Tensor slice = dlogits.slice_rows(s0, s1), dx_slice = dx.slice_rows(s0, s1);
-        QuantTensor q = dlogits_fp8.rows(0, s1 - s0);
-        const ops::Fp8RowsOut fp8{&q, rule};
-        ops::cross_entropy_backward(slice, targets.view(s0, {s1 - s0}), mask.view(s0, {s1 - s0}),
-                                    lse.view(s0, {s1 - s0}), *grads->ce_scale, slice, &fp8);
-        ops::fp8_gemm(q, w_fp8.input_gradient, dx_slice);
-      }
+      fp8_head_backward_input(dlogits, targets, mask, lse, *grads->ce_scale, w_fp8.input_gradient,
+                              rule, dlogits_fp8, dx);
       ops::linear_backward_weight(x, dlogits, grads->dw, w_op);
     } else {
       ops::cross_entropy_backward(logits, targets, mask, lse, *grads->ce_scale, dlogits);
-      if (tied) {  // w_out is the embedding table (V, D)
-        ops::gemm(dlogits, ops::Transpose::kNo, w_out, ops::Transpose::kNo, dx,
-                  ops::Accumulate::kNo);
-        ops::linear_backward_weight(x, dlogits, grads->dw, ops::Transpose::kYes);
-      } else {
-        ops::linear_backward(x, w_out, dlogits, dx, grads->dw);
-      }
+      ops::linear_backward(x, w_out, dlogits, dx, grads->dw, ops::Accumulate::kNo, w_op);
     }
   }
 }

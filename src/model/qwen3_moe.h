@@ -11,6 +11,7 @@
 #include <utility>
 #include <vector>
 
+#include "core/quant.h"
 #include "dist/mesh.h"
 #include "fsdp/params.h"
 #include "model/batch.h"
@@ -20,6 +21,15 @@
 #include "model/precision.h"
 
 namespace mt {
+
+// The LM head's input gradient under the FP8 dense recipe (Qwen3Moe::head_and_loss; also what
+// bench_fp8_gemm times): the cross-entropy backward writes dlogits over `logits` (rows, V) and,
+// kHeadFp8GradientRows rows at a time, their FP8 rows into `slice` (kRow128 along dim0, at least
+// min(rows, kHeadFp8GradientRows) rows of V), each slice's dx (rows, D) = dlogits w^T taken on
+// ops::fp8_gemm from w's input-gradient tiles before the next slice is written.
+void fp8_head_backward_input(Tensor& logits, const Tensor& targets, const Tensor& mask,
+                             const Tensor& lse, const Tensor& ce_scale, const QuantTensor& w_tiles,
+                             Fp8ScaleRule rule, QuantTensor& slice, Tensor& dx);
 
 // How one micro-batch's losses enter the step's objective:
 //   total = sum_micro (ce_sum * ce_scale + aux_scale * sum_layers aux).

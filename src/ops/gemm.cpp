@@ -86,12 +86,13 @@ void linear_forward_residual(const Tensor& x, const Tensor& w, const Tensor& res
 }
 
 void linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor& dx, Tensor& dw,
-                     Accumulate dx_accumulate) {
+                     Accumulate dx_accumulate, Transpose tw) {
   {
     const profile::Phase phase("linear_backward.dx");
-    gemm(dy, Transpose::kNo, w, Transpose::kYes, dx, dx_accumulate);
+    gemm(dy, Transpose::kNo, w, tw == Transpose::kYes ? Transpose::kNo : Transpose::kYes, dx,
+         dx_accumulate);
   }
-  linear_backward_weight(x, dy, dw);
+  linear_backward_weight(x, dy, dw, tw);
 }
 
 void linear_backward_weight(const Tensor& x, const Tensor& dy, Tensor& dw, Transpose tw) {

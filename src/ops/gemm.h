@@ -16,9 +16,10 @@ void linear_forward(const Tensor& x, const Tensor& w, Tensor& y);
 // as C and writes D = y): no separate pass over the sum. residual and y (N, out), distinct.
 void linear_forward_residual(const Tensor& x, const Tensor& w, const Tensor& residual, Tensor& y);
 // dx = dy w^T (added to dx with dx_accumulate = kYes: several projections of one input sum their
-// input gradients inside the GEMM); dw += x^T dy.
+// input gradients inside the GEMM); dw += x^T dy. With tw = kYes, w is stored (out, in) and used
+// transposed (a tied LM head's embedding table): dx = dy w, dw += dy^T x.
 void linear_backward(const Tensor& x, const Tensor& w, const Tensor& dy, Tensor& dx, Tensor& dw,
-                     Accumulate dx_accumulate = Accumulate::kNo);
+                     Accumulate dx_accumulate = Accumulate::kNo, Transpose tw = Transpose::kNo);
 // dw += x^T dy alone (linear_backward's second product, beside an input gradient made elsewhere);
 // with tw = kYes the weight is stored (out, in) and used transposed (a tied LM head's embedding
 // table): dw += dy^T x.
