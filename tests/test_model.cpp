@@ -2,6 +2,7 @@
 // included), identical gradients under every activation checkpoint policy, FLOP counting.
 #include <algorithm>
 #include <cmath>
+#include <functional>
 #include <vector>
 
 #include "model/config.h"
@@ -31,27 +32,37 @@ ModelConfig small_config() {
   return c;
 }
 
-// Two rows of 6 tokens; row 0 holds documents of 4 and 2 tokens; one target masked.
-Batch small_batch(int64_t vocab, uint64_t seed) {
-  const int64_t n = 12;
+// Documents of the given lengths one after another (targets and tokens drawn from seed), each
+// token's target in the loss unless masked(i).
+Batch documents_batch(int64_t vocab, uint64_t seed, const std::vector<int64_t>& docs,
+                      const std::function<bool(int64_t)>& masked) {
+  int64_t n = 0, longest = 0;
+  for (const int64_t d : docs) n += d, longest = std::max(longest, d);
   Batch b;
   b.tokens = Tensor::empty({n}, DType::kI32);
   b.targets = Tensor::empty({n}, DType::kI32);
   b.loss_mask = Tensor::empty({n}, DType::kU8);
   b.positions = Tensor::empty({n}, DType::kI32);
+  b.cu_seqlens = Tensor::empty({static_cast<int64_t>(docs.size()) + 1}, DType::kI32);
   const CounterRng rng{seed, 5};
-  const int32_t pos[n] = {0, 1, 2, 3, 0, 1, 0, 1, 2, 3, 4, 5};
-  for (int64_t i = 0; i < n; ++i) {
-    b.tokens.data<int32_t>()[i] = static_cast<int32_t>(rng.below(2 * i, vocab));
-    b.targets.data<int32_t>()[i] = static_cast<int32_t>(rng.below(2 * i + 1, vocab));
-    b.loss_mask.data<uint8_t>()[i] = i != 3;
-    b.positions.data<int32_t>()[i] = pos[i];
+  int64_t i = 0;
+  b.cu_seqlens.data<int32_t>()[0] = 0;
+  for (size_t d = 0; d < docs.size(); ++d) {
+    for (int64_t pos = 0; pos < docs[d]; ++pos, ++i) {
+      b.tokens.data<int32_t>()[i] = static_cast<int32_t>(rng.below(2 * i, vocab));
+      b.targets.data<int32_t>()[i] = static_cast<int32_t>(rng.below(2 * i + 1, vocab));
+      b.loss_mask.data<uint8_t>()[i] = !masked(i);
+      b.positions.data<int32_t>()[i] = static_cast<int32_t>(pos);
+    }
+    b.cu_seqlens.data<int32_t>()[d + 1] = static_cast<int32_t>(i);
   }
-  b.cu_seqlens = Tensor::empty({4}, DType::kI32);
-  const int32_t cu[4] = {0, 4, 6, 12};
-  std::copy(cu, cu + 4, b.cu_seqlens.data<int32_t>());
-  b.max_seqlen = 6;
+  b.max_seqlen = longest;
   return b;
+}
+
+// Two rows of 6 tokens; row 0 holds documents of 4 and 2 tokens; one target masked.
+Batch small_batch(int64_t vocab, uint64_t seed) {
+  return documents_batch(vocab, seed, {4, 2, 6}, [](int64_t i) { return i == 3; });
 }
 
 // Every parameter group's gradient after one forward and backward of b (model seed 3).
@@ -118,23 +129,9 @@ TEST(Model, Fp8HeadGradientsDoNotDependOnChunksOrSlices) {
   c.dense_recipe = DenseRecipe::kFp8WgradWithHp;
   const int64_t n = kHeadFp8GradientRows + 1000, doc = 256;
   ASSERT_GT(n, kHeadFp8GradientRows);
-  Batch b;
-  b.tokens = Tensor::empty({n}, DType::kI32);
-  b.targets = Tensor::empty({n}, DType::kI32);
-  b.loss_mask = Tensor::empty({n}, DType::kU8);
-  b.positions = Tensor::empty({n}, DType::kI32);
-  const CounterRng rng{17, 5};
-  for (int64_t i = 0; i < n; ++i) {
-    b.tokens.data<int32_t>()[i] = static_cast<int32_t>(rng.below(2 * i, c.vocab_size));
-    b.targets.data<int32_t>()[i] = static_cast<int32_t>(rng.below(2 * i + 1, c.vocab_size));
-    b.loss_mask.data<uint8_t>()[i] = i % 7 != 3;
-    b.positions.data<int32_t>()[i] = static_cast<int32_t>(i % doc);
-  }
-  const int64_t docs = (n + doc - 1) / doc;
-  b.cu_seqlens = Tensor::empty({docs + 1}, DType::kI32);
-  for (int64_t d = 0; d <= docs; ++d)
-    b.cu_seqlens.data<int32_t>()[d] = static_cast<int32_t>(std::min(d * doc, n));
-  b.max_seqlen = doc;
+  std::vector<int64_t> docs(n / doc, doc);
+  if (n % doc != 0) docs.push_back(n % doc);
+  const Batch b = documents_batch(c.vocab_size, 17, docs, [](int64_t i) { return i % 7 == 3; });
   std::vector<std::vector<Tensor>> grads;
   for (const int64_t chunk : {int64_t{0}, int64_t{1000}}) {
     c.loss_chunk_tokens = chunk;

@@ -466,13 +466,12 @@ void fp8_head_backward_input(Tensor& logits, const Tensor& targets, const Tensor
 void Qwen3Moe::head_and_loss(const Batch& b, const Tensor& xf, HeadGradients* grads,
                              Tensor& loss_sum, Tensor* token_losses) {
   const ModelConfig& c = cfg_;
-  const bool tied = c.tie_word_embeddings;
   const int64_t n = xf.dim(0), v = c.vocab_size;
   const int64_t chunk = c.loss_chunk_tokens > 0 ? std::min(c.loss_chunk_tokens, n) : n;
   const DType dt = xf.dtype(), st = c.stat_dtype();
   const Device dev = xf.device();
   const Tensor w_out = head_weight();
-  const ops::Transpose w_op = tied ? ops::Transpose::kYes : ops::Transpose::kNo;
+  const ops::Transpose w_op = c.tie_word_embeddings ? ops::Transpose::kYes : ops::Transpose::kNo;
   // One (chunk, V) buffer: the backward writes dlogits over the logits.
   Tensor logits_buffer = Tensor::empty({chunk, v}, dt, dev),
          lse_buffer = Tensor::empty({chunk}, st, dev);
